@@ -1,0 +1,1 @@
+"""sharp.exporter — filled by its own issue (see README layout)."""

@@ -1,0 +1,90 @@
+"""`attend`: the one entry point for attention with any sharp normalizer and any implementation.
+
+impl="reference" materialises the (B, Hq, Lq, Lk) logits and is differentiable (the training path);
+impl="streamed" runs SPEC §3's blockwise algorithms with O(Lq·block) extra memory (forward only);
+further implementations (GPU kernels) plug in through the `sharp.attention_impls` entry-point group, so
+this layer never imports the layers above it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+
+import torch
+from torch import Tensor
+
+from sharp.models.normalizers import PAPER_POLY, Param, entropy, normalize
+from sharp.models.problem import AttentionProblem, build_problem
+from sharp.models.streamed import streamed_attention
+
+ImplFn = Callable[..., tuple[Tensor, Tensor]]
+IMPLS: tuple[str, ...] = ("reference", "streamed", "triton")
+
+
+def _reference(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
+    p = problem
+    z = p.logits(0, p.lq, 0, p.lk)
+    probs = normalize(
+        z, p.norm, alpha=p.alpha, ssa_n=p.ssa_n, ssa_b=p.ssa_b, ssmax_s=p.ssmax_s, poly=p.poly
+    )
+    return torch.matmul(probs, p.values(0, p.lk)), entropy(probs)
+
+
+def _streamed(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
+    if torch.is_grad_enabled() and any(
+        t.requires_grad for t in (problem.q, problem.k, problem.v) if isinstance(t, Tensor)
+    ):
+        raise ValueError("impl='streamed' is forward-only (inference); train with impl='reference'")
+    return streamed_attention(problem, block_size)
+
+
+def _plugin(name: str) -> ImplFn:
+    """Load an implementation registered by a higher layer (e.g. sharp.plugins.triton) by entry point."""
+    found = [ep for ep in entry_points(group="sharp.attention_impls") if ep.name == name]
+    if not found:
+        raise ValueError(f"impl={name!r} is not installed here (pip install 'sharp-attention[kernels]')")
+    return found[0].load()
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    norm: str = "softmax",
+    causal: bool = False,
+    scale: float | None = None,
+    alpha: Param = 1.5,
+    ssa_n: Param = 1.5,
+    ssa_b: Param = 1.0,
+    ssmax_s: Param = 1.0,
+    poly: tuple[float, ...] | Tensor = PAPER_POLY,
+    query_scale: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    impl: str = "reference",
+    block_size: int = 128,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention O = P V with P = norm(logits), SPEC §2–§3.
+
+    q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D), Hq % Hkv == 0 (GQA). With Lq ≤ Lk, query i sits at position
+    Lk − Lq + i. Parameters are floats or per-head (Hq,) tensors. `query_scale` (B, Hq, Lq) multiplies the
+    final logits (ASEntmax's λ; norm="asentmax" requires it); `alibi_slopes` (Hq,) adds slope·(j − i).
+    Returns the output (B, Hq, Lq, D) in q's dtype, and with `return_entropy` the entropy (B, Hq, Lq) in
+    nats of each attention row, in the compute dtype (fp32 for half inputs).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
+    problem = build_problem(
+        q, k, v, norm=norm, causal=causal, scale=scale, alpha=alpha, ssa_n=ssa_n, ssa_b=ssa_b,
+        ssmax_s=ssmax_s, poly=poly, query_scale=query_scale, alibi_slopes=alibi_slopes,
+    )
+    if problem.lk == 0:
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        ent = torch.zeros(q.shape[:3], dtype=problem.dtype, device=q.device)
+    else:
+        run: ImplFn = {"reference": _reference, "streamed": _streamed}.get(impl) or _plugin(impl)
+        out, ent = run(problem, block_size)
+    out = out.to(q.dtype)
+    return (out, ent) if return_entropy else out

@@ -1,0 +1,174 @@
+"""One validated attention problem: shapes, positions, per-head parameters and the logits of any tile.
+
+Every implementation of `attend` (reference, streamed, kernels) starts from this, so masking, causal
+alignment (query i sits at key position Lk − Lq + i), GQA, ALiBi and ASEntmax's λ mean the same everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sharp.models.normalizers import NORMS, Param, compute_dtype
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """Inputs of one `attend` call, checked, with per-head parameters as (1, Hq, 1, 1) tensors (or floats)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    norm: str
+    causal: bool
+    scale: float
+    alpha: Param
+    ssa_n: Param
+    ssa_b: Param
+    ssmax_s: Param
+    poly: tuple[float, ...]
+    query_scale: Tensor | None
+    alibi_slopes: Tensor | None
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def lq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def lk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the math runs in (fp32 for half inputs)."""
+        return compute_dtype(self.q.dtype)
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[1] // self.k.shape[1]
+
+    def query_positions(self, start: int = 0, stop: int | None = None) -> Tensor:
+        """Absolute positions of queries [start, stop): the KV cache holds the Lk − Lq earlier tokens."""
+        stop = self.lq if stop is None else stop
+        return torch.arange(start, stop, device=self.q.device) + (self.lk - self.lq)
+
+    def visible_keys(self, qpos: Tensor) -> Tensor:
+        """Number of keys each query sees (its ssmax n), as a float column (…, Lq_chunk, 1)."""
+        n = qpos + 1 if self.causal else torch.full_like(qpos, self.lk)
+        return n.to(self.dtype).view(1, 1, -1, 1)
+
+    def expand_kv(self, t: Tensor) -> Tensor:
+        """GQA: query head h reads KV head h // (Hq / Hkv)."""
+        return t if self.group == 1 else t.repeat_interleave(self.group, dim=1)
+
+    def logits(self, q_start: int, q_stop: int, k_start: int, k_stop: int) -> Tensor:
+        """Final logits z (B, Hq, q rows, k cols) in the compute dtype: scale·q·k, + ALiBi, × λ, causal −inf."""
+        dt = self.dtype
+        qb = self.q[:, :, q_start:q_stop].to(dt)
+        kb = self.expand_kv(self.k[:, :, k_start:k_stop].to(dt))
+        z = torch.matmul(qb, kb.transpose(-1, -2)) * self.scale
+        qpos = self.query_positions(q_start, q_stop)
+        kpos = torch.arange(k_start, k_stop, device=z.device)
+        if self.alibi_slopes is not None:
+            rel = (kpos.view(1, -1) - qpos.view(-1, 1)).to(dt)
+            z = z + self.alibi_slopes.to(dt).view(1, -1, 1, 1) * rel
+        if self.query_scale is not None:
+            z = z * self.query_scale[:, :, q_start:q_stop, None].to(dt)
+        if self.causal:
+            z = z.masked_fill(kpos.view(1, -1) > qpos.view(-1, 1), _NEG_INF)
+        return z
+
+    def values(self, k_start: int, k_stop: int) -> Tensor:
+        return self.expand_kv(self.v[:, :, k_start:k_stop].to(self.dtype))
+
+
+def _head_param(name: str, value: Param, heads: int, like: Tensor) -> Param:
+    """A float stays a float (exact fast paths); a tensor must be a scalar or per head (Hq,)."""
+    if not isinstance(value, Tensor):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+        return value
+    if value.numel() == 1:
+        return value.reshape(1, 1, 1, 1).to(compute_dtype(like.dtype))
+    if value.shape != (heads,):
+        raise ValueError(f"{name} must be a float, a scalar tensor or shape ({heads},), got {tuple(value.shape)}")
+    return value.reshape(1, heads, 1, 1).to(compute_dtype(like.dtype))
+
+
+def build_problem(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    norm: str,
+    causal: bool,
+    scale: float | None,
+    alpha: Param,
+    ssa_n: Param,
+    ssa_b: Param,
+    ssmax_s: Param,
+    poly: tuple[float, ...] | Tensor,
+    query_scale: Tensor | None,
+    alibi_slopes: Tensor | None,
+) -> AttentionProblem:
+    """Check shapes and values; errors say what was found and what is allowed."""
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; valid: {', '.join(NORMS)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be (B, H, L, D), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    b, hq, lq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[-1]}")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"k and v must share (Hkv, Lk), got {tuple(k.shape[1:3])} and {tuple(v.shape[1:3])}")
+    hkv = k.shape[1]
+    if hq % hkv != 0:
+        raise ValueError(f"GQA needs Hq % Hkv == 0, got Hq={hq}, Hkv={hkv}")
+    if causal and lq > k.shape[2]:
+        raise ValueError(f"causal attention needs Lq <= Lk, got Lq={lq}, Lk={k.shape[2]}")
+    if norm == "asentmax" and query_scale is None:
+        raise ValueError("norm='asentmax' needs query_scale (B, Hq, Lq): ASEntmax's per-query scale λ")
+    if query_scale is not None and tuple(query_scale.shape) != (b, hq, lq):
+        raise ValueError(f"query_scale must be (B, Hq, Lq) = {(b, hq, lq)}, got {tuple(query_scale.shape)}")
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) != (hq,):
+        raise ValueError(f"alibi_slopes must be ({hq},), got {tuple(alibi_slopes.shape)}")
+    alpha_p = _head_param("alpha", alpha, hq, q)
+    if norm in ("entmax", "asentmax"):
+        low = alpha_p if isinstance(alpha_p, float) else float(alpha_p.detach().min())
+        if low < 1.0:
+            raise ValueError(f"entmax needs alpha >= 1, got {low}")
+    poly_t = tuple(float(c) for c in (poly.tolist() if isinstance(poly, Tensor) else poly))
+    return AttentionProblem(
+        q=q,
+        k=k,
+        v=v,
+        norm=norm,
+        causal=causal,
+        scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
+        alpha=alpha_p,
+        ssa_n=_head_param("ssa_n", ssa_n, hq, q),
+        ssa_b=_head_param("ssa_b", ssa_b, hq, q),
+        ssmax_s=_head_param("ssmax_s", ssmax_s, hq, q),
+        poly=poly_t,
+        query_scale=query_scale,
+        alibi_slopes=alibi_slopes,
+    )

@@ -1,0 +1,1 @@
+"""sharp.plugins — filled by its own issue (see README layout)."""

@@ -1,0 +1,1 @@
+"""sharp.serving — filled by its own issue (see README layout)."""
