@@ -20,6 +20,7 @@ test: $(BIN)/python
 
 lint: $(BIN)/python
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 demo: $(BIN)/python
 	$(BIN)/python -m sharp.demo

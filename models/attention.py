@@ -25,9 +25,7 @@ IMPLS: tuple[str, ...] = ("reference", "streamed", "triton")
 def _reference(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
     p = problem
     z = p.logits(0, p.lq, 0, p.lk)
-    probs = normalize(
-        z, p.norm, alpha=p.alpha, ssa_n=p.ssa_n, ssa_b=p.ssa_b, ssmax_s=p.ssmax_s, poly=p.poly
-    )
+    probs = normalize(z, p.norm, alpha=p.alpha, ssa_n=p.ssa_n, ssa_b=p.ssa_b, ssmax_s=p.ssmax_s, poly=p.poly)
     return torch.matmul(probs, p.values(0, p.lk)), entropy(probs)
 
 
@@ -77,8 +75,19 @@ def attend(
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
     problem = build_problem(
-        q, k, v, norm=norm, causal=causal, scale=scale, alpha=alpha, ssa_n=ssa_n, ssa_b=ssa_b,
-        ssmax_s=ssmax_s, poly=poly, query_scale=query_scale, alibi_slopes=alibi_slopes,
+        q,
+        k,
+        v,
+        norm=norm,
+        causal=causal,
+        scale=scale,
+        alpha=alpha,
+        ssa_n=ssa_n,
+        ssa_b=ssa_b,
+        ssmax_s=ssmax_s,
+        poly=poly,
+        query_scale=query_scale,
+        alibi_slopes=alibi_slopes,
     )
     if problem.lk == 0:
         out = q.new_zeros(*q.shape[:3], v.shape[-1])

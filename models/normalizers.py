@@ -35,9 +35,14 @@ def _as_param(value: Param, like: Tensor) -> Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device)
 
 
-def _masked_logits(x: Tensor, t: Tensor) -> Tensor:
-    """Keep masked (-inf) positions at -inf after a transform (0 · -inf would otherwise be NaN)."""
-    return torch.where(x == _NEG_INF, _NEG_INF, t)
+def transform_visible(x: Tensor, fn) -> Tensor:
+    """Apply a logit transform to the unmasked entries; masked (-inf) stay -inf.
+
+    The transform sees 0 at masked places: it must never see -inf, or its discarded branch would turn the
+    gradient of its parameters into 0 · ∞ = NaN (and 0 · -inf forward when ssmax's factor log 1 is 0).
+    """
+    masked = x == _NEG_INF
+    return torch.where(masked, _NEG_INF, fn(torch.where(masked, 0.0, x)))
 
 
 def _softmax_fp(x: Tensor, dim: int) -> Tensor:
@@ -82,7 +87,8 @@ def adaptive_softmax(
     """Adaptive-temperature softmax (Veličković et al.): softmax(β(H) x) with H the entropy of softmax(x)."""
     xf = x.to(compute_dtype(x.dtype))
     h = entropy(_softmax_fp(xf, dim), dim=dim).unsqueeze(dim)
-    return _softmax_fp(xf * adaptive_beta(h, poly, threshold), dim).to(x.dtype)
+    beta = adaptive_beta(h, poly, threshold)
+    return _softmax_fp(transform_visible(xf, lambda t: beta * t), dim).to(x.dtype)
 
 
 def visible_count(x: Tensor, dim: int = -1) -> Tensor:
@@ -95,7 +101,7 @@ def ssmax(x: Tensor, s: Param = 1.0, dim: int = -1, length: int | Tensor | None 
     xf = x.to(compute_dtype(x.dtype))
     n = visible_count(xf, dim) if length is None else torch.as_tensor(length, device=x.device)
     factor = _as_param(s, xf) * torch.log(n.to(xf.dtype).clamp_min(1.0))
-    return _softmax_fp(_masked_logits(xf, factor * xf), dim).to(x.dtype)
+    return _softmax_fp(transform_visible(xf, lambda t: factor * t), dim).to(x.dtype)
 
 
 def ssa_logits(x: Tensor, n: Param = 1.5, b: Param = 1.0) -> Tensor:
@@ -113,7 +119,7 @@ def ssa_logits(x: Tensor, n: Param = 1.5, b: Param = 1.0) -> Tensor:
 def ssa(x: Tensor, n: Param = 1.5, b: Param = 1.0, dim: int = -1) -> Tensor:
     """Scaled signed averaging: p ∝ (1 + b|z|)^{sgn(z)·n}, computed as softmax(sgn(z) n log1p(b|z|))."""
     xf = x.to(compute_dtype(x.dtype))
-    return _softmax_fp(_masked_logits(xf, ssa_logits(xf, n, b)), dim).to(x.dtype)
+    return _softmax_fp(transform_visible(xf, lambda t: ssa_logits(t, n, b)), dim).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- entmax

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from sharp.models.normalizers import adaptive_beta, ssa_logits
+from sharp.models.normalizers import adaptive_beta, ssa_logits, transform_visible
 from sharp.models.problem import AttentionProblem
 
 QUERY_CHUNK = 1024
@@ -56,9 +56,7 @@ class _Chunk:
     def __post_init__(self) -> None:
         self.qpos = self.problem.query_positions(self.start, self.stop)
         last_visible = int(self.qpos[-1]) + 1 if self.problem.causal else self.problem.lk
-        self.blocks = [
-            (ks, min(ks + self.block_size, last_visible)) for ks in range(0, last_visible, self.block_size)
-        ]
+        self.blocks = [(ks, min(ks + self.block_size, last_visible)) for ks in range(0, last_visible, self.block_size)]
 
     def tiles(self, skip: Callable[[int], bool] | None = None) -> Iterator[tuple[int, int, int, Tensor]]:
         """Yield (block index, key start, key stop, logits) for each block not skipped."""
@@ -77,9 +75,9 @@ def _online_softmax(
     m = torch.full(rows, _NEG_INF, dtype=p.dtype, device=p.q.device)
     lam = torch.zeros(rows, dtype=p.dtype, device=p.q.device)
     kk = torch.zeros_like(lam)
-    acc = torch.zeros(rows[:3] + (p.v.shape[-1],), dtype=p.dtype, device=p.q.device) if with_values else None
+    acc = torch.zeros((*rows[:3], p.v.shape[-1]), dtype=p.dtype, device=p.q.device) if with_values else None
     for _, ks, ke, z in chunk.tiles():
-        t = torch.where(z == _NEG_INF, _NEG_INF, transform(z))
+        t = transform_visible(z, transform)
         m_new = torch.maximum(m, t.amax(dim=-1, keepdim=True))
         m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
         r = torch.exp(m - m_safe)
@@ -132,7 +130,7 @@ def refine_threshold(
     lo = torch.where(f > 0, tau, lo)
     hi = torch.where(f > 0, hi, tau)
     fp = -inv * s1
-    if isinstance(inv, float) and inv >= 2.0 or isinstance(inv, Tensor) and bool((inv >= 2.0).all()):
+    if (isinstance(inv, float) and inv >= 2.0) or (isinstance(inv, Tensor) and bool((inv >= 2.0).all())):
         fpp = inv * (inv - 1.0) * s2
         step = 2.0 * f * fp / (2.0 * fp * fp - f * fpp)
     else:
@@ -171,7 +169,7 @@ def _entmax(chunk: _Chunk, stats: StreamStats, max_passes: int) -> tuple[Tensor,
         s = torch.zeros_like(tau)
         s1 = torch.zeros_like(tau)
         s2 = torch.zeros_like(tau)
-        for _, _, _, z in chunk.tiles(skip=lambda i: bool((rel_block_max[i] <= lo).all())):
+        for _, _, _, z in chunk.tiles(skip=lambda i, lo=lo: bool((rel_block_max[i] <= lo).all())):
             d = torch.clamp(am1 * z - shift - tau, min=0.0)
             live = d > 0
             dl = torch.where(live, d, 1.0)
@@ -189,7 +187,7 @@ def _entmax(chunk: _Chunk, stats: StreamStats, max_passes: int) -> tuple[Tensor,
     rows = tau.shape
     zsum = torch.zeros(rows, dtype=p.dtype, device=p.q.device)
     plogp = torch.zeros_like(zsum)
-    acc = torch.zeros(rows[:3] + (p.v.shape[-1],), dtype=p.dtype, device=p.q.device)
+    acc = torch.zeros((*rows[:3], p.v.shape[-1]), dtype=p.dtype, device=p.q.device)
     for _, ks, ke, z in chunk.tiles(skip=lambda i: bool((rel_block_max[i] <= tau).all())):
         w = torch.clamp(am1 * z - shift - tau, min=0.0).pow(inv)
         zsum = zsum + w.sum(dim=-1, keepdim=True)
@@ -234,5 +232,3 @@ def streamed_attention(
             out[:, :, chunk.start : chunk.stop] = o
             ent[:, :, chunk.start : chunk.stop] = h
     return out, ent
-
-
