@@ -73,7 +73,7 @@ def entropy(p: Tensor, dim: int = -1) -> Tensor:
     pf = p.to(compute_dtype(p.dtype))
     pos = pf > 0
     terms = torch.where(pos, pf * torch.log(torch.where(pos, pf, 1.0)), 0.0)
-    return (-terms.sum(dim=dim)).to(p.dtype)
+    return (0.0 - terms.sum(dim=dim)).to(p.dtype)  # 0 − x, so an empty sum is +0.0, not −0.0
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -184,10 +184,12 @@ def _entmax_forward(x: Tensor, alpha: Tensor, dim: int) -> Tensor:
     x = torch.where(invalid, 0.0, x)
     am1 = alpha - 1.0
     u, all_masked = _shifted_entmax_input(x, am1, dim)
+    # The sort-based thresholds run their cumulative sums in fp64: in fp32 a row of thousands of keys loses
+    # ~1e-5 of Σp (and of the entropy) to accumulated rounding.
     if alpha.numel() == 1 and float(alpha) == 1.5:
-        p = torch.clamp(u - _sort_threshold_15(u, dim), min=0.0) ** 2
+        p = torch.clamp(u - _sort_threshold_15(u.double(), dim).to(u.dtype), min=0.0) ** 2
     elif alpha.numel() == 1 and float(alpha) == 2.0:
-        p = torch.clamp(u - _sort_threshold_sparsemax(u, dim), min=0.0)
+        p = torch.clamp(u - _sort_threshold_sparsemax(u.double(), dim).to(u.dtype), min=0.0)
     else:
         p = torch.clamp(u - _bisect_threshold(u, am1, dim), min=0.0).pow(1.0 / am1)
         p = p / p.sum(dim=dim, keepdim=True)
