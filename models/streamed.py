@@ -66,33 +66,57 @@ class _Chunk:
             yield i, ks, ke, self.problem.logits(self.start, self.stop, ks, ke)
 
 
+def merge_softmax_states(
+    m: Tensor, lam: Tensor, kp: Tensor, acc: Tensor | None, dim: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Merge online-softmax states stacked along `dim` (key tiles or key splits) into one.
+
+    Each state is (m, Λ, K', acc) over its own keys; with M = max m and w = e^{m − M}: Λ = Σ w Λ,
+    K' = Σ w (K' + Λ (m − M)), acc = Σ w acc. States that saw no key (m = −inf, Λ = 0) contribute nothing.
+    `acc` has one more trailing dim than the others.
+    """
+    top = m.amax(dim=dim, keepdim=True)
+    top_safe = torch.where(top == _NEG_INF, 0.0, top)
+    w = torch.exp(m - top_safe)
+    live = lam > 0
+    shifted = torch.where(live, kp + lam * torch.where(live, m - top_safe, 0.0), 0.0)
+    merged_acc = (w.unsqueeze(-1) * acc).sum(dim) if acc is not None else None
+    return top.squeeze(dim), (w * lam).sum(dim), (w * shifted).sum(dim), merged_acc
+
+
+def finish_softmax_state(lam: Tensor, kp: Tensor, acc: Tensor | None) -> tuple[Tensor | None, Tensor]:
+    """Output acc / Λ and entropy log Λ − K'/Λ; rows that saw no key give zeros."""
+    live = lam > 0
+    safe = torch.where(live, lam, 1.0)
+    ent = torch.where(live, torch.log(safe) - kp / safe, 0.0)
+    return (acc / safe.unsqueeze(-1) if acc is not None else None), ent
+
+
 def _online_softmax(
     chunk: _Chunk, transform: Callable[[Tensor], Tensor], with_values: bool
 ) -> tuple[Tensor | None, Tensor]:
     """One pass of online softmax over t = transform(z); returns (output or None, entropy of softmax(t))."""
     p = chunk.problem
-    rows = (p.batch, p.heads, chunk.stop - chunk.start, 1)
+    rows = (p.batch, p.heads, chunk.stop - chunk.start)
     m = torch.full(rows, _NEG_INF, dtype=p.dtype, device=p.q.device)
     lam = torch.zeros(rows, dtype=p.dtype, device=p.q.device)
-    kk = torch.zeros_like(lam)
-    acc = torch.zeros((*rows[:3], p.v.shape[-1]), dtype=p.dtype, device=p.q.device) if with_values else None
+    kp = torch.zeros_like(lam)
+    acc = torch.zeros((*rows, p.v.shape[-1]), dtype=p.dtype, device=p.q.device) if with_values else None
     for _, ks, ke, z in chunk.tiles():
         t = transform_visible(z, transform)
-        m_new = torch.maximum(m, t.amax(dim=-1, keepdim=True))
-        m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
-        r = torch.exp(m - m_safe)
-        e = torch.exp(t - m_safe)
-        rel = torch.where(e > 0, t - m_safe, 0.0)
-        kk = r * (kk + torch.where(lam > 0, lam * (m - m_safe), 0.0)) + (e * rel).sum(dim=-1, keepdim=True)
-        lam = r * lam + e.sum(dim=-1, keepdim=True)
-        if acc is not None:
-            acc = r * acc + torch.matmul(e, p.values(ks, ke))
-        m = m_new
-    live = lam > 0
-    safe = torch.where(live, lam, 1.0)
-    ent = torch.where(live, torch.log(safe) - kk / safe, 0.0).squeeze(-1)
-    out = acc / safe if acc is not None else None
-    return out, ent
+        # the tile's own state, then merged into the running one
+        tm = t.amax(dim=-1)
+        e = torch.exp(t - torch.where(tm == _NEG_INF, 0.0, tm).unsqueeze(-1))
+        tl_ = e.sum(dim=-1)
+        tkp = torch.where(e > 0, e * (t - tm.unsqueeze(-1)), 0.0).sum(dim=-1)
+        tacc = torch.matmul(e, p.values(ks, ke)) if acc is not None else None
+        m, lam, kp, acc = merge_softmax_states(
+            torch.stack((m, tm)),
+            torch.stack((lam, tl_)),
+            torch.stack((kp, tkp)),
+            torch.stack((acc, tacc)) if acc is not None else None,
+        )
+    return finish_softmax_state(lam, kp, acc)
 
 
 def _softmax_family(chunk: _Chunk, stats: StreamStats) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,126 @@
+"""Ahead-of-time compilation of the kernels to PTX/CUBIN for a given CUDA arch, with no GPU present.
+
+This is what the TensorRT plugin is built from: `python -m sharp.plugins.triton.aot --arch 90 --out DIR`
+writes one `.ptx` and one `.cubin` per kernel variant plus `manifest.json` (entry name, shared memory,
+warps, the constexprs and the argument signature). Must run without TRITON_INTERPRET (the interpreter
+replaces the JIT functions that `triton.compile` needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated so it cannot drift
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sharp.plugins.triton import kernels
+
+_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+_TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
+_SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "keys_per_split"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One specialisation: kernel, element dtype, head-dim block and constexpr flags."""
+
+    kernel: str
+    dtype: str
+    block_d: int
+    flags: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        on = "_".join(k.lower() for k, v in sorted(self.flags.items()) if v is True)
+        return f"{self.kernel}_{self.dtype}_d{self.block_d}" + (f"_{on}" if on else "")
+
+
+def _signature(fn, dtype: str, constexprs: dict) -> dict[str, str]:
+    """Pointers to the element dtype for Q/K/V, fp32 for state buffers, i32 sizes/strides, fp32 scale."""
+    sig = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            sig[arg] = "constexpr"
+        elif arg in ("Q", "K", "V"):
+            sig[arg] = f"*{_DTYPES[dtype]}"
+        elif arg == "SKIPPED_OUT":
+            sig[arg] = "*i32"
+        elif arg == "scale":
+            sig[arg] = "fp32"
+        elif arg in _SIZES or arg.startswith("s"):  # sizes and strides
+            sig[arg] = "i32"
+        else:
+            sig[arg] = "*fp32"
+    return sig
+
+
+def default_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant]:
+    """Causal and non-causal prefill for every kernel at the common head dims."""
+    out = []
+    for dtype in dtypes:
+        for d in head_dims:
+            for causal in (False, True):
+                base = {"CAUSAL": causal, "HAS_ALIBI": False, "HAS_LAMBDA": False, "DOT_F32": dtype == "fp32"}
+                out.append(
+                    Variant("softmax_family", dtype, d, {**base, "SSA": False, "HAS_ROWF": True, "WITH_V": True})
+                )
+                out.append(
+                    Variant("softmax_family", dtype, d, {**base, "SSA": True, "HAS_ROWF": False, "WITH_V": True})
+                )
+                for k in ("entmax_max", "entmax_sums", "entmax_output"):
+                    out.append(Variant(k, dtype, d, dict(base)))
+    return out
+
+
+def compile_variant(v: Variant, arch: int) -> triton.compiler.CompiledKernel:
+    fn = kernels.KERNELS[v.kernel]
+    constexprs = {**v.flags, **_TILE, "BLOCK_D": v.block_d}
+    src = ASTSource(fn=fn, signature=_signature(fn, v.dtype, constexprs), constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sharp.plugins.triton.aot", description=__doc__)
+    ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an integer (90 = sm_90)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=sorted(_DTYPES))
+    ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    args = ap.parse_args(argv)
+    if triton.knobs.runtime.interpret:
+        print("aot: unset TRITON_INTERPRET; the interpreter cannot compile kernels", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    manifest = []
+    for v in default_variants(tuple(args.dtype), tuple(args.head_dim)):
+        ck = compile_variant(v, args.arch)
+        (args.out / f"{v.name}.ptx").write_text(ck.asm["ptx"])
+        if "cubin" in ck.asm:
+            (args.out / f"{v.name}.cubin").write_bytes(ck.asm["cubin"])
+        md = ck.metadata
+        manifest.append(
+            {
+                "variant": v.name,
+                "kernel": v.kernel,
+                "entry": md.name,
+                "arch": args.arch,
+                "num_warps": md.num_warps,
+                "shared_bytes": md.shared,
+                "constexprs": {**v.flags, **_TILE, "BLOCK_D": v.block_d},
+                "signature": _signature(kernels.KERNELS[v.kernel], v.dtype, {**v.flags, **_TILE, "BLOCK_D": 0}),
+            }
+        )
+        print(f"{v.name}: {md.name}, {md.num_warps} warps, {md.shared} B shared")
+    (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

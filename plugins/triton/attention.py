@@ -1,0 +1,312 @@
+"""Host side of the Triton kernels: launch configuration, split-K merging, adaptive's β and entmax's τ loop.
+
+Semantics are exactly `attend`'s (the problem comes from `sharp.models.problem`); the per-row state algebra
+(`merge_softmax_states`) and the threshold step (`refine_threshold`) are the streamed PyTorch oracle's own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sharp.models.normalizers import PAPER_POLY, Param, adaptive_beta
+from sharp.models.problem import AttentionProblem, build_problem
+from sharp.models.streamed import StreamStats, finish_softmax_state, merge_softmax_states, refine_threshold
+from sharp.plugins.triton.kernels import (
+    _entmax_max_kernel,
+    _entmax_output_kernel,
+    _entmax_sums_kernel,
+    _softmax_family_kernel,
+)
+
+_NEG_INF = float("-inf")
+MAX_THRESHOLD_PASSES = 30
+# Enough programs to fill an H100/H200 (132 SMs) about twice when a single sequence decodes.
+_TARGET_PROGRAMS = 264
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes and the key split; `splits > 1` is flash-decoding (partial states merged on the host)."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    splits: int
+    keys_per_split: int
+    dot_f32: bool  # upcast to fp32 and use IEEE dots: fp32 inputs, and always in the CPU interpreter
+
+
+def launch_config(p: AttentionProblem, block_size: int | None = None, splits: int | None = None) -> LaunchConfig:
+    """Prefill: 64×64 tiles, one split. Decode (Lq ≤ 16): 16-row tiles and enough key splits to fill the GPU."""
+    small = p.lq <= 16
+    block_m = 16 if small or interpreting() else 64
+    block_n = block_size or (16 if interpreting() else 64)
+    block_n = max(16, 1 << (block_n - 1).bit_length())
+    block_d = max(16, 1 << (p.q.shape[-1] - 1).bit_length())
+    n_kblocks = -(-p.lk // block_n)
+    if splits is None:
+        programs = -(-p.lq // block_m) * p.batch * p.heads
+        splits = max(1, min(n_kblocks, -(-_TARGET_PROGRAMS // programs))) if small else 1
+    splits = max(1, min(splits, n_kblocks))
+    keys_per_split = -(-n_kblocks // splits) * block_n
+    splits = -(-p.lk // keys_per_split)
+    dot_f32 = p.q.dtype == torch.float32 or p.q.device.type != "cuda"
+    return LaunchConfig(block_m, block_n, block_d, splits, keys_per_split, dot_f32)
+
+
+class _Launcher:
+    """Common launch arguments of one problem (strides, per-head tensors, constexpr flags)."""
+
+    def __init__(self, p: AttentionProblem, cfg: LaunchConfig):
+        self.p, self.cfg = p, cfg
+        dev = p.q.device
+        self.bh = p.batch * p.heads
+        self.grid = (-(-p.lq // cfg.block_m), self.bh, cfg.splits)
+        self.dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+        self.slopes = p.alibi_slopes.float().contiguous() if p.alibi_slopes is not None else self.dummy
+        self.lam = p.query_scale.float().contiguous() if p.query_scale is not None else self.dummy
+        self.flags = dict(
+            CAUSAL=p.causal,
+            HAS_ALIBI=p.alibi_slopes is not None,
+            HAS_LAMBDA=p.query_scale is not None,
+            DOT_F32=cfg.dot_f32,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_D=cfg.block_d,
+        )
+        self.qk_strides = (*p.q.stride(), *p.k.stride())
+        self.v_strides = p.v.stride()
+        self.sizes = (p.heads, p.group, p.lq, p.lk, p.q.shape[-1], self.bh, p.scale, cfg.keys_per_split)
+
+    def per_head(self, value: Param) -> Tensor:
+        t = torch.as_tensor(value, dtype=torch.float32, device=self.p.q.device)
+        return t.expand(1, self.p.heads, 1, 1).reshape(self.p.heads).contiguous()
+
+    def rows(self, *extra: int, fill: float = 0.0) -> Tensor:
+        """A (splits, B·Hq, Lq, *extra) fp32 buffer for partial per-row state."""
+        shape = (self.cfg.splits, self.bh, self.p.lq, *extra)
+        return torch.full(shape, fill, dtype=torch.float32, device=self.p.q.device)
+
+    def unflatten(self, t: Tensor) -> Tensor:
+        """(B·Hq, Lq, …) → (B, Hq, Lq, …)."""
+        return t.reshape(self.p.batch, self.p.heads, *t.shape[1:])
+
+
+def _softmax_family(run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool) -> tuple[Tensor | None, Tensor]:
+    p, cfg = run.p, run.cfg
+    m, lam, kp = run.rows(fill=_NEG_INF), run.rows(), run.rows()
+    acc = run.rows(cfg.block_d) if with_v else run.dummy
+    ssa_n = run.per_head(p.ssa_n) if ssa else run.dummy
+    ssa_b = run.per_head(p.ssa_b) if ssa else run.dummy
+    _softmax_family_kernel[run.grid](
+        p.q,
+        p.k,
+        p.v,
+        rowf if rowf is not None else run.dummy,
+        ssa_n,
+        ssa_b,
+        run.slopes,
+        run.lam,
+        m,
+        lam,
+        kp,
+        acc,
+        *run.qk_strides,
+        *run.v_strides,
+        *run.sizes,
+        SSA=ssa,
+        HAS_ROWF=rowf is not None,
+        WITH_V=with_v,
+        **run.flags,
+    )
+    _, lam1, kp1, acc1 = merge_softmax_states(m, lam, kp, acc if with_v else None)
+    out, ent = finish_softmax_state(lam1, kp1, acc1)
+    if out is not None:
+        out = out[..., : p.v.shape[-1]]
+    return out, ent
+
+
+def _row_factor(run: _Launcher, per_head: Tensor, per_row: Tensor) -> Tensor:
+    """(Hq,) × (Lq,) → contiguous (B·Hq, Lq) fp32 factors."""
+    p = run.p
+    f = per_head.view(1, p.heads, 1) * per_row.view(1, 1, p.lq)
+    return f.expand(p.batch, p.heads, p.lq).reshape(run.bh, p.lq).float().contiguous()
+
+
+def _entmax(run: _Launcher, stats: StreamStats) -> tuple[Tensor, Tensor]:
+    p, cfg = run.p, run.cfg
+    am1 = run.per_head(p.alpha) - 1.0
+    umax = run.rows(fill=_NEG_INF)
+    common = (*run.qk_strides, *run.sizes)
+    _entmax_max_kernel[run.grid](p.q, p.k, am1, run.slopes, run.lam, umax, *common, **run.flags)
+    stats.key_passes += 1
+    umax = umax.amax(0)  # (B·Hq, Lq)
+    all_masked = umax == _NEG_INF
+    umax = torch.where(all_masked, 0.0, umax).contiguous()
+    # τ relative to the row max lies in [−1, −n^{1−α}], n = visible keys of the row
+    n = p.visible_keys(p.query_positions()).view(1, p.lq).to(torch.float32)
+    am1_rows = am1.repeat(p.batch).view(run.bh, 1)
+    lo = torch.full_like(umax, -1.0)
+    hi = (-torch.pow(n, -am1_rows)).expand_as(lo).contiguous()
+    tau = lo.clone()
+    inv = 1.0 / am1_rows
+    s, s1, s2 = run.rows(), run.rows(), run.rows()
+    passes = 0
+    for _ in range(MAX_THRESHOLD_PASSES):
+        _entmax_sums_kernel[run.grid](p.q, p.k, am1, run.slopes, run.lam, umax, tau, s, s1, s2, *common, **run.flags)
+        passes += 1
+        tau, lo, hi, conv = refine_threshold(
+            tau, lo, hi, s.sum(0), s1.sum(0), s2.sum(0), inv, tol=4 * torch.finfo(torch.float32).eps
+        )
+        tau = tau.contiguous()
+        if bool((conv | all_masked).all()):
+            break
+    stats.key_passes += passes + 1
+    stats.threshold_passes = max(stats.threshold_passes, passes)
+    stats.per_chunk_threshold_passes.append(passes)
+    zsum, plogp, acc = run.rows(), run.rows(), run.rows(cfg.block_d)
+    skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)
+    _entmax_output_kernel[run.grid](
+        p.q,
+        p.k,
+        p.v,
+        am1,
+        run.slopes,
+        run.lam,
+        umax,
+        tau,
+        zsum,
+        plogp,
+        acc,
+        skipped,
+        *run.qk_strides,
+        *run.v_strides,
+        *run.sizes,
+        **run.flags,
+    )
+    visible_tiles = _visible_tiles(p, cfg)
+    stats.tiles_total += visible_tiles
+    stats.tiles_skipped += int(skipped.sum())
+    zsum, plogp, acc = zsum.sum(0), plogp.sum(0), acc.sum(0)
+    live = zsum > 0
+    safe = torch.where(live, zsum, 1.0)
+    out = acc[..., : p.v.shape[-1]] / safe.unsqueeze(-1)
+    ent = torch.where(live, torch.log(safe) - plogp / safe, 0.0)
+    return out, ent
+
+
+def _visible_tiles(p: AttentionProblem, cfg: LaunchConfig) -> int:
+    """Key tiles the output pass visits, over all programs (for the block-sparsity ratio)."""
+    total = 0
+    for qb in range(-(-p.lq // cfg.block_m)):
+        last = min((qb + 1) * cfg.block_m, p.lq) + (p.lk - p.lq) if p.causal else p.lk
+        for s in range(cfg.splits):
+            lo = s * cfg.keys_per_split
+            hi = min(lo + cfg.keys_per_split, p.lk, last)
+            total += max(0, -(-(hi - lo) // cfg.block_n))
+    return total * p.batch * p.heads
+
+
+def run_problem(
+    p: AttentionProblem,
+    block_size: int | None = None,
+    splits: int | None = None,
+    stats: StreamStats | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Output (B, Hq, Lq, Dv) fp32 and entropy (B, Hq, Lq) for a validated problem."""
+    if p.q.device.type != "cuda" and not interpreting():
+        raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton)")
+    if p.v.shape[-1] != p.q.shape[-1]:
+        raise ValueError(f"impl='triton' needs v's head dim equal to q's, got {p.v.shape[-1]} and {p.q.shape[-1]}")
+    if not 1 <= p.q.shape[-1] <= 256:
+        raise ValueError(f"impl='triton' supports head dims up to 256, got {p.q.shape[-1]}")
+    stats = stats if stats is not None else StreamStats()
+    cfg = launch_config(p, block_size, splits)
+    run = _Launcher(p, cfg)
+    norm = p.norm
+    if norm in ("entmax", "asentmax") and _alpha_is_one(p.alpha):
+        norm = "softmax"
+    if norm in ("entmax", "asentmax"):
+        out, ent = _entmax(run, stats)
+    elif norm == "ssa":
+        out, ent = _softmax_family(run, None, ssa=True, with_v=True)
+    elif norm == "ssmax":
+        log_n = torch.log(p.visible_keys(p.query_positions()).view(-1).float())
+        out, ent = _softmax_family(run, _row_factor(run, run.per_head(p.ssmax_s), log_n), False, True)
+    elif norm == "adaptive":
+        _, h = _softmax_family(run, None, ssa=False, with_v=False)
+        beta = adaptive_beta(h, p.poly)
+        out, ent = _softmax_family(run, beta.contiguous(), ssa=False, with_v=True)
+    else:
+        out, ent = _softmax_family(run, None, ssa=False, with_v=True)
+    if norm not in ("entmax", "asentmax"):
+        stats.key_passes += 2 if norm == "adaptive" else 1
+    return run.unflatten(out), run.unflatten(ent)
+
+
+def _alpha_is_one(alpha: Param) -> bool:
+    if isinstance(alpha, float):
+        return alpha == 1.0
+    ones = alpha == 1.0
+    if bool(ones.any()) and not bool(ones.all()):
+        raise ValueError("impl='triton' cannot mix alpha == 1 (softmax) with alpha > 1 across heads")
+    return bool(ones.all())
+
+
+def attend_impl(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
+    """Entry point for `attend(..., impl="triton")` (group `sharp.attention_impls`)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (problem.q, problem.k, problem.v)):
+        raise ValueError("impl='triton' is forward-only (inference); train with impl='reference'")
+    with torch.no_grad():
+        return run_problem(problem, block_size)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    norm: str,
+    causal: bool = False,
+    scale: float | None = None,
+    alpha: Param = 1.5,
+    ssa_n: Param = 1.5,
+    ssa_b: Param = 1.0,
+    ssmax_s: Param = 1.0,
+    poly: tuple[float, ...] | Tensor = PAPER_POLY,
+    query_scale: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`attend` with impl="triton": same signature and semantics (see sharp.models.attend)."""
+    problem = build_problem(
+        q,
+        k,
+        v,
+        norm=norm,
+        causal=causal,
+        scale=scale,
+        alpha=alpha,
+        ssa_n=ssa_n,
+        ssa_b=ssa_b,
+        ssmax_s=ssmax_s,
+        poly=poly,
+        query_scale=query_scale,
+        alibi_slopes=alibi_slopes,
+    )
+    if problem.lk == 0:
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        ent = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
+    else:
+        with torch.no_grad():
+            out, ent = run_problem(problem)
+        out = out.to(q.dtype)
+    return (out, ent) if return_entropy else out

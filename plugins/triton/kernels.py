@@ -1,0 +1,509 @@
+"""Triton kernels for the streamed normalizers (SPEC §3); the host side is in `attention.py`.
+
+Grid: (query blocks, B·Hq, key splits). A program owns BLOCK_M query rows of one head and the key range
+of its split, walks that range in BLOCK_N tiles and writes *partial* per-row state; the host merges the
+splits (one split for prefill, FlashAttention-2 style; many for decode, flash-decoding style). Masking is
+explicit: rows ≥ Lq, keys ≥ Lk, head-dim lanes ≥ D and causally hidden keys all read as −inf logits or 0.
+
+In the CPU interpreter a bf16 `tl.dot` does not work: DOT_F32 upcasts both operands and asks for IEEE fp32.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Indices of this program: batch, query head, KV head, query rows/positions, and its key range [lo, hi)."""
+    b = pid_bh // H
+    h = pid_bh % H
+    hkv = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qpos = offs_m + (LK - LQ)  # query i sits at key position Lk − Lq + i
+    lo = pid_s * keys_per_split
+    hi = tl.minimum(lo + keys_per_split, LK)
+    if CAUSAL:  # keys after the block's last query are invisible to all its rows
+        hi = tl.minimum(hi, tl.minimum(pid_m * BLOCK_M + BLOCK_M, LQ) + (LK - LQ))
+    return b, h, hkv, offs_m, qpos, lo, hi
+
+
+@triton.jit
+def _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32: tl.constexpr):
+    ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+    q = tl.load(ptrs, mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < D), other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    return q
+
+
+@triton.jit
+def _logits(
+    q,
+    K,
+    b,
+    hkv,
+    start_n,
+    offs_n,
+    offs_d,
+    qpos,
+    skb,
+    skh,
+    skn,
+    skd,
+    LK,
+    D,
+    scale,
+    slope,
+    lam,
+    CAUSAL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_LAMBDA: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """z (BLOCK_M, BLOCK_N) = λ · (scale · q·k + slope · (j − pos)), −inf where masked."""
+    cols = start_n + offs_n
+    kt_ptrs = K + b * skb + hkv * skh + cols[None, :] * skn + offs_d[:, None] * skd
+    kt = tl.load(kt_ptrs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
+    if DOT_F32:
+        z = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+    else:
+        z = tl.dot(q, kt)
+    z = z * scale
+    if HAS_ALIBI:
+        z += slope * (cols[None, :] - qpos[:, None]).to(tl.float32)
+    if HAS_LAMBDA:
+        z = z * lam[:, None]
+    visible = cols[None, :] < LK
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= qpos[:, None])
+    return tl.where(visible, z, float("-inf"))
+
+
+@triton.jit
+def _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32: tl.constexpr):
+    cols = start_n + offs_n
+    ptrs = V + b * svb + hkv * svh + cols[:, None] * svn + offs_d[None, :] * svd
+    v = tl.load(ptrs, mask=(cols[:, None] < LK) & (offs_d[None, :] < D), other=0.0)
+    if DOT_F32:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _pv(p, v, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        return tl.dot(p, v, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr):
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h)
+    lam = tl.zeros_like(offs_m).to(tl.float32) + 1.0
+    if HAS_LAMBDA:
+        lam = tl.load(LAMBDA + pid_bh * LQ + offs_m, mask=offs_m < LQ, other=1.0)
+    return slope, lam
+
+
+@triton.jit
+def _softmax_family_kernel(
+    Q,
+    K,
+    V,
+    ROWF,
+    SSA_N,
+    SSA_B,
+    SLOPES,
+    LAMBDA,
+    M_OUT,
+    L_OUT,
+    KP_OUT,
+    ACC_OUT,
+    sqb,
+    sqh,
+    sqm,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    H,
+    GROUP,
+    LQ,
+    LK,
+    D,
+    BH,
+    scale,
+    keys_per_split,
+    SSA: tl.constexpr,
+    HAS_ROWF: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_LAMBDA: tl.constexpr,
+    WITH_V: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Online softmax over t = rowf·z (softmax, ssmax, adaptive) or t = sgn(z) n log(1 + b|z|) (SSA).
+
+    Writes the partial state of its split: m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
+    rowf = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    if HAS_ROWF:
+        rowf = tl.load(ROWF + pid_bh * LQ + offs_m, mask=offs_m < LQ, other=1.0)
+    ssa_n = 1.0
+    ssa_b = 1.0
+    if SSA:
+        ssa_n = tl.load(SSA_N + h)
+        ssa_b = tl.load(SSA_B + h)
+    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        z = _logits(
+            q,
+            K,
+            b,
+            hkv,
+            start_n,
+            offs_n,
+            offs_d,
+            qpos,
+            skb,
+            skh,
+            skn,
+            skd,
+            LK,
+            D,
+            scale,
+            slope,
+            lam,
+            CAUSAL,
+            HAS_ALIBI,
+            HAS_LAMBDA,
+            DOT_F32,
+        )
+        masked = z == float("-inf")
+        zs = tl.where(masked, 0.0, z)
+        if SSA:
+            mag = tl.log(1.0 + ssa_b * tl.abs(zs))
+            t = ssa_n * tl.where(zs >= 0, mag, -mag)
+        else:
+            t = rowf[:, None] * zs
+        t = tl.where(masked, float("-inf"), t)
+        m_new = tl.maximum(m_i, tl.max(t, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        r = tl.exp(m_i - m_safe)
+        e = tl.exp(t - m_safe[:, None])
+        rel = tl.where(e > 0, t - m_safe[:, None], 0.0)
+        dm = tl.where(l_i > 0, m_i - m_safe, 0.0)  # never 0 · (−inf): rows with no key yet have Λ = 0
+        kp_i = r * (kp_i + l_i * dm) + tl.sum(e * rel, 1)
+        l_i = r * l_i + tl.sum(e, 1)
+        if WITH_V:
+            v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
+            acc = acc * r[:, None] + _pv(e, v, DOT_F32)
+        m_i = m_new
+
+    row = (pid_s * BH + pid_bh) * LQ + offs_m
+    keep = offs_m < LQ
+    tl.store(M_OUT + row, m_i, mask=keep)
+    tl.store(L_OUT + row, l_i, mask=keep)
+    tl.store(KP_OUT + row, kp_i, mask=keep)
+    if WITH_V:
+        tl.store(ACC_OUT + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _entmax_max_kernel(
+    Q,
+    K,
+    AM1,
+    SLOPES,
+    LAMBDA,
+    UMAX_OUT,
+    sqb,
+    sqh,
+    sqm,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    H,
+    GROUP,
+    LQ,
+    LK,
+    D,
+    BH,
+    scale,
+    keys_per_split,
+    CAUSAL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_LAMBDA: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Entmax pass 1: per-row max of u = (α−1) z over the split."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
+    am1 = tl.load(AM1 + h)
+    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    umax = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    for start_n in range(lo, hi, BLOCK_N):
+        z = _logits(
+            q,
+            K,
+            b,
+            hkv,
+            start_n,
+            offs_n,
+            offs_d,
+            qpos,
+            skb,
+            skh,
+            skn,
+            skd,
+            LK,
+            D,
+            scale,
+            slope,
+            lam,
+            CAUSAL,
+            HAS_ALIBI,
+            HAS_LAMBDA,
+            DOT_F32,
+        )
+        umax = tl.maximum(umax, tl.max(am1 * z, 1))
+    tl.store(UMAX_OUT + (pid_s * BH + pid_bh) * LQ + offs_m, umax, mask=offs_m < LQ)
+
+
+@triton.jit
+def _entmax_sums_kernel(
+    Q,
+    K,
+    AM1,
+    SLOPES,
+    LAMBDA,
+    UMAX,
+    TAU,
+    S_OUT,
+    S1_OUT,
+    S2_OUT,
+    sqb,
+    sqh,
+    sqm,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    H,
+    GROUP,
+    LQ,
+    LK,
+    D,
+    BH,
+    scale,
+    keys_per_split,
+    CAUSAL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_LAMBDA: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Entmax threshold pass: with d = [u − max u − τ]_+ and inv = 1/(α−1), partial Σ d^inv, Σ d^(inv−1),
+    Σ_{d>0} d^(inv−2) for the host's safeguarded Halley/Newton step. Tiles with no d > 0 skip the powers."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
+    am1 = tl.load(AM1 + h)
+    inv = 1.0 / am1
+    keep = offs_m < LQ
+    shift = tl.load(UMAX + pid_bh * LQ + offs_m, mask=keep, other=0.0) + tl.load(
+        TAU + pid_bh * LQ + offs_m, mask=keep, other=0.0
+    )
+    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        z = _logits(
+            q,
+            K,
+            b,
+            hkv,
+            start_n,
+            offs_n,
+            offs_d,
+            qpos,
+            skb,
+            skh,
+            skn,
+            skd,
+            LK,
+            D,
+            scale,
+            slope,
+            lam,
+            CAUSAL,
+            HAS_ALIBI,
+            HAS_LAMBDA,
+            DOT_F32,
+        )
+        d = tl.maximum(am1 * z - shift[:, None], 0.0)
+        if tl.max(tl.max(d, 1), 0) > 0:
+            live = d > 0
+            logd = tl.log(tl.where(live, d, 1.0))
+            s0 += tl.sum(tl.where(live, tl.exp(inv * logd), 0.0), 1)
+            s1 += tl.sum(tl.where(live, tl.exp((inv - 1.0) * logd), 0.0), 1)
+            s2 += tl.sum(tl.where(live, tl.exp((inv - 2.0) * logd), 0.0), 1)
+    row = (pid_s * BH + pid_bh) * LQ + offs_m
+    tl.store(S_OUT + row, s0, mask=keep)
+    tl.store(S1_OUT + row, s1, mask=keep)
+    tl.store(S2_OUT + row, s2, mask=keep)
+
+
+@triton.jit
+def _entmax_output_kernel(
+    Q,
+    K,
+    V,
+    AM1,
+    SLOPES,
+    LAMBDA,
+    UMAX,
+    TAU,
+    Z_OUT,
+    PLOGP_OUT,
+    ACC_OUT,
+    SKIPPED_OUT,
+    sqb,
+    sqh,
+    sqm,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    H,
+    GROUP,
+    LQ,
+    LK,
+    D,
+    BH,
+    scale,
+    keys_per_split,
+    CAUSAL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_LAMBDA: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Entmax output pass: w = [u − max u − τ]_+^{1/(α−1)}; partial Σ w, Σ w log w, Σ w v. Key tiles where
+    every w is 0 skip the V load and the second matmul; their count is written per program."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
+    am1 = tl.load(AM1 + h)
+    inv = 1.0 / am1
+    keep = offs_m < LQ
+    shift = tl.load(UMAX + pid_bh * LQ + offs_m, mask=keep, other=0.0) + tl.load(
+        TAU + pid_bh * LQ + offs_m, mask=keep, other=0.0
+    )
+    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    skipped = 0
+    for start_n in range(lo, hi, BLOCK_N):
+        z = _logits(
+            q,
+            K,
+            b,
+            hkv,
+            start_n,
+            offs_n,
+            offs_d,
+            qpos,
+            skb,
+            skh,
+            skn,
+            skd,
+            LK,
+            D,
+            scale,
+            slope,
+            lam,
+            CAUSAL,
+            HAS_ALIBI,
+            HAS_LAMBDA,
+            DOT_F32,
+        )
+        d = tl.maximum(am1 * z - shift[:, None], 0.0)
+        if tl.max(tl.max(d, 1), 0) > 0:
+            live = d > 0
+            logw = inv * tl.log(tl.where(live, d, 1.0))
+            w = tl.where(live, tl.exp(logw), 0.0)
+            zsum += tl.sum(w, 1)
+            plogp += tl.sum(w * logw, 1)
+            v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
+            acc += _pv(w, v, DOT_F32)
+        else:
+            skipped += 1
+    row = (pid_s * BH + pid_bh) * LQ + offs_m
+    tl.store(Z_OUT + row, zsum, mask=keep)
+    tl.store(PLOGP_OUT + row, plogp, mask=keep)
+    tl.store(ACC_OUT + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+    n_qblocks = tl.cdiv(LQ, BLOCK_M)
+    tl.store(SKIPPED_OUT + (pid_s * BH + pid_bh) * n_qblocks + pid_m, skipped)
+
+
+KERNELS = {
+    "softmax_family": _softmax_family_kernel,
+    "entmax_max": _entmax_max_kernel,
+    "entmax_sums": _entmax_sums_kernel,
+    "entmax_output": _entmax_output_kernel,
+}

@@ -1,0 +1,196 @@
+"""Triton kernels against attend(impl="reference"). On CPU they run in Triton's interpreter (conftest)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sharp.models import NORMS, attend
+from sharp.models.problem import build_problem
+from sharp.models.streamed import StreamStats
+from sharp.plugins.triton import attention
+from sharp.plugins.triton.attention import launch_config, run_problem
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy warnings inside the interpreter
+
+
+def _qkv(b=1, hq=4, hkv=2, lq=21, lk=45, d=16, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g)
+    k = torch.randn(b, hkv, lk, d, generator=g)
+    v = torch.randn(b, hkv, lk, d, generator=g)
+    qs = torch.rand(b, hq, lq, generator=g) + 0.5
+    return q.to(dtype), k.to(dtype), v.to(dtype), qs
+
+
+def _problem(q, k, v, **kw):
+    args = dict(
+        norm="softmax",
+        causal=False,
+        scale=None,
+        alpha=1.5,
+        ssa_n=1.5,
+        ssa_b=1.0,
+        ssmax_s=1.0,
+        poly=(-0.037, 0.481, -2.3, 4.917, -1.791),
+        query_scale=None,
+        alibi_slopes=None,
+    )
+    args.update(kw)
+    return build_problem(q, k, v, **args)
+
+
+def _norm_kwargs(norm, hq, qs, per_head):
+    kw = {"norm": norm}
+    if norm == "asentmax":
+        kw["query_scale"] = qs
+    if per_head:
+        kw.update(
+            alpha=torch.linspace(1.2, 2.0, hq),
+            ssa_n=torch.linspace(1.0, 2.0, hq),
+            ssa_b=torch.linspace(0.5, 1.5, hq),
+            ssmax_s=torch.linspace(0.5, 1.5, hq),
+            alibi_slopes=torch.tensor([0.5, 0.25, 0.0, 0.0]),
+        )
+    return kw
+
+
+CASES = list(itertools.product(NORMS, [False, True], [(4, 4), (4, 1)], ["prefill", "decode"]))
+
+
+@pytest.mark.parametrize(("norm", "causal", "heads", "shape"), CASES)
+def test_kernels_match_reference(norm, causal, heads, shape):
+    hq, hkv = heads
+    lq, lk = (21, 45) if shape == "prefill" else (1, 70)
+    q, k, v, qs = _qkv(hq=hq, hkv=hkv, lq=lq, lk=lk, seed=len(norm) + causal)
+    kw = _norm_kwargs(norm, hq, qs, per_head=causal)  # alternate scalar and per-head params, ALiBi
+    o_ref, h_ref = attend(q, k, v, causal=causal, return_entropy=True, **kw)
+    o_tri, h_tri = attend(q, k, v, causal=causal, return_entropy=True, impl="triton", **kw)
+    torch.testing.assert_close(o_tri, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h_tri, h_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("norm", ["softmax", "adaptive", "entmax", "ssa"])
+def test_split_k_merge_with_empty_splits(norm):
+    """Decode with many key splits: causal rows see no key in later splits (fully masked partial rows)."""
+    q, k, v, _ = _qkv(hq=2, hkv=2, lq=3, lk=100)
+    p = _problem(q, k, v, norm=norm, causal=True)
+    o_ref, h_ref = attend(q, k, v, norm=norm, causal=True, return_entropy=True)
+    cfg = launch_config(p, block_size=16, splits=7)
+    assert cfg.splits == 7
+    o, h = run_problem(p, block_size=16, splits=7)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=0)
+
+
+def test_decode_config_splits_keys_to_fill_the_gpu():
+    q, k, v, _ = _qkv(b=1, hq=2, hkv=2, lq=1, lk=4096)
+    cfg = launch_config(_problem(q, k, v), block_size=64)
+    assert cfg.block_m == 16 and cfg.splits > 16  # one sequence, two heads: the keys are split
+    assert cfg.splits * cfg.keys_per_split >= 4096
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_large_logits_exact_inputs(norm):
+    """|z| up to ~9e3 with integer q, k so every implementation sees bit-identical logits."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-3, 4, (1, 2, 9, 16), generator=g).float()
+    k = torch.randint(-3, 4, (1, 2, 33, 16), generator=g).float()
+    v = torch.randn(1, 2, 33, 16, generator=g)
+    kw = dict(
+        norm=norm,
+        scale=64.0,
+        causal=True,
+        return_entropy=True,
+        query_scale=torch.ones(1, 2, 9) if norm == "asentmax" else None,
+    )
+    o_ref, h_ref = attend(q, k, v, **kw)
+    o_tri, h_tri = attend(q, k, v, impl="triton", **kw)
+    assert torch.isfinite(o_tri).all() and torch.isfinite(h_tri).all()
+    torch.testing.assert_close(o_tri, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h_tri, h_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("d", [24, 80])
+def test_head_dims_that_are_not_powers_of_two(d):
+    q, k, v, _ = _qkv(hq=2, hkv=2, lq=9, lk=20, d=d)
+    for norm in ("ssmax", "entmax"):
+        o_ref = attend(q, k, v, norm=norm, causal=True)
+        torch.testing.assert_close(attention(q, k, v, norm=norm, causal=True), o_ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    q, k, v, _ = _qkv(dtype=dtype)
+    out, ent = attention(q, k, v, norm="entmax", causal=True, return_entropy=True)
+    assert out.dtype == dtype and ent.dtype == torch.float32
+    ref = attend(q.float(), k.float(), v.float(), norm="entmax", causal=True)
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.5, 2.0])
+def test_entmax_pass_count_and_block_skipping(alpha):
+    q, k, v, _ = _qkv(hq=2, hkv=2, lq=48, lk=128, seed=3)
+    p = _problem(q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=torch.tensor([2.0, 1.0]))
+    stats = StreamStats()
+    out, ent = run_problem(p, block_size=16, stats=stats)
+    o_ref, h_ref = attend(
+        q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=torch.tensor([2.0, 1.0]), return_entropy=True
+    )
+    torch.testing.assert_close(out, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, h_ref, atol=1e-5, rtol=0)
+    assert stats.threshold_passes <= 8
+    assert stats.block_sparsity > 0.3
+
+
+def test_empty_keys_and_errors(monkeypatch):
+    q, _, _, _ = _qkv(lq=2)
+    k = torch.zeros(1, 2, 0, 16)
+    assert (attention(q, k, k, norm="ssa") == 0).all()
+    q, k, v, _ = _qkv()
+    with pytest.raises(ValueError, match="forward-only"):
+        attend(q.clone().requires_grad_(), k, v, impl="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        attention(q, k, v, norm="softmax")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the CUDA backend's ptxas ships for Linux")
+def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
+    """No GPU needed: the TensorRT plugin is built from exactly these PTX/CUBIN files."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sharp.plugins.triton.aot",
+            "--arch",
+            "90",
+            "--out",
+            str(tmp_path),
+            "--dtype",
+            "bf16",
+            "--head-dim",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert {m["kernel"] for m in manifest} == {"softmax_family", "entmax_max", "entmax_sums", "entmax_output"}
+    for m in manifest:
+        ptx = (tmp_path / f"{m['variant']}.ptx").read_text()
+        assert ".target sm_90" in ptx and f".entry {m['entry']}(" in ptx
+        assert (tmp_path / f"{m['variant']}.cubin").stat().st_size > 1000
