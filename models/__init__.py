@@ -1,6 +1,11 @@
-"""PyTorch reference: the normalizers and the attention entry point."""
+"""PyTorch reference: normalizers, `attend`, models, checkpoints and training."""
 
 from sharp.models.attention import IMPLS, attend
+from sharp.models.checkpoint import CheckpointError, load, save
+from sharp.models.config import ModelConfig
+from sharp.models.layers import SharpAttention
+from sharp.models.lm import ByteTokenizer, LMOutput, SharpLM
+from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig
 from sharp.models.normalizers import (
     NORMS,
     PAPER_POLY,
@@ -11,15 +16,27 @@ from sharp.models.normalizers import (
     ssa,
     ssmax,
 )
+from sharp.models.sampling import SamplingParams
 
 __all__ = [
     "IMPLS",
     "NORMS",
     "PAPER_POLY",
+    "ByteTokenizer",
+    "CheckpointError",
+    "LMOutput",
+    "MaxRetrieval",
+    "MaxRetrievalConfig",
+    "ModelConfig",
+    "SamplingParams",
+    "SharpAttention",
+    "SharpLM",
     "adaptive_softmax",
     "attend",
     "entmax",
     "entropy",
+    "load",
+    "save",
     "softmax",
     "ssa",
     "ssmax",

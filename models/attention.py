@@ -60,6 +60,7 @@ def attend(
     poly: tuple[float, ...] | Tensor = PAPER_POLY,
     query_scale: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
+    key_mask: Tensor | None = None,
     impl: str = "reference",
     block_size: int = 128,
     return_entropy: bool = False,
@@ -68,7 +69,8 @@ def attend(
 
     q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D), Hq % Hkv == 0 (GQA). With Lq ≤ Lk, query i sits at position
     Lk − Lq + i. Parameters are floats or per-head (Hq,) tensors. `query_scale` (B, Hq, Lq) multiplies the
-    final logits (ASEntmax's λ; norm="asentmax" requires it); `alibi_slopes` (Hq,) adds slope·(j − i).
+    final logits (ASEntmax's λ; norm="asentmax" requires it); `alibi_slopes` (Hq,) adds slope·(j − i);
+    `key_mask` (B, Lk) bool hides padding keys (False) from every query.
     Returns the output (B, Hq, Lq, D) in q's dtype, and with `return_entropy` the entropy (B, Hq, Lq) in
     nats of each attention row, in the compute dtype (fp32 for half inputs).
     """
@@ -88,6 +90,7 @@ def attend(
         poly=poly,
         query_scale=query_scale,
         alibi_slopes=alibi_slopes,
+        key_mask=key_mask,
     )
     if problem.lk == 0:
         out = q.new_zeros(*q.shape[:3], v.shape[-1])

@@ -84,15 +84,12 @@ def today() -> str:
     return dt.date.today().isoformat()
 
 
-def write_section(name: str, body: str, page: Path = DOCS_PAGE) -> None:
-    """Replace (or append) the section of docs/benchmarks.md that belongs to `sharp-bench <name>`."""
+def write_section(name: str, body: str, page: Path = DOCS_PAGE, title: str = "Benchmarks") -> None:
+    """Replace (or append) the section of a docs page that belongs to `sharp-bench <name>`."""
     start, end = f"<!-- sharp-bench {name} -->", f"<!-- /sharp-bench {name} -->"
     block = f"{start}\n{body.rstrip()}\n{end}"
-    text = (
-        page.read_text()
-        if page.exists()
-        else "# Benchmarks\n\nWritten by `sharp-bench`; each section is replaced when its command runs again.\n"
-    )
+    intro = f"# {title}\n\nWritten by `sharp-bench`; each section is replaced when its command runs again.\n"
+    text = page.read_text() if page.exists() else intro
     if start in text and end in text:
         text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
     else:

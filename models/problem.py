@@ -34,6 +34,7 @@ class AttentionProblem:
     poly: tuple[float, ...]
     query_scale: Tensor | None
     alibi_slopes: Tensor | None
+    key_mask: Tensor | None = None  # (B, Lk) bool, True = the key exists (False: padding)
 
     @property
     def batch(self) -> int:
@@ -66,9 +67,13 @@ class AttentionProblem:
         return torch.arange(start, stop, device=self.q.device) + (self.lk - self.lq)
 
     def visible_keys(self, qpos: Tensor) -> Tensor:
-        """Number of keys each query sees (its ssmax n), as a float column (…, Lq_chunk, 1)."""
-        n = qpos + 1 if self.causal else torch.full_like(qpos, self.lk)
-        return n.to(self.dtype).view(1, 1, -1, 1)
+        """Number of keys each query sees (its ssmax n), as a float column (1 or B, 1, Lq_chunk, 1)."""
+        if self.key_mask is None:
+            n = qpos + 1 if self.causal else torch.full_like(qpos, self.lk)
+            return n.to(self.dtype).view(1, 1, -1, 1)
+        seen = self.key_mask.to(torch.int64).cumsum(-1)  # (B, Lk): keys present up to each position
+        n = seen[:, qpos] if self.causal else seen[:, -1:].expand(-1, qpos.numel())
+        return n.clamp_min(1).to(self.dtype).view(self.batch, 1, -1, 1)  # an all-padding row stays finite
 
     def expand_kv(self, t: Tensor) -> Tensor:
         """GQA: query head h reads KV head h // (Hq / Hkv)."""
@@ -89,6 +94,8 @@ class AttentionProblem:
             z = z * self.query_scale[:, :, q_start:q_stop, None].to(dt)
         if self.causal:
             z = z.masked_fill(kpos.view(1, -1) > qpos.view(-1, 1), _NEG_INF)
+        if self.key_mask is not None:
+            z = z.masked_fill(~self.key_mask[:, None, None, k_start:k_stop], _NEG_INF)
         return z
 
     def values(self, k_start: int, k_stop: int) -> Tensor:
@@ -124,6 +131,7 @@ def build_problem(
     poly: tuple[float, ...] | Tensor,
     query_scale: Tensor | None,
     alibi_slopes: Tensor | None,
+    key_mask: Tensor | None = None,
 ) -> AttentionProblem:
     """Check shapes and values; errors say what was found and what is allowed."""
     if norm not in NORMS:
@@ -149,6 +157,10 @@ def build_problem(
         raise ValueError("norm='asentmax' needs query_scale (B, Hq, Lq): ASEntmax's per-query scale λ")
     if query_scale is not None and tuple(query_scale.shape) != (b, hq, lq):
         raise ValueError(f"query_scale must be (B, Hq, Lq) = {(b, hq, lq)}, got {tuple(query_scale.shape)}")
+    if key_mask is not None and (tuple(key_mask.shape) != (b, k.shape[2]) or key_mask.dtype != torch.bool):
+        raise ValueError(
+            f"key_mask must be bool (B, Lk) = {(b, k.shape[2])}, got {key_mask.dtype} {tuple(key_mask.shape)}"
+        )
     if alibi_slopes is not None and tuple(alibi_slopes.shape) != (hq,):
         raise ValueError(f"alibi_slopes must be ({hq},), got {tuple(alibi_slopes.shape)}")
     alpha_p = _head_param("alpha", alpha, hq, q)
@@ -171,4 +183,5 @@ def build_problem(
         poly=poly_t,
         query_scale=query_scale,
         alibi_slopes=alibi_slopes,
+        key_mask=key_mask,
     )

@@ -8,6 +8,8 @@ from importlib import import_module
 # subcommand -> module with run(argv) -> int; imported only when chosen, so each needs only its own extras
 COMMANDS = {
     "normalizers": "sharp.models.bench",
+    "kernels": "sharp.plugins.bench",
+    "repro": "sharp.models.repro",
 }
 
 

@@ -224,6 +224,8 @@ def run_problem(
     """Output (B, Hq, Lq, Dv) fp32 and entropy (B, Hq, Lq) for a validated problem."""
     if p.q.device.type != "cuda" and not interpreting():
         raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton)")
+    if p.key_mask is not None:
+        raise ValueError("impl='triton' does not take key_mask yet; use impl='streamed' or 'reference' for padding")
     if p.v.shape[-1] != p.q.shape[-1]:
         raise ValueError(f"impl='triton' needs v's head dim equal to q's, got {p.v.shape[-1]} and {p.q.shape[-1]}")
     if not 1 <= p.q.shape[-1] <= 256:

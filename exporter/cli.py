@@ -1,0 +1,180 @@
+"""`sharp-export MODEL`: write an ONNX generation graph with sharp::SharpAttention, then check it.
+
+Norm changes: the checkpoint's own norm always; on a softmax model also `adaptive` (inference-time
+sharpening, --poly for fitted coefficients) and `ssmax` (with --ssmax-s). Learned normalizers (entmax α,
+ASEntmax λ, SSA n and b, SSMax s) cannot be conjured from a model that never learned them: that is refused.
+The check runs the file in onnxruntime (CPU, no plugin) at lengths other than the traced one and with a
+past cache, against the PyTorch model, and exits 1 over tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sharp.models.checkpoint import CheckpointError, load
+from sharp.models.lm import SharpLM
+from sharp.models.normalizers import NORMS
+
+TOLERANCE = 1e-4
+ALLOWED_CHANGES = {("softmax", "adaptive"), ("softmax", "ssmax")}
+
+
+class UsageError(Exception):
+    """A user mistake: printed as one line, exit 2."""
+
+
+def check_norm_change(model: SharpLM, norm: str, ssmax_s: float | None) -> None:
+    cfg = model.cfg
+    if cfg.layer_norms_override and norm != cfg.norm:
+        raise UsageError(f"this model sets a norm per layer ({', '.join(cfg.layer_norms())}); export it without --norm")
+    if norm == cfg.norm:
+        return
+    if (cfg.norm, norm) not in ALLOWED_CHANGES:
+        raise UsageError(
+            f"cannot export a {cfg.norm} model as {norm}: {norm} parameters are learned in training "
+            f"(allowed: the model's own norm, or softmax → adaptive / ssmax); retrain with sharp-train --norm {norm}"
+        )
+    if norm == "ssmax" and ssmax_s is None:
+        raise UsageError("softmax → ssmax needs --ssmax-s S (the scale s of softmax(s·log n·z))")
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def verify(path: Path, model: SharpLM, kv_cache: bool) -> list[tuple[str, float, float]]:
+    """Run the file against PyTorch: prefill at two lengths other than the traced 5, then decode on a cache."""
+    from sharp.exporter.export import io_names
+
+    sess = _session(path)
+    names, _ = io_names(model.cfg.layers, kv_cache)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    cfg = model.cfg
+
+    def run(ids: torch.Tensor, past: list[torch.Tensor], mask: torch.Tensor, pos: torch.Tensor):
+        feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": pos.numpy()}
+        if kv_cache:
+            feed.update({n: t.numpy() for n, t in zip(names[3:], past, strict=True)})
+        return sess.run(None, feed)
+
+    for batch, length in ((1, 9), (3, 2)):
+        ids = torch.randint(0, 256, (batch, length), generator=g)
+        pos = torch.arange(length).expand(batch, length).contiguous()
+        mask = torch.ones(batch, length, dtype=torch.int64)
+        empty = [torch.zeros(batch, cfg.kv_heads, 0, cfg.head_dim) for _ in range(2 * cfg.layers)]
+        got = run(ids, empty, mask, pos)
+        with torch.no_grad():
+            ref = model.step(ids, return_entropy=True)
+        rows.append((f"prefill B={batch} L={length}", *_diffs(got, ref)))
+        if kv_cache and length == 9:
+            past = got[1:-1]
+            nxt = torch.randint(0, 256, (1, 1), generator=g)
+            got2 = run(
+                nxt, [torch.from_numpy(p) for p in past], torch.ones(1, 10, dtype=torch.int64), torch.tensor([[9]])
+            )
+            with torch.no_grad():
+                ref2 = model.step(torch.cat((ids, nxt), 1), return_entropy=True)
+            ref2.logits, ref2.entropy = ref2.logits[:, -1:], ref2.entropy[..., -1:]
+            rows.append(("decode with past=9", *_diffs(got2, ref2)))
+    return rows
+
+
+def _diffs(got, ref) -> tuple[float, float]:
+    logits = float(np.abs(got[0] - ref.logits.numpy()).max())
+    ent = float(np.abs(got[-1] - ref.entropy.numpy()).max())
+    return logits, ent
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="sharp-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("model", type=Path, help="a sharp checkpoint (model.pt)")
+    ap.add_argument("--norm", choices=NORMS, help="normalizer in the file (default: the checkpoint's)")
+    ap.add_argument("-o", "--output", type=Path, help="output .onnx (default: MODEL with .onnx)")
+    ap.add_argument(
+        "--fallback",
+        choices=["dense", "none"],
+        default="dense",
+        help="standard-op bodies in the file (none: a plugin is required to run it)",
+    )
+    ap.add_argument(
+        "--opset",
+        type=int,
+        default=18,
+        choices=[18],
+        help="ONNX opset of the standard ops (18; converting would inline the custom op away)",
+    )
+    ap.add_argument("--dtype", choices=["fp32"], default="fp32")
+    ap.add_argument("--no-kv-cache", dest="kv_cache", action="store_false")
+    ap.add_argument("--no-check", dest="check", action="store_false")
+    ap.add_argument("--poly", type=float, nargs="+", help="adaptive polynomial, highest power first")
+    ap.add_argument("--ssmax-s", type=float, help="s for softmax → ssmax")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return _export(args)
+    except (UsageError, CheckpointError) as e:
+        print(f"sharp-export: {e}", file=sys.stderr)
+        return 2
+
+
+def _export(args) -> int:
+    import onnx
+
+    from sharp.exporter.export import ExportSettings, export_model, with_norm
+
+    model = load(args.model)
+    if not isinstance(model, SharpLM):
+        raise UsageError(
+            f"{args.model}: a {type(model).__name__} is not a language model; sharp-export takes SharpLM checkpoints"
+        )
+    norm = args.norm or model.cfg.norm
+    check_norm_change(model, norm, args.ssmax_s)
+    out = args.output or args.model.with_suffix(".onnx")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise UsageError(f"cannot write {out}: {out.parent} is not a writable directory")
+    model = with_norm(model, norm, tuple(args.poly) if args.poly else None, args.ssmax_s)
+    settings = ExportSettings(
+        norm=norm, fallback=args.fallback, opset=args.opset, kv_cache=args.kv_cache, dtype=args.dtype
+    )
+    proto = export_model(model, settings)
+    onnx.save(proto, out)
+    print(
+        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {model.cfg.layers} × sharp::SharpAttention[{norm}], "
+        f"fallback {args.fallback}, opset {args.opset}"
+    )
+    if not args.check:
+        return 0
+    onnx.checker.check_model(str(out), full_check=True)
+    if args.fallback == "none":
+        print("check: onnx.checker passed; not run (no fallback body: needs a sharp plugin)")
+        return 0
+    rows = verify(out, model, args.kv_cache)
+    print(f"{'check':<22}{'max |Δ logits|':>16}{'max |Δ entropy|':>17}")
+    for name, dl, de in rows:
+        print(f"{name:<22}{dl:>16.2e}{de:>17.2e}")
+    worst = max(max(dl, de) for _, dl, de in rows)
+    if worst > TOLERANCE:
+        print(f"check FAILED: {worst:.2e} > {TOLERANCE:.0e}", file=sys.stderr)
+        return 1
+    print(f"check passed (tolerance {TOLERANCE:.0e}, onnxruntime CPU without plugins)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Lower a SharpLM to ONNX: one `sharp::SharpAttention` node per layer plus standard-op fallback bodies.
+
+Pipeline: the model's attention layers call `torch.ops.sharp.attention` (models/op.py); torch.onnx.export
+(dynamo=True) translates that op with the per-norm onnxscript bodies of `fallback.py`; a post-pass then
+gives the file its contract form (docs/op.md): op_type `SharpAttention` with `overload = norm`, the
+helper functions of the private `sharp.fallback` domain, the op's attributes and the model metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import onnx
+import torch
+from onnx import helper
+from torch import Tensor, nn
+
+from sharp import __version__
+from sharp.exporter.fallback import BODIES, FALLBACK, HELPERS, SHARP, translate
+from sharp.models.layers import use_custom_op
+from sharp.models.lm import SharpLM
+from sharp.models.normalizers import NORMS
+
+FALLBACKS = ("dense", "none")
+# the opset the fallback bodies are written in (the main graph is exported at the same one)
+NATIVE_OPSET = 18
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    norm: str
+    fallback: str = "dense"
+    opset: int = 18
+    kv_cache: bool = True
+    dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"unknown fallback {self.fallback!r}; valid: {', '.join(FALLBACKS)}")
+        if self.opset != NATIVE_OPSET:
+            raise ValueError(f"opset {self.opset} is not supported; sharp-export writes opset {NATIVE_OPSET}")
+        if self.dtype != "fp32":
+            raise ValueError(f"dtype {self.dtype!r} is not supported yet; valid: fp32")
+
+
+class GenerationGraph(nn.Module):
+    """Flat tensor I/O with the Optimum / onnxruntime-genai names; one graph for prefill and decode."""
+
+    def __init__(self, model: SharpLM, kv_cache: bool):
+        super().__init__()
+        self.model = use_custom_op(model)
+        self.kv_cache = kv_cache
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *past: Tensor):
+        cache = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)] if self.kv_cache else None
+        out = self.model.step(
+            input_ids, cache=cache, positions=position_ids, key_mask=attention_mask.to(torch.bool), return_entropy=True
+        )
+        presents = [t for kv in out.cache for t in kv] if self.kv_cache else []
+        return (out.logits, *presents, out.entropy)
+
+
+def io_names(layers: int, kv_cache: bool) -> tuple[list[str], list[str]]:
+    inputs = ["input_ids", "attention_mask", "position_ids"]
+    outputs = ["logits"]
+    if kv_cache:
+        for i in range(layers):
+            inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+            outputs += [f"present.{i}.key", f"present.{i}.value"]
+    return inputs, [*outputs, "attention_entropy"]
+
+
+def example_inputs(
+    model: SharpLM, kv_cache: bool, batch: int = 2, length: int = 5, past: int = 3
+) -> tuple[Tensor, ...]:
+    cfg = model.cfg
+    past = past if kv_cache else 0
+    ids = torch.randint(0, cfg.vocab_size, (batch, length))
+    mask = torch.ones(batch, past + length, dtype=torch.int64)
+    pos = (torch.arange(length) + past).expand(batch, length).contiguous()
+    kv = [torch.randn(batch, cfg.kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.layers)] if kv_cache else []
+    return (ids, mask, pos, *kv)
+
+
+def _dynamic_shapes(layers: int, kv_cache: bool) -> tuple:
+    batch, seq = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("sequence", min=1, max=1 << 20)
+    total = torch.export.Dim.AUTO
+    shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq})
+    if not kv_cache:
+        return shapes
+    return (*shapes, tuple({0: batch, 2: torch.export.Dim.AUTO} for _ in range(2 * layers)))  # *past: one entry
+
+
+def export_model(model: SharpLM, settings: ExportSettings) -> onnx.ModelProto:
+    """The ONNX ModelProto of `model` (each layer keeps its own norm)."""
+    model = model.eval()
+    wrapper = GenerationGraph(model, settings.kv_cache).eval()
+    inputs, outputs = io_names(model.cfg.layers, settings.kv_cache)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            wrapper,
+            example_inputs(model, settings.kv_cache),
+            dynamo=True,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_shapes=_dynamic_shapes(model.cfg.layers, settings.kv_cache),
+            custom_translation_table={torch.ops.sharp.attention.default: translate},
+            # The optimizer and the version converter inline local functions; the translation therefore emits
+            # schema-only SharpAttention nodes and `finalize` attaches the bodies after both have run.
+            opset_version=settings.opset,
+            optimize=True,
+            verbose=False,
+        )
+    proto = program.model_proto
+    use_custom_op(model, on=False)
+    return finalize(proto, model, settings)
+
+
+def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -> onnx.ModelProto:
+    """Give the exported file its contract form (docs/op.md) and metadata."""
+    cfg = model.cfg
+    norms_used = set()
+    for node in proto.graph.node:
+        if node.domain == SHARP.domain and node.op_type == "SharpAttention":
+            norm = next(a.s.decode() for a in node.attribute if a.name == "norm")
+            norms_used.add(norm)
+            node.overload = norm  # the fallback body of this norm (plugins ignore the overload)
+            node.attribute.extend(
+                [helper.make_attribute("q_heads", cfg.heads), helper.make_attribute("kv_heads", cfg.kv_heads)]
+            )
+    functions = [f for f in proto.functions if f.domain not in (SHARP.domain, FALLBACK.domain)]
+    if settings.fallback == "dense":
+        for norm in sorted(norms_used):
+            f = BODIES[norm].to_function_proto()
+            f.name, f.overload = "SharpAttention", norm
+            f.attribute.extend(a for a in ("q_heads", "kv_heads") if a not in f.attribute)
+            functions.append(f)
+        functions += [h.to_function_proto() for h in HELPERS]
+    del proto.functions[:]
+    proto.functions.extend(functions)
+    imports = {o.domain: o for o in proto.opset_import}
+    imports[SHARP.domain] = helper.make_opsetid(SHARP.domain, 1)
+    if settings.fallback == "dense":
+        imports[FALLBACK.domain] = helper.make_opsetid(FALLBACK.domain, 1)
+    del proto.opset_import[:]
+    proto.opset_import.extend(imports.values())
+    proto.ir_version = min(proto.ir_version, 10)
+    meta = {
+        "sharp.version": __version__,
+        "sharp.norm": settings.norm,
+        "sharp.layer_norms": json.dumps(cfg.layer_norms()),
+        "sharp.parameters": json.dumps(_head_parameters(model)),
+        "sharp.tokenizer": json.dumps({"kind": "bytes", "bos": 256, "eos": 257, "vocab_size": cfg.vocab_size}),
+        "sharp.context_length": str(cfg.context_length),
+        "sharp.config": json.dumps(cfg.to_dict()),
+        "sharp.export": json.dumps(asdict(settings)),
+    }
+    del proto.metadata_props[:]
+    for k, v in meta.items():
+        proto.metadata_props.append(onnx.StringStringEntryProto(key=k, value=v))
+    return proto
+
+
+def _head_parameters(model: SharpLM) -> list[dict]:
+    """Per layer: the normalizer and its per-head parameter values, as plain floats."""
+    out = []
+    for block in model.blocks:
+        params = {k: [round(float(x), 6) for x in v.detach()] for k, v in block.attn.head_params().items()}
+        out.append({"norm": block.attn.norm, **params})
+    return out
+
+
+def with_norm(
+    model: SharpLM, norm: str, poly: tuple[float, ...] | None = None, ssmax_s: float | None = None
+) -> SharpLM:
+    """The allowed inference-time norm changes on a softmax model (see cli.check_norm_change)."""
+    if norm not in NORMS:
+        raise ValueError(f"unknown norm {norm!r}; valid: {', '.join(NORMS)}")
+    cfg = model.cfg
+    if norm == cfg.norm:
+        if poly is not None:
+            cfg.adaptive_poly = tuple(poly)
+        return model
+    new_cfg = type(cfg).from_dict({**cfg.to_dict(), "norm": norm, "layer_norms_override": None})
+    if poly is not None:
+        new_cfg.adaptive_poly = tuple(poly)
+    if ssmax_s is not None:
+        new_cfg.ssmax_s = ssmax_s
+    twin = SharpLM(new_cfg)
+    missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or any(not k.endswith("ssmax_s") for k in missing):
+        raise ValueError(
+            f"cannot move {cfg.norm} weights to {norm}: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    return twin.eval()

@@ -1,0 +1,101 @@
+"""Safe checkpoints (SPEC §6): one `model.pt`, a dict of plain types and tensors, always read with
+`torch.load(weights_only=True)` so nothing in a file can run code; anything else is refused with a reason."""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sharp import __version__
+from sharp.models.config import ModelConfig
+from sharp.models.lm import ByteTokenizer, SharpLM
+from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig
+
+FORMAT = "sharp"
+VERSION = 1
+ARCHITECTURES = {"SharpLM": (SharpLM, ModelConfig), "MaxRetrieval": (MaxRetrieval, MaxRetrievalConfig)}
+
+
+class CheckpointError(ValueError):
+    """The file is not a usable sharp checkpoint; the message says what was found and what was expected."""
+
+
+def save(model: nn.Module, path: str | Path, **meta) -> Path:
+    """Write `model` with its config, tokenizer and `meta` (training provenance: plain types only)."""
+    arch = type(model).__name__
+    if arch not in ARCHITECTURES:
+        raise TypeError(f"cannot save {arch}; sharp checkpoints hold: {', '.join(ARCHITECTURES)}")
+    cfg = model.cfg
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "config": {"architecture": arch, **cfg.to_dict()},
+        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "tokenizer": ByteTokenizer().to_dict() if arch == "SharpLM" else None,
+        "norm": cfg.norm,
+        "meta": {"sharp_version": __version__, **meta},
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)  # never leave a half-written model.pt behind
+    return path
+
+
+def read(path: str | Path) -> dict:
+    """Load and validate the checkpoint dict without building a model."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file (expected a sharp model.pt)")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        globals_ = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
+        if not globals_:  # the unpickler met bytes that are no pickle at all
+            raise CheckpointError(f"{path}: not a readable torch file (truncated or corrupt)") from None
+        raise CheckpointError(
+            f"{path}: refused — it holds Python objects that a weights-only load never executes ({globals_[0]}); "
+            "expected a sharp checkpoint written by sharp.models.save"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable torch file (truncated or corrupt: {type(e).__name__})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        found = f"a dict with keys {sorted(payload)[:6]}" if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointError(f"{path}: not a sharp checkpoint (found {found}; expected format='{FORMAT}')")
+    if not isinstance(payload.get("version"), int) or payload["version"] > VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {payload.get('version')!r}; this sharp reads <= {VERSION}")
+    for key in ("config", "state_dict", "norm", "meta"):
+        if key not in payload:
+            raise CheckpointError(f"{path}: sharp checkpoint lacks '{key}'")
+    return payload
+
+
+def load(path: str | Path) -> nn.Module:
+    """Build the model a checkpoint describes and load its weights (strictly), in eval mode on the CPU."""
+    payload = read(path)
+    config = dict(payload["config"])
+    arch = config.pop("architecture", "SharpLM")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    model_cls, cfg_cls = ARCHITECTURES[arch]
+    try:
+        model = model_cls(cfg_cls.from_dict(config))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: bad config: {e}") from None
+    try:
+        result = model.load_state_dict(payload["state_dict"], strict=False)
+    except RuntimeError as e:  # shape mismatches
+        raise CheckpointError(
+            f"{path}: weights do not match the {arch} config ({str(e).splitlines()[-1].strip()})"
+        ) from None
+    if result.missing_keys or result.unexpected_keys:
+        raise CheckpointError(
+            f"{path}: weights do not match the {arch} config (missing {result.missing_keys[:4]}, "
+            f"unexpected {result.unexpected_keys[:4]})"
+        )
+    return model.eval()

@@ -1,0 +1,154 @@
+"""Transformer building blocks: RMSNorm, the MLP, and SharpAttention (self-attention over `attend`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sharp.models.attention import attend
+from sharp.models.config import ModelConfig
+from sharp.models.op import attend_op
+from sharp.models.positional import apply_rope, rope_angles, slopes_for
+
+KVCache = tuple[Tensor, Tensor]  # (k, v), each (B, Hkv, L_past, head_dim), keys already rotated
+
+
+def inverse_softplus(y: float) -> float:
+    """x with softplus(x) = y: the raw value that initialises a softplus-parametrised parameter at y."""
+    return y + math.log(-math.expm1(-y))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def make_layer_norm(cfg: ModelConfig) -> nn.Module:
+    return RMSNorm(cfg.dim) if cfg.layer_norm == "rmsnorm" else nn.LayerNorm(cfg.dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.kind = cfg.mlp
+        if cfg.mlp == "swiglu":
+            hidden = cfg.mlp_hidden or 8 * ((8 * cfg.dim // 3 + 7) // 8)
+            self.gate = nn.Linear(cfg.dim, hidden, bias=False)
+        else:
+            hidden = cfg.mlp_hidden or 4 * cfg.dim
+        self.up = nn.Linear(cfg.dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = F.silu(self.gate(x)) * self.up(x) if self.kind == "swiglu" else F.gelu(self.up(x))
+        return self.down(h)
+
+
+class SharpAttention(nn.Module):
+    """Causal multi-head / grouped-query self-attention with a sharp normalizer and per-head parameters.
+
+    Learned per head: entmax α = 1 + softplus(·) (when learn_alpha), SSA n = 1 + softplus(·) ≥ 1 and
+    b = softplus(·) > 0, SSMax s; ASEntmax computes λ = δ + β·log(pos + 2)^γ per query from its hidden state
+    with β = softplus(x·w_β), γ = s_γ·tanh(x·w_γ).
+    """
+
+    def __init__(self, cfg: ModelConfig, norm: str):
+        super().__init__()
+        self.cfg, self.norm = cfg, norm
+        h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, hkv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, hkv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.dim, bias=False)
+        if norm in ("entmax", "asentmax"):
+            raw = torch.full((h,), inverse_softplus(max(cfg.alpha - 1.0, 1e-3)))
+            if cfg.learn_alpha:
+                self.alpha_raw = nn.Parameter(raw)
+            else:
+                self.register_buffer("alpha_raw", raw)
+        if norm == "ssa":
+            self.ssa_n_raw = nn.Parameter(torch.full((h,), inverse_softplus(max(cfg.ssa_n - 1.0, 1e-3))))
+            self.ssa_b_raw = nn.Parameter(torch.full((h,), inverse_softplus(cfg.ssa_b)))
+        if norm == "ssmax":
+            self.ssmax_s = nn.Parameter(torch.full((h,), cfg.ssmax_s))
+        if norm == "asentmax":
+            self.w_beta = nn.Linear(cfg.dim, h)
+            self.w_gamma = nn.Linear(cfg.dim, h)
+            for lin in (self.w_beta, self.w_gamma):
+                nn.init.normal_(lin.weight, std=0.02)
+                nn.init.zeros_(lin.bias)
+        slopes = slopes_for(cfg.pos, h)
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.as_op = False  # set by use_custom_op()
+
+    def head_params(self) -> dict[str, Tensor]:
+        """The per-head normalizer parameters `attend` receives (Hq,)."""
+        p: dict[str, Tensor] = {}
+        if self.norm in ("entmax", "asentmax"):
+            p["alpha"] = 1.0 + F.softplus(self.alpha_raw)
+        if self.norm == "ssa":
+            p["ssa_n"] = 1.0 + F.softplus(self.ssa_n_raw)
+            p["ssa_b"] = F.softplus(self.ssa_b_raw)
+        if self.norm == "ssmax":
+            p["ssmax_s"] = self.ssmax_s
+        return p
+
+    def query_scale(self, x: Tensor, positions: Tensor) -> Tensor:
+        """ASEntmax's λ (B, Hq, L) from the hidden states entering the layer and absolute positions (B, L)."""
+        beta = F.softplus(self.w_beta(x))
+        gamma = self.cfg.asentmax_s_gamma * torch.tanh(self.w_gamma(x))
+        logpos = torch.log(positions.to(x.dtype) + 2.0).unsqueeze(-1)
+        return (self.cfg.asentmax_delta + beta * logpos.pow(gamma)).transpose(1, 2)
+
+    def forward(
+        self,
+        x: Tensor,
+        positions: Tensor,
+        cache: KVCache | None = None,
+        key_mask: Tensor | None = None,
+        impl: str = "reference",
+    ) -> tuple[Tensor, KVCache, Tensor]:
+        """x (B, L, dim), positions (B, L) → output (B, L, dim), the new cache, entropy (B, Hq, L)."""
+        b, length, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(b, length, cfg.heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, length, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.pos == "rope":
+            cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k = torch.cat((cache[0], k), dim=2)
+            v = torch.cat((cache[1], v), dim=2)
+        kwargs = dict(
+            norm=self.norm,
+            poly=cfg.adaptive_poly,
+            query_scale=self.query_scale(x, positions) if self.norm == "asentmax" else None,
+            alibi_slopes=self.alibi_slopes,
+            **self.head_params(),
+        )
+        if self.as_op:  # one opaque node per layer for graph capture (the exporter lowers it to sharp::SharpAttention)
+            if key_mask is None:
+                key_mask = torch.ones(b, k.shape[2], dtype=torch.bool, device=x.device)
+            out, ent = attend_op(q, k, v, key_mask=key_mask, scale=cfg.head_dim**-0.5, **kwargs)
+        else:
+            out, ent = attend(q, k, v, causal=True, key_mask=key_mask, impl=impl, return_entropy=True, **kwargs)
+        out = out.transpose(1, 2).reshape(b, length, cfg.heads * cfg.head_dim)
+        return self.o_proj(out), (k, v), ent
+
+
+def use_custom_op(model: nn.Module, on: bool = True) -> nn.Module:
+    """Make every SharpAttention of `model` call torch.ops.sharp.attention (for export) or attend (default)."""
+    for m in model.modules():
+        if isinstance(m, SharpAttention):
+            m.as_op = on
+    return model

@@ -1,0 +1,130 @@
+"""SharpLM: a small pre-norm decoder-only LM (nanoGPT-sized) whose attention normalizer is chosen per model
+or per layer, with a built-in byte-level tokenizer so nothing is ever downloaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from sharp.models.config import ModelConfig
+from sharp.models.layers import MLP, KVCache, SharpAttention, make_layer_norm
+from sharp.models.sampling import SamplingParams, sample
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are tokens 0–255; BOS = 256, EOS = 257."""
+
+    bos, eos, vocab_size = 256, 257, 258
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        return ([self.bos] if bos else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def to_dict(self) -> dict:
+        return {"kind": "bytes", "bos": self.bos, "eos": self.eos, "vocab_size": self.vocab_size}
+
+
+@dataclass
+class LMOutput:
+    logits: Tensor  # (B, L, V)
+    cache: list[KVCache]
+    entropy: Tensor | None  # (B, layers, heads, L) nats, when asked
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, norm: str):
+        super().__init__()
+        self.ln1, self.ln2 = make_layer_norm(cfg), make_layer_norm(cfg)
+        self.attn = SharpAttention(cfg, norm)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, cache, key_mask, impl):
+        a, new_cache, ent = self.attn(self.ln1(x), positions, cache, key_mask, impl)
+        x = x + a
+        return x + self.mlp(self.ln2(x)), new_cache, ent
+
+
+class SharpLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.blocks = nn.ModuleList(Block(cfg, n) for n in cfg.layer_norms())
+        self.ln_f = make_layer_norm(cfg)
+        self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids (B, L) → logits (B, L, V)."""
+        return self.step(input_ids).logits
+
+    def step(
+        self,
+        input_ids: Tensor,
+        cache: list[KVCache] | None = None,
+        positions: Tensor | None = None,
+        key_mask: Tensor | None = None,
+        return_entropy: bool = False,
+        impl: str = "reference",
+    ) -> LMOutput:
+        """One forward over new tokens after an optional cache (prefill when cache is None, else decode).
+
+        positions (B, L) default to past_length + arange(L); key_mask (B, past + L) marks real keys.
+        """
+        b, length = input_ids.shape
+        past = cache[0][0].shape[2] if cache else 0
+        if positions is None:
+            positions = (torch.arange(length, device=input_ids.device) + past).expand(b, length)
+        x = self.embed(input_ids)
+        new_cache, entropies = [], []
+        for i, block in enumerate(self.blocks):
+            x, c, ent = block(x, positions, cache[i] if cache else None, key_mask, impl)
+            new_cache.append(c)
+            entropies.append(ent)
+        logits = self.head(self.ln_f(x))
+        return LMOutput(logits, new_cache, torch.stack(entropies, dim=1) if return_entropy else None)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        seed: int | None = None,
+        eos: int | None = ByteTokenizer.eos,
+    ) -> list[int]:
+        """Sample up to max_new_tokens after the prompt with the KV cache; stops at `eos`."""
+        params = params or SamplingParams(temperature=0.0)
+        params.check()
+        if not prompt_ids:
+            raise ValueError("generate needs at least one prompt token")
+        if len(prompt_ids) + max_new_tokens > self.cfg.context_length:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceeds the context limit "
+                f"{self.cfg.context_length}"
+            )
+        device = self.embed.weight.device
+        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        out = self.step(torch.tensor([prompt_ids], device=device))
+        tokens: list[int] = []
+        for _ in range(max_new_tokens):
+            nxt = int(sample(out.logits[:, -1], params, gen))
+            tokens.append(nxt)
+            if eos is not None and nxt == eos:
+                break
+            out = self.step(torch.tensor([[nxt]], device=device), cache=out.cache)
+        return tokens
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,52 @@
+"""Positional encodings of SPEC §4: RoPE (rotate-half, linear scaling), ALiBi slopes, NoPE, NAPE."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+POSITIONAL = ("rope", "alibi", "nope", "nape")
+
+
+def rope_angles(positions: Tensor, head_dim: int, base: float = 10000.0, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos/sin (…, L, head_dim) for absolute positions; linear scaling divides positions by `scaling`."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = (positions.to(torch.float32) / scaling).unsqueeze(-1) * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate (B, H, L, D) by angles (B or 1, L, D) in the rotate-half convention (LLaMA / Hugging Face)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
+
+
+def alibi_slopes(heads: int) -> Tensor:
+    """Press et al.'s geometric slopes 2^(−8h/H), extended by interleaving for non-powers of two. Positive:
+    `attend` adds `slope · (j − i)`, which is ≤ 0 for past keys, so distant keys are penalised."""
+
+    def powers(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    closest = 2 ** math.floor(math.log2(heads))
+    slopes = powers(closest) + powers(2 * closest)[0::2][: heads - closest]
+    return torch.tensor(slopes)
+
+
+def nape_slopes(heads: int) -> Tensor:
+    """NAPE (Vasylenko et al.): heads 0…H/2−1 get ALiBi slopes 1/1, 1/2, …, 1/(H/2); the rest are NoPE."""
+    half = heads // 2
+    return torch.tensor([1.0 / (h + 1) for h in range(half)] + [0.0] * (heads - half))
+
+
+def slopes_for(pos: str, heads: int) -> Tensor | None:
+    if pos not in POSITIONAL:
+        raise ValueError(f"unknown positional encoding {pos!r}; valid: {', '.join(POSITIONAL)}")
+    return {"alibi": alibi_slopes, "nape": nape_slopes}.get(pos, lambda _: None)(heads)

@@ -1,0 +1,216 @@
+"""`sharp-bench kernels`: the Triton kernels against PyTorch SDPA (flash backend) in the same run, on a GPU.
+
+Prefill: forward time and effective TFLOP/s per norm (4·B·H·Lq·Lk·D FLOPs, halved when causal), with the
+SDPA-flash softmax baseline measured on the same inputs; entmax also with NAPE-style ALiBi heads, where
+its support is local and whole key blocks are skipped (block sparsity and threshold passes reported).
+Decode: one query per sequence over a long cache; achieved K+V read bandwidth against a measured device
+copy bandwidth. Medians via triton.testing.do_bench. `--smoke` runs the same pipeline at toy sizes on the
+CPU (Triton interpreter) to check the script, writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from sharp.models.benchlib import markdown_table, today, write_section
+from sharp.models.normalizers import NORMS
+from sharp.models.positional import nape_slopes
+from sharp.models.problem import build_problem
+from sharp.models.streamed import StreamStats
+
+NOT_MEASURED = """## Triton kernels on GPU
+
+Not measured on GPU yet: no GPU was available to the session that wrote the kernels. Correctness is
+verified on CPU in the Triton interpreter (`make test`), and the kernels compile ahead of time to sm_90
+PTX/CUBIN on CPU (`python -m sharp.plugins.triton.aot --arch 90 --out build/ptx`).
+To measure on an H100/H200 (writes this section): `sharp-bench kernels`
+"""
+
+
+def _median_ms(fn: Callable[[], object], gpu: bool, cpu_repeats: int = 3) -> float:
+    if gpu:
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
+    times = []
+    for _ in range(cpu_repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
+    from sharp.plugins.triton.attention import run_problem
+
+    rows = []
+    cases = [(length, d, causal) for length in args.lengths for d in args.head_dims for causal in (False, True)]
+    for length, d, causal in tqdm(cases, desc="prefill", unit="case"):
+        heads = max(1, args.head_budget // d)
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, heads, length, d, device=device, dtype=dtype, generator=g) for _ in range(3))
+        flops = 4 * heads * length * length * d * (0.5 if causal else 1.0)
+        base_ms = _median_ms(lambda q=q, k=k, v=v, causal=causal: _sdpa(q, k, v, causal, gpu), gpu)
+        rows.append(
+            [
+                f"{length:,}",
+                str(d),
+                "causal" if causal else "full",
+                "SDPA-flash softmax",
+                f"{base_ms:.2f}",
+                f"{flops / base_ms / 1e9:.0f}",
+                "1.00×",
+                "—",
+                "—",
+            ]
+        )
+        variants = [(n, False) for n in args.norms] + [("entmax", True)] * ("entmax" in args.norms)
+        for norm, nape in variants:
+            kw = dict(
+                norm=norm,
+                causal=causal,
+                scale=None,
+                alpha=1.5,
+                ssa_n=1.5,
+                ssa_b=1.0,
+                ssmax_s=1.0,
+                poly=(-0.037, 0.481, -2.3, 4.917, -1.791),
+                query_scale=(torch.rand(1, heads, length, device=device, generator=g) + 1.0)
+                if norm == "asentmax"
+                else None,
+                alibi_slopes=nape_slopes(heads).to(device) if nape else None,
+            )
+            problem = build_problem(q, k, v, **kw)
+            stats = StreamStats()
+            run_problem(problem, stats=stats)  # warm-up compile + one measured set of stats
+            ms = _median_ms(lambda p=problem: run_problem(p), gpu)
+            sparse = f"{stats.block_sparsity:.0%}" if norm in ("entmax", "asentmax") else "—"
+            passes = str(stats.threshold_passes) if norm in ("entmax", "asentmax") else "—"
+            label = norm + (" (NAPE)" if nape else "")
+            rows.append(
+                [
+                    f"{length:,}",
+                    str(d),
+                    "causal" if causal else "full",
+                    label,
+                    f"{ms:.2f}",
+                    f"{flops / ms / 1e9:.0f}",
+                    f"{base_ms / ms:.2f}×",
+                    sparse,
+                    passes,
+                ]
+            )
+    return rows
+
+
+def _sdpa(q, k, v, causal: bool, gpu: bool):
+    if gpu:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def _copy_bandwidth(device, gpu: bool, nbytes: int) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), gpu)
+    return 2 * nbytes / ms / 1e6  # GB/s, read + write
+
+
+def _decode_rows(args, device, dtype, gpu: bool) -> tuple[list[list[str]], float]:
+    from sharp.plugins.triton.attention import launch_config, run_problem
+
+    copy_gbs = _copy_bandwidth(device, gpu, args.copy_bytes)
+    rows = []
+    for lk in tqdm(args.decode_lengths, desc="decode", unit="case"):
+        hq, hkv, d = args.decode_heads, args.decode_kv_heads, args.decode_head_dim
+        g = torch.Generator(device=device).manual_seed(1)
+        q = torch.randn(1, hq, 1, d, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(1, hkv, lk, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+        kv_bytes = 2 * hkv * lk * d * k.element_size()
+        for norm in args.norms:
+            problem = build_problem(
+                q,
+                k,
+                v,
+                norm=norm,
+                causal=True,
+                scale=None,
+                alpha=1.5,
+                ssa_n=1.5,
+                ssa_b=1.0,
+                ssmax_s=1.0,
+                poly=(-0.037, 0.481, -2.3, 4.917, -1.791),
+                query_scale=torch.ones(1, hq, 1, device=device) if norm == "asentmax" else None,
+                alibi_slopes=None,
+            )
+            run_problem(problem)
+            splits = launch_config(problem).splits
+            ms = _median_ms(lambda p=problem: run_problem(p), gpu)
+            gbs = kv_bytes / ms / 1e6
+            rows.append([f"{lk:,}", norm, str(splits), f"{ms:.3f}", f"{gbs:,.0f}", f"{gbs / copy_gbs:.0%}"])
+    return rows, copy_gbs
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sharp-bench kernels", description=__doc__)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--head-budget", type=int, default=1024, help="heads = head_budget // D (one sequence)")
+    ap.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS, metavar="NORM")
+    ap.add_argument("--decode-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
+    ap.add_argument("--decode-heads", type=int, default=32)
+    ap.add_argument("--decode-kv-heads", type=int, default=8)
+    ap.add_argument("--decode-head-dim", type=int, default=128)
+    ap.add_argument("--copy-bytes", type=int, default=2**31)
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU in the Triton interpreter; writes nothing")
+    ap.add_argument("--no-write", dest="write", action="store_false")
+    args = ap.parse_args(argv)
+    gpu = torch.cuda.is_available() and not args.smoke
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+            ap.error("--smoke needs TRITON_INTERPRET=1 in the environment (set before triton is imported)")
+        args.lengths, args.head_dims, args.head_budget = [40], [16], 32
+        args.decode_lengths, args.decode_heads, args.decode_kv_heads, args.decode_head_dim = [100], 4, 2, 16
+        args.copy_bytes, args.write = 2**20, False
+    elif not gpu:
+        print("sharp-bench kernels: no CUDA GPU here; use --smoke to check the script on CPU", flush=True)
+        return 2
+    device = "cuda" if gpu else "cpu"
+    dtype = torch.bfloat16
+    prefill = _prefill_rows(args, device, dtype, gpu)
+    decode, copy_gbs = _decode_rows(args, device, dtype, gpu)
+    name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter, smoke run: numbers meaningless)"
+    body = "\n".join(
+        [
+            "## Triton kernels on GPU",
+            "",
+            f"Measured {today()} on {name}, torch {torch.__version__}. Command: `sharp-bench kernels`.",
+            "bf16, one sequence, heads = 1024 / D; median of triton.testing.do_bench. TFLOP/s counts 4·H·L²·D"
+            " (half of it when causal) for every norm, so it is comparable across rows; × SDPA = SDPA time / ours."
+            " Entmax block sparsity = key tiles skipped in the output pass; passes = threshold passes.",
+            "",
+            markdown_table(
+                ["L", "D", "mask", "kernel", "ms", "TFLOP/s", "× SDPA", "block sparsity", "passes"], prefill
+            ),
+            "",
+            f"Decode (Lq = 1, Hq = {args.decode_heads}, Hkv = {args.decode_kv_heads}, D = {args.decode_head_dim}):"
+            f" K+V bytes read per call / time, against a measured device copy bandwidth of {copy_gbs:,.0f} GB/s.",
+            "",
+            markdown_table(["keys", "norm", "splits", "ms", "GB/s", "of copy"], decode),
+        ]
+    )
+    print(body)
+    if args.write:
+        write_section("kernels", body)
+    return 0

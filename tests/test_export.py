@@ -1,0 +1,151 @@
+"""sharp-export: the file's op structure, numbers in stock onnxruntime, cached decoding, and every CLI error."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from sharp.exporter.cli import main, verify
+from sharp.models import MaxRetrieval, MaxRetrievalConfig, ModelConfig, SharpLM, save
+
+
+def _model(norm: str, pos: str = "rope", **kw) -> SharpLM:
+    torch.manual_seed(0)
+    cfg = ModelConfig(dim=32, layers=2, heads=4, kv_heads=2, norm=norm, pos=pos, context_length=128, **kw)
+    model = SharpLM(cfg).eval()
+    with torch.no_grad():  # move learned parameters off their init so wrong wiring would show
+        for name, p in model.named_parameters():
+            if name.endswith(("alpha_raw", "ssa_n_raw", "ssa_b_raw", "ssmax_s")):
+                p.add_(torch.linspace(-0.3, 0.3, p.numel()))
+    return model
+
+
+def _export(tmp_path: Path, model: SharpLM, *args: str) -> Path:
+    ckpt = save(model, tmp_path / "model.pt")
+    out = tmp_path / "model.onnx"
+    assert main([str(ckpt), "-o", str(out), *args]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("norm", "pos"),
+    [
+        ("softmax", "rope"),
+        ("adaptive", "rope"),
+        ("ssmax", "alibi"),
+        ("entmax", "nape"),
+        ("asentmax", "nape"),
+        ("ssa", "rope"),
+    ],
+)
+def test_each_norm_exports_as_custom_op_and_matches_pytorch(tmp_path, norm, pos, capsys):
+    model = _model(norm, pos)
+    out = _export(tmp_path, model)
+    assert "check passed" in capsys.readouterr().out
+    proto = onnx.load(out)
+    ops = [n for n in proto.graph.node if n.domain == "sharp"]
+    assert len(ops) == 2 and all(n.op_type == "SharpAttention" and n.overload == norm for n in ops)
+    attrs = {a.name for a in ops[0].attribute}
+    assert {"norm", "causal", "scale", "poly", "q_heads", "kv_heads"} <= attrs
+    bodies = {(f.domain, f.name, f.overload) for f in proto.functions}
+    assert ("sharp", "SharpAttention", norm) in bodies
+    meta = {p.key: p.value for p in proto.metadata_props}
+    assert meta["sharp.norm"] == norm and json.loads(meta["sharp.layer_norms"]) == [norm, norm]
+    # independent of the CLI's own check: unseen lengths and a past cache, in a fresh session
+    for _, d_logits, d_entropy in verify(out, model, kv_cache=True):
+        assert d_logits < 1e-4 and d_entropy < 1e-4
+
+
+def test_cached_decoding_through_onnx_equals_full_recomputation(tmp_path):
+    model = _model("entmax", "nape")
+    out = _export(tmp_path, model, "--no-check")
+    sess = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(0).integers(0, 256, (2, 10))
+
+    def run(tokens, past, start):
+        b, length = tokens.shape
+        feed = {
+            "input_ids": tokens,
+            "attention_mask": np.ones((b, start + length), np.int64),
+            "position_ids": np.broadcast_to(np.arange(start, start + length), (b, length)).copy(),
+        }
+        for i in range(2):
+            feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
+        return sess.run(None, feed)
+
+    empty = [np.zeros((2, 2, 0, 8), np.float32)] * 4
+    full = run(ids, empty, 0)
+    step = run(ids[:, :6], empty, 0)
+    logits, entropy = [step[0]], [step[-1]]
+    for t in range(6, 10):
+        step = run(ids[:, t : t + 1], step[1:-1], t)
+        logits.append(step[0])
+        entropy.append(step[-1])
+    np.testing.assert_allclose(np.concatenate(logits, 1), full[0], atol=1e-5)
+    np.testing.assert_allclose(np.concatenate(entropy, -1), full[-1], atol=1e-5)
+    assert full[-1].shape == (2, 2, 4, 10)  # attention_entropy (B, layers, heads, L)
+
+
+def test_per_layer_norms_and_no_kv_cache(tmp_path):
+    model = _model("ssa", "alibi", layer_norms_override=["ssa", "adaptive"])
+    out = _export(tmp_path, model, "--no-kv-cache")
+    proto = onnx.load(out)
+    assert [n.overload for n in proto.graph.node if n.domain == "sharp"] == ["ssa", "adaptive"]
+    assert [i.name for i in proto.graph.input] == ["input_ids", "attention_mask", "position_ids"]
+
+
+def test_allowed_norm_changes_on_a_softmax_model(tmp_path, capsys):
+    model = _model("softmax")
+    out = _export(tmp_path, model, "--norm", "adaptive", "--poly", "-0.05", "0.5", "-2.0", "4.5", "-1.5")
+    assert [n.overload for n in onnx.load(out).graph.node if n.domain == "sharp"] == ["adaptive"] * 2
+    out = _export(tmp_path, model, "--norm", "ssmax", "--ssmax-s", "0.4")
+    meta = {p.key: p.value for p in onnx.load(out).metadata_props}
+    assert json.loads(meta["sharp.parameters"])[0]["ssmax_s"] == [0.4] * 4
+    assert capsys.readouterr().out.count("check passed") == 2
+
+
+def test_fallback_none_needs_a_plugin(tmp_path):
+    out = _export(tmp_path, _model("ssa"), "--fallback", "none")
+    proto = onnx.load(out)
+    assert not [f for f in proto.functions if f.domain.startswith("sharp")]
+    with pytest.raises(Exception, match="SharpAttention"):
+        ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize(
+    ("setup", "args", "message"),
+    [
+        ("missing", [], "no such file"),
+        ("garbage", [], "not a readable torch file"),
+        ("ssa", ["--norm", "softmax"], "cannot export a ssa model as softmax"),
+        ("entmax", ["--norm", "ssa"], "parameters are learned"),
+        ("softmax", ["--norm", "ssmax"], "needs --ssmax-s"),
+        ("max-retrieval", [], "is not a language model"),
+        ("ssa", ["-o", "/nonexistent-dir/x.onnx"], "not a writable directory"),
+    ],
+)
+def test_cli_errors_exit_2_with_one_line(tmp_path, capsys, setup, args, message):
+    path = tmp_path / "model.pt"
+    if setup == "garbage":
+        path.write_bytes(os.urandom(256))
+    elif setup == "max-retrieval":
+        save(MaxRetrieval(MaxRetrievalConfig(width=8)), path)
+    elif setup != "missing":
+        save(_model(setup), path)
+    assert main([str(path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_unknown_norm_lists_the_valid_ones(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "m.pt"), "--norm", "sparsemax"])
+    assert e.value.code == 2
+    assert "softmax" in capsys.readouterr().err
