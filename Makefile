@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: $(BIN)/python
 
 bench: $(BIN)/python
 	$(BIN)/sharp-bench normalizers
+
+# Retrain the committed demo models (models/zoo/, ~15 min on 2 cores): deterministic, from the stdlib sources
+zoo: $(BIN)/python
+	$(BIN)/python -m sharp.models.zoo
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
