@@ -2,6 +2,7 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
@@ -11,25 +12,29 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[dev,kernels]'
+	touch $(STAMP)
 
-test: $(BIN)/python
+install: $(STAMP)
+
+test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
 
-lint: $(BIN)/python
+lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-demo: $(BIN)/python
+# The main job on the embedded default: export the demo SSA model and generate with onnxruntime on CPU
+demo: $(STAMP)
 	$(BIN)/python -m sharp.demo
 
-bench: $(BIN)/python
+bench: $(STAMP)
 	$(BIN)/sharp-bench normalizers
 
 # Retrain the committed demo models (models/zoo/, ~15 min on 2 cores): deterministic, from the stdlib sources
-zoo: $(BIN)/python
+zoo: $(STAMP)
 	$(BIN)/python -m sharp.models.zoo
 
 clean:

@@ -10,6 +10,7 @@ COMMANDS = {
     "normalizers": "sharp.models.bench",
     "kernels": "sharp.plugins.bench",
     "repro": "sharp.models.repro",
+    "export": "sharp.exporter.bench",
 }
 
 

@@ -1,19 +1,28 @@
-"""`make demo` until the exporter and server exist: show dispersion and what each normalizer does about it.
+"""`make demo`: the problem, then the product on the embedded default (onnxruntime, CPU).
 
-One query over n keys whose logits are bounded (uniform in [−2, 2]) with a single target key 1 higher than
-the rest. Softmax's weight on the target falls like Θ(1/n) (Veličković et al., Lemma 2.1); the sharp
-normalizers keep it. Runs every norm through `attend` with both implementations and checks they agree.
+1. Dispersion: the weight one query puts on its target key as the number of keys grows, per normalizer,
+   through the reference and streamed implementations (checked to agree).
+2. The committed SSA demo model exported with `sharp-export --norm ssa` (sharp::SharpAttention nodes with
+   their standard-op fallback), then a greedy generation in stock onnxruntime with the graph's
+   `attention_entropy` output summarised per layer and head.
+The gRPC server lands with its issue; it will serve this same file.
 """
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
+import numpy as np
 import torch
 
-from sharp.models import NORMS, attend
+from sharp.models import NORMS, ByteTokenizer, attend
+
+ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
 
 
 def _problem(n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q·k/√d equals the designed logits: q = e_0 · √d, k_j = z_j e_0; v one-hot on the target key."""
+    """q·k/√d equals the designed logits: uniform in [−2, 2] with one target key at 3; v one-hot on it."""
     g = torch.Generator().manual_seed(seed)
     z = torch.rand(n, generator=g) * 4 - 2
     target = n // 3
@@ -30,10 +39,9 @@ def _problem(n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return q, k, v, qs
 
 
-def main() -> None:
+def dispersion() -> None:
     lengths = [16, 128, 1024, 8192]
-    print("sharp demo — weight on the target key (and row entropy, nats) as the context grows")
-    print("(exporter, kernels and server land in later issues; this shows the normalizers and attend)\n")
+    print("1. Dispersion — weight on the target key (row entropy, nats) as the context grows\n")
     print(f"{'norm':<10}" + "".join(f"{'n=' + str(n):>18}" for n in lengths))
     for norm in NORMS:
         cells = []
@@ -45,7 +53,70 @@ def main() -> None:
             assert torch.allclose(out, out_s, atol=1e-5) and torch.allclose(ent, ent_s, atol=1e-5)
             cells.append(f"{out[0, 0, 0, 0].item():.3f} (H={ent.item():.2f})")
         print(f"{norm:<10}" + "".join(f"{c:>18}" for c in cells))
-    print("\nreference and streamed implementations agree on every row above (checked).")
+    print("\nreference and streamed implementations agree on every row (checked).\n")
+
+
+def generate_onnx(path: Path, prompt: str, new_tokens: int) -> tuple[str, np.ndarray]:
+    """Greedy generation through the exported graph; returns the text and the entropies (layers, heads, T)."""
+    import onnx
+    import onnxruntime as ort
+
+    meta = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    past_names = [n for n in names if n.startswith("past_key_values.")]
+    kv_shape = next(i.shape for i in sess.get_inputs() if i.name == past_names[0])
+    tok = ByteTokenizer()
+    ids = tok.encode(prompt)
+    heads_kv, head_dim = int(kv_shape[1]), int(kv_shape[3])
+    past = {n: np.zeros((1, heads_kv, 0, head_dim), np.float32) for n in past_names}
+    feed_ids, out_ids, entropies = ids, [], []
+    for _ in range(new_tokens):
+        start = len(ids) + len(out_ids) - len(feed_ids)
+        feed = {
+            "input_ids": np.array([feed_ids], np.int64),
+            "attention_mask": np.ones((1, start + len(feed_ids)), np.int64),
+            "position_ids": np.arange(start, start + len(feed_ids), dtype=np.int64)[None],
+            **past,
+        }
+        logits, *presents, entropy = sess.run(None, feed)
+        past = dict(zip(past_names, presents, strict=True))
+        entropies.append(entropy[0])
+        nxt = int(logits[0, -1].argmax())
+        if nxt == tok.eos:
+            break
+        out_ids.append(nxt)
+        feed_ids = [nxt]
+    print(f"   model metadata: norm={meta.get('sharp.norm')}, context={meta.get('sharp.context_length')}")
+    return tok.decode(out_ids), np.concatenate(entropies, axis=-1)
+
+
+def product() -> None:
+    from sharp.exporter.cli import main as export_main
+
+    model = ZOO / "ssa.pt"
+    if not model.is_file():
+        print(f"2. (skipped: {model} is missing — run `make zoo` to train the demo models)")
+        return
+    print("2. sharp-export models/zoo/ssa.pt --norm ssa, then generation in stock onnxruntime (CPU)\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ssa.onnx"
+        if export_main([str(model), "--norm", "ssa", "-o", str(out)]) != 0:
+            raise SystemExit("export failed")
+        prompt = "def read_config(path):\n    "
+        text, ent = generate_onnx(out, prompt, 60)
+    print(f"\n   prompt + greedy continuation:\n{prompt}{text}\n")
+    layers, heads, steps = ent.shape
+    print(f"   attention entropy (nats) from the graph's attention_entropy output, mean over {steps} positions:")
+    print("   " + f"{'layer':<7}" + "".join(f"{'head ' + str(h):>9}" for h in range(heads)))
+    for layer in range(layers):
+        print("   " + f"{layer:<7}" + "".join(f"{ent[layer, h].mean():>9.3f}" for h in range(heads)))
+
+
+def main() -> None:
+    print("sharp demo\n")
+    dispersion()
+    product()
 
 
 if __name__ == "__main__":

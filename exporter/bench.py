@@ -1,0 +1,206 @@
+"""`sharp-bench export`: onnxruntime CPU latency of sharp-exported files, per norm, against the same softmax
+model exported through torch's own SDPA (an opset-23 `Attention` node) — all in one run.
+
+Prefill at several lengths (batch 1) and per-token decode on a past cache; medians of repeated runs after a
+warm-up. The demo models (models/zoo) are used when present; entmax / asentmax use random weights of the
+same architecture (latency does not depend on training). A case whose first run exceeds --time-cap is
+reported as such instead of being repeated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from sharp.exporter.export import ExportSettings, GenerationGraph, export_model, io_names, with_norm
+from sharp.models.benchlib import machine, markdown_table, today, write_section
+from sharp.models.checkpoint import load
+from sharp.models.config import ModelConfig
+from sharp.models.layers import SharpAttention, use_custom_op
+from sharp.models.lm import SharpLM
+from sharp.models.positional import apply_rope, rope_angles
+
+ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
+
+
+def _sdpa_forward(self: SharpAttention, x, positions, cache=None, key_mask=None, impl="reference"):
+    """Softmax attention through F.scaled_dot_product_attention (the baseline's export path; no entropy)."""
+    b, length, _ = x.shape
+    cfg = self.cfg
+    q = self.q_proj(x).view(b, length, cfg.heads, cfg.head_dim).transpose(1, 2)
+    k = self.k_proj(x).view(b, length, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+    v = self.v_proj(x).view(b, length, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+    cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+        k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+    lk = k.shape[2]
+    qpos = torch.arange(length, device=x.device) + (lk - length)
+    mask = torch.arange(lk, device=x.device).view(1, -1) <= qpos.view(-1, 1)
+    if key_mask is not None:
+        mask = mask & key_mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = out.transpose(1, 2).reshape(b, length, cfg.heads * cfg.head_dim)
+    return self.o_proj(out), (k, v), torch.zeros(b, cfg.heads, length, device=x.device)
+
+
+def export_sdpa_baseline(model: SharpLM, path: Path) -> Path:
+    """The softmax model with SDPA attention, exported at opset 23 (ONNX `Attention`)."""
+    if model.cfg.pos != "rope" or model.cfg.kv_heads != model.cfg.heads:
+        raise ValueError("the SDPA baseline covers RoPE models without GQA (the demo models' architecture)")
+    wrapper = GenerationGraph(model, kv_cache=True).eval()
+    use_custom_op(model, on=False)
+    for m in model.modules():
+        if isinstance(m, SharpAttention):
+            m.forward = types.MethodType(_sdpa_forward, m)
+    from sharp.exporter.export import _dynamic_shapes, example_inputs
+
+    inputs, outputs = io_names(model.cfg.layers, True)
+    with torch.no_grad():
+        program = torch.onnx.export(
+            wrapper,
+            example_inputs(model, True),
+            dynamo=True,
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_shapes=_dynamic_shapes(model.cfg.layers, True),
+            opset_version=23,
+            optimize=True,
+        )
+    for m in model.modules():
+        if isinstance(m, SharpAttention):
+            del m.forward  # back to the class's own forward
+    onnx.save(program.model_proto, path)
+    return path
+
+
+def _session(path: Path, threads: int):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _feeds(cfg: ModelConfig, new: int, past: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    feed = {
+        "input_ids": rng.integers(0, 256, (1, new)).astype(np.int64),
+        "attention_mask": np.ones((1, past + new), np.int64),
+        "position_ids": (np.arange(new) + past).reshape(1, new).astype(np.int64),
+    }
+    for i in range(cfg.layers):
+        for kind in ("key", "value"):
+            feed[f"past_key_values.{i}.{kind}"] = rng.standard_normal((1, cfg.kv_heads, past, cfg.head_dim)).astype(
+                np.float32
+            )
+    return feed
+
+
+def _time_ms(sess, feed, repeats: int, cap_s: float) -> str | float:
+    t0 = time.perf_counter()
+    sess.run(None, feed)  # warm-up, and the cap check
+    first = time.perf_counter() - t0
+    if first > cap_s:
+        return f"> {cap_s:.0f} s"
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _models() -> dict[str, tuple[SharpLM, str]]:
+    """norm → (model to export, where it came from)."""
+    arch = dict(layers=4, heads=4, dim=128, pos="rope", context_length=16384)
+    if (ZOO / "softmax.pt").is_file() and (ZOO / "ssa.pt").is_file():
+        softmax, ssa, src = load(ZOO / "softmax.pt"), load(ZOO / "ssa.pt"), "demo model"
+    else:
+        torch.manual_seed(0)
+        softmax, ssa, src = (
+            SharpLM(ModelConfig(norm="softmax", **arch)),
+            SharpLM(ModelConfig(norm="ssa", **arch)),
+            "random",
+        )
+    softmax.cfg.context_length = ssa.cfg.context_length = 16384
+    torch.manual_seed(0)
+    return {
+        "softmax": (softmax, src),
+        "adaptive": (with_norm(softmax, "adaptive"), f"{src}, softmax twin"),
+        "ssmax": (with_norm(softmax, "ssmax", ssmax_s=0.3), f"{src}, softmax twin"),
+        "ssa": (ssa, src),
+        "entmax": (SharpLM(ModelConfig(norm="entmax", **arch)).eval(), "random weights"),
+        "asentmax": (SharpLM(ModelConfig(norm="asentmax", **arch)).eval(), "random weights"),
+    }
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sharp-bench export", description=__doc__)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--decode-past", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--time-cap", type=float, default=60.0, help="seconds: longer first runs are not repeated")
+    ap.add_argument("--no-write", dest="write", action="store_false")
+    args = ap.parse_args(argv)
+    models = _models()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        files = {
+            "SDPA baseline (softmax, opset 23 Attention)": export_sdpa_baseline(
+                models["softmax"][0], Path(tmp) / "sdpa.onnx"
+            )
+        }
+        for norm, (model, _) in models.items():
+            path = Path(tmp) / f"{norm}.onnx"
+            onnx.save(export_model(model, ExportSettings(norm=norm)), path)
+            files[f"sharp {norm} (dense fallback)"] = path
+        cfg = models["softmax"][0].cfg
+        base: dict[str, float] = {}
+        for label, path in tqdm(files.items(), desc="export", unit="file"):
+            sess = _session(path, args.threads)
+            cells = []
+            for key, feed in [(f"prefill {n}", _feeds(cfg, n, 0)) for n in args.lengths] + [
+                (f"decode @{args.decode_past}", _feeds(cfg, 1, args.decode_past))
+            ]:
+                ms = _time_ms(sess, feed, args.repeats, args.time_cap)
+                if label.startswith("SDPA") and isinstance(ms, float):
+                    base[key] = ms
+                ratio = (
+                    f" ({ms / base[key]:.2f}×)"
+                    if isinstance(ms, float) and key in base and not label.startswith("SDPA")
+                    else ""
+                )
+                cells.append(f"{ms:,.1f}{ratio}" if isinstance(ms, float) else ms)
+            rows.append([label, *cells])
+    header = ["file", *(f"prefill {n:,} ms" for n in args.lengths), f"decode @{args.decode_past:,} ms/token"]
+    sources = ", ".join(f"{n}: {src}" for n, (_, src) in models.items())
+    body = "\n".join(
+        [
+            "## Export: onnxruntime CPU latency",
+            "",
+            f"Measured {today()} on {machine()}, onnxruntime CPU, {args.threads} threads."
+            " Command: `sharp-bench export`.",
+            f"Batch 1; prefill from an empty cache; decode = one token after {args.decode_past:,} cached; median of"
+            f" {args.repeats} runs after a warm-up; (×) = time / SDPA baseline."
+            f" Models (4 layers, 4 heads, dim 128): {sources}.",
+            "",
+            markdown_table(header, rows),
+        ]
+    )
+    print(body)
+    if args.write:
+        write_section("export", body)
+    return 0
