@@ -194,3 +194,12 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
         ptx = (tmp_path / f"{m['variant']}.ptx").read_text()
         assert ".target sm_90" in ptx and f".entry {m['entry']}(" in ptx
         assert (tmp_path / f"{m['variant']}.cubin").stat().st_size > 1000
+
+
+def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
+    """The GPU benchmark's whole pipeline at toy sizes (numbers meaningless; nothing written)."""
+    from sharp.plugins.bench import run
+
+    assert run(["--smoke", "--norms", "softmax", "entmax"]) == 0
+    out = capsys.readouterr().out
+    assert "SDPA-flash softmax" in out and "entmax (NAPE)" in out and "Decode (Lq = 1" in out
