@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from sharp.models.benchlib import markdown_table, today, write_section
-from sharp.models.normalizers import NORMS
+from sharp.models.normalizers import NORMS, PAPER_POLY
 from sharp.models.positional import nape_slopes
 from sharp.models.problem import build_problem
 from sharp.models.streamed import StreamStats
@@ -46,6 +46,25 @@ def _median_ms(fn: Callable[[], object], gpu: bool, cpu_repeats: int = 3) -> flo
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def _problem(q, k, v, norm: str, causal: bool, query_scale=None, alibi_slopes=None):
+    """A benchmark problem with the normalizers' default parameters."""
+    return build_problem(
+        q,
+        k,
+        v,
+        norm=norm,
+        causal=causal,
+        scale=None,
+        alpha=1.5,
+        ssa_n=1.5,
+        ssa_b=1.0,
+        ssmax_s=1.0,
+        poly=PAPER_POLY,
+        query_scale=query_scale if norm == "asentmax" else None,
+        alibi_slopes=alibi_slopes,
+    )
 
 
 def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
@@ -74,21 +93,8 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
         )
         variants = [(n, False) for n in args.norms] + [("entmax", True)] * ("entmax" in args.norms)
         for norm, nape in variants:
-            kw = dict(
-                norm=norm,
-                causal=causal,
-                scale=None,
-                alpha=1.5,
-                ssa_n=1.5,
-                ssa_b=1.0,
-                ssmax_s=1.0,
-                poly=(-0.037, 0.481, -2.3, 4.917, -1.791),
-                query_scale=(torch.rand(1, heads, length, device=device, generator=g) + 1.0)
-                if norm == "asentmax"
-                else None,
-                alibi_slopes=nape_slopes(heads).to(device) if nape else None,
-            )
-            problem = build_problem(q, k, v, **kw)
+            lam = torch.rand(1, heads, length, device=device, generator=g) + 1.0
+            problem = _problem(q, k, v, norm, causal, lam, nape_slopes(heads).to(device) if nape else None)
             stats = StreamStats()
             run_problem(problem, stats=stats)  # warm-up compile + one measured set of stats
             ms = _median_ms(lambda p=problem: run_problem(p), gpu)
@@ -139,21 +145,7 @@ def _decode_rows(args, device, dtype, gpu: bool) -> tuple[list[list[str]], float
         k, v = (torch.randn(1, hkv, lk, d, device=device, dtype=dtype, generator=g) for _ in range(2))
         kv_bytes = 2 * hkv * lk * d * k.element_size()
         for norm in args.norms:
-            problem = build_problem(
-                q,
-                k,
-                v,
-                norm=norm,
-                causal=True,
-                scale=None,
-                alpha=1.5,
-                ssa_n=1.5,
-                ssa_b=1.0,
-                ssmax_s=1.0,
-                poly=(-0.037, 0.481, -2.3, 4.917, -1.791),
-                query_scale=torch.ones(1, hq, 1, device=device) if norm == "asentmax" else None,
-                alibi_slopes=None,
-            )
+            problem = _problem(q, k, v, norm, True, torch.ones(1, hq, 1, device=device))
             run_problem(problem)
             splits = launch_config(problem).splits
             ms = _median_ms(lambda p=problem: run_problem(p), gpu)

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sharp.models.attention import attend
 from sharp.models.normalizers import PAPER_POLY, Param, adaptive_beta
-from sharp.models.problem import AttentionProblem, build_problem
+from sharp.models.problem import AttentionProblem
 from sharp.models.streamed import StreamStats, finish_softmax_state, merge_softmax_states, refine_threshold
 from sharp.plugins.triton.kernels import (
     _entmax_max_kernel,
@@ -288,8 +289,8 @@ def attention(
     alibi_slopes: Tensor | None = None,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """`attend` with impl="triton": same signature and semantics (see sharp.models.attend)."""
-    problem = build_problem(
+    """`attend(..., impl="triton")`: same signature and semantics (see sharp.models.attend)."""
+    return attend(
         q,
         k,
         v,
@@ -303,12 +304,6 @@ def attention(
         poly=poly,
         query_scale=query_scale,
         alibi_slopes=alibi_slopes,
+        impl="triton",
+        return_entropy=return_entropy,
     )
-    if problem.lk == 0:
-        out = q.new_zeros(*q.shape[:3], v.shape[-1])
-        ent = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)
-    else:
-        with torch.no_grad():
-            out, ent = run_problem(problem)
-        out = out.to(q.dtype)
-    return (out, ent) if return_entropy else out
