@@ -1,5 +1,6 @@
-"""`sharp-bench export`: onnxruntime CPU latency of sharp-exported files, per norm, against the same softmax
-model exported through torch's own SDPA (an opset-23 `Attention` node) — all in one run.
+"""`sharp-bench export`: onnxruntime CPU latency of sharp-exported files, per norm and fallback (dense,
+streamed with 256-key blocks), against the same softmax model exported through torch's own SDPA (an
+opset-23 `Attention` node) — all in one run.
 
 Prefill at several lengths (batch 1) and per-token decode on a past cache; medians of repeated runs after a
 warm-up. The demo models (models/zoo) are used when present; entmax / asentmax use random weights of the
@@ -153,6 +154,7 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-cap", type=float, default=60.0, help="seconds: longer first runs are not repeated")
+    ap.add_argument("--fallbacks", nargs="+", choices=["dense", "streamed"], default=["dense", "streamed"])
     ap.add_argument("--no-write", dest="write", action="store_false")
     args = ap.parse_args(argv)
     models = _models()
@@ -164,9 +166,10 @@ def run(argv: list[str] | None = None) -> int:
             )
         }
         for norm, (model, _) in models.items():
-            path = Path(tmp) / f"{norm}.onnx"
-            onnx.save(export_model(model, ExportSettings(norm=norm)), path)
-            files[f"sharp {norm} (dense fallback)"] = path
+            for fallback in args.fallbacks:
+                path = Path(tmp) / f"{norm}-{fallback}.onnx"
+                onnx.save(export_model(model, ExportSettings(norm=norm, fallback=fallback)), path)
+                files[f"sharp {norm} ({fallback} fallback)"] = path
         cfg = models["softmax"][0].cfg
         base: dict[str, float] = {}
         for label, path in tqdm(files.items(), desc="export", unit="file"):

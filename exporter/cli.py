@@ -105,9 +105,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-o", "--output", type=Path, help="output .onnx (default: MODEL with .onnx)")
     ap.add_argument(
         "--fallback",
-        choices=["dense", "none"],
+        choices=["dense", "streamed", "none"],
         default="dense",
-        help="standard-op bodies in the file (none: a plugin is required to run it)",
+        help="standard-op bodies: dense (materialises the logits; fastest for short contexts), streamed (a Loop"
+        " over key blocks, O(L·block) memory; long contexts), none (the file then needs a sharp plugin)",
     )
     ap.add_argument(
         "--opset",
@@ -117,6 +118,7 @@ def parser() -> argparse.ArgumentParser:
         help="ONNX opset of the standard ops (18; converting would inline the custom op away)",
     )
     ap.add_argument("--dtype", choices=["fp32"], default="fp32")
+    ap.add_argument("--block-size", type=int, default=256, help="keys per Loop iteration of --fallback streamed")
     ap.add_argument("--no-kv-cache", dest="kv_cache", action="store_false")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--poly", type=float, nargs="+", help="adaptive polynomial, highest power first")
@@ -146,11 +148,18 @@ def _export(args) -> int:
     norm = args.norm or model.cfg.norm
     check_norm_change(model, norm, args.ssmax_s)
     out = args.output or args.model.with_suffix(".onnx")
+    if args.block_size < 1:
+        raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise UsageError(f"cannot write {out}: {out.parent} is not a writable directory")
     model = with_norm(model, norm, tuple(args.poly) if args.poly else None, args.ssmax_s)
     settings = ExportSettings(
-        norm=norm, fallback=args.fallback, opset=args.opset, kv_cache=args.kv_cache, dtype=args.dtype
+        norm=norm,
+        fallback=args.fallback,
+        opset=args.opset,
+        kv_cache=args.kv_cache,
+        dtype=args.dtype,
+        block_size=args.block_size,
     )
     proto = export_model(model, settings)
     onnx.save(proto, out)

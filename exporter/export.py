@@ -17,12 +17,20 @@ from onnx import helper
 from torch import Tensor, nn
 
 from sharp import __version__
-from sharp.exporter.fallback import BODIES, FALLBACK, HELPERS, SHARP, translate
+from sharp.exporter.fallback import (
+    BODIES,
+    FALLBACK,
+    HELPERS,
+    SHARP,
+    STREAMED_BODIES,
+    STREAMED_HELPERS,
+    translate,
+)
 from sharp.models.layers import use_custom_op
 from sharp.models.lm import SharpLM
 from sharp.models.normalizers import NORMS
 
-FALLBACKS = ("dense", "none")
+FALLBACKS = ("dense", "streamed", "none")
 # the opset the fallback bodies are written in (the main graph is exported at the same one)
 NATIVE_OPSET = 18
 
@@ -34,12 +42,15 @@ class ExportSettings:
     opset: int = 18
     kv_cache: bool = True
     dtype: str = "fp32"
+    block_size: int = 256  # keys per Loop iteration of the streamed fallback
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
             raise ValueError(f"unknown fallback {self.fallback!r}; valid: {', '.join(FALLBACKS)}")
         if self.opset != NATIVE_OPSET:
             raise ValueError(f"opset {self.opset} is not supported; sharp-export writes opset {NATIVE_OPSET}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.dtype != "fp32":
             raise ValueError(f"dtype {self.dtype!r} is not supported yet; valid: fp32")
 
@@ -129,19 +140,23 @@ def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -
             node.attribute.extend(
                 [helper.make_attribute("q_heads", cfg.heads), helper.make_attribute("kv_heads", cfg.kv_heads)]
             )
+            if settings.fallback == "streamed":
+                node.attribute.append(helper.make_attribute("block_size", settings.block_size))
     functions = [f for f in proto.functions if f.domain not in (SHARP.domain, FALLBACK.domain)]
-    if settings.fallback == "dense":
+    if settings.fallback != "none":
+        bodies = BODIES if settings.fallback == "dense" else STREAMED_BODIES
         for norm in sorted(norms_used):
-            f = BODIES[norm].to_function_proto()
+            f = bodies[norm].to_function_proto()
             f.name, f.overload = "SharpAttention", norm
             f.attribute.extend(a for a in ("q_heads", "kv_heads") if a not in f.attribute)
             functions.append(f)
-        functions += [h.to_function_proto() for h in HELPERS]
+        helpers = HELPERS if settings.fallback == "dense" else (*HELPERS, *STREAMED_HELPERS)
+        functions += [h.to_function_proto() for h in helpers]
     del proto.functions[:]
     proto.functions.extend(functions)
     imports = {o.domain: o for o in proto.opset_import}
     imports[SHARP.domain] = helper.make_opsetid(SHARP.domain, 1)
-    if settings.fallback == "dense":
+    if settings.fallback != "none":
         imports[FALLBACK.domain] = helper.make_opsetid(FALLBACK.domain, 1)
     del proto.opset_import[:]
     proto.opset_import.extend(imports.values())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -45,15 +44,18 @@ def _export(tmp_path: Path, model: SharpLM, *args: str) -> Path:
         ("ssa", "rope"),
     ],
 )
-def test_each_norm_exports_as_custom_op_and_matches_pytorch(tmp_path, norm, pos, capsys):
+@pytest.mark.parametrize("fallback", ["dense", "streamed"])
+def test_each_norm_exports_as_custom_op_and_matches_pytorch(tmp_path, norm, pos, fallback, capsys):
     model = _model(norm, pos)
-    out = _export(tmp_path, model)
+    # streamed with 3-key blocks: the checks' 9- and 10-key rows span several blocks, the last one partial
+    out = _export(tmp_path, model, "--fallback", fallback, "--block-size", "3")
     assert "check passed" in capsys.readouterr().out
     proto = onnx.load(out)
     ops = [n for n in proto.graph.node if n.domain == "sharp"]
     assert len(ops) == 2 and all(n.op_type == "SharpAttention" and n.overload == norm for n in ops)
     attrs = {a.name for a in ops[0].attribute}
     assert {"norm", "causal", "scale", "poly", "q_heads", "kv_heads"} <= attrs
+    assert ("block_size" in attrs) == (fallback == "streamed")
     bodies = {(f.domain, f.name, f.overload) for f in proto.functions}
     assert ("sharp", "SharpAttention", norm) in bodies
     meta = {p.key: p.value for p in proto.metadata_props}
@@ -134,7 +136,7 @@ def test_fallback_none_needs_a_plugin(tmp_path):
 def test_cli_errors_exit_2_with_one_line(tmp_path, capsys, setup, args, message):
     path = tmp_path / "model.pt"
     if setup == "garbage":
-        path.write_bytes(os.urandom(256))
+        path.write_bytes(b"\x00\x01 definitely not a checkpoint \xff" * 16)
     elif setup == "max-retrieval":
         save(MaxRetrieval(MaxRetrievalConfig(width=8)), path)
     elif setup != "missing":
