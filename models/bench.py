@@ -67,33 +67,7 @@ def _fmt_ms(r: dict) -> str:
     return f"{r['median_s'] * 1e3:,.0f}" if "median_s" in r else r.get("error", r.get("skipped", "—"))
 
 
-def run(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sharp-bench normalizers", description=__doc__)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
-    ap.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS, metavar="NORM")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--block", type=int, default=128, help="key block of the streamed implementation")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-causal", dest="causal", action="store_false")
-    ap.add_argument("--memory-budget-gib", type=float, default=16.0, help="skip reference cases estimated above this")
-    ap.add_argument("--no-write", dest="write", action="store_false", help="print only; leave docs/benchmarks.md")
-    args = ap.parse_args(argv)
-    if min(args.lengths) < 1 or args.repeats < 1 or args.dim < 1 or args.block < 1:
-        ap.error("lengths, repeats, dim and block must be positive integers")
-
-    cases = [(length, norm) for length in args.lengths for norm in args.norms]
-    rows = []
-    for length, norm in tqdm(cases, desc="normalizers", unit="case"):
-        base = dict(length=length, norm=norm, dim=args.dim, causal=args.causal, block=args.block, repeats=args.repeats)
-        need_gib = length * length * _REFERENCE_BYTES_PER_LOGIT.get(norm, _DEFAULT_BYTES_PER_LOGIT) / 2**30
-        if need_gib > args.memory_budget_gib:
-            ref = {"skipped": f"skipped (~{need_gib:.0f} GiB)"}
-        else:
-            ref = run_isolated("sharp.models.bench", {**base, "impl": "reference"})
-        st = run_isolated("sharp.models.bench", {**base, "impl": "streamed"})
-        rows.append((length, norm, ref, st))
-        tqdm.write(f"L={length} {norm}: reference {_fmt_ms(ref)} ms, streamed {_fmt_ms(st)} ms")
-
+def _report(args, rows: list, done: bool) -> str:
     header = [
         "L",
         "norm",
@@ -122,21 +96,53 @@ def run(argv: list[str] | None = None) -> int:
             ]
         )
     mode = "causal" if args.causal else "non-causal"
-    body = "\n".join(
+    status = "" if done else f" **Run in progress: {len(rows)} cases so far.**"
+    return "\n".join(
         [
             "## Normalizers: reference vs streamed (CPU)",
             "",
-            f"Measured {today()} on {machine()}.",
+            f"Measured {today()} on {machine()}.{status}",
             f"Command: `sharp-bench normalizers --lengths {' '.join(map(str, args.lengths))} --repeats {args.repeats}`"
             f" — one head, D={args.dim}, Lq = Lk = L, {mode}, fp32, key block {args.block};"
-            f" median of {args.repeats} runs,"
-            " each implementation in its own process. Peak MiB is resident memory above the process's size before the"
-            " call (inputs excluded). Time ratio = streamed / reference. Key passes = streams over K per query chunk"
-            " (entmax: max pass + threshold passes + output pass).",
+            f" median of {args.repeats} runs, each implementation in its own process. Peak MiB is resident memory"
+            " above the process's size before the call (inputs excluded). Time ratio = streamed / reference."
+            " Key passes = streams over K per query chunk (entmax: max pass + threshold passes + output pass).",
             "",
             markdown_table(header, table),
         ]
     )
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="sharp-bench normalizers", description=__doc__)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS, metavar="NORM")
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--block", type=int, default=128, help="key block of the streamed implementation")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-causal", dest="causal", action="store_false")
+    ap.add_argument("--memory-budget-gib", type=float, default=16.0, help="skip reference cases estimated above this")
+    ap.add_argument("--no-write", dest="write", action="store_false", help="print only; leave docs/benchmarks.md")
+    args = ap.parse_args(argv)
+    if min(args.lengths) < 1 or args.repeats < 1 or args.dim < 1 or args.block < 1:
+        ap.error("lengths, repeats, dim and block must be positive integers")
+
+    cases = [(length, norm) for length in args.lengths for norm in args.norms]
+    rows = []
+    for length, norm in tqdm(cases, desc="normalizers", unit="case"):
+        base = dict(length=length, norm=norm, dim=args.dim, causal=args.causal, block=args.block, repeats=args.repeats)
+        need_gib = length * length * _REFERENCE_BYTES_PER_LOGIT.get(norm, _DEFAULT_BYTES_PER_LOGIT) / 2**30
+        if need_gib > args.memory_budget_gib:
+            ref = {"skipped": f"skipped (~{need_gib:.0f} GiB)"}
+        else:
+            ref = run_isolated("sharp.models.bench", {**base, "impl": "reference"})
+        st = run_isolated("sharp.models.bench", {**base, "impl": "streamed"})
+        rows.append((length, norm, ref, st))
+        tqdm.write(f"L={length} {norm}: reference {_fmt_ms(ref)} ms, streamed {_fmt_ms(st)} ms")
+        if args.write:  # keep the page current, so an interrupted run still leaves its measured rows
+            write_section("normalizers", _report(args, rows, done=False))
+
+    body = _report(args, rows, done=True)
     print(body)
     if args.write:
         write_section("normalizers", body)
