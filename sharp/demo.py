@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sharp.models import NORMS, ByteTokenizer, attend
+from sharp.models import NORMS, ByteTokenizer, SamplingParams, attend
+from sharp.models.sampling import sample
 
 ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
 
@@ -56,8 +57,11 @@ def dispersion() -> None:
     print("\nreference and streamed implementations agree on every row (checked).\n")
 
 
-def generate_onnx(path: Path, prompt: str, new_tokens: int) -> tuple[str, np.ndarray]:
-    """Greedy generation through the exported graph; returns the text and the entropies (layers, heads, T)."""
+def generate_onnx(
+    path: Path, prompt: str, new_tokens: int, params: SamplingParams | None = None, seed: int = 0
+) -> tuple[str, np.ndarray]:
+    """Generation through the exported graph (greedy by default); returns the text and the entropies
+    (layers, heads, T) from its attention_entropy output."""
     import onnx
     import onnxruntime as ort
 
@@ -70,6 +74,8 @@ def generate_onnx(path: Path, prompt: str, new_tokens: int) -> tuple[str, np.nda
     ids = tok.encode(prompt)
     heads_kv, head_dim = int(kv_shape[1]), int(kv_shape[3])
     past = {n: np.zeros((1, heads_kv, 0, head_dim), np.float32) for n in past_names}
+    params = params or SamplingParams(temperature=0.0)
+    generator = torch.Generator().manual_seed(seed)
     feed_ids, out_ids, entropies = ids, [], []
     for _ in range(new_tokens):
         start = len(ids) + len(out_ids) - len(feed_ids)
@@ -82,7 +88,7 @@ def generate_onnx(path: Path, prompt: str, new_tokens: int) -> tuple[str, np.nda
         logits, *presents, entropy = sess.run(None, feed)
         past = dict(zip(past_names, presents, strict=True))
         entropies.append(entropy[0])
-        nxt = int(logits[0, -1].argmax())
+        nxt = int(sample(torch.from_numpy(logits[:, -1]), params, generator))
         if nxt == tok.eos:
             break
         out_ids.append(nxt)
@@ -103,9 +109,9 @@ def product() -> None:
         out = Path(tmp) / "ssa.onnx"
         if export_main([str(model), "--norm", "ssa", "-o", str(out)]) != 0:
             raise SystemExit("export failed")
-        prompt = "def read_config(path):\n    "
-        text, ent = generate_onnx(out, prompt, 60)
-    print(f"\n   prompt + greedy continuation:\n{prompt}{text}\n")
+        prompt = "import os\n\n\ndef read_config(path"
+        text, ent = generate_onnx(out, prompt, 120, SamplingParams(temperature=0.8, top_k=40), seed=0)
+    print(f"\n   prompt + sampled continuation (temperature 0.8, top-k 40, seed 0):\n{prompt}{text}\n")
     layers, heads, steps = ent.shape
     print(f"   attention entropy (nats) from the graph's attention_entropy output, mean over {steps} positions:")
     print("   " + f"{'layer':<7}" + "".join(f"{'head ' + str(h):>9}" for h in range(heads)))
