@@ -61,6 +61,16 @@ class AttentionProblem:
     def group(self) -> int:
         return self.q.shape[1] // self.k.shape[1]
 
+    def entmax_is_softmax(self, impl: str) -> bool:
+        """α = 1 is softmax. Streamed implementations run one algorithm per call, so per-head α mixing 1 with
+        α > 1 is refused for them (the reference handles it row by row)."""
+        if isinstance(self.alpha, float):
+            return self.alpha == 1.0
+        ones = self.alpha == 1.0
+        if bool(ones.any()) and not bool(ones.all()):
+            raise ValueError(f"impl={impl!r} cannot mix alpha == 1 (softmax) with alpha > 1 across heads")
+        return bool(ones.all())
+
     def query_positions(self, start: int = 0, stop: int | None = None) -> Tensor:
         """Absolute positions of queries [start, stop): the KV cache holds the Lk − Lq earlier tokens."""
         stop = self.lq if stop is None else stop

@@ -226,16 +226,6 @@ def _entmax(chunk: _Chunk, stats: StreamStats, max_passes: int) -> tuple[Tensor,
     return acc / safe, ent
 
 
-def _is_softmax_alpha(alpha: float | Tensor) -> bool:
-    """α = 1 is softmax. Per-head α mixing 1 with α > 1 would need two algorithms in one pass: refused."""
-    if isinstance(alpha, float):
-        return alpha == 1.0
-    ones = alpha == 1.0
-    if bool(ones.any()) and not bool(ones.all()):
-        raise ValueError("impl='streamed' cannot mix alpha == 1 (softmax) with alpha > 1 across heads")
-    return bool(ones.all())
-
-
 def streamed_attention(
     problem: AttentionProblem, block_size: int = 128, stats: StreamStats | None = None, max_passes: int = 30
 ) -> tuple[Tensor, Tensor]:
@@ -249,7 +239,7 @@ def streamed_attention(
     with torch.no_grad():
         for start in range(0, p.lq, QUERY_CHUNK):
             chunk = _Chunk(p, start, min(start + QUERY_CHUNK, p.lq), block_size)
-            if p.norm in ("entmax", "asentmax") and not _is_softmax_alpha(p.alpha):
+            if p.norm in ("entmax", "asentmax") and not p.entmax_is_softmax("streamed"):
                 o, h = _entmax(chunk, stats, max_passes)
             else:
                 o, h = _softmax_family(chunk, stats)

@@ -235,7 +235,7 @@ def run_problem(
     cfg = launch_config(p, block_size, splits)
     run = _Launcher(p, cfg)
     norm = p.norm
-    if norm in ("entmax", "asentmax") and _alpha_is_one(p.alpha):
+    if norm in ("entmax", "asentmax") and p.entmax_is_softmax("triton"):
         norm = "softmax"
     if norm in ("entmax", "asentmax"):
         out, ent = _entmax(run, stats)
@@ -253,15 +253,6 @@ def run_problem(
     if norm not in ("entmax", "asentmax"):
         stats.key_passes += 2 if norm == "adaptive" else 1
     return run.unflatten(out), run.unflatten(ent)
-
-
-def _alpha_is_one(alpha: Param) -> bool:
-    if isinstance(alpha, float):
-        return alpha == 1.0
-    ones = alpha == 1.0
-    if bool(ones.any()) and not bool(ones.all()):
-        raise ValueError("impl='triton' cannot mix alpha == 1 (softmax) with alpha > 1 across heads")
-    return bool(ones.all())
 
 
 def attend_impl(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
