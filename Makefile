@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[dev,kernels]'
 	touch $(STAMP)

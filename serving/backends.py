@@ -1,0 +1,201 @@
+"""Model backends behind one interface: the engine batches, samples and streams; a backend runs one forward.
+
+Both take the flat tensors of the exported generation graph (exporter/export.py, Optimum names): left-padded
+`input_ids` (B, L), `attention_mask` (B, past + L), `position_ids` (B, L) and per-layer past keys/values
+(B, kv_heads, past, head_dim); they return the last position's logits, the presents and the per-head
+attention entropy (B, layers, heads, L) from the attention itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+BACKENDS = ("onnxruntime", "torch")
+
+
+class BackendError(Exception):
+    """The model file cannot be served (missing, wrong kind, unsupported architecture)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine and GetModelInfo need to know about the served model."""
+
+    name: str
+    backend: str
+    norm: str
+    layer_norms: list[str]
+    parameters: list[dict]  # per layer: {"norm": ..., "<param>": [per-head values]}
+    context_length: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    bos: int
+    eos: int
+    kv_bytes_per_token: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_bytes_per_token", 2 * self.layers * self.kv_heads * self.head_dim * 4)
+
+
+@dataclass
+class StepOutput:
+    logits: Tensor  # (B, V) at each row's last position
+    presents: list[Tensor]  # 2 × layers of (B, kv_heads, past + L, head_dim)
+    entropy: Tensor | None  # (B, layers, heads, L) nats, when asked
+
+
+class Backend(ABC):
+    spec: ModelSpec
+    device: torch.device
+
+    @abstractmethod
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, past: list[Tensor], entropy: bool
+    ) -> StepOutput: ...
+
+    def empty_past(self, batch: int) -> list[Tensor]:
+        s = self.spec
+        return [torch.zeros(batch, s.kv_heads, 0, s.head_dim, device=self.device) for _ in range(2 * s.layers)]
+
+
+def _spec_from_config(name: str, backend: str, cfg: dict, parameters: list[dict], tokenizer: dict) -> ModelSpec:
+    heads = int(cfg["heads"])
+    layer_norms = [p["norm"] for p in parameters] or [cfg["norm"]] * int(cfg["layers"])
+    return ModelSpec(
+        name=name,
+        backend=backend,
+        norm=cfg["norm"] if len(set(layer_norms)) == 1 else "mixed",
+        layer_norms=layer_norms,
+        parameters=parameters,
+        context_length=int(cfg["context_length"]),
+        layers=int(cfg["layers"]),
+        heads=heads,
+        kv_heads=int(cfg.get("kv_heads") or heads),
+        head_dim=int(cfg["dim"]) // heads,
+        vocab_size=int(cfg["vocab_size"]),
+        bos=int(tokenizer.get("bos", 256)),
+        eos=int(tokenizer.get("eos", 257)),
+    )
+
+
+class OnnxRuntimeBackend(Backend):
+    """A file written by `sharp-export` with a KV cache, run by onnxruntime (CPU; CUDA when available)."""
+
+    def __init__(self, path: Path, device: str = "cpu", op_library: str | None = None, threads: int = 0):
+        import onnx
+        import onnxruntime as ort
+
+        try:
+            meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        except Exception as e:  # onnx raises DecodeError and friends for non-ONNX bytes
+            raise BackendError(
+                f"{path}: not an ONNX file ({type(e).__name__}); expected a file from sharp-export"
+            ) from e
+        if "sharp.config" not in meta:
+            raise BackendError(f"{path}: no sharp metadata; expected an ONNX file written by sharp-export")
+        if not json.loads(meta.get("sharp.export", "{}")).get("kv_cache", False):
+            raise BackendError(f"{path}: exported without a KV cache; re-export without --no-kv-cache to serve it")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        op_library = op_library or os.environ.get("SHARP_ORT_OP_LIBRARY")
+        if op_library:  # a native sharp::SharpAttention kernel replaces the standard-op fallback bodies
+            options.register_custom_ops_library(op_library)
+        providers = ["CPUExecutionProvider"]
+        if device == "cuda":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise BackendError("--device cuda needs onnxruntime-gpu (pip install 'sharp-attention[gpu]')")
+            providers.insert(0, "CUDAExecutionProvider")
+        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        self.device = torch.device("cpu")  # inputs and outputs travel as host arrays
+        self.spec = _spec_from_config(
+            Path(path).stem,
+            "onnxruntime",
+            json.loads(meta["sharp.config"]),
+            json.loads(meta.get("sharp.parameters", "[]")),
+            json.loads(meta.get("sharp.tokenizer", "{}")),
+        )
+        self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+        feed = {
+            "input_ids": input_ids.numpy(),
+            "attention_mask": attention_mask.numpy(),
+            "position_ids": position_ids.numpy(),
+            **{name: t.numpy() for name, t in zip(self.past_names, past, strict=True)},
+        }
+        names = self.output_names if entropy else self.output_names[:-1]
+        logits, *rest = self.session.run(names, feed)
+        presents = rest[:-1] if entropy else rest
+        return StepOutput(
+            torch.from_numpy(np.ascontiguousarray(logits[:, -1])),
+            [torch.from_numpy(p) for p in presents],
+            torch.from_numpy(rest[-1]) if entropy else None,
+        )
+
+
+class TorchBackend(Backend):
+    """A sharp `model.pt` (SharpLM) in PyTorch; on CUDA the attention runs the Triton kernels."""
+
+    def __init__(self, path: Path, device: str = "cpu"):
+        from sharp.models import CheckpointError, SharpLM, load
+
+        try:
+            model = load(path)
+        except CheckpointError as e:
+            raise BackendError(str(e)) from e
+        if not isinstance(model, SharpLM):
+            raise BackendError(f"{path}: a {type(model).__name__} checkpoint; only SharpLM language models generate")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BackendError("--device cuda: no CUDA device is visible to torch")
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.impl = "triton" if self.device.type == "cuda" else "reference"
+        cfg = model.cfg.to_dict()
+        parameters = [
+            {"norm": b.attn.norm, **{k: [float(x) for x in v.detach().cpu()] for k, v in b.attn.head_params().items()}}
+            for b in model.blocks
+        ]
+        self.spec = _spec_from_config(Path(path).stem, "torch", cfg, parameters, {"bos": 256, "eos": 257})
+
+    @torch.inference_mode()
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+        cache = [(past[2 * i], past[2 * i + 1]) for i in range(self.spec.layers)]
+        out = self.model.step(
+            input_ids.to(self.device),
+            cache=cache,
+            positions=position_ids.to(self.device),
+            key_mask=attention_mask.to(self.device, torch.bool),
+            return_entropy=entropy,
+            impl=self.impl,
+        )
+        presents = [t for kv in out.cache for t in kv]
+        ent = out.entropy.float().cpu() if entropy else None
+        return StepOutput(out.logits[:, -1].float().cpu(), presents, ent)
+
+
+def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "cpu", **kw) -> Backend:
+    """The backend for `path`; raises BackendError with what was found and what was expected."""
+    path = Path(path)
+    if backend not in BACKENDS:
+        raise BackendError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if not path.is_file():
+        raise BackendError(
+            f"{path}: no such file (expected {'an .onnx file' if backend == 'onnxruntime' else 'a model.pt'})"
+        )
+    if backend == "onnxruntime":
+        if path.suffix == ".pt":
+            raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")
+        return OnnxRuntimeBackend(path, device, **kw)
+    return TorchBackend(path, device)

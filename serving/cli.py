@@ -1,0 +1,238 @@
+"""`sharp-serve MODEL` and `sharp-client generate|info|health`.
+
+Mistakes exit 2 with one line saying what was wrong and what is allowed; SIGTERM (or Ctrl-C) drains the server:
+health goes NOT_SERVING, new calls get UNAVAILABLE, in-flight calls finish within --drain-timeout, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+from sharp.serving.backends import BACKENDS
+
+
+class UsageError(Exception):
+    """A user mistake: one line on stderr, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def _read(path: Path | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path, help="an .onnx file from sharp-export (onnxruntime) or a model.pt (torch)")
+    ap.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
+    ap.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    ap.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0: any free port; -1: off)")
+    ap.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
+    ap.add_argument("--max-queue", type=int, default=256, help="waiting requests; more get RESOURCE_EXHAUSTED")
+    ap.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache budget (padding included)")
+    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per engine step")
+    ap.add_argument("--max-new-tokens-limit", type=int, default=4096)
+    ap.add_argument("--default-max-new-tokens", type=int, default=64)
+    ap.add_argument("--entropy-metrics", choices=["head", "layer", "off"], default="head")
+    ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
+    ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
+    ap.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
+    ap.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
+    ap.add_argument("--ort-op-library", help="a native sharp::SharpAttention library for onnxruntime")
+    ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: all cores)")
+    return ap
+
+
+def build_server(args):
+    """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
+    from sharp.serving.backends import load_backend
+    from sharp.serving.engine import Engine, EngineConfig
+    from sharp.serving.metrics import ServingMetrics
+    from sharp.serving.server import ServerConfig
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together; give both or neither")
+    for name in ("port", "metrics_port"):
+        if not -1 <= getattr(args, name) <= 65535 or (name == "port" and args.port < 0):
+            raise UsageError(
+                f"--{name.replace('_', '-')} must be a port number in [0, 65535], got {getattr(args, name)}"
+            )
+    token = _read(args.auth_token_file, "--auth-token-file")
+    if token is not None and not token.strip():
+        raise UsageError(f"--auth-token-file {args.auth_token_file} is empty")
+    config = EngineConfig(
+        max_batch=args.max_batch,
+        max_queue=args.max_queue,
+        kv_cache_mb=args.kv_cache_mb,
+        prefill_chunk=args.prefill_chunk,
+        max_new_tokens_limit=args.max_new_tokens_limit,
+        default_max_new_tokens=args.default_max_new_tokens,
+    )
+    try:
+        config.check()
+    except ValueError as e:
+        raise UsageError(f"--{str(e).replace('_', '-')}") from None
+    kw = {"op_library": args.ort_op_library, "threads": args.threads} if args.backend == "onnxruntime" else {}
+    backend = load_backend(args.model, args.backend, args.device, **kw)
+    engine = Engine(backend, config, ServingMetrics(backend.spec, entropy=args.entropy_metrics))
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        drain_timeout=args.drain_timeout,
+        auth_token=token.decode().strip() if token else None,
+        tls_cert=_read(args.tls_cert, "--tls-cert"),
+        tls_key=_read(args.tls_key, "--tls-key"),
+    )
+    return engine, server
+
+
+async def _serve(engine, config) -> None:
+    from sharp.serving.server import SharpServer
+
+    server = SharpServer(engine, config)
+    await server.start()
+    spec = engine.spec
+    metrics = f", metrics http://{config.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    print(
+        f"sharp-serve: {spec.name} ({spec.backend}, norm {spec.norm}, {spec.layers} layers × {spec.heads} heads)"
+        f" on {config.host}:{server.port}{metrics}",
+        flush=True,
+    )
+    loop = asyncio.get_running_loop()
+    draining = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, draining.set)
+    waiter = asyncio.ensure_future(server.wait())
+    stopper = asyncio.ensure_future(draining.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if draining.is_set():
+        print("sharp-serve: draining", flush=True)
+        await server.drain()
+    waiter.cancel()
+    print("sharp-serve: stopped", flush=True)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    from sharp.serving.backends import BackendError
+
+    args = serve_parser().parse_args(argv)
+    try:
+        engine, config = build_server(args)
+    except (UsageError, BackendError) as e:
+        print(f"sharp-serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_serve(engine, config))
+    except OSError as e:
+        print(f"sharp-serve: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def client_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="sharp-client", description="Talk to a sharp-serve server.")
+    ap.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
+    ap.add_argument("--timeout", type=float, help="deadline of each call in seconds")
+    ap.add_argument("--auth-token-file", type=Path)
+    ap.add_argument("--tls-ca", type=Path, help="PEM root certificate: connect with TLS")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate from a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--stream", action="store_true", help="print text as it is produced")
+    gen.add_argument("--max-new-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--stats", action="store_true", help="print the request's per-head attention entropy")
+    sub.add_parser("info", help="the served model")
+    sub.add_parser("health", help="the server's health status")
+    return ap
+
+
+def format_stats(stats) -> str:
+    """A layer × head table of mean entropy (normalized entropy)."""
+    heads = max((h.head for h in stats.heads), default=-1) + 1
+    lines = [
+        f"attention ({stats.norm}), mean over {stats.positions} positions: entropy nats (normalized entropy)",
+        f"{'layer':<7}" + "".join(f"{'head ' + str(h):>16}" for h in range(heads)),
+    ]
+    for layer in sorted({h.layer for h in stats.heads}):
+        cells = [h for h in stats.heads if h.layer == layer]
+        lines.append(
+            f"{layer:<7}" + "".join(f"{h.mean_entropy:>9.3f} ({h.mean_normalized_entropy:.2f})" for h in cells)
+        )
+    return "\n".join(lines)
+
+
+def client_main(argv: list[str] | None = None) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from sharp.serving.client import Client
+
+    args = client_parser().parse_args(argv)
+    try:
+        token = _read(args.auth_token_file, "--auth-token-file")
+        root = _read(args.tls_ca, "--tls-ca")
+    except UsageError as e:
+        print(f"sharp-client: {e}", file=sys.stderr)
+        return 2
+    client = Client(args.target, token.decode().strip() if token else None, root, args.timeout)
+    try:
+        if args.command == "health":
+            print(client.health())
+        elif args.command == "info":
+            print(json.dumps(json_format.MessageToDict(client.info()), indent=2))
+        else:
+            kw = dict(
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                seed=args.seed,
+                stop=args.stop,
+                attention_stats=args.stats,
+            )
+            if args.stream:
+                last = None
+                for chunk in client.generate_stream(args.prompt, **kw):
+                    print(chunk.text, end="", flush=True)
+                    last = chunk
+                print()
+            else:
+                last = client.generate(args.prompt, **kw)
+                print(last.text)
+            from sharp.v1 import generator_pb2 as pb
+
+            reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+            print(
+                f"[finish: {reason}; prompt {last.usage.prompt_tokens} tokens, "
+                f"completion {last.usage.completion_tokens} tokens]",
+                file=sys.stderr,
+            )
+            if args.stats and last.HasField("attention_stats"):
+                print(format_stats(last.attention_stats))
+    except grpc.RpcError as e:
+        print(f"sharp-client: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0

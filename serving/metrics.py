@@ -1,0 +1,142 @@
+"""Prometheus metrics (SPEC §8): vLLM-style serving metrics with a `sharp_` prefix and a `model` label, plus
+per-layer/per-head attention entropy histograms fed by the attention's own entropy output.
+
+The attention histograms are updated once per engine step with NumPy bucket counts for every (position,
+layer, head) of the step, instead of one Python `observe` per value, and exposed through a custom collector;
+`entropy="layer"` aggregates the heads of a layer to bound the cardinality, `"off"` disables them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+
+from sharp.serving.backends import ModelSpec
+
+ENTROPY_MODES = ("head", "layer", "off")
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ENTROPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+NORMALIZED_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class AttentionHistogram:
+    """One histogram per layer (and head) whose observations arrive as arrays."""
+
+    def __init__(self, name: str, doc: str, bounds: tuple[float, ...], model: str, layers: int, heads: int, mode: str):
+        self.name, self.doc, self.model, self.mode = name, doc, model, mode
+        self.bounds = np.asarray(bounds)
+        groups = (layers, heads) if mode == "head" else (layers, 1)
+        self.counts = np.zeros((*groups, len(bounds) + 1), dtype=np.int64)  # last bucket: above every bound
+        self.sums = np.zeros(groups)
+        self.lock = threading.Lock()
+
+    def observe(self, values: np.ndarray) -> None:
+        """values (N, layers, heads); NaN (undefined) entries are skipped."""
+        if self.mode == "layer":
+            values = values.transpose(0, 2, 1).reshape(-1, values.shape[1], 1)  # every head is an observation
+        n_buckets = len(self.bounds) + 1
+        bucket = np.searchsorted(self.bounds, values, side="left")  # Prometheus buckets are `le`
+        valid = ~np.isnan(values)
+        group = np.arange(values.shape[1] * values.shape[2]).reshape(1, values.shape[1], values.shape[2])
+        flat = (np.broadcast_to(group, values.shape) * n_buckets + bucket)[valid]
+        counts = np.bincount(flat, minlength=self.counts.size).reshape(self.counts.shape)
+        sums = np.where(valid, values, 0.0).sum(0)
+        with self.lock:
+            self.counts += counts
+            self.sums += sums
+
+    def collect(self) -> HistogramMetricFamily:
+        labels = ["model", "layer", "head"] if self.mode == "head" else ["model", "layer"]
+        family = HistogramMetricFamily(self.name, self.doc, labels=labels)
+        with self.lock:
+            counts, sums = self.counts.copy(), self.sums.copy()
+        edges = [*(f"{b:g}" for b in self.bounds), "+Inf"]
+        for layer in range(counts.shape[0]):
+            for head in range(counts.shape[1]):
+                cumulative = np.cumsum(counts[layer, head])
+                values = [self.model, str(layer)] + ([str(head)] if self.mode == "head" else [])
+                family.add_metric(values, list(zip(edges, cumulative.tolist(), strict=True)), float(sums[layer, head]))
+        return family
+
+
+class _AttentionCollector:
+    def __init__(self, histograms: list[AttentionHistogram]):
+        self.histograms = histograms
+
+    def collect(self):
+        for h in self.histograms:
+            yield h.collect()
+
+
+class ServingMetrics:
+    """Every metric of one served model, in its own registry (several servers can share a process)."""
+
+    def __init__(self, spec: ModelSpec, entropy: str = "head", registry: CollectorRegistry | None = None):
+        if entropy not in ENTROPY_MODES:
+            raise ValueError(f"entropy metrics must be one of {', '.join(ENTROPY_MODES)}, got {entropy!r}")
+        self.registry = registry or CollectorRegistry()
+        self.entropy = entropy
+        model, r = spec.name, self.registry
+
+        def hist(name, doc, buckets=LATENCY_BUCKETS):
+            return Histogram(name, doc, ["model"], registry=r, buckets=buckets).labels(model)
+
+        self.ttft = hist("sharp_time_to_first_token_seconds", "Arrival to the first generated token.")
+        self.inter_token = hist("sharp_inter_token_latency_seconds", "Time between consecutive generated tokens.")
+        self.duration = hist("sharp_request_duration_seconds", "Arrival to the end of the request.")
+        self.queue_time = hist("sharp_request_queue_seconds", "Arrival to admission into the running batch.")
+        self.batch_size = hist("sharp_batch_size", "Sequences in each batched decode step.", BATCH_BUCKETS)
+        self._requests = Counter("sharp_requests", "Requests by final status.", ["model", "status"], registry=r)
+        self._model = model
+        self.prompt_tokens = Counter("sharp_prompt_tokens", "Prompt tokens prefilled.", ["model"], registry=r).labels(
+            model
+        )
+        self.generation_tokens = Counter("sharp_generation_tokens", "Tokens generated.", ["model"], registry=r).labels(
+            model
+        )
+        self.queue_size = Gauge("sharp_queue_size", "Requests waiting for admission.", ["model"], registry=r).labels(
+            model
+        )
+        self.running = Gauge(
+            "sharp_running_requests", "Requests prefilling or decoding.", ["model"], registry=r
+        ).labels(model)
+        self.kv_usage = Gauge(
+            "sharp_kv_cache_usage_ratio", "KV cache in use (padding included) / --kv-cache-mb.", ["model"], registry=r
+        ).labels(model)
+        self.attention: list[AttentionHistogram] = []
+        if entropy != "off":
+            shape = (model, spec.layers, spec.heads, entropy)
+            self.attention = [
+                AttentionHistogram(
+                    "sharp_attention_entropy_nats",
+                    "Entropy of each query's attention distribution (nats), per layer and head.",
+                    ENTROPY_BUCKETS,
+                    *shape,
+                ),
+                AttentionHistogram(
+                    "sharp_attention_normalized_entropy",
+                    "Attention entropy / ln(visible keys): 1 is uniform (fully dispersed), 0 is one key.",
+                    NORMALIZED_BUCKETS,
+                    *shape,
+                ),
+            ]
+            self.registry.register(_AttentionCollector(self.attention))
+
+    def finished(self, status: str, duration: float | None = None) -> None:
+        self._requests.labels(self._model, status).inc()
+        if duration is not None and status == "ok":
+            self.duration.observe(duration)
+
+    def observe_attention(self, entropy: np.ndarray, visible: np.ndarray) -> None:
+        """entropy (N, layers, heads) nats of N query positions that see `visible` (N,) keys each."""
+        if not self.attention:
+            return
+        with np.errstate(divide="ignore", invalid="ignore"):
+            log_n = np.log(visible.astype(np.float64))[:, None, None]
+            normalized = np.where(log_n > 0, entropy / log_n, np.nan)
+        self.attention[0].observe(entropy)
+        self.attention[1].observe(normalized)
