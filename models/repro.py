@@ -173,7 +173,7 @@ def copy_length(args) -> str:
     for name, kw in tqdm(variants.items(), desc="copy", unit="model"):
         per_seed = []
         for seed in range(args.seeds):
-            a = _train_args("copy", args.steps, seed, size=(4, train_n), batch=32, lr=3e-3, warmup=100, **kw)
+            a = _train_args("copy", args.steps, seed, size=(4, train_n), batch=32, lr=1e-3, warmup=100, **kw)
             model = train(a, progress=False).model
             per_seed.append([_copy_accuracy(model, train_n * f, args.samples) for f in factors])
         rows.append([name, *(f"{100 * statistics.mean(c):.1f}" for c in zip(*per_seed, strict=True))])
@@ -185,7 +185,7 @@ def copy_length(args) -> str:
             f"Measured {today()} on {machine()}."
             f" Command: `sharp-bench repro copy --steps {args.steps} --seeds {args.seeds}`.",
             f"SharpLM (2 layers, dim 128, 4 heads, NAPE), trained to copy 4–{train_n} symbols (≤ 50 tokens),"
-            f" **{args.steps:,} steps**, batch 32, {args.seeds} seeds;"
+            f" **{args.steps:,} steps**, batch 32, AdamW lr 1e-3 (100 warm-up steps), {args.seeds} seeds;"
             " exact-copy accuracy (%) at 1×–16× the training length.",
             "",
             markdown_table(header, rows),
