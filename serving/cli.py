@@ -236,3 +236,7 @@ def client_main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve_main())

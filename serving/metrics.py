@@ -13,6 +13,7 @@ import threading
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from sharp.serving.backends import ModelSpec
 
@@ -54,7 +55,7 @@ class AttentionHistogram:
         family = HistogramMetricFamily(self.name, self.doc, labels=labels)
         with self.lock:
             counts, sums = self.counts.copy(), self.sums.copy()
-        edges = [*(f"{b:g}" for b in self.bounds), "+Inf"]
+        edges = [*(floatToGoString(b) for b in self.bounds), "+Inf"]  # "1.0", as prometheus-client writes it
         for layer in range(counts.shape[0]):
             for head in range(counts.shape[1]):
                 cumulative = np.cumsum(counts[layer, head])

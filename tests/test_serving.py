@@ -1,0 +1,433 @@
+"""sharp-serve against real servers on loopback ports with real gRPC clients, and the engine stepped by hand.
+
+The served model is a small random SharpLM (exported once per session) whose weights are drawn wide so that
+greedy tokens vary and top-2 logit gaps are wide: batched results can then be compared token for token with
+`SharpLM.generate`, one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from sharp.exporter.export import ExportSettings, export_model
+from sharp.models import ModelConfig, SharpLM, load, save
+from sharp.serving import (
+    BackgroundServer,
+    Client,
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    RequestError,
+    ServerConfig,
+    ServingMetrics,
+    load_backend,
+)
+from sharp.serving.engine import Delta, Finished, StopText
+from sharp.v1 import generator_pb2 as pb
+
+CONTEXT = 4096
+
+
+@pytest.fixture(scope="session")
+def model_files(tmp_path_factory) -> dict[str, Path]:
+    import onnx
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=258, dim=32, layers=2, heads=2, norm="ssa", context_length=CONTEXT)
+    model = SharpLM(cfg)
+    with torch.no_grad():  # a wider init than training's: varied greedy text, top-2 logit gaps ≫ float error
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    d = tmp_path_factory.mktemp("serving")
+    save(model, d / "tiny.pt")
+    onnx.save(export_model(load(d / "tiny.pt"), ExportSettings(norm="ssa")), d / "tiny.onnx")
+    return {"torch": d / "tiny.pt", "onnxruntime": d / "tiny.onnx"}
+
+
+@pytest.fixture(scope="session")
+def reference(model_files):
+    model = load(model_files["torch"])
+    return lambda ids, n: model.generate(list(ids), n)
+
+
+@contextmanager
+def serving(model_files, backend="onnxruntime", entropy="head", server: dict | None = None, **engine):
+    be = load_backend(model_files[backend], backend)
+    eng = Engine(be, EngineConfig(**engine), ServingMetrics(be.spec, entropy=entropy))
+    with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0, **(server or {}))) as srv:
+        yield srv
+
+
+def scrape(srv) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def sample_value(families, family, name, **labels) -> float:
+    return sum(
+        s.value
+        for s in families[family].samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_generate_matches_the_model_and_streams_the_same_text(model_files, reference, backend):
+    with serving(model_files, backend) as srv, Client(srv.target) as c:
+        prompt = "def main():\n"
+        r = c.generate(prompt, max_new_tokens=24, temperature=0, attention_stats=True)
+        ids = c.tokenize(prompt, add_bos=True)
+        assert list(r.token_ids) == reference(ids, 24)
+        assert len(set(r.token_ids)) > 3  # the check above is not about a constant sequence
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(r.token_ids)
+        assert r.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
+        stats = r.attention_stats
+        assert stats.norm == "ssa" and len(stats.heads) == 4 and stats.positions == len(ids) + len(r.token_ids) - 1
+        assert all(0 <= h.mean_normalized_entropy <= 1 and h.mean_entropy >= 0 for h in stats.heads)
+        chunks = list(c.generate_stream(prompt, max_new_tokens=24, temperature=0))
+        assert "".join(ch.text for ch in chunks) == r.text
+        assert [t for ch in chunks for t in ch.token_ids] == list(r.token_ids)
+        assert chunks[-1].finish_reason == r.finish_reason and chunks[-1].usage == r.usage
+        assert all(ch.finish_reason == pb.FINISH_REASON_UNSPECIFIED for ch in chunks[:-1])
+        info = c.info()
+        assert (info.norm, info.layers, info.heads, info.context_length) == ("ssa", 2, 2, CONTEXT)
+        assert set(info.layer_info[0].parameters) == {"ssa_n", "ssa_b"}
+        assert len(info.layer_info[0].parameters["ssa_n"].values) == 2
+
+
+def test_32_concurrent_streams_complete_correctly_and_batch_together(model_files, reference):
+    prompts = [f"item {i}: " + "x" * (i % 7) for i in range(32)]
+    with serving(model_files, max_batch=32) as srv, Client(srv.target) as c:
+
+        def run(p):
+            chunks = list(c.generate_stream(p, max_new_tokens=16, temperature=0))
+            return [t for ch in chunks for t in ch.token_ids], c.tokenize(p, add_bos=True)
+
+        with cf.ThreadPoolExecutor(32) as ex:
+            results = list(ex.map(run, prompts))
+        for ids, prompt_ids in results:
+            assert list(ids) == reference(prompt_ids, 16)
+        m = scrape(srv)
+        steps = sample_value(m, "sharp_batch_size", "sharp_batch_size_count")
+        rows = sample_value(m, "sharp_batch_size", "sharp_batch_size_sum")
+        assert rows / steps > 1, "decode steps should carry several sequences"
+        assert sample_value(m, "sharp_batch_size", "sharp_batch_size_bucket", le="1.0") < steps
+        assert sample_value(m, "sharp_requests", "sharp_requests_total", status="ok") == 32
+
+
+def test_seeded_sampling_is_reproducible(model_files):
+    with serving(model_files) as srv, Client(srv.target) as c:
+        kw = dict(max_new_tokens=20, temperature=1.0, top_k=50, top_p=0.9)
+        a, b = (c.generate("seed", seed=7, **kw).token_ids for _ in range(2))
+        others = {tuple(c.generate("seed", seed=s, **kw).token_ids) for s in range(8, 12)}
+        assert list(a) == list(b)
+        assert len(others | {tuple(a)}) > 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "code", "says"),
+    [
+        (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "empty prompt"),
+        (dict(temperature=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (dict(temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, ">= 0"),
+        (dict(top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "(0, 1]"),
+        (dict(top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "(0, 1]"),
+        (dict(top_k=-2), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+        (dict(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "[1, 1000]"),
+        (dict(max_new_tokens=1001), grpc.StatusCode.INVALID_ARGUMENT, "[1, 1000]"),
+        (dict(prompt=[300]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        (dict(prompt="x" * 3500, max_new_tokens=1000), grpc.StatusCode.OUT_OF_RANGE, "context of 4096"),
+    ],
+)
+def test_bad_requests_get_their_status_and_the_server_stays_healthy(model_files, kw, code, says):
+    with serving(model_files, max_new_tokens_limit=1000) as srv, Client(srv.target) as c:
+        kw = {"prompt": "ok", **kw}
+        for call in (c.generate, lambda **k: list(c.generate_stream(**k))):
+            with pytest.raises(grpc.RpcError) as err:
+                call(**kw)
+            assert err.value.code() == code
+            assert says in err.value.details()
+        assert c.generate("fine", max_new_tokens=3).usage.completion_tokens >= 1
+        assert c.health() == "SERVING"
+        status = code.name.lower()
+        assert sample_value(scrape(srv), "sharp_requests", "sharp_requests_total", status=status) == 2
+
+
+def test_queue_full_is_resource_exhausted_and_cancel_frees_the_slot(model_files):
+    with serving(model_files, max_batch=1, max_queue=1) as srv, Client(srv.target) as c:
+        long = c.generate_stream("long", max_new_tokens=3000, temperature=0)
+        next(long), next(long)  # running
+        queued = cf.ThreadPoolExecutor(1).submit(c.generate, "queued", max_new_tokens=5, temperature=0)
+        deadline = time.time() + 10
+        while sample_value(scrape(srv), "sharp_queue_size", "sharp_queue_size") < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("one too many", max_new_tokens=5)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in err.value.details()
+        assert not queued.done()
+        long.cancel()
+        assert queued.result(timeout=30).usage.completion_tokens >= 1  # started once the cancel freed the slot
+        m = scrape(srv)
+        assert sample_value(m, "sharp_requests", "sharp_requests_total", status="cancelled") == 1
+
+
+def test_deadline_exceeded_frees_the_work(model_files):
+    with serving(model_files) as srv, Client(srv.target, timeout=0.2) as c:
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("slow", max_new_tokens=3000, temperature=0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.time() + 10
+        while srv.server.engine.idle() is False and time.time() < deadline:
+            time.sleep(0.01)
+        assert srv.server.engine.idle()
+        assert sample_value(scrape(srv), "sharp_requests", "sharp_requests_total", status="cancelled") == 1
+
+
+def test_metrics_after_traffic(model_files):
+    with serving(model_files) as srv, Client(srv.target) as c:
+        for i in range(5):
+            c.generate(f"metrics {i}", max_new_tokens=8)
+        m = scrape(srv)
+    assert sample_value(m, "sharp_time_to_first_token_seconds", "sharp_time_to_first_token_seconds_count") == 5
+    assert sample_value(m, "sharp_request_duration_seconds", "sharp_request_duration_seconds_count") == 5
+    generated = sample_value(m, "sharp_generation_tokens", "sharp_generation_tokens_total")
+    assert (
+        sample_value(m, "sharp_inter_token_latency_seconds", "sharp_inter_token_latency_seconds_count") == generated - 5
+    )
+    labels = {(s.labels["layer"], s.labels["head"]) for s in m["sharp_attention_entropy_nats"].samples}
+    assert labels == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
+    prompt_tokens = sample_value(m, "sharp_prompt_tokens", "sharp_prompt_tokens_total")
+    positions = prompt_tokens + generated - 5  # the last sampled token of each request is never fed back
+    for layer, head in labels:
+        n = sample_value(
+            m, "sharp_attention_entropy_nats", "sharp_attention_entropy_nats_count", layer=layer, head=head
+        )
+        assert n == positions
+        # normalized entropy skips each request's first position (it sees one key: ln 1 = 0)
+        n_norm = sample_value(
+            m, "sharp_attention_normalized_entropy", "sharp_attention_normalized_entropy_count", layer=layer, head=head
+        )
+        assert n_norm == positions - 5
+        inf = sample_value(
+            m,
+            "sharp_attention_normalized_entropy",
+            "sharp_attention_normalized_entropy_bucket",
+            layer=layer,
+            head=head,
+            le="+Inf",
+        )
+        le1 = sample_value(
+            m,
+            "sharp_attention_normalized_entropy",
+            "sharp_attention_normalized_entropy_bucket",
+            layer=layer,
+            head=head,
+            le="1.0",
+        )
+        assert inf == le1 == n_norm  # normalized entropy never exceeds 1
+    assert sample_value(m, "sharp_kv_cache_usage_ratio", "sharp_kv_cache_usage_ratio") == 0
+
+
+@pytest.mark.parametrize(("mode", "labels"), [("layer", {"model", "layer"}), ("off", None)])
+def test_entropy_metric_cardinality_setting(model_files, mode, labels):
+    with serving(model_files, entropy=mode) as srv, Client(srv.target) as c:
+        r = c.generate("x", max_new_tokens=4, attention_stats=True)
+        m = scrape(srv)
+    assert len(r.attention_stats.heads) == 4  # the request's own summary does not depend on the metric setting
+    if labels is None:
+        assert "sharp_attention_entropy_nats" not in m
+    else:
+        assert {k for s in m["sharp_attention_entropy_nats"].samples for k in s.labels} - {"le"} == labels
+
+
+def test_stop_strings_end_generation_without_leaking_text(model_files):
+    with serving(model_files) as srv, Client(srv.target) as c:
+        full = c.generate("stop test", max_new_tokens=40, temperature=0).text
+        assert len(full) > 6
+        stop = full[3:6]
+        r = c.generate("stop test", max_new_tokens=40, temperature=0, stop=[stop, "never-seen"])
+        assert r.finish_reason == pb.FINISH_REASON_STOP and r.text == full[: full.find(stop)]
+        streamed = "".join(
+            ch.text for ch in c.generate_stream("stop test", max_new_tokens=40, temperature=0, stop=[stop])
+        )
+        assert streamed == r.text
+
+
+def test_stop_text_holds_back_a_possible_stop_string():
+    s = StopText(("END",))
+    out = [s.push(b) for b in b"abEN"]
+    assert "".join(out) == "ab"  # "EN" could start END
+    assert s.push(ord("X")) == "ENX"
+    assert s.push(ord("E")) + s.push(ord("N")) + s.push(ord("D")) == "" and s.stopped
+    assert s.text == "abENX"
+    u = StopText(())
+    assert [u.push(b) for b in "é".encode()] == ["", "é"]  # a split UTF-8 character is sent whole
+
+
+def _req(ids, n, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, **kw)
+
+
+def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference):
+    be = load_backend(model_files["onnxruntime"])
+    eng = Engine(be, EngineConfig(prefill_chunk=64))  # stepped by hand: no engine thread
+    got: dict[str, list] = {"a": [], "b": []}
+    a_prompt, b_prompt = [256, 1, 2, 3], [256, *range(40, 140), *range(40, 140), *range(40, 140)]  # 301 tokens
+    eng.submit(_req(a_prompt, 40), lambda ev: isinstance(ev, Delta) and got["a"].extend(ev.token_ids))
+    eng.step()
+    assert len(got["a"]) == 2  # prefill's token, then one decode step
+    eng.submit(_req(b_prompt, 5), lambda ev: isinstance(ev, Delta) and got["b"].extend(ev.token_ids))
+    for i in range(5):  # 301 prompt tokens in chunks of 64: four steps prefill, the fifth finishes it
+        eng.step()
+        assert len(got["a"]) == 3 + i, "the running stream gets a token every step"
+        assert (len(got["b"]) > 0) == (i == 4)
+    while not eng.idle():
+        eng.step()
+    assert list(got["a"]) == reference(a_prompt, 40)
+    assert list(got["b"]) == reference(b_prompt, 5)
+
+
+def test_kv_budget_admits_only_what_fits(model_files):
+    be = load_backend(model_files["onnxruntime"])
+    per_seq = 200 * be.spec.kv_bytes_per_token  # prompt 100 + 100 new tokens
+    eng = Engine(be, EngineConfig(kv_cache_mb=2.5 * per_seq / 2**20))
+    done = []
+    for i in range(4):
+        eng.submit(_req([256, *range(1, 100)], 100, seed=i), lambda ev: isinstance(ev, Finished) and done.append(ev))
+    usage = []
+    while not eng.idle():
+        eng.step()
+        assert len(eng._prefilling) + len(eng._running) <= 2
+        usage.append(eng.metrics.kv_usage._value.get())
+    assert len(done) == 4 and max(usage) <= 1.0 and max(usage) > 0.5
+    with pytest.raises(RequestError) as err:
+        eng.validate(_req([256] * 10, 600))
+    assert err.value.code == "resource_exhausted" and "--kv-cache-mb" in err.value.message
+
+
+def test_auth_token_and_tls(model_files, tmp_path):
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    server = dict(auth_token="s3cret", tls_cert=cert.cert_chain_pems[0].bytes(), tls_key=cert.private_key_pem.bytes())
+    with serving(model_files, server=server) as srv:
+        root = ca.cert_pem.bytes()
+        with Client(srv.target, root_cert=root) as anonymous:
+            assert anonymous.health() == "SERVING"  # health is exempt
+            with pytest.raises(grpc.RpcError) as err:
+                anonymous.generate("x", max_new_tokens=2)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as err:
+                list(anonymous.generate_stream("x", max_new_tokens=2))
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(srv.target, token="s3cret", root_cert=root) as c:
+            assert c.generate("x", max_new_tokens=2).usage.completion_tokens >= 1
+        with Client(srv.target, token="s3cret") as plaintext, pytest.raises(grpc.RpcError):
+            plaintext.info()  # a plaintext client cannot talk to the TLS port
+
+
+def test_drain_in_process_health_and_unavailable(model_files):
+    with serving(model_files, server=dict(drain_timeout=30)) as srv, Client(srv.target) as c:
+        assert c.health() == "SERVING" and c.health("sharp.v1.Generator") == "SERVING"
+        stream = c.generate_stream("draining", max_new_tokens=400, temperature=0)
+        next(stream)
+        drainer = threading.Thread(target=srv.drain)
+        drainer.start()
+        deadline = time.time() + 10
+        while c.health() == "SERVING" and time.time() < deadline:
+            time.sleep(0.01)
+        assert c.health("sharp.v1.Generator") == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("new", max_new_tokens=2)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)
+        assert rest[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED  # the in-flight call finished normally
+        drainer.join(timeout=30)
+
+
+def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
+    cmd = [
+        sys.executable,
+        "-m",
+        "sharp.serving.cli",
+        str(model_files["onnxruntime"]),
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        line = proc.stdout.readline()
+        port = re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
+        with Client(f"127.0.0.1:{port}") as c:
+            stream = c.generate_stream("sigterm", max_new_tokens=600, temperature=0)
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            rest = list(stream)
+            assert rest[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert proc.wait(timeout=30) == 0
+        out = proc.stdout.read()
+        assert "draining" in out and "stopped" in out
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["/nonexistent.onnx"], "no such file"),
+        (["MODEL", "--tls-cert", "x.pem"], "--tls-cert and --tls-key go together"),
+        (["MODEL", "--max-batch", "0"], "max-batch must be >= 1"),
+        (["MODEL.pt"], "export it with sharp-export"),
+        (["MODEL", "--entropy-metrics", "all"], "invalid choice"),
+    ],
+)
+def test_sharp_serve_usage_errors_exit_2_with_one_line(model_files, args, says):
+    args = [
+        a.replace("MODEL.pt", str(model_files["torch"])).replace("MODEL", str(model_files["onnxruntime"])) for a in args
+    ]
+    r = subprocess.run([sys.executable, "-m", "sharp.serving.cli", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_sharp_client_commands(model_files):
+    with serving(model_files) as srv:
+        run = lambda *a: subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from sharp.serving.cli import client_main; raise SystemExit(client_main())",
+                "--target",
+                srv.target,
+                *a,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run("health").stdout.strip() == "SERVING"
+        assert '"norm": "ssa"' in run("info").stdout
+        r = run("generate", "hello", "--stream", "--max-new-tokens", "5", "--stats")
+        assert r.returncode == 0 and "attention (ssa)" in r.stdout and "[finish: " in r.stderr
+        bad = run("generate", "hello", "--top-p", "2")
+        assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
