@@ -3,21 +3,24 @@
 1. Dispersion: the weight one query puts on its target key as the number of keys grows, per normalizer,
    through the reference and streamed implementations (checked to agree).
 2. The committed SSA demo model exported with `sharp-export --norm ssa` (sharp::SharpAttention nodes with
-   their standard-op fallback), then a greedy generation in stock onnxruntime with the graph's
-   `attention_entropy` output summarised per layer and head.
-The gRPC server lands with its issue; it will serve this same file.
+   their standard-op fallback).
+3. `sharp-serve` on that file (onnxruntime, CPU); 4. `sharp-client generate --stream --stats` prints the text
+   as it arrives and the request's own per-head entropy; 5. the server's Prometheus metrics, scraped over HTTP;
+   6. SIGTERM drains the server and it exits 0.
 """
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from sharp.models import NORMS, ByteTokenizer, SamplingParams, attend
-from sharp.models.sampling import sample
+from sharp.models import NORMS, attend
 
 ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
 
@@ -57,66 +60,72 @@ def dispersion() -> None:
     print("\nreference and streamed implementations agree on every row (checked).\n")
 
 
-def generate_onnx(
-    path: Path, prompt: str, new_tokens: int, params: SamplingParams | None = None, seed: int = 0
-) -> tuple[str, np.ndarray]:
-    """Generation through the exported graph (greedy by default); returns the text and the entropies
-    (layers, heads, T) from its attention_entropy output."""
-    import onnx
-    import onnxruntime as ort
+def _scrape(port: int) -> list[str]:
+    from urllib.request import urlopen
 
-    meta = {p.key: p.value for p in onnx.load(path, load_external_data=False).metadata_props}
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    names = [i.name for i in sess.get_inputs()]
-    past_names = [n for n in names if n.startswith("past_key_values.")]
-    kv_shape = next(i.shape for i in sess.get_inputs() if i.name == past_names[0])
-    tok = ByteTokenizer()
-    ids = tok.encode(prompt)
-    heads_kv, head_dim = int(kv_shape[1]), int(kv_shape[3])
-    past = {n: np.zeros((1, heads_kv, 0, head_dim), np.float32) for n in past_names}
-    params = params or SamplingParams(temperature=0.0)
-    generator = torch.Generator().manual_seed(seed)
-    feed_ids, out_ids, entropies = ids, [], []
-    for _ in range(new_tokens):
-        start = len(ids) + len(out_ids) - len(feed_ids)
-        feed = {
-            "input_ids": np.array([feed_ids], np.int64),
-            "attention_mask": np.ones((1, start + len(feed_ids)), np.int64),
-            "position_ids": np.arange(start, start + len(feed_ids), dtype=np.int64)[None],
-            **past,
-        }
-        logits, *presents, entropy = sess.run(None, feed)
-        past = dict(zip(past_names, presents, strict=True))
-        entropies.append(entropy[0])
-        nxt = int(sample(torch.from_numpy(logits[:, -1]), params, generator))
-        if nxt == tok.eos:
-            break
-        out_ids.append(nxt)
-        feed_ids = [nxt]
-    print(f"   model metadata: norm={meta.get('sharp.norm')}, context={meta.get('sharp.context_length')}")
-    return tok.decode(out_ids), np.concatenate(entropies, axis=-1)
+    text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return [line for line in text.splitlines() if line.startswith("sharp_")]
+
+
+def _entropy_table(lines: list[str], metric: str) -> list[str]:
+    """Mean per layer and head from a histogram's _sum and _count lines."""
+    sums, counts = {}, {}
+    for line in lines:
+        m = re.match(rf'{metric}_(sum|count)\{{head="(\d+)",layer="(\d+)",model="[^"]*"\}} (\S+)', line)
+        if m:
+            (sums if m.group(1) == "sum" else counts)[(int(m.group(3)), int(m.group(2)))] = float(m.group(4))
+    heads = max(h for _, h in counts) + 1
+    rows = [f"   {'layer':<7}" + "".join(f"{'head ' + str(h):>9}" for h in range(heads))]
+    for layer in sorted({ly for ly, _ in counts}):
+        cells = [sums[layer, h] / max(counts[layer, h], 1) for h in range(heads)]
+        rows.append(f"   {layer:<7}" + "".join(f"{c:>9.3f}" for c in cells))
+    return rows
 
 
 def product() -> None:
-    from sharp.exporter.cli import main as export_main
-
+    """Export, serve, stream through sharp-client, scrape the metrics, drain: the shipped flow end to end."""
     model = ZOO / "ssa.pt"
     if not model.is_file():
         print(f"2. (skipped: {model} is missing — run `make zoo` to train the demo models)")
         return
-    print("2. sharp-export models/zoo/ssa.pt --norm ssa, then generation in stock onnxruntime (CPU)\n")
+    bin_dir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ssa.onnx"
-        if export_main([str(model), "--norm", "ssa", "-o", str(out)]) != 0:
-            raise SystemExit("export failed")
-        prompt = "import os\n\n\ndef read_config(path"
-        text, ent = generate_onnx(out, prompt, 120, SamplingParams(temperature=0.8, top_k=40), seed=0)
-    print(f"\n   prompt + sampled continuation (temperature 0.8, top-k 40, seed 0):\n{prompt}{text}\n")
-    layers, heads, steps = ent.shape
-    print(f"   attention entropy (nats) from the graph's attention_entropy output, mean over {steps} positions:")
-    print("   " + f"{'layer':<7}" + "".join(f"{'head ' + str(h):>9}" for h in range(heads)))
-    for layer in range(layers):
-        print("   " + f"{layer:<7}" + "".join(f"{ent[layer, h].mean():>9.3f}" for h in range(heads)))
+        print("2. sharp-export models/zoo/ssa.pt --norm ssa\n")
+        subprocess.run([bin_dir / "sharp-export", str(model), "--norm", "ssa", "-o", str(out)], check=True)
+        print("\n3. sharp-serve on onnxruntime (CPU), any free ports\n")
+        server = subprocess.Popen(
+            [bin_dir / "sharp-serve", str(out), "--port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            banner = server.stdout.readline().strip()
+            print(f"   {banner}")
+            found = re.search(r" on ([\d.]+:\d+), metrics http://[\d.]+:(\d+)/", banner)
+            if not found:
+                raise SystemExit("sharp-serve did not start")
+            target, metrics_port = found.group(1), int(found.group(2))
+            prompt = "import os\n\n\ndef read_config(path"
+            print(f"\n4. sharp-client generate --stream --stats (temperature 0.8, top-k 40, seed 0)\n{prompt}", end="")
+            client = [bin_dir / "sharp-client", "--target", target, "generate", prompt, "--stream", "--stats"]
+            client += ["--max-new-tokens", "120", "--temperature", "0.8", "--top-k", "40", "--seed", "0"]
+            subprocess.run(client, check=True)
+            lines = _scrape(metrics_port)
+            print("\n5. the server's Prometheus metrics after this request\n")
+            for line in lines:
+                if re.match(
+                    r"sharp_(requests_total|generation_tokens_total|prompt_tokens_total|time_to_first_token_seconds_(sum|count))",
+                    line,
+                ):
+                    print(f"   {line}")
+            print("\n   sharp_attention_entropy_nats (mean per layer and head, from the _sum and _count series):")
+            print("\n".join(_entropy_table(lines, "sharp_attention_entropy_nats")))
+            print("   sharp_attention_normalized_entropy (1 = uniform over the visible keys):")
+            print("\n".join(_entropy_table(lines, "sharp_attention_normalized_entropy")))
+        finally:
+            server.send_signal(signal.SIGTERM)
+            rest, _ = server.communicate(timeout=60)
+        print("\n6. SIGTERM: " + "; ".join(line.removeprefix("sharp-serve: ") for line in rest.splitlines()))
+        print(f"   sharp-serve exited with {server.returncode}")
 
 
 def main() -> None:
