@@ -11,6 +11,7 @@ COMMANDS = {
     "kernels": "sharp.plugins.bench",
     "repro": "sharp.models.repro",
     "export": "sharp.exporter.bench",
+    "serve": "sharp.serving.bench",
 }
 
 
