@@ -431,3 +431,20 @@ def test_sharp_client_commands(model_files):
         assert r.returncode == 0 and "attention (ssa)" in r.stdout and "[finish: " in r.stderr
         bad = run("generate", "hello", "--top-p", "2")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_async_client(model_files):
+    import asyncio
+
+    from sharp.serving import AsyncClient
+
+    async def go(target):
+        async with AsyncClient(target) as c:
+            unary = await c.generate("async", max_new_tokens=6, temperature=0)
+            chunks = [ch async for ch in c.generate_stream("async", max_new_tokens=6, temperature=0)]
+            return unary, chunks, await c.info(), await c.health(), await c.tokenize("ab")
+
+    with serving(model_files) as srv:
+        unary, chunks, info, health, ids = asyncio.run(go(srv.target))
+    assert "".join(ch.text for ch in chunks) == unary.text and chunks[-1].usage == unary.usage
+    assert info.norm == "ssa" and health == "SERVING" and ids == [97, 98]
