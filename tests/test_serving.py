@@ -189,7 +189,7 @@ def test_queue_full_is_resource_exhausted_and_cancel_frees_the_slot(model_files)
 
 
 def test_deadline_exceeded_frees_the_work(model_files):
-    with serving(model_files) as srv, Client(srv.target, timeout=0.2) as c:
+    with serving(model_files) as srv, Client(srv.target, timeout=0.5) as c:
         with pytest.raises(grpc.RpcError) as err:
             c.generate("slow", max_new_tokens=3000, temperature=0)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -347,7 +347,7 @@ def test_auth_token_and_tls(model_files, tmp_path):
 def test_drain_in_process_health_and_unavailable(model_files):
     with serving(model_files, server=dict(drain_timeout=30)) as srv, Client(srv.target) as c:
         assert c.health() == "SERVING" and c.health("sharp.v1.Generator") == "SERVING"
-        stream = c.generate_stream("draining", max_new_tokens=400, temperature=0)
+        stream = c.generate_stream("draining", max_new_tokens=3000, temperature=0)
         next(stream)
         drainer = threading.Thread(target=srv.drain)
         drainer.start()
