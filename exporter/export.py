@@ -165,7 +165,7 @@ def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -
         "sharp.version": __version__,
         "sharp.norm": settings.norm,
         "sharp.layer_norms": json.dumps(cfg.layer_norms()),
-        "sharp.parameters": json.dumps(_head_parameters(model)),
+        "sharp.parameters": json.dumps(model.head_parameters()),
         "sharp.tokenizer": json.dumps({"kind": "bytes", "bos": 256, "eos": 257, "vocab_size": cfg.vocab_size}),
         "sharp.context_length": str(cfg.context_length),
         "sharp.config": json.dumps(cfg.to_dict()),
@@ -175,15 +175,6 @@ def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -
     for k, v in meta.items():
         proto.metadata_props.append(onnx.StringStringEntryProto(key=k, value=v))
     return proto
-
-
-def _head_parameters(model: SharpLM) -> list[dict]:
-    """Per layer: the normalizer and its per-head parameter values, as plain floats."""
-    out = []
-    for block in model.blocks:
-        params = {k: [round(float(x), 6) for x in v.detach()] for k, v in block.attn.head_params().items()}
-        out.append({"norm": block.attn.norm, **params})
-    return out
 
 
 def with_norm(

@@ -126,5 +126,15 @@ class SharpLM(nn.Module):
             out = self.step(torch.tensor([[nxt]], device=device), cache=out.cache)
         return tokens
 
+    def head_parameters(self) -> list[dict]:
+        """Per layer: the normalizer and its per-head parameter values as plain floats (model metadata)."""
+        return [
+            {
+                "norm": b.attn.norm,
+                **{k: [round(float(x), 6) for x in v.detach().cpu()] for k, v in b.attn.head_params().items()},
+            }
+            for b in self.blocks
+        ]
+
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -162,12 +162,9 @@ class TorchBackend(Backend):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.impl = "triton" if self.device.type == "cuda" else "reference"
-        cfg = model.cfg.to_dict()
-        parameters = [
-            {"norm": b.attn.norm, **{k: [float(x) for x in v.detach().cpu()] for k, v in b.attn.head_params().items()}}
-            for b in model.blocks
-        ]
-        self.spec = _spec_from_config(Path(path).stem, "torch", cfg, parameters, {"bos": 256, "eos": 257})
+        self.spec = _spec_from_config(
+            Path(path).stem, "torch", model.cfg.to_dict(), model.head_parameters(), {"bos": 256, "eos": 257}
+        )
 
     @torch.inference_mode()
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):

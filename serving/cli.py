@@ -67,11 +67,10 @@ def build_server(args):
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together; give both or neither")
-    for name in ("port", "metrics_port"):
-        if not -1 <= getattr(args, name) <= 65535 or (name == "port" and args.port < 0):
-            raise UsageError(
-                f"--{name.replace('_', '-')} must be a port number in [0, 65535], got {getattr(args, name)}"
-            )
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
+    if not -1 <= args.metrics_port <= 65535:
+        raise UsageError(f"--metrics-port must be in [-1, 65535] (0: any free port, -1: off), got {args.metrics_port}")
     token = _read(args.auth_token_file, "--auth-token-file")
     if token is not None and not token.strip():
         raise UsageError(f"--auth-token-file {args.auth_token_file} is empty")

@@ -169,9 +169,8 @@ class Sequence:
     generator: torch.Generator
     text: StopText
     stats: HeadStats | None
-    prefilled: int = 0
     cache: list[torch.Tensor] | None = None  # own cache while prefilling
-    length: int = 0  # tokens in the cache
+    length: int = 0  # tokens in the cache (while prefilling: the prompt tokens done)
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     done: bool = False
@@ -207,7 +206,6 @@ class Engine:
         self._cond = threading.Condition()
         self._stopping = False
         self.draining = False
-        self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="sharp-engine", daemon=True)
 
     # ---- front -----------------------------------------------------------------------------------------
@@ -343,7 +341,6 @@ class Engine:
         self._admit()
         self._prefill()
         self._decode()
-        self.steps += 1
         m = self.metrics
         m.queue_size.set(len(self._waiting))
         m.running.set(len(self._prefilling) + len(self._running))
@@ -395,8 +392,8 @@ class Engine:
         for seq in list(self._prefilling):
             if budget <= 0:
                 break
-            n = min(budget, seq.prompt_len - seq.prefilled)
-            start = seq.prefilled
+            start = seq.length
+            n = min(budget, seq.prompt_len - start)
             ids = torch.tensor([seq.request.prompt_ids[start : start + n]], dtype=torch.int64)
             past = seq.cache if seq.cache is not None else self.backend.empty_past(1)
             want = self._want_entropy([seq])
@@ -407,11 +404,11 @@ class Engine:
                 past,
                 want,
             )
-            seq.cache, seq.prefilled, seq.length = out.presents, start + n, start + n
+            seq.cache, seq.length = out.presents, start + n
             budget -= n
             self.metrics.prompt_tokens.inc(n)
             self._record_entropy([seq], out.entropy, [start])
-            if seq.prefilled == seq.prompt_len:
+            if seq.length == seq.prompt_len:
                 self._prefilling.remove(seq)
                 self._emit(seq, out.logits[0:1])
                 if not seq.done:

@@ -51,9 +51,7 @@ def to_request(msg: pb.GenerateRequest, engine: Engine, tokenizer: ByteTokenizer
     """The engine's request for a GenerateRequest; RequestError names what is wrong."""
     if msg.prompt and msg.input_ids:
         raise RequestError("invalid_argument", "give either prompt or input_ids, not both")
-    ids = tuple(tokenizer.encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)
-    if not ids:
-        raise RequestError("invalid_argument", "empty prompt: give a non-empty prompt or input_ids")
+    ids = tuple(tokenizer.encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)  # checked at submission
     sampling = SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_k=msg.top_k,
@@ -89,12 +87,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.inflight = 0
 
     async def _admit(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
+        """The engine's request; validation, draining and the queue bound are checked by Engine.submit."""
         try:
-            if self.engine.draining:
-                raise RequestError("unavailable", "the server is draining and accepts no new requests; retry elsewhere")
-            req = to_request(msg, self.engine, self.tokenizer)
-            self.engine.validate(req)
-            return req
+            return to_request(msg, self.engine, self.tokenizer)
         except RequestError as e:
             self.engine.metrics.finished(e.code)
             await context.abort(STATUS[e.code], e.message)
@@ -106,7 +101,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 if isinstance(ev, Failed):
                     await context.abort(STATUS[ev.code], ev.message)
                 yield ev
-        except RequestError as e:  # refused at submission: queue full, draining
+        except RequestError as e:  # refused at submission: invalid, out of range, queue full, draining
             self.engine.metrics.finished(e.code)
             await context.abort(STATUS[e.code], e.message)
         finally:
