@@ -17,31 +17,41 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load
 from sharp.models.lm import SharpLM
-from sharp.models.normalizers import NORMS
 
 TOLERANCE = 1e-4
-ALLOWED_CHANGES = {("softmax", "adaptive"), ("softmax", "ssmax")}
+# Parameters an inference-time norm change needs from the command line (the model never learned them).
+CHANGE_PARAMS = tuple(dict.fromkeys(p for n in registry.all_norms() for p in n.change_requires))
+
+
+def _flag(param: str) -> str:
+    return "--" + param.replace("_", "-")
 
 
 class UsageError(Exception):
     """A user mistake: printed as one line, exit 2."""
 
 
-def check_norm_change(model: SharpLM, norm: str, ssmax_s: float | None) -> None:
+def check_norm_change(model: SharpLM, norm: str, values: dict[str, float]) -> None:
+    """Refuse a norm the model cannot be exported with; `values` are the change parameters given."""
     cfg = model.cfg
     if cfg.layer_norms_override and norm != cfg.norm:
         raise UsageError(f"this model sets a norm per layer ({', '.join(cfg.layer_norms())}); export it without --norm")
     if norm == cfg.norm:
         return
-    if (cfg.norm, norm) not in ALLOWED_CHANGES:
+    target = registry.get(norm)
+    if not registry.can_export_as(cfg.norm, norm):
+        allowed = [n.name for n in registry.all_norms() if cfg.norm in n.inference_time_from]
         raise UsageError(
             f"cannot export a {cfg.norm} model as {norm}: {norm} parameters are learned in training "
-            f"(allowed: the model's own norm, or softmax → adaptive / ssmax); retrain with sharp-train --norm {norm}"
+            f"(allowed: the model's own norm{''.join(', ' + a for a in allowed)}); "
+            f"retrain with sharp-train --norm {norm}"
         )
-    if norm == "ssmax" and ssmax_s is None:
-        raise UsageError("softmax → ssmax needs --ssmax-s S (the scale s of softmax(s·log n·z))")
+    for param in target.change_requires:
+        if values.get(param) is None:
+            raise UsageError(f"{cfg.norm} → {norm} needs {_flag(param)} (the model never learned {param})")
 
 
 def _session(path: Path):
@@ -101,7 +111,7 @@ def parser() -> argparse.ArgumentParser:
         prog="sharp-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("model", type=Path, help="a sharp checkpoint (model.pt)")
-    ap.add_argument("--norm", choices=NORMS, help="normalizer in the file (default: the checkpoint's)")
+    ap.add_argument("--norm", choices=registry.NORMS, help="normalizer in the file (default: the checkpoint's)")
     ap.add_argument("-o", "--output", type=Path, help="output .onnx (default: MODEL with .onnx)")
     ap.add_argument(
         "--fallback",
@@ -122,7 +132,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-kv-cache", dest="kv_cache", action="store_false")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument("--poly", type=float, nargs="+", help="adaptive polynomial, highest power first")
-    ap.add_argument("--ssmax-s", type=float, help="s for softmax → ssmax")
+    for param in CHANGE_PARAMS:
+        users = ", ".join(n.name for n in registry.all_norms() if param in n.change_requires)
+        ap.add_argument(_flag(param), type=float, help=f"{param} for an inference-time change to {users}")
     return ap
 
 
@@ -146,13 +158,14 @@ def _export(args) -> int:
             f"{args.model}: a {type(model).__name__} is not a language model; sharp-export takes SharpLM checkpoints"
         )
     norm = args.norm or model.cfg.norm
-    check_norm_change(model, norm, args.ssmax_s)
+    values = {param: getattr(args, param) for param in CHANGE_PARAMS}
+    check_norm_change(model, norm, values)
     out = args.output or args.model.with_suffix(".onnx")
     if args.block_size < 1:
         raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise UsageError(f"cannot write {out}: {out.parent} is not a writable directory")
-    model = with_norm(model, norm, tuple(args.poly) if args.poly else None, args.ssmax_s)
+    model = with_norm(model, norm, tuple(args.poly) if args.poly else None, **values)
     settings = ExportSettings(
         norm=norm,
         fallback=args.fallback,

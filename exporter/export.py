@@ -1,9 +1,9 @@
 """Lower a SharpLM to ONNX: one `sharp::SharpAttention` node per layer plus standard-op fallback bodies.
 
 Pipeline: the model's attention layers call `torch.ops.sharp.attention` (models/op.py); torch.onnx.export
-(dynamo=True) translates that op with the per-norm onnxscript bodies of `fallback.py`; a post-pass then
+(dynamo=True) translates that op into a schema-only node (op_schema.py); a post-pass then
 gives the file its contract form (docs/op.md): op_type `SharpAttention` with `overload = norm`, the
-helper functions of the private `sharp.fallback` domain, the op's attributes and the model metadata.
+fallback bodies (fallback.py) in the private `sharp.fallback` domain, the op's attributes and the model metadata.
 """
 
 from __future__ import annotations
@@ -17,22 +17,14 @@ from onnx import helper
 from torch import Tensor, nn
 
 from sharp import __version__
-from sharp.exporter.fallback import (
-    BODIES,
-    FALLBACK,
-    HELPERS,
-    SHARP,
-    STREAMED_BODIES,
-    STREAMED_HELPERS,
-    translate,
-)
+from sharp.exporter import fallback
+from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, translate
+from sharp.models import registry
 from sharp.models.layers import use_custom_op
 from sharp.models.lm import SharpLM
-from sharp.models.normalizers import NORMS
 
-FALLBACKS = ("dense", "streamed", "none")
-# the opset the fallback bodies are written in (the main graph is exported at the same one)
-NATIVE_OPSET = 18
+FALLBACKS = (*fallback.MODES, "none")
+NATIVE_OPSET = BODY_OPSET  # the main graph is exported at the opset the bodies are written in
 
 
 @dataclass(frozen=True)
@@ -144,14 +136,7 @@ def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -
                 node.attribute.append(helper.make_attribute("block_size", settings.block_size))
     functions = [f for f in proto.functions if f.domain not in (SHARP.domain, FALLBACK.domain)]
     if settings.fallback != "none":
-        bodies = BODIES if settings.fallback == "dense" else STREAMED_BODIES
-        for norm in sorted(norms_used):
-            f = bodies[norm].to_function_proto()
-            f.name, f.overload = "SharpAttention", norm
-            f.attribute.extend(a for a in ("q_heads", "kv_heads") if a not in f.attribute)
-            functions.append(f)
-        helpers = HELPERS if settings.fallback == "dense" else (*HELPERS, *STREAMED_HELPERS)
-        functions += [h.to_function_proto() for h in helpers]
+        functions += fallback.functions((registry.get(n) for n in sorted(norms_used)), settings.fallback)
     del proto.functions[:]
     proto.functions.extend(functions)
     imports = {o.domain: o for o in proto.opset_import}
@@ -177,25 +162,25 @@ def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -
     return proto
 
 
-def with_norm(
-    model: SharpLM, norm: str, poly: tuple[float, ...] | None = None, ssmax_s: float | None = None
-) -> SharpLM:
-    """The allowed inference-time norm changes on a softmax model (see cli.check_norm_change)."""
-    if norm not in NORMS:
-        raise ValueError(f"unknown norm {norm!r}; valid: {', '.join(NORMS)}")
+def with_norm(model: SharpLM, norm: str, poly: tuple[float, ...] | None = None, **values: float | None) -> SharpLM:
+    """`model` with the normalizer `norm`: its own, or an inference-time change the registry allows
+    (`values` give the parameters the model never learned, e.g. ssmax_s; see cli.check_norm_change)."""
+    target = registry.get(norm)
     cfg = model.cfg
     if norm == cfg.norm:
         if poly is not None:
             cfg.adaptive_poly = tuple(poly)
         return model
-    new_cfg = type(cfg).from_dict({**cfg.to_dict(), "norm": norm, "layer_norms_override": None})
+    if not registry.can_export_as(cfg.norm, norm):
+        raise ValueError(f"a {cfg.norm} model cannot be exported as {norm}")
+    changes = {registry.head_param(k).config_field: v for k, v in values.items() if v is not None}
+    new_cfg = type(cfg).from_dict({**cfg.to_dict(), "norm": norm, "layer_norms_override": None, **changes})
     if poly is not None:
         new_cfg.adaptive_poly = tuple(poly)
-    if ssmax_s is not None:
-        new_cfg.ssmax_s = ssmax_s
     twin = SharpLM(new_cfg)
     missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
-    if unexpected or any(not k.endswith("ssmax_s") for k in missing):
+    new_params = tuple(p.state_name for p in target.params)
+    if unexpected or any(not k.endswith(new_params) for k in missing):
         raise ValueError(
             f"cannot move {cfg.norm} weights to {norm}: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )

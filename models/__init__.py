@@ -7,7 +7,6 @@ from sharp.models.layers import SharpAttention
 from sharp.models.lm import ByteTokenizer, LMOutput, SharpLM
 from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig
 from sharp.models.normalizers import (
-    NORMS,
     PAPER_POLY,
     adaptive_softmax,
     entmax,
@@ -16,6 +15,7 @@ from sharp.models.normalizers import (
     ssa,
     ssmax,
 )
+from sharp.models.registry import NORMS
 from sharp.models.sampling import SamplingParams
 
 __all__ = [

@@ -1,7 +1,7 @@
 """`attend`: the one entry point for attention with any sharp normalizer and any implementation.
 
 impl="reference" materialises the (B, Hq, Lq, Lk) logits and is differentiable (the training path);
-impl="streamed" runs SPEC §3's blockwise algorithms with O(Lq·block) extra memory (forward only);
+impl="streamed" runs the blockwise algorithms of docs/attention.md with O(Lq·block) extra memory (forward only);
 further implementations (GPU kernels) plug in through the `sharp.attention_impls` entry-point group, so
 this layer never imports the layers above it.
 """
@@ -14,8 +14,9 @@ from importlib.metadata import entry_points
 import torch
 from torch import Tensor
 
-from sharp.models.normalizers import PAPER_POLY, Param, entropy, normalize
+from sharp.models.normalizers import PAPER_POLY, Param, entropy
 from sharp.models.problem import AttentionProblem, build_problem
+from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S
 from sharp.models.streamed import streamed_attention
 
 ImplFn = Callable[..., tuple[Tensor, Tensor]]
@@ -25,7 +26,7 @@ IMPLS: tuple[str, ...] = ("reference", "streamed", "triton")
 def _reference(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
     p = problem
     z = p.logits(0, p.lq, 0, p.lk)
-    probs = normalize(z, p.norm, alpha=p.alpha, ssa_n=p.ssa_n, ssa_b=p.ssa_b, ssmax_s=p.ssmax_s, poly=p.poly)
+    probs = p.norm.probs(z, -1, poly=p.poly, **p.params)
     return torch.matmul(probs, p.values(0, p.lk)), entropy(probs)
 
 
@@ -53,10 +54,10 @@ def attend(
     norm: str = "softmax",
     causal: bool = False,
     scale: float | None = None,
-    alpha: Param = 1.5,
-    ssa_n: Param = 1.5,
-    ssa_b: Param = 1.0,
-    ssmax_s: Param = 1.0,
+    alpha: Param = ALPHA.default,
+    ssa_n: Param = SSA_N.default,
+    ssa_b: Param = SSA_B.default,
+    ssmax_s: Param = SSMAX_S.default,
     poly: tuple[float, ...] | Tensor = PAPER_POLY,
     query_scale: Tensor | None = None,
     alibi_slopes: Tensor | None = None,
@@ -65,7 +66,7 @@ def attend(
     block_size: int = 128,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Attention O = P V with P = norm(logits), SPEC §2–§3.
+    """Attention O = P V with P = norm(logits) (docs/attention.md).
 
     q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D), Hq % Hkv == 0 (GQA). With Lq ≤ Lk, query i sits at position
     Lk − Lq + i. Parameters are floats or per-head (Hq,) tensors. `query_scale` (B, Hq, Lq) multiplies the

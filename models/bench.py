@@ -13,10 +13,12 @@ import sys
 import torch
 from tqdm import tqdm
 
+from sharp.models import registry
 from sharp.models.attention import attend
 from sharp.models.benchlib import machine, markdown_table, measure, run_isolated, today, write_section
-from sharp.models.normalizers import NORMS, PAPER_POLY
+from sharp.models.normalizers import PAPER_POLY
 from sharp.models.problem import build_problem
+from sharp.models.registry import NORMS
 from sharp.models.streamed import QUERY_CHUNK, StreamStats, streamed_attention
 
 # Bytes per Lq·Lk logit that the reference keeps alive at its peak (scores, exp, weights; sort copies and
@@ -36,7 +38,9 @@ def _case_worker(case: dict) -> dict:
     """Runs inside the isolated process: build inputs, measure one implementation."""
     torch.manual_seed(0)
     q, k, v, qs = _inputs(case["length"], case["dim"], seed=0)
-    kw = dict(norm=case["norm"], causal=case["causal"], query_scale=qs if case["norm"] == "asentmax" else None)
+    kw = dict(
+        norm=case["norm"], causal=case["causal"], query_scale=qs if registry.get(case["norm"]).query_scale else None
+    )
     result: dict = {}
     if case["impl"] == "streamed":
         problem = build_problem(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from sharp.models.normalizers import NORMS, PAPER_POLY
+from sharp.models import registry
+from sharp.models.normalizers import PAPER_POLY
 from sharp.models.positional import POSITIONAL
 
 MLPS = ("swiglu", "gelu")
@@ -51,15 +52,19 @@ class ModelConfig:
             problems.append(f"layer_norm {self.layer_norm!r} not in {LAYER_NORMS}")
         if self.pos not in POSITIONAL:
             problems.append(f"pos {self.pos!r} not in {POSITIONAL}")
+        norms = []
         for n in self.layer_norms():
-            if n not in NORMS:
-                problems.append(f"norm {n!r} not in {NORMS}")
+            try:
+                norms.append(registry.get(n))
+            except ValueError as e:
+                problems.append(str(e))
         if self.layer_norms_override is not None and len(self.layer_norms_override) != self.layers:
             problems.append(
                 f"layer_norms_override has {len(self.layer_norms_override)} entries for {self.layers} layers"
             )
-        if self.alpha < 1.0:
-            problems.append(f"alpha {self.alpha} < 1")
+        for p in dict.fromkeys(p for n in norms for p in n.params):  # initial values of the parameters in use
+            if (why := p.init_problem(float(getattr(self, p.config_field)))) is not None:
+                problems.append(why)
         if problems:
             raise ValueError("bad model config: " + "; ".join(problems))
 

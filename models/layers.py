@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sharp.models import registry
 from sharp.models.attention import attend
 from sharp.models.config import ModelConfig
 from sharp.models.op import attend_op
 from sharp.models.positional import apply_rope, rope_angles, slopes_for
 
 KVCache = tuple[Tensor, Tensor]  # (k, v), each (B, Hkv, L_past, head_dim), keys already rotated
-
-
-def inverse_softplus(y: float) -> float:
-    """x with softplus(x) = y: the raw value that initialises a softplus-parametrised parameter at y."""
-    return y + math.log(-math.expm1(-y))
 
 
 class RMSNorm(nn.Module):
@@ -56,31 +50,27 @@ class MLP(nn.Module):
 class SharpAttention(nn.Module):
     """Causal multi-head / grouped-query self-attention with a sharp normalizer and per-head parameters.
 
-    Learned per head: entmax α = 1 + softplus(·) (when learn_alpha), SSA n = 1 + softplus(·) ≥ 1 and
-    b = softplus(·) > 0, SSMax s; ASEntmax computes λ = δ + β·log(pos + 2)^γ per query from its hidden state
-    with β = softplus(x·w_β), γ = s_γ·tanh(x·w_γ).
+    The norm's per-head parameters come from the registry (how each is stored, its initial value in the
+    config, whether it learns); a norm with a per-query scale (ASEntmax) computes λ = δ + β·log(pos + 2)^γ per
+    query from its hidden state with β = softplus(x·w_β), γ = s_γ·tanh(x·w_γ).
     """
 
     def __init__(self, cfg: ModelConfig, norm: str):
         super().__init__()
         self.cfg, self.norm = cfg, norm
+        self.spec = registry.get(norm)
         h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, h * d, bias=False)
         self.k_proj = nn.Linear(cfg.dim, hkv * d, bias=False)
         self.v_proj = nn.Linear(cfg.dim, hkv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.dim, bias=False)
-        if norm in ("entmax", "asentmax"):
-            raw = torch.full((h,), inverse_softplus(max(cfg.alpha - 1.0, 1e-3)))
-            if cfg.learn_alpha:
-                self.alpha_raw = nn.Parameter(raw)
+        for p in self.spec.params:
+            raw = torch.full((h,), p.to_raw(float(getattr(cfg, p.config_field))))
+            if p.learn_flag is None or getattr(cfg, p.learn_flag):
+                setattr(self, p.state_name, nn.Parameter(raw))
             else:
-                self.register_buffer("alpha_raw", raw)
-        if norm == "ssa":
-            self.ssa_n_raw = nn.Parameter(torch.full((h,), inverse_softplus(max(cfg.ssa_n - 1.0, 1e-3))))
-            self.ssa_b_raw = nn.Parameter(torch.full((h,), inverse_softplus(cfg.ssa_b)))
-        if norm == "ssmax":
-            self.ssmax_s = nn.Parameter(torch.full((h,), cfg.ssmax_s))
-        if norm == "asentmax":
+                self.register_buffer(p.state_name, raw)
+        if self.spec.query_scale:
             self.w_beta = nn.Linear(cfg.dim, h)
             self.w_gamma = nn.Linear(cfg.dim, h)
             for lin in (self.w_beta, self.w_gamma):
@@ -92,15 +82,7 @@ class SharpAttention(nn.Module):
 
     def head_params(self) -> dict[str, Tensor]:
         """The per-head normalizer parameters `attend` receives (Hq,)."""
-        p: dict[str, Tensor] = {}
-        if self.norm in ("entmax", "asentmax"):
-            p["alpha"] = 1.0 + F.softplus(self.alpha_raw)
-        if self.norm == "ssa":
-            p["ssa_n"] = 1.0 + F.softplus(self.ssa_n_raw)
-            p["ssa_b"] = F.softplus(self.ssa_b_raw)
-        if self.norm == "ssmax":
-            p["ssmax_s"] = self.ssmax_s
-        return p
+        return {p.name: p.from_raw(getattr(self, p.state_name)) for p in self.spec.params}
 
     def query_scale(self, x: Tensor, positions: Tensor) -> Tensor:
         """ASEntmax's λ (B, Hq, L) from the hidden states entering the layer and absolute positions (B, L)."""
@@ -132,7 +114,7 @@ class SharpAttention(nn.Module):
         kwargs = dict(
             norm=self.norm,
             poly=cfg.adaptive_poly,
-            query_scale=self.query_scale(x, positions) if self.norm == "asentmax" else None,
+            query_scale=self.query_scale(x, positions) if self.spec.query_scale else None,
             alibi_slopes=self.alibi_slopes,
             **self.head_params(),
         )

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from sharp.models import registry
 from sharp.models.attention import attend
-from sharp.models.layers import inverse_softplus
-from sharp.models.normalizers import NORMS, PAPER_POLY
+from sharp.models.normalizers import PAPER_POLY
 
 
 @dataclass
@@ -29,8 +29,7 @@ class MaxRetrievalConfig:
 
     def __post_init__(self) -> None:
         self.adaptive_poly = tuple(float(c) for c in self.adaptive_poly)
-        if self.norm not in NORMS:
-            raise ValueError(f"unknown norm {self.norm!r}; valid: {', '.join(NORMS)}")
+        registry.get(self.norm)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -67,9 +66,11 @@ class MaxRetrieval(nn.Module):
         self.psi_q = _mlp(1, w, w, final_act=False)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(w, w) for _ in range(4))
         self.phi = _mlp(w, w, cfg.classes, final_act=False)
-        if cfg.norm in ("entmax", "asentmax"):
-            self.alpha_raw = nn.Parameter(torch.tensor(inverse_softplus(max(cfg.alpha - 1.0, 1e-3))))
-        if cfg.norm == "asentmax":
+        spec = registry.get(cfg.norm)
+        for p in spec.params:  # learned when the config carries an initial value (α); others stay at their default
+            if hasattr(cfg, p.config_field):
+                setattr(self, p.state_name, nn.Parameter(torch.tensor(p.to_raw(getattr(cfg, p.config_field)))))
+        if spec.query_scale:
             self.w_beta, self.w_gamma = nn.Linear(w, 1), nn.Linear(w, 1)
 
     def forward(self, x: Tensor, q: Tensor, norm: str | None = None, return_entropy: bool = False):
@@ -80,10 +81,14 @@ class MaxRetrieval(nn.Module):
         hq = self.psi_q(q).unsqueeze(1)  # (B, 1, W)
         qh = self.q_proj(hq).unsqueeze(1)  # (B, 1, 1, W): one head
         kh, vh = self.k_proj(h).unsqueeze(1), self.v_proj(h).unsqueeze(1)
-        kw: dict = {}
-        if norm in ("entmax", "asentmax"):
-            kw["alpha"] = 1.0 + F.softplus(self.alpha_raw) if hasattr(self, "alpha_raw") else self.cfg.alpha
-        if norm == "asentmax":
+        spec = registry.get(norm)
+        kw: dict = {
+            p.name: p.from_raw(getattr(self, p.state_name))
+            if hasattr(self, p.state_name)
+            else getattr(self.cfg, p.config_field, p.default)
+            for p in spec.params
+        }
+        if spec.query_scale:
             # λ = δ + β log(n + 1)^γ: the query is read after the n items (position n − 1 + 1 → log(pos + 2))
             n = torch.full((x.shape[0], 1), float(x.shape[1]))
             beta = F.softplus(self.w_beta(hq.squeeze(1)))

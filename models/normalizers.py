@@ -1,4 +1,4 @@
-"""The six attention normalizers of SPEC §2, as a tiny functional API (in the style of the `entmax` package).
+"""The six attention normalizers as a tiny functional API (in the style of the `entmax` package).
 
 Every normalizer maps logits to a distribution along `dim`: `p >= 0`, `sum(p) == 1`, exact zeros for masked
 (`-inf`) logits, an all-zero row when every logit is masked (never NaN). Half-precision inputs are computed
@@ -18,8 +18,6 @@ from torch import Tensor
 
 PAPER_POLY: tuple[float, ...] = (-0.037, 0.481, -2.3, 4.917, -1.791)
 """Adaptive-temperature polynomial β(H), highest power first (numpy.polyval order): β(3) ≈ 2.25."""
-
-NORMS: tuple[str, ...] = ("softmax", "adaptive", "ssmax", "entmax", "asentmax", "ssa")
 
 Param = float | Tensor
 
@@ -77,7 +75,7 @@ def entropy(p: Tensor, dim: int = -1) -> Tensor:
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """exp(x − max x) / Σ, with masked and fully masked rows handled per SPEC §2."""
+    """exp(x − max x) / Σ, with masked and fully masked rows handled as the module docstring says."""
     return _softmax_fp(x.to(compute_dtype(x.dtype)), dim).to(x.dtype)
 
 
@@ -262,29 +260,3 @@ def entmax(x: Tensor, alpha: Param = 1.5, dim: int = -1) -> Tensor:
     # Rows whose α is exactly 1 are softmax rows; the others go through entmax with a stand-in α.
     p = _Entmax.apply(xf, torch.where(is_one, 2.0, a), dim)
     return torch.where(is_one, _softmax_fp(xf, dim), p).to(x.dtype)
-
-
-def normalize(
-    x: Tensor,
-    norm: str,
-    *,
-    dim: int = -1,
-    alpha: Param = 1.5,
-    ssa_n: Param = 1.5,
-    ssa_b: Param = 1.0,
-    ssmax_s: Param = 1.0,
-    poly: tuple[float, ...] | Tensor = PAPER_POLY,
-    threshold: float = 0.5,
-) -> Tensor:
-    """Dispatch by name; `asentmax` is entmax on logits already multiplied by λ (see `attend`)."""
-    if norm == "softmax":
-        return softmax(x, dim)
-    if norm == "adaptive":
-        return adaptive_softmax(x, dim, poly, threshold)
-    if norm == "ssmax":
-        return ssmax(x, ssmax_s, dim)
-    if norm in ("entmax", "asentmax"):
-        return entmax(x, alpha, dim)
-    if norm == "ssa":
-        return ssa(x, ssa_n, ssa_b, dim)
-    raise ValueError(f"unknown norm {norm!r}; valid: {', '.join(NORMS)}")

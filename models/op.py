@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sharp.models import registry
 from sharp.models.attention import attend
 
 
@@ -42,7 +43,7 @@ def sharp_attention(
         ssa_b=ssa_b,
         ssmax_s=ssmax_s,
         poly=tuple(poly),
-        query_scale=query_scale if norm == "asentmax" else None,
+        query_scale=query_scale if registry.get(norm).query_scale else None,
         alibi_slopes=alibi_slopes,
         key_mask=key_mask,
         return_entropy=True,
@@ -73,23 +74,25 @@ def attend_op(
     ssa_b: Tensor | None = None,
     ssmax_s: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Call the op with `attend`-style optional parameters, filling unused slots with neutral values."""
+    """Call the op with `attend`-style optional parameters, filling unused slots with the registry's defaults."""
     heads = q.shape[1]
 
     def per_head(t: Tensor | None, default: float) -> Tensor:
         return torch.full((heads,), default, dtype=torch.float32, device=q.device) if t is None else t.float()
 
+    given = {"alpha": alpha, "ssa_n": ssa_n, "ssa_b": ssa_b, "ssmax_s": ssmax_s}
+    slot = {p.name: per_head(given[p.name], p.default) for p in registry.HEAD_PARAMS}
     return sharp_attention(
         q,
         k,
         v,
         key_mask,
         per_head(alibi_slopes, 0.0),
-        per_head(alpha, 1.5),
+        slot["alpha"],
         query_scale.float() if query_scale is not None else torch.ones(q.shape[:3], device=q.device),
-        per_head(ssa_n, 1.5),
-        per_head(ssa_b, 1.0),
-        per_head(ssmax_s, 1.0),
+        slot["ssa_n"],
+        slot["ssa_b"],
+        slot["ssmax_s"],
         norm,
         causal,
         float(scale),

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sharp.models.normalizers import NORMS, Param, compute_dtype
+from sharp.models import registry
+from sharp.models.normalizers import Param, compute_dtype
+from sharp.models.registry import Family, Norm
 
 _NEG_INF = float("-inf")
 
@@ -24,7 +26,7 @@ class AttentionProblem:
     q: Tensor
     k: Tensor
     v: Tensor
-    norm: str
+    norm: Norm
     causal: bool
     scale: float
     alpha: Param
@@ -61,15 +63,24 @@ class AttentionProblem:
     def group(self) -> int:
         return self.q.shape[1] // self.k.shape[1]
 
-    def entmax_is_softmax(self, impl: str) -> bool:
-        """α = 1 is softmax. Streamed implementations run one algorithm per call, so per-head α mixing 1 with
-        α > 1 is refused for them (the reference handles it row by row)."""
+    @property
+    def family(self) -> Family:
+        """The algorithm that runs: entmax with α = 1 everywhere is softmax. Streamed implementations run one
+        algorithm per call, so per-head α mixing 1 with α > 1 is refused for them (the reference handles it
+        row by row)."""
+        if self.norm.family is not Family.ENTMAX:
+            return self.norm.family
         if isinstance(self.alpha, float):
-            return self.alpha == 1.0
+            return Family.SOFTMAX if self.alpha == 1.0 else Family.ENTMAX
         ones = self.alpha == 1.0
         if bool(ones.any()) and not bool(ones.all()):
-            raise ValueError(f"impl={impl!r} cannot mix alpha == 1 (softmax) with alpha > 1 across heads")
-        return bool(ones.all())
+            raise ValueError("streamed attention cannot mix alpha == 1 (softmax) with alpha > 1 across heads")
+        return Family.SOFTMAX if bool(ones.all()) else Family.ENTMAX
+
+    @property
+    def params(self) -> dict[str, Param]:
+        """The norm's own per-head parameters, by name."""
+        return {p.name: getattr(self, p.name) for p in self.norm.params}
 
     def query_positions(self, start: int = 0, stop: int | None = None) -> Tensor:
         """Absolute positions of queries [start, stop): the KV cache holds the Lk − Lq earlier tokens."""
@@ -144,8 +155,7 @@ def build_problem(
     key_mask: Tensor | None = None,
 ) -> AttentionProblem:
     """Check shapes and values; errors say what was found and what is allowed."""
-    if norm not in NORMS:
-        raise ValueError(f"unknown norm {norm!r}; valid: {', '.join(NORMS)}")
+    spec = registry.get(norm)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be (B, H, L, D), got shape {tuple(t.shape)}")
@@ -163,8 +173,8 @@ def build_problem(
         raise ValueError(f"GQA needs Hq % Hkv == 0, got Hq={hq}, Hkv={hkv}")
     if causal and lq > k.shape[2]:
         raise ValueError(f"causal attention needs Lq <= Lk, got Lq={lq}, Lk={k.shape[2]}")
-    if norm == "asentmax" and query_scale is None:
-        raise ValueError("norm='asentmax' needs query_scale (B, Hq, Lq): ASEntmax's per-query scale λ")
+    if spec.query_scale and query_scale is None:
+        raise ValueError(f"norm={norm!r} needs query_scale (B, Hq, Lq): its per-query scale λ")
     if query_scale is not None and tuple(query_scale.shape) != (b, hq, lq):
         raise ValueError(f"query_scale must be (B, Hq, Lq) = {(b, hq, lq)}, got {tuple(query_scale.shape)}")
     if key_mask is not None and (tuple(key_mask.shape) != (b, k.shape[2]) or key_mask.dtype != torch.bool):
@@ -173,23 +183,24 @@ def build_problem(
         )
     if alibi_slopes is not None and tuple(alibi_slopes.shape) != (hq,):
         raise ValueError(f"alibi_slopes must be ({hq},), got {tuple(alibi_slopes.shape)}")
-    alpha_p = _head_param("alpha", alpha, hq, q)
-    if norm in ("entmax", "asentmax"):
-        low = alpha_p if isinstance(alpha_p, float) else float(alpha_p.detach().min())
-        if low < 1.0:
-            raise ValueError(f"entmax needs alpha >= 1, got {low}")
+    given = {"alpha": alpha, "ssa_n": ssa_n, "ssa_b": ssa_b, "ssmax_s": ssmax_s}
+    params = {name: _head_param(name, value, hq, q) for name, value in given.items()}
+    for p in spec.params:  # the domain is checked for the parameters the norm reads
+        value = params[p.name]
+        if isinstance(value, float):
+            if (why := p.problem(value)) is not None:
+                raise ValueError(why)
+        else:
+            p.check_tensor(value)
     poly_t = tuple(float(c) for c in (poly.tolist() if isinstance(poly, Tensor) else poly))
     return AttentionProblem(
         q=q,
         k=k,
         v=v,
-        norm=norm,
+        norm=spec,
         causal=causal,
         scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
-        alpha=alpha_p,
-        ssa_n=_head_param("ssa_n", ssa_n, hq, q),
-        ssa_b=_head_param("ssa_b", ssa_b, hq, q),
-        ssmax_s=_head_param("ssmax_s", ssmax_s, hq, q),
+        **params,
         poly=poly_t,
         query_scale=query_scale,
         alibi_slopes=alibi_slopes,

@@ -1,4 +1,4 @@
-"""Streamed (O(n)-memory) attention, SPEC §3, in PyTorch: the oracle the kernels are written against.
+"""Streamed (O(n)-memory) attention (docs/attention.md) in PyTorch: the oracle the kernels are written against.
 
 Queries go in chunks of QUERY_CHUNK rows and keys in blocks of `block_size`, so the largest temporary is
 one (B, Hq, QUERY_CHUNK, block_size) tile; nothing Lq × Lk is ever built. Forward only (inference): the
@@ -9,7 +9,7 @@ State kept per query row (softmax family, over transformed logits t):
     Λ   Σ e^{t−m}
     K'  Σ e^{t−m} (t − m)          entropy H = log Λ − K'/Λ
     acc Σ e^{t−m} v                output acc / Λ
-SPEC §3 writes K = Σ e^{t−m} t and H = m + log Λ − K/Λ; that is the same number, but it subtracts two values
+The textbook form K = Σ e^{t−m} t with H = m + log Λ − K/Λ gives the same number, but it subtracts two values
 of size |t| (≈1e4 for large logits) and loses the entropy to cancellation. K' carries the max-relative form;
 on a new max m' it is rescaled as K' ← e^{m−m'} (K' + Λ (m − m')).
 """
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from sharp.models.normalizers import adaptive_beta, ssa_logits, transform_visible
 from sharp.models.problem import AttentionProblem
+from sharp.models.registry import Family, Transform
 
 QUERY_CHUNK = 1024
 _NEG_INF = float("-inf")
@@ -121,21 +122,22 @@ def _online_softmax(
 
 def _softmax_family(chunk: _Chunk, stats: StreamStats) -> tuple[Tensor, Tensor]:
     p = chunk.problem
-    if p.norm in ("softmax", "entmax", "asentmax"):  # entmax reaches here only with α = 1, i.e. softmax
+    kind = p.norm.transform
+    if kind in (Transform.IDENTITY, Transform.NONE):  # NONE: entmax with α = 1, i.e. softmax
         transform = lambda z: z
-    elif p.norm == "ssmax":
+    elif kind is Transform.LOG_N_SCALE:
         factor = p.ssmax_s * torch.log(p.visible_keys(chunk.qpos))
         transform = lambda z: factor * z
-    elif p.norm == "ssa":
+    elif kind is Transform.SIGNED_LOG:
         n, b = p.ssa_n, p.ssa_b
         transform = lambda z: ssa_logits(z, n, b)
-    elif p.norm == "adaptive":  # pass 1 streams (m, Λ, K') of z for β; pass 2 is online softmax over β·z
+    elif kind is Transform.ENTROPY_BETA:  # pass 1 streams (m, Λ, K') of z for β; pass 2 is online softmax over β·z
         _, h = _online_softmax(chunk, lambda z: z, with_values=False)
         stats.key_passes += 1
         beta = adaptive_beta(h, p.poly).unsqueeze(-1)
         transform = lambda z: beta * z
     else:
-        raise ValueError(f"no streamed algorithm for norm {p.norm!r}")
+        raise ValueError(f"no streamed algorithm for transform {kind}")
     out, ent = _online_softmax(chunk, transform, with_values=True)
     stats.key_passes += 1
     return out, ent
@@ -167,7 +169,7 @@ def refine_threshold(
 
 
 def _entmax(chunk: _Chunk, stats: StreamStats, max_passes: int) -> tuple[Tensor, Tensor]:
-    """Entmax over blocks: max pass, threshold passes, output pass that skips all-zero key blocks (SPEC §3)."""
+    """Entmax over blocks: max pass, threshold passes, output pass that skips all-zero key blocks."""
     p = chunk.problem
     am1 = p.alpha - 1.0
     inv = 1.0 / am1
@@ -236,10 +238,11 @@ def streamed_attention(
     p = problem
     out = torch.empty(p.batch, p.heads, p.lq, p.v.shape[-1], dtype=p.dtype, device=p.q.device)
     ent = torch.empty(p.batch, p.heads, p.lq, dtype=p.dtype, device=p.q.device)
+    family = p.family
     with torch.no_grad():
         for start in range(0, p.lq, QUERY_CHUNK):
             chunk = _Chunk(p, start, min(start + QUERY_CHUNK, p.lq), block_size)
-            if p.norm in ("entmax", "asentmax") and not p.entmax_is_softmax("streamed"):
+            if family is Family.ENTMAX:
                 o, h = _entmax(chunk, stats, max_passes)
             else:
                 o, h = _softmax_family(chunk, stats)

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load, save
 from sharp.models.config import ModelConfig
 from sharp.models.lm import SharpLM
 from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig, max_retrieval_batch
-from sharp.models.normalizers import NORMS
 from sharp.models.positional import POSITIONAL
 from sharp.models.tasks import IGNORE, LM_TASKS, TextData, task_batch
 
@@ -151,8 +151,8 @@ def parser() -> argparse.ArgumentParser:
         prog="sharp-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("task", choices=TASKS)
-    ap.add_argument("--norm", default="softmax", choices=NORMS)
-    ap.add_argument("--alpha", type=float, default=1.5, help="entmax α at init (> 1)")
+    ap.add_argument("--norm", default="softmax", choices=registry.NORMS)
+    ap.add_argument("--alpha", type=float, default=registry.ALPHA.default, help="entmax α at init (> 1)")
     ap.add_argument("--pos", default="rope", choices=POSITIONAL)
     ap.add_argument("--rope-scaling", type=float, default=1.0)
     ap.add_argument("--layers", type=int, default=2)
@@ -181,8 +181,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error("task 'text' needs --data FILE")
     if args.data is not None and not args.data.is_file():
         ap.error(f"--data {args.data}: no such file")
-    if args.alpha <= 1.0 and args.norm in ("entmax", "asentmax"):
-        ap.error(f"--alpha must be > 1 for {args.norm}, got {args.alpha}")
+    if registry.ALPHA in registry.get(args.norm).params and (why := registry.ALPHA.init_problem(args.alpha)):
+        ap.error(f"--{why}")
     if args.steps < 1 or args.batch < 1 or args.size[0] < 1 or args.size[0] > args.size[1]:
         ap.error("--steps and --batch must be >= 1 and --size MIN MAX with 1 <= MIN <= MAX")
     if args.dim % args.heads:

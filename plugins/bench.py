@@ -20,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from sharp.models import registry
 from sharp.models.benchlib import markdown_table, today, write_section
-from sharp.models.normalizers import NORMS, PAPER_POLY
+from sharp.models.normalizers import PAPER_POLY
 from sharp.models.positional import nape_slopes
 from sharp.models.problem import build_problem
+from sharp.models.registry import NORMS
 from sharp.models.streamed import StreamStats
 
 NOT_MEASURED = """## Triton kernels on GPU
@@ -62,7 +64,7 @@ def _problem(q, k, v, norm: str, causal: bool, query_scale=None, alibi_slopes=No
         ssa_b=1.0,
         ssmax_s=1.0,
         poly=PAPER_POLY,
-        query_scale=query_scale if norm == "asentmax" else None,
+        query_scale=query_scale if registry.get(norm).query_scale else None,
         alibi_slopes=alibi_slopes,
     )
 
@@ -98,8 +100,9 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
             stats = StreamStats()
             run_problem(problem, stats=stats)  # warm-up compile + one measured set of stats
             ms = _median_ms(lambda p=problem: run_problem(p), gpu)
-            sparse = f"{stats.block_sparsity:.0%}" if norm in ("entmax", "asentmax") else "—"
-            passes = str(stats.threshold_passes) if norm in ("entmax", "asentmax") else "—"
+            is_entmax = registry.get(norm).family is registry.Family.ENTMAX
+            sparse = f"{stats.block_sparsity:.0%}" if is_entmax else "—"
+            passes = str(stats.threshold_passes) if is_entmax else "—"
             label = norm + (" (NAPE)" if nape else "")
             rows.append(
                 [

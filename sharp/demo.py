@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from sharp.models import NORMS, attend
+from sharp.models import NORMS, attend, registry
 
 ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
 
@@ -51,7 +51,7 @@ def dispersion() -> None:
         cells = []
         for n in lengths:
             q, k, v, qs = _problem(n)
-            kw = dict(norm=norm, query_scale=qs if norm == "asentmax" else None, return_entropy=True)
+            kw = dict(norm=norm, query_scale=qs if registry.get(norm).query_scale else None, return_entropy=True)
             out, ent = attend(q, k, v, impl="reference", **kw)
             out_s, ent_s = attend(q, k, v, impl="streamed", block_size=256, **kw)
             assert torch.allclose(out, out_s, atol=1e-5) and torch.allclose(ent, ent_s, atol=1e-5)

@@ -181,7 +181,7 @@ def test_empty_key_set_gives_zeros():
         ({"alpha": torch.ones(3)}, r"alpha must be a float, a scalar tensor or shape \(4,\)"),
         ({"alibi_slopes": torch.ones(2)}, r"alibi_slopes must be \(4,\)"),
         ({"query_scale": torch.ones(4)}, r"query_scale must be \(B, Hq, Lq\)"),
-        ({"norm": "entmax", "alpha": 0.5}, "alpha >= 1"),
+        ({"norm": "entmax", "alpha": 0.5}, "alpha must be finite and >= 1"),
         ({"ssa_n": float("nan")}, "ssa_n must be finite"),
     ],
 )

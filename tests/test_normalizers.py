@@ -262,5 +262,7 @@ def test_entropy_values():
 
 
 def test_normalize_rejects_unknown_norm():
+    from sharp.models.registry import normalize
+
     with pytest.raises(ValueError, match="valid: softmax, adaptive"):
-        N.normalize(torch.zeros(1, 2), "sparsemax")
+        normalize(torch.zeros(1, 2), "sparsemax")

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 from sharp.models.attention import attend
-from sharp.models.normalizers import PAPER_POLY, Param, adaptive_beta
+from sharp.models.normalizers import Param, adaptive_beta
 from sharp.models.problem import AttentionProblem
+from sharp.models.registry import Family, Transform
 from sharp.models.streamed import StreamStats, finish_softmax_state, merge_softmax_states, refine_threshold
 from sharp.plugins.triton.kernels import (
     _entmax_max_kernel,
@@ -135,6 +136,27 @@ def _softmax_family(run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool
     return out, ent
 
 
+def _softmax_family_transform(run: _Launcher, stats: StreamStats) -> tuple[Tensor, Tensor]:
+    """One launch over t = T(z) (two for the entropy-dependent β: a statistics pass without V first)."""
+    p = run.p
+    kind = p.norm.transform
+    if kind is Transform.SIGNED_LOG:
+        out, ent = _softmax_family(run, None, ssa=True, with_v=True)
+    elif kind is Transform.LOG_N_SCALE:
+        log_n = torch.log(p.visible_keys(p.query_positions()).view(-1).float())
+        out, ent = _softmax_family(run, _row_factor(run, run.per_head(p.ssmax_s), log_n), False, True)
+    elif kind is Transform.ENTROPY_BETA:
+        _, h = _softmax_family(run, None, ssa=False, with_v=False)
+        stats.key_passes += 1
+        out, ent = _softmax_family(run, adaptive_beta(h, p.poly).contiguous(), ssa=False, with_v=True)
+    elif kind in (Transform.IDENTITY, Transform.NONE):  # NONE: entmax with α = 1, i.e. softmax
+        out, ent = _softmax_family(run, None, ssa=False, with_v=True)
+    else:
+        raise ValueError(f"no Triton kernel for transform {kind}")
+    stats.key_passes += 1
+    return out, ent
+
+
 def _row_factor(run: _Launcher, per_head: Tensor, per_row: Tensor) -> Tensor:
     """(Hq,) × (Lq,) → contiguous (B·Hq, Lq) fp32 factors."""
     p = run.p
@@ -234,24 +256,10 @@ def run_problem(
     stats = stats if stats is not None else StreamStats()
     cfg = launch_config(p, block_size, splits)
     run = _Launcher(p, cfg)
-    norm = p.norm
-    if norm in ("entmax", "asentmax") and p.entmax_is_softmax("triton"):
-        norm = "softmax"
-    if norm in ("entmax", "asentmax"):
+    if p.family is Family.ENTMAX:
         out, ent = _entmax(run, stats)
-    elif norm == "ssa":
-        out, ent = _softmax_family(run, None, ssa=True, with_v=True)
-    elif norm == "ssmax":
-        log_n = torch.log(p.visible_keys(p.query_positions()).view(-1).float())
-        out, ent = _softmax_family(run, _row_factor(run, run.per_head(p.ssmax_s), log_n), False, True)
-    elif norm == "adaptive":
-        _, h = _softmax_family(run, None, ssa=False, with_v=False)
-        beta = adaptive_beta(h, p.poly)
-        out, ent = _softmax_family(run, beta.contiguous(), ssa=False, with_v=True)
     else:
-        out, ent = _softmax_family(run, None, ssa=False, with_v=True)
-    if norm not in ("entmax", "asentmax"):
-        stats.key_passes += 2 if norm == "adaptive" else 1
+        out, ent = _softmax_family_transform(run, stats)
     return run.unflatten(out), run.unflatten(ent)
 
 
@@ -263,38 +271,6 @@ def attend_impl(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Ten
         return run_problem(problem, block_size)
 
 
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    norm: str,
-    causal: bool = False,
-    scale: float | None = None,
-    alpha: Param = 1.5,
-    ssa_n: Param = 1.5,
-    ssa_b: Param = 1.0,
-    ssmax_s: Param = 1.0,
-    poly: tuple[float, ...] | Tensor = PAPER_POLY,
-    query_scale: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    return_entropy: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """`attend(..., impl="triton")`: same signature and semantics (see sharp.models.attend)."""
-    return attend(
-        q,
-        k,
-        v,
-        norm=norm,
-        causal=causal,
-        scale=scale,
-        alpha=alpha,
-        ssa_n=ssa_n,
-        ssa_b=ssa_b,
-        ssmax_s=ssmax_s,
-        poly=poly,
-        query_scale=query_scale,
-        alibi_slopes=alibi_slopes,
-        impl="triton",
-        return_entropy=return_entropy,
-    )
+def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor | tuple[Tensor, Tensor]:
+    """`attend(..., impl="triton")`: the same keywords and semantics (see sharp.models.attend)."""
+    return attend(q, k, v, impl="triton", **kwargs)

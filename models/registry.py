@@ -1,0 +1,221 @@
+"""The normalizer registry: the one table of attention normalizers that every layer reads.
+
+Each entry says what a normalizer *is* for everything outside its math: its family (a softmax over transformed
+logits, or an entmax threshold), which transform of the logits it applies, its learned per-head parameters
+(domain, default, initial value, how a module stores them), whether it takes a per-query scale, which norms a
+trained model may be exported as without retraining, and what the op and the file's metadata record.
+Validation of a norm name happens here (`get`), once; modules, the streamed path, the kernels' host code, the
+exporter's bodies and CLI choices and the server read the entry instead of comparing strings.
+
+Adding a normalizer: write its math in `normalizers.py`, add its entry below, and give every consumer of a
+*new* `Transform` or family its algorithm (streamed, Triton, ONNX bodies); docs/design.md walks through it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sharp.models import normalizers as nz
+
+Param = nz.Param
+
+
+class Family(str, Enum):
+    """How a row is normalised: online softmax over t = T(z), or entmax's threshold search."""
+
+    SOFTMAX = "softmax"
+    ENTMAX = "entmax"
+
+
+class Transform(str, Enum):
+    """The softmax family's logit transform t = T(z) (docs/design.md, "Normalizers")."""
+
+    IDENTITY = "identity"  # t = z
+    LOG_N_SCALE = "log_n_scale"  # t = s · log(n_visible) · z          (per-row factor)
+    SIGNED_LOG = "signed_log"  # t = sgn(z) · n · log1p(b |z|)          (elementwise)
+    ENTROPY_BETA = "entropy_beta"  # t = β(H(softmax z)) · z                 (per-row factor, needs a first pass)
+    NONE = "none"  # entmax family: no softmax transform
+
+
+class Storage(str, Enum):
+    """How a module stores a learned per-head parameter (raw tensor → value)."""
+
+    IDENTITY = "identity"  # value = raw
+    SOFTPLUS = "softplus"  # value = softplus(raw) > 0
+    ONE_PLUS_SOFTPLUS = "one_plus_softplus"  # value = 1 + softplus(raw) > 1
+
+
+def inverse_softplus(y: float) -> float:
+    """x with softplus(x) = y: the raw value that initialises a softplus-parametrised parameter at y."""
+    return y + math.log(-math.expm1(-y))
+
+
+@dataclass(frozen=True)
+class HeadParam:
+    """A per-head parameter of a normalizer: an `attend` keyword, an op input and a metadata key alike."""
+
+    name: str
+    default: float  # used when a caller passes none, and as the neutral value of an unused op slot
+    minimum: float  # the domain: value >= minimum, or > minimum when `strict`
+    strict: bool
+    config_field: str  # ModelConfig field with the initial value
+    storage: Storage
+    learn_flag: str | None = None  # ModelConfig bool field; False keeps the parameter frozen (a buffer)
+
+    @property
+    def domain(self) -> str:
+        return f"{'>' if self.strict else '>='} {self.minimum:g}"
+
+    def problem(self, value: float) -> str | None:
+        """Why `value` is outside the domain, or None."""
+        ok = math.isfinite(value) and (value > self.minimum if self.strict else value >= self.minimum)
+        return None if ok else f"{self.name} must be finite and {self.domain}, got {value}"
+
+    def init_problem(self, value: float) -> str | None:
+        """Why `value` cannot initialise the stored parameter (outside the domain, or not representable:
+        1 + softplus(raw) is never exactly 1), or None."""
+        if (why := self.problem(value)) is not None:
+            return why
+        floor = {Storage.ONE_PLUS_SOFTPLUS: 1.0, Storage.SOFTPLUS: 0.0}.get(self.storage)
+        if floor is not None and value <= floor:
+            return f"{self.name} must be > {floor:g} to initialise a learned parameter, got {value}"
+        return None
+
+    def check_tensor(self, value: Tensor) -> None:
+        v = value.detach()
+        ok = bool(torch.isfinite(v).all()) and bool((v > self.minimum if self.strict else v >= self.minimum).all())
+        if not ok:
+            raise ValueError(f"{self.name} must be finite and {self.domain} for every head")
+
+    @property
+    def state_name(self) -> str:
+        """The module attribute (and state_dict key suffix) holding the raw tensor."""
+        return self.name if self.storage is Storage.IDENTITY else f"{self.name}_raw"
+
+    def to_raw(self, value: float) -> float:
+        if self.storage is Storage.IDENTITY:
+            return value
+        floor = 1.0 if self.storage is Storage.ONE_PLUS_SOFTPLUS else 0.0
+        return inverse_softplus(max(value - floor, 1e-3))
+
+    def from_raw(self, raw: Tensor) -> Tensor:
+        if self.storage is Storage.IDENTITY:
+            return raw
+        return F.softplus(raw) + (1.0 if self.storage is Storage.ONE_PLUS_SOFTPLUS else 0.0)
+
+
+ALPHA = HeadParam("alpha", 1.5, 1.0, False, "alpha", Storage.ONE_PLUS_SOFTPLUS, learn_flag="learn_alpha")
+SSA_N = HeadParam("ssa_n", 1.5, 1.0, False, "ssa_n", Storage.ONE_PLUS_SOFTPLUS)
+SSA_B = HeadParam("ssa_b", 1.0, 0.0, True, "ssa_b", Storage.SOFTPLUS)
+SSMAX_S = HeadParam("ssmax_s", 1.0, -math.inf, False, "ssmax_s", Storage.IDENTITY)
+HEAD_PARAMS: tuple[HeadParam, ...] = (ALPHA, SSA_N, SSA_B, SSMAX_S)
+"""Every per-head parameter slot, in the op's input order (docs/op.md)."""
+
+
+@dataclass(frozen=True)
+class Norm:
+    """One normalizer's entry."""
+
+    name: str
+    family: Family
+    transform: Transform
+    params: tuple[HeadParam, ...]
+    probs: Callable[..., Tensor]  # (x, dim, **params, poly, threshold) → p: the exact math (normalizers.py)
+    query_scale: bool = False  # takes a per-query scale λ (B, Hq, Lq) on the logits
+    uses_poly: bool = False  # reads the adaptive polynomial (an op attribute, a config field)
+    inference_time_from: tuple[str, ...] = ()  # norms whose trained models may be exported as this one
+    change_requires: tuple[str, ...] = ()  # parameters the user must give for such a change (no trained value)
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.params)
+
+    def op_inputs(self) -> tuple[str, ...]:
+        """The optional op inputs this norm reads besides Q, K, V, key_mask and alibi_slopes."""
+        return (*self.param_names, *(("query_scale",) if self.query_scale else ()))
+
+
+def _entmax(x: Tensor, dim: int, alpha: Param = ALPHA.default, **_) -> Tensor:
+    return nz.entmax(x, alpha, dim)
+
+
+_REGISTRY: dict[str, Norm] = {
+    n.name: n
+    for n in (
+        Norm("softmax", Family.SOFTMAX, Transform.IDENTITY, (), lambda x, dim, **_: nz.softmax(x, dim)),
+        Norm(
+            "adaptive",
+            Family.SOFTMAX,
+            Transform.ENTROPY_BETA,
+            (),
+            lambda x, dim, poly=nz.PAPER_POLY, threshold=0.5, **_: nz.adaptive_softmax(x, dim, poly, threshold),
+            uses_poly=True,
+            inference_time_from=("softmax",),
+        ),
+        Norm(
+            "ssmax",
+            Family.SOFTMAX,
+            Transform.LOG_N_SCALE,
+            (SSMAX_S,),
+            lambda x, dim, ssmax_s=SSMAX_S.default, **_: nz.ssmax(x, ssmax_s, dim),
+            inference_time_from=("softmax",),
+            change_requires=("ssmax_s",),
+        ),
+        Norm("entmax", Family.ENTMAX, Transform.NONE, (ALPHA,), _entmax),
+        Norm("asentmax", Family.ENTMAX, Transform.NONE, (ALPHA,), _entmax, query_scale=True),
+        Norm(
+            "ssa",
+            Family.SOFTMAX,
+            Transform.SIGNED_LOG,
+            (SSA_N, SSA_B),
+            lambda x, dim, ssa_n=SSA_N.default, ssa_b=SSA_B.default, **_: nz.ssa(x, ssa_n, ssa_b, dim),
+        ),
+    )
+}
+
+NORMS: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def get(name: str) -> Norm:
+    """The entry of `name`; the one place an unknown norm is refused."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown norm {name!r}; valid: {', '.join(NORMS)}") from None
+
+
+def all_norms() -> tuple[Norm, ...]:
+    return tuple(_REGISTRY.values())
+
+
+def can_export_as(trained: str, target: str) -> bool:
+    """A model trained with `trained` may be exported with `target` (its own, or an inference-time change)."""
+    return trained == target or trained in get(target).inference_time_from
+
+
+def head_param(name: str) -> HeadParam:
+    for p in HEAD_PARAMS:
+        if p.name == name:
+            return p
+    raise ValueError(f"unknown normalizer parameter {name!r}; valid: {', '.join(p.name for p in HEAD_PARAMS)}")
+
+
+def normalize(
+    x: Tensor,
+    norm: str,
+    *,
+    dim: int = -1,
+    poly: tuple[float, ...] | Tensor = nz.PAPER_POLY,
+    threshold: float = 0.5,
+    **params: Param,
+) -> Tensor:
+    """The normalizer `norm` over `dim`; `params` are its per-head parameters (others are ignored).
+    For a norm with a per-query scale the logits must already carry it (see `attend`)."""
+    return get(norm).probs(x, dim, poly=poly, threshold=threshold, **params)
