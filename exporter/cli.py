@@ -10,8 +10,10 @@ past cache, against the PyTorch model, and exits 1 over tolerance.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -140,11 +142,21 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    try:
-        return _export(args)
-    except (UsageError, CheckpointError) as e:
-        print(f"sharp-export: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        _quiet_libraries()
+        try:
+            return _export(args)
+        except (UsageError, CheckpointError) as e:
+            print(f"sharp-export: {e}", file=sys.stderr)
+            return 2
+
+
+def _quiet_libraries() -> None:
+    """Silence what torch.onnx says about itself during an export (optional packages it lacks, deprecations,
+    renamed axes): it means nothing to the user of this command. Library callers still see it."""
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"# The axis name", category=UserWarning)
 
 
 def _export(args) -> int:

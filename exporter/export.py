@@ -8,7 +8,6 @@ fallback bodies (fallback.py) in the private `sharp.fallback` domain, the op's a
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 
 import onnx
@@ -16,8 +15,8 @@ import torch
 from onnx import helper
 from torch import Tensor, nn
 
-from sharp import __version__
 from sharp.exporter import fallback
+from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, translate
 from sharp.models import registry
 from sharp.models.layers import use_custom_op
@@ -146,19 +145,7 @@ def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -
     del proto.opset_import[:]
     proto.opset_import.extend(imports.values())
     proto.ir_version = min(proto.ir_version, 10)
-    meta = {
-        "sharp.version": __version__,
-        "sharp.norm": settings.norm,
-        "sharp.layer_norms": json.dumps(cfg.layer_norms()),
-        "sharp.parameters": json.dumps(model.head_parameters()),
-        "sharp.tokenizer": json.dumps({"kind": "bytes", "bos": 256, "eos": 257, "vocab_size": cfg.vocab_size}),
-        "sharp.context_length": str(cfg.context_length),
-        "sharp.config": json.dumps(cfg.to_dict()),
-        "sharp.export": json.dumps(asdict(settings)),
-    }
-    del proto.metadata_props[:]
-    for k, v in meta.items():
-        proto.metadata_props.append(onnx.StringStringEntryProto(key=k, value=v))
+    ModelMetadata.from_model(model, asdict(settings)).write(proto)
     return proto
 
 

@@ -4,7 +4,7 @@ from sharp.models.attention import IMPLS, attend
 from sharp.models.checkpoint import CheckpointError, load, save
 from sharp.models.config import ModelConfig
 from sharp.models.layers import SharpAttention
-from sharp.models.lm import ByteTokenizer, LMOutput, SharpLM
+from sharp.models.lm import LMOutput, SharpLM
 from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig
 from sharp.models.normalizers import (
     PAPER_POLY,
@@ -17,6 +17,7 @@ from sharp.models.normalizers import (
 )
 from sharp.models.registry import NORMS
 from sharp.models.sampling import SamplingParams
+from sharp.models.tokenizer import ByteTokenizer
 
 __all__ = [
     "IMPLS",

@@ -1,4 +1,4 @@
-"""Safe checkpoints (SPEC §6): one `model.pt`, a dict of plain types and tensors, always read with
+"""Safe checkpoints: one `model.pt`, a dict of plain types and tensors, always read with
 `torch.load(weights_only=True)` so nothing in a file can run code; anything else is refused with a reason."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from torch import nn
 
 from sharp import __version__
 from sharp.models.config import ModelConfig
-from sharp.models.lm import ByteTokenizer, SharpLM
+from sharp.models.lm import SharpLM
 from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig
+from sharp.models.tokenizer import BYTES
 
 FORMAT = "sharp"
 VERSION = 1
@@ -35,7 +36,7 @@ def save(model: nn.Module, path: str | Path, **meta) -> Path:
         "version": VERSION,
         "config": {"architecture": arch, **cfg.to_dict()},
         "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
-        "tokenizer": ByteTokenizer().to_dict() if arch == "SharpLM" else None,
+        "tokenizer": BYTES.to_dict() if arch == "SharpLM" else None,
         "norm": cfg.norm,
         "meta": {"sharp_version": __version__, **meta},
     }

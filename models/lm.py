@@ -11,21 +11,7 @@ from torch import Tensor, nn
 from sharp.models.config import ModelConfig
 from sharp.models.layers import MLP, KVCache, SharpAttention, make_layer_norm
 from sharp.models.sampling import SamplingParams, sample
-
-
-class ByteTokenizer:
-    """UTF-8 bytes are tokens 0–255; BOS = 256, EOS = 257."""
-
-    bos, eos, vocab_size = 256, 257, 258
-
-    def encode(self, text: str, bos: bool = True) -> list[int]:
-        return ([self.bos] if bos else []) + list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-    def to_dict(self) -> dict:
-        return {"kind": "bytes", "bos": self.bos, "eos": self.eos, "vocab_size": self.vocab_size}
+from sharp.models.tokenizer import BYTES
 
 
 @dataclass
@@ -102,10 +88,10 @@ class SharpLM(nn.Module):
         max_new_tokens: int,
         params: SamplingParams | None = None,
         seed: int | None = None,
-        eos: int | None = ByteTokenizer.eos,
+        eos: int | None = BYTES.eos,
     ) -> list[int]:
         """Sample up to max_new_tokens after the prompt with the KV cache; stops at `eos`."""
-        params = params or SamplingParams(temperature=0.0)
+        params = params or SamplingParams()
         params.check()
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt token")
@@ -125,16 +111,6 @@ class SharpLM(nn.Module):
                 break
             out = self.step(torch.tensor([[nxt]], device=device), cache=out.cache)
         return tokens
-
-    def head_parameters(self) -> list[dict]:
-        """Per layer: the normalizer and its per-head parameter values as plain floats (model metadata)."""
-        return [
-            {
-                "norm": b.attn.norm,
-                **{k: [round(float(x), 6) for x in v.detach().cpu()] for k, v in b.attn.head_params().items()},
-            }
-            for b in self.blocks
-        ]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,4 +1,4 @@
-"""Positional encodings of SPEC §4: RoPE (rotate-half, linear scaling), ALiBi slopes, NoPE, NAPE."""
+"""Positional encodings (docs/attention.md): RoPE (rotate-half, linear scaling), ALiBi slopes, NoPE, NAPE."""
 
 from __future__ import annotations
 

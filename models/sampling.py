@@ -11,7 +11,8 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. These defaults are the defaults of
+    every generation request (the server's and `SharpLM.generate`'s alike)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -25,6 +26,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+GREEDY = SamplingParams(temperature=0.0)
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:

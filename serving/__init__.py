@@ -1,27 +1,35 @@
 """sharp.serving — the engine (continuous batching, chunked prefill, KV budget), the onnxruntime and torch
-backends, the gRPC server with entropy metrics, and its clients."""
+backends, the gRPC server with entropy metrics, and its clients.
 
-from sharp.serving.backends import BACKENDS, Backend, BackendError, ModelSpec, load_backend
-from sharp.serving.client import AsyncClient, Client, make_request
-from sharp.serving.engine import Engine, EngineConfig, GenerationRequest, RequestError
-from sharp.serving.metrics import ServingMetrics
-from sharp.serving.server import BackgroundServer, ServerConfig, SharpServer
+Names are imported on first use, so a client (`sharp-client`, `sharp.serving.client`) never loads torch or
+onnxruntime.
+"""
 
-__all__ = [
-    "BACKENDS",
-    "AsyncClient",
-    "Backend",
-    "BackendError",
-    "BackgroundServer",
-    "Client",
-    "Engine",
-    "EngineConfig",
-    "GenerationRequest",
-    "ModelSpec",
-    "RequestError",
-    "ServerConfig",
-    "ServingMetrics",
-    "SharpServer",
-    "load_backend",
-    "make_request",
-]
+from importlib import import_module
+
+_HOMES = {
+    "BACKENDS": "backends",
+    "Backend": "backends",
+    "BackendError": "backends",
+    "ModelSpec": "backends",
+    "load_backend": "backends",
+    "AsyncClient": "client",
+    "Client": "client",
+    "make_request": "client",
+    "Engine": "engine",
+    "EngineConfig": "engine",
+    "GenerationRequest": "requests",
+    "RequestError": "requests",
+    "validate": "requests",
+    "ServingMetrics": "metrics",
+    "BackgroundServer": "server",
+    "ServerConfig": "server",
+    "SharpServer": "server",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'sharp.serving' has no attribute {name!r}")
+    return getattr(import_module(f"sharp.serving.{_HOMES[name]}"), name)

@@ -8,7 +8,6 @@ attention entropy (B, layers, heads, L) from the attention itself.
 
 from __future__ import annotations
 
-import json
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -17,6 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import Tensor
+
+from sharp.exporter import metadata
+from sharp.exporter.metadata import LayerAttention, ModelMetadata
+from sharp.models.config import ModelConfig
+from sharp.models.tokenizer import ByteTokenizer
 
 BACKENDS = ("onnxruntime", "torch")
 
@@ -27,25 +31,55 @@ class BackendError(Exception):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the engine and GetModelInfo need to know about the served model."""
+    """What the engine and GetModelInfo need to know about the served model, from its metadata."""
 
     name: str
     backend: str
-    norm: str
-    layer_norms: list[str]
-    parameters: list[dict]  # per layer: {"norm": ..., "<param>": [per-head values]}
-    context_length: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab_size: int
-    bos: int
-    eos: int
-    kv_bytes_per_token: int = field(init=False)
+    metadata: ModelMetadata
+    config: ModelConfig = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_bytes_per_token", 2 * self.layers * self.kv_heads * self.head_dim * 4)
+        object.__setattr__(self, "config", self.metadata.model_config())
+
+    @property
+    def norm(self) -> str:
+        return self.metadata.norm
+
+    @property
+    def tokenizer(self) -> ByteTokenizer:
+        return self.metadata.tokenizer
+
+    @property
+    def attention(self) -> list[LayerAttention]:
+        return self.metadata.layers
+
+    @property
+    def context_length(self) -> int:
+        return self.config.context_length
+
+    @property
+    def layers(self) -> int:
+        return self.config.layers
+
+    @property
+    def heads(self) -> int:
+        return self.config.heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 4
 
 
 @dataclass
@@ -69,26 +103,6 @@ class Backend(ABC):
         return [torch.zeros(batch, s.kv_heads, 0, s.head_dim, device=self.device) for _ in range(2 * s.layers)]
 
 
-def _spec_from_config(name: str, backend: str, cfg: dict, parameters: list[dict], tokenizer: dict) -> ModelSpec:
-    heads = int(cfg["heads"])
-    layer_norms = [p["norm"] for p in parameters] or [cfg["norm"]] * int(cfg["layers"])
-    return ModelSpec(
-        name=name,
-        backend=backend,
-        norm=cfg["norm"] if len(set(layer_norms)) == 1 else "mixed",
-        layer_norms=layer_norms,
-        parameters=parameters,
-        context_length=int(cfg["context_length"]),
-        layers=int(cfg["layers"]),
-        heads=heads,
-        kv_heads=int(cfg.get("kv_heads") or heads),
-        head_dim=int(cfg["dim"]) // heads,
-        vocab_size=int(cfg["vocab_size"]),
-        bos=int(tokenizer.get("bos", 256)),
-        eos=int(tokenizer.get("eos", 257)),
-    )
-
-
 class OnnxRuntimeBackend(Backend):
     """A file written by `sharp-export` with a KV cache, run by onnxruntime (CPU; CUDA when available)."""
 
@@ -97,14 +111,16 @@ class OnnxRuntimeBackend(Backend):
         import onnxruntime as ort
 
         try:
-            meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+            proto = onnx.load(str(path), load_external_data=False)
         except Exception as e:  # onnx raises DecodeError and friends for non-ONNX bytes
             raise BackendError(
                 f"{path}: not an ONNX file ({type(e).__name__}); expected a file from sharp-export"
             ) from e
-        if "sharp.config" not in meta:
-            raise BackendError(f"{path}: no sharp metadata; expected an ONNX file written by sharp-export")
-        if not json.loads(meta.get("sharp.export", "{}")).get("kv_cache", False):
+        try:
+            meta = metadata.read(proto)
+        except metadata.MetadataError as e:
+            raise BackendError(f"{path}: {e}") from None
+        if not meta.export.get("kv_cache", False):
             raise BackendError(f"{path}: exported without a KV cache; re-export without --no-kv-cache to serve it")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -118,13 +134,7 @@ class OnnxRuntimeBackend(Backend):
             providers.insert(0, "CUDAExecutionProvider")
         self.session = ort.InferenceSession(str(path), options, providers=providers)
         self.device = torch.device("cpu")  # inputs and outputs travel as host arrays
-        self.spec = _spec_from_config(
-            Path(path).stem,
-            "onnxruntime",
-            json.loads(meta["sharp.config"]),
-            json.loads(meta.get("sharp.parameters", "[]")),
-            json.loads(meta.get("sharp.tokenizer", "{}")),
-        )
+        self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
@@ -162,9 +172,7 @@ class TorchBackend(Backend):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self.impl = "triton" if self.device.type == "cuda" else "reference"
-        self.spec = _spec_from_config(
-            Path(path).stem, "torch", model.cfg.to_dict(), model.head_parameters(), {"bos": 256, "eos": 257}
-        )
+        self.spec = ModelSpec(Path(path).stem, "torch", metadata.ModelMetadata.from_model(model))
 
     @torch.inference_mode()
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):

@@ -22,9 +22,10 @@ import numpy as np
 
 from sharp.models.benchlib import machine, markdown_table, today, write_section
 from sharp.serving.backends import load_backend
-from sharp.serving.client import AsyncClient
-from sharp.serving.engine import Delta, Engine, EngineConfig, Finished, GenerationRequest
+from sharp.serving.client import AsyncClient, make_request
+from sharp.serving.engine import Delta, Engine, EngineConfig, Finished
 from sharp.serving.metrics import ServingMetrics
+from sharp.serving.requests import validate
 from sharp.serving.server import BackgroundServer, ServerConfig
 
 ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo" / "ssa.pt"
@@ -72,7 +73,7 @@ def grpc_sender(client: AsyncClient):
 
 def engine_sender(engine: Engine):
     async def send(prompt, n):
-        req = GenerationRequest(tuple([256, *prompt.encode()]), n)
+        req = validate(make_request(prompt, max_new_tokens=n, temperature=0.0), engine.limits, engine.tokenizer.encode)
         async for ev in engine.stream(req):
             if isinstance(ev, Delta):
                 yield len(ev.token_ids)

@@ -13,8 +13,6 @@ import signal
 import sys
 from pathlib import Path
 
-from sharp.serving.backends import BACKENDS
-
 
 class UsageError(Exception):
     """A user mistake: one line on stderr, exit 2."""
@@ -35,6 +33,8 @@ def _read(path: Path | None, what: str) -> bytes | None:
 
 
 def serve_parser() -> argparse.ArgumentParser:
+    from sharp.serving.backends import BACKENDS  # the serving side only: the client never loads torch
+
     ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path, help="an .onnx file from sharp-export (onnxruntime) or a model.pt (torch)")
     ap.add_argument("--backend", choices=BACKENDS, default="onnxruntime")

@@ -2,10 +2,8 @@
 
 One engine thread runs steps. Each step drops cancelled sequences, admits queued requests whose KV cache fits
 the budget, prefills at most `prefill_chunk` prompt tokens (so a long prompt never stalls running streams for
-more than one chunk), then runs one batched decode step over every running sequence. Running sequences share
-one left-padded cache (B, kv_heads, T, head_dim): sequences of different lengths are right-aligned and the
-attention mask hides the padding, so a decode step is one forward whatever the lengths; joining pads, leaving
-trims the columns nobody needs.
+more than one chunk), then runs one batched decode step over every running sequence on the shared
+`BatchCache`. What a step did is recorded in a `StepStats` and handed to the metrics.
 """
 
 from __future__ import annotations
@@ -15,20 +13,22 @@ import codecs
 import contextlib
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from sharp.models.sampling import SamplingParams, sample
+from sharp.models.sampling import sample
 from sharp.serving.backends import Backend
+from sharp.serving.cache import BatchCache
 from sharp.serving.metrics import ServingMetrics
+from sharp.serving.requests import GenerationRequest, Limits, RequestError
+from sharp.serving.stats import RequestOutcome, StepStats
 
 log = logging.getLogger("sharp.serving")
 
@@ -48,25 +48,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.kv_cache_mb > 0:
             raise ValueError(f"kv_cache_mb must be > 0, got {self.kv_cache_mb}")
-
-
-class RequestError(Exception):
-    """A request the engine refuses; `code` names the gRPC status the server answers with."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    attention_stats: bool = False
-    request_id: str = ""
 
 
 @dataclass
@@ -94,7 +75,7 @@ class Finished:
 
 @dataclass
 class Failed:
-    code: str
+    code: grpc.StatusCode
     message: str
 
 
@@ -110,10 +91,10 @@ class StopText:
         self.longest = max((len(s) for s in self.stops), default=0)
         self.text, self.emitted, self.searched, self.stopped = "", 0, 0, False
 
-    def push(self, byte: int | None) -> str:
-        """Add one token's byte (None for a non-byte token); returns the text that is now safe to send."""
-        if byte is not None:
-            self.text += self.decoder.decode(bytes([byte]))
+    def push(self, data: bytes) -> str:
+        """Add one token's bytes; returns the text that is now safe to send."""
+        if data:
+            self.text += self.decoder.decode(data)
         if not self.stops:
             return self._release(len(self.text))
         start = max(0, self.searched - self.longest + 1)
@@ -170,7 +151,7 @@ class Sequence:
     text: StopText
     stats: HeadStats | None
     cache: list[torch.Tensor] | None = None  # own cache while prefilling
-    length: int = 0  # tokens in the cache (while prefilling: the prompt tokens done)
+    length: int = 0  # prompt tokens prefilled so far
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     done: bool = False
@@ -186,23 +167,29 @@ class Sequence:
         return self.prompt_len + self.request.max_new_tokens
 
 
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, H, T, D) → (B, H, width, D) with zero keys on the left (masked out by the attention mask)."""
-    return F.pad(t, (0, 0, width - t.shape[2], 0))
-
-
 class Engine:
-    """Thread-safe front (`submit`, `cancel`, `stream`, `generate`) over one engine thread."""
+    """Thread-safe front (`submit`, `cancel`, `stream`) over one engine thread."""
 
     def __init__(self, backend: Backend, config: EngineConfig, metrics: ServingMetrics | None = None):
         config.check()
         self.backend, self.config, self.spec = backend, config, backend.spec
+        self.tokenizer = self.spec.tokenizer
         self.metrics = metrics or ServingMetrics(self.spec, entropy="off")
         self.budget_bytes = int(config.kv_cache_mb * 2**20)
+        self.limits = Limits(
+            vocab_size=self.spec.vocab_size,
+            context_length=self.spec.context_length,
+            kv_bytes_per_token=self.spec.kv_bytes_per_token,
+            kv_budget_bytes=self.budget_bytes,
+            max_new_tokens_limit=config.max_new_tokens_limit,
+            default_max_new_tokens=config.default_max_new_tokens,
+        )
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
         self._running: list[Sequence] = []  # rows of the batch cache, in order
-        self._batch: list[torch.Tensor] | None = None  # 2 × layers of (B, kv_heads, T, head_dim)
+        self._cache = BatchCache()
+        self._stats = StepStats()
+        self._outbox: list[tuple[Sequence, Event]] = []  # events of this step, sent at its end
         self._cond = threading.Condition()
         self._stopping = False
         self.draining = False
@@ -219,57 +206,27 @@ class Engine:
             self._cond.notify_all()
         self._thread.join(timeout=30)
 
-    def validate(self, req: GenerationRequest) -> None:
-        """Raise RequestError for what can never run, with the allowed range."""
-        limit, ctx = self.config.max_new_tokens_limit, self.spec.context_length
-        if not req.prompt_ids:
-            raise RequestError("invalid_argument", "empty prompt: give a non-empty prompt or input_ids")
-        bad = [t for t in req.prompt_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise RequestError(
-                "invalid_argument", f"input_ids {bad[:3]} outside the vocabulary [0, {self.spec.vocab_size})"
-            )
-        if not 1 <= req.max_new_tokens <= limit:
-            raise RequestError("invalid_argument", f"max_new_tokens must be in [1, {limit}], got {req.max_new_tokens}")
-        try:
-            req.sampling.check()
-        except ValueError as e:
-            raise RequestError("invalid_argument", str(e)) from None
-        if len(req.prompt_ids) + req.max_new_tokens > ctx:
-            raise RequestError(
-                "out_of_range",
-                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the"
-                f" model's context of {ctx} tokens",
-            )
-        need = (len(req.prompt_ids) + req.max_new_tokens) * self.spec.kv_bytes_per_token
-        if need > self.budget_bytes:
-            raise RequestError(
-                "resource_exhausted",
-                f"this request needs {need / 2**20:.1f} MiB of KV cache; the server's budget is"
-                f" {self.config.kv_cache_mb:g} MiB (--kv-cache-mb)",
-            )
-
     def submit(self, req: GenerationRequest, sink: Callable[[Event], None]) -> Sequence:
-        """Queue a validated request; events go to `sink` from the engine thread."""
-        self.validate(req)
-        seed = req.seed if req.seed is not None else int(torch.randint(0, 2**63 - 1, ()).item())
+        """Queue a validated request (serving.requests.validate); events go to `sink` from the engine thread."""
         seq = Sequence(
             req,
             sink,
             time.perf_counter(),
-            torch.Generator().manual_seed(seed),
+            torch.Generator().manual_seed(req.seed),
             StopText(req.stop),
             HeadStats(self.spec.layers, self.spec.heads) if req.attention_stats else None,
         )
         with self._cond:
             if self.draining or self._stopping:
-                raise RequestError("unavailable", "the server is draining and accepts no new requests; retry elsewhere")
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE, "the server is draining and accepts no new requests; retry elsewhere"
+                )
             if len(self._waiting) >= self.config.max_queue:
                 raise RequestError(
-                    "resource_exhausted", f"queue full: {len(self._waiting)} requests waiting (--max-queue)"
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"queue full: {len(self._waiting)} requests waiting (--max-queue)",
                 )
             self._waiting.append(seq)
-            self.metrics.queue_size.set(len(self._waiting))
             self._cond.notify_all()
         return seq
 
@@ -299,27 +256,12 @@ class Engine:
         finally:
             self.cancel(seq)
 
-    def generate(self, req: GenerationRequest) -> Iterator[Event]:
-        """Blocking variant of `stream` for in-process callers."""
-        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        seq = self.submit(req, events.put)
-        try:
-            while True:
-                ev = events.get()
-                yield ev
-                if not isinstance(ev, Delta):
-                    return
-        finally:
-            self.cancel(seq)
-
     def idle(self) -> bool:
         with self._cond:
             return not (self._waiting or self._prefilling or self._running)
 
     def kv_usage_bytes(self) -> int:
-        batch = self._batch
-        used = batch[0].shape[0] * batch[0].shape[2] if batch is not None else 0
-        used += sum(s.length for s in self._prefilling)
+        used = self._cache.slots() + sum(s.length for s in self._prefilling)
         return used * self.spec.kv_bytes_per_token
 
     # ---- engine thread ---------------------------------------------------------------------------------
@@ -341,10 +283,18 @@ class Engine:
         self._admit()
         self._prefill()
         self._decode()
-        m = self.metrics
-        m.queue_size.set(len(self._waiting))
-        m.running.set(len(self._prefilling) + len(self._running))
-        m.kv_usage.set(self.kv_usage_bytes() / self.budget_bytes)
+        self._end_step()
+
+    def _end_step(self) -> None:
+        """Log the step's statistics, then send its events: a client that sees its answer sees it counted."""
+        st, self._stats = self._stats, StepStats()
+        st.queue_size = len(self._waiting)
+        st.running = len(self._prefilling) + len(self._running)
+        st.kv_usage = self.kv_usage_bytes() / self.budget_bytes
+        self.metrics.log_step(st)
+        outbox, self._outbox = self._outbox, []
+        for seq, event in outbox:
+            seq.sink(event)
 
     def _reap_cancelled(self) -> None:
         with self._cond:
@@ -356,7 +306,7 @@ class Engine:
         self._leave([i for i, s in enumerate(self._running) if s.cancelled])
         for s in gone:
             s.done, s.cache = True, None
-            self.metrics.finished("cancelled", time.perf_counter() - s.arrival)
+            self._stats.outcomes.append(RequestOutcome("cancelled", time.perf_counter() - s.arrival))
 
     def _fits(self, seq: Sequence) -> bool:
         active = [*self._prefilling, *self._running, seq]
@@ -369,7 +319,7 @@ class Engine:
                 if not self._fits(self._waiting[0]):
                     break
                 seq = self._waiting.popleft()
-                self.metrics.queue_time.observe(time.perf_counter() - seq.arrival)
+                self._stats.queue_time.append(time.perf_counter() - seq.arrival)
                 self._prefilling.append(seq)
 
     def _want_entropy(self, seqs: list[Sequence]) -> bool:
@@ -385,7 +335,7 @@ class Engine:
             if s.stats is not None:
                 s.stats.add(ent[i], visible[i])
         if self.metrics.entropy != "off":
-            self.metrics.observe_attention(ent.transpose(0, 3, 1, 2).reshape(-1, *ent.shape[1:3]), visible.reshape(-1))
+            self._stats.entropy.append((ent.transpose(0, 3, 1, 2).reshape(-1, *ent.shape[1:3]), visible.reshape(-1)))
 
     def _prefill(self) -> None:
         budget = self.config.prefill_chunk
@@ -396,63 +346,44 @@ class Engine:
             n = min(budget, seq.prompt_len - start)
             ids = torch.tensor([seq.request.prompt_ids[start : start + n]], dtype=torch.int64)
             past = seq.cache if seq.cache is not None else self.backend.empty_past(1)
-            want = self._want_entropy([seq])
             out = self.backend.forward(
                 ids,
                 torch.ones(1, start + n, dtype=torch.int64),
                 torch.arange(start, start + n, dtype=torch.int64)[None],
                 past,
-                want,
+                self._want_entropy([seq]),
             )
             seq.cache, seq.length = out.presents, start + n
             budget -= n
-            self.metrics.prompt_tokens.inc(n)
+            self._stats.prompt_tokens += n
             self._record_entropy([seq], out.entropy, [start])
             if seq.length == seq.prompt_len:
                 self._prefilling.remove(seq)
                 self._emit(seq, out.logits[0:1])
                 if not seq.done:
-                    self._join(seq)
-
-    def _join(self, seq: Sequence) -> None:
-        cache, seq.cache = seq.cache, None
-        if self._batch is None:
-            self._batch, self._running = cache, [seq]
-            return
-        width = max(self._batch[0].shape[2], cache[0].shape[2])
-        self._batch = [
-            torch.cat((_left_pad(b, width), _left_pad(c, width)), dim=0)
-            for b, c in zip(self._batch, cache, strict=True)
-        ]
-        self._running.append(seq)
+                    cache, seq.cache = seq.cache, None
+                    self._cache.join(cache, seq.length)
+                    self._running.append(seq)
 
     def _leave(self, rows: list[int]) -> None:
-        if not rows:
-            return
-        keep = [i for i in range(len(self._running)) if i not in set(rows)]
-        self._running = [self._running[i] for i in keep]
-        if not keep:
-            self._batch = None
-            return
-        width = max(s.length for s in self._running)
-        index = torch.tensor(keep, device=self._batch[0].device)
-        self._batch = [t.index_select(0, index)[:, :, t.shape[2] - width :] for t in self._batch]
+        gone = set(rows)
+        self._running = [s for i, s in enumerate(self._running) if i not in gone]
+        self._cache.leave(rows)
 
     def _decode(self) -> None:
         if not self._running:
             return
-        seqs, width = self._running, self._batch[0].shape[2]
-        lengths = torch.tensor([s.length for s in seqs], dtype=torch.int64)
-        columns = torch.arange(width + 1)[None]
-        mask = (columns >= (width - lengths)[:, None]).to(torch.int64)
+        seqs, cache = self._running, self._cache
+        lengths = torch.tensor(cache.lengths, dtype=torch.int64)
         ids = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.int64)
-        out = self.backend.forward(ids, mask, lengths[:, None], self._batch, self._want_entropy(seqs))
-        self._batch = out.presents
-        self.metrics.batch_size.observe(len(seqs))
+        out = self.backend.forward(
+            ids, cache.attention_mask(), lengths[:, None], cache.tensors, self._want_entropy(seqs)
+        )
+        cache.advance(out.presents)
+        self._stats.decode_batch = len(seqs)
         self._record_entropy(seqs, out.entropy, lengths.tolist())
         finished = []
         for i, s in enumerate(seqs):
-            s.length += 1
             self._emit(s, out.logits[i : i + 1])
             if s.done:
                 finished.append(i)
@@ -463,15 +394,15 @@ class Engine:
         token = int(sample(logits, seq.request.sampling, seq.generator))
         now = time.perf_counter()
         if seq.generated:
-            self.metrics.inter_token.observe(now - seq.last_token_time)
+            self._stats.inter_token.append(now - seq.last_token_time)
         else:
-            self.metrics.ttft.observe(now - seq.arrival)
+            self._stats.ttft.append(now - seq.arrival)
         seq.last_token_time = now
         seq.generated.append(token)
-        self.metrics.generation_tokens.inc()
-        text = seq.text.push(token if token < 256 else None)
+        self._stats.generation_tokens += 1
+        text = seq.text.push(self.tokenizer.token_bytes(token))
         reason = None
-        if token == self.spec.eos:
+        if token == self.tokenizer.eos:
             reason = "eos"
         elif seq.text.stopped:
             reason = "stop"
@@ -479,7 +410,7 @@ class Engine:
             reason = "length"
         if reason is not None:
             text += seq.text.finish()
-        seq.sink(Delta([token], text))
+        self._outbox.append((seq, Delta([token], text)))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -487,24 +418,27 @@ class Engine:
         with self._cond:
             seq.done = True
         stats = seq.stats
-        seq.sink(
-            Finished(
-                reason,
-                seq.prompt_len,
-                len(seq.generated),
-                stats.summary() if stats else None,
-                stats.positions if stats else 0,
-            )
+        summary = Finished(
+            reason,
+            seq.prompt_len,
+            len(seq.generated),
+            stats.summary() if stats else None,
+            stats.positions if stats else 0,
         )
-        self.metrics.finished("ok", time.perf_counter() - seq.arrival)
+        self._outbox.append((seq, summary))
+        self._stats.outcomes.append(RequestOutcome("ok", time.perf_counter() - seq.arrival))
 
     def _fail_all(self, message: str) -> None:
+        """End every unfinished sequence with INTERNAL; those that finished this step keep their answer."""
         with self._cond:
-            seqs = [*self._waiting, *self._prefilling, *self._running]
+            seqs = [s for s in (*self._waiting, *self._prefilling, *self._running) if not s.done]
             self._waiting.clear()
             for s in seqs:
                 s.done = True
-        self._prefilling, self._running, self._batch = [], [], None
+        self._prefilling, self._running, self._cache = [], [], BatchCache()
+        failing = set(seqs)
+        self._outbox = [(q, ev) for q, ev in self._outbox if q not in failing]
         for s in seqs:
-            s.sink(Failed("internal", message))
-            self.metrics.finished("internal", time.perf_counter() - s.arrival)
+            self._outbox.append((s, Failed(grpc.StatusCode.INTERNAL, message)))
+            self._stats.outcomes.append(RequestOutcome("internal", time.perf_counter() - s.arrival))
+        self._end_step()

@@ -1,4 +1,4 @@
-"""Prometheus metrics (SPEC §8): vLLM-style serving metrics with a `sharp_` prefix and a `model` label, plus
+"""Prometheus metrics (docs/serving.md): vLLM-style serving metrics with a `sharp_` prefix and a `model` label, plus
 per-layer/per-head attention entropy histograms fed by the attention's own entropy output.
 
 The attention histograms are updated once per engine step with NumPy bucket counts for every (position,
@@ -16,6 +16,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from sharp.serving.backends import ModelSpec
+from sharp.serving.stats import RequestOutcome, StepStats
 
 ENTROPY_MODES = ("head", "layer", "off")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -127,10 +128,29 @@ class ServingMetrics:
             ]
             self.registry.register(_AttentionCollector(self.attention))
 
-    def finished(self, status: str, duration: float | None = None) -> None:
-        self._requests.labels(self._model, status).inc()
-        if duration is not None and status == "ok":
-            self.duration.observe(duration)
+    def log_outcome(self, outcome: RequestOutcome) -> None:
+        self._requests.labels(self._model, outcome.status).inc()
+        if outcome.duration is not None and outcome.status == "ok":
+            self.duration.observe(outcome.duration)
+
+    def log_step(self, stats: StepStats) -> None:
+        """Turn one engine step's record into series."""
+        self.queue_size.set(stats.queue_size)
+        self.running.set(stats.running)
+        self.kv_usage.set(stats.kv_usage)
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.generation_tokens)
+        if stats.decode_batch is not None:
+            self.batch_size.observe(stats.decode_batch)
+        for hist, values in ((self.ttft, stats.ttft), (self.inter_token, stats.inter_token)):
+            for v in values:
+                hist.observe(v)
+        for v in stats.queue_time:
+            self.queue_time.observe(v)
+        for outcome in stats.outcomes:
+            self.log_outcome(outcome)
+        for entropy, visible in stats.entropy:
+            self.observe_attention(entropy, visible)
 
     def observe_attention(self, entropy: np.ndarray, visible: np.ndarray) -> None:
         """entropy (N, layers, heads) nats of N query positions that see `visible` (N,) keys each."""

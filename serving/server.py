@@ -1,5 +1,5 @@
-"""sharp-serve's gRPC server (SPEC §7): the sharp.v1.Generator service over the engine, grpc.health.v1 and
-reflection, validation with the SPEC's status codes, deadlines and cancellation that free work, a bounded
+"""sharp-serve's gRPC server (docs/serving.md): the sharp.v1.Generator service over the engine, grpc.health.v1
+and reflection, one validation with the documented status codes, deadlines and cancellation that free work, a bounded
 queue, graceful drain, optional bearer-token auth and TLS, and the Prometheus endpoint.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -17,22 +16,15 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from sharp.models.lm import ByteTokenizer
-from sharp.models.sampling import SamplingParams
-from sharp.serving.engine import Delta, Engine, Failed, Finished, GenerationRequest, RequestError
+from sharp.serving.engine import Delta, Engine, Failed, Finished
+from sharp.serving.requests import RequestError, validate
+from sharp.serving.stats import RequestOutcome
 from sharp.v1 import generator_pb2 as pb
 from sharp.v1 import generator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("sharp.serving")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Generator"
-STATUS = {
-    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
-    "out_of_range": grpc.StatusCode.OUT_OF_RANGE,
-    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "internal": grpc.StatusCode.INTERNAL,
-}
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 
 
@@ -45,27 +37,6 @@ class ServerConfig:
     auth_token: str | None = None  # bearer token every call but health must carry
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
-
-
-def to_request(msg: pb.GenerateRequest, engine: Engine, tokenizer: ByteTokenizer) -> GenerationRequest:
-    """The engine's request for a GenerateRequest; RequestError names what is wrong."""
-    if msg.prompt and msg.input_ids:
-        raise RequestError("invalid_argument", "give either prompt or input_ids, not both")
-    ids = tuple(tokenizer.encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)  # checked at submission
-    sampling = SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_k=msg.top_k,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-    )
-    return GenerationRequest(
-        prompt_ids=ids,
-        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else engine.config.default_max_new_tokens,
-        sampling=sampling,
-        seed=msg.seed if msg.HasField("seed") else None,
-        stop=tuple(msg.stop),
-        attention_stats=msg.return_attention_stats,
-        request_id=msg.request_id or uuid.uuid4().hex,
-    )
 
 
 def _stats(ev: Finished, norm: str) -> pb.AttentionStats | None:
@@ -83,34 +54,27 @@ def _stats(ev: Finished, norm: str) -> pb.AttentionStats | None:
 class GeneratorService(pb_grpc.GeneratorServicer):
     def __init__(self, engine: Engine):
         self.engine = engine
-        self.tokenizer = ByteTokenizer()
         self.inflight = 0
 
-    async def _admit(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerationRequest:
-        """The engine's request; validation, draining and the queue bound are checked by Engine.submit."""
-        try:
-            return to_request(msg, self.engine, self.tokenizer)
-        except RequestError as e:
-            self.engine.metrics.finished(e.code)
-            await context.abort(STATUS[e.code], e.message)
-
-    async def _events(self, req: GenerationRequest, context: grpc.aio.ServicerContext):
+    async def _events(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """(request, event) pairs of one call. The one place a refusal or a failure becomes a status: validation,
+        draining, a full queue (at submission) and a failed sequence all end the call here."""
         self.inflight += 1
         try:
+            req = validate(msg, self.engine.limits, self.engine.tokenizer.encode)
             async for ev in self.engine.stream(req):
                 if isinstance(ev, Failed):
-                    await context.abort(STATUS[ev.code], ev.message)
-                yield ev
-        except RequestError as e:  # refused at submission: invalid, out of range, queue full, draining
-            self.engine.metrics.finished(e.code)
-            await context.abort(STATUS[e.code], e.message)
+                    raise RequestError(ev.code, ev.message)
+                yield req, ev
+        except RequestError as e:
+            self.engine.metrics.log_outcome(RequestOutcome(e.code.name.lower()))
+            await context.abort(e.code, e.message)
         finally:
             self.inflight -= 1
 
     async def Generate(self, request, context):
-        req = await self._admit(request, context)
         ids, text = [], []
-        async for ev in self._events(req, context):
+        async for req, ev in self._events(request, context):
             if isinstance(ev, Delta):
                 ids += ev.token_ids
                 text.append(ev.text)
@@ -125,8 +89,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 )
 
     async def GenerateStream(self, request, context):
-        req = await self._admit(request, context)
-        async for ev in self._events(req, context):
+        async for req, ev in self._events(request, context):
             if isinstance(ev, Delta):
                 yield pb.GenerateChunk(request_id=req.request_id, text=ev.text, token_ids=ev.token_ids)
             else:
@@ -140,18 +103,15 @@ class GeneratorService(pb_grpc.GeneratorServicer):
     async def Tokenize(self, request, context):
         if self.engine.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining and accepts no new requests")
-        return pb.TokenizeResponse(token_ids=self.tokenizer.encode(request.text, bos=request.add_bos))
+        return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(request.text, bos=request.add_bos))
 
     async def GetModelInfo(self, request, context):
         if self.engine.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining and accepts no new requests")
         s, c = self.engine.spec, self.engine.config
         layer_info = [
-            pb.LayerInfo(
-                norm=p["norm"],
-                parameters={k: pb.FloatList(values=v) for k, v in p.items() if k != "norm"},
-            )
-            for p in s.parameters
+            pb.LayerInfo(norm=a.norm, parameters={k: pb.FloatList(values=v) for k, v in a.parameters.items()})
+            for a in s.attention
         ]
         return pb.ModelInfo(
             name=s.name,

@@ -1,4 +1,4 @@
-"""sharp: make sharp attention normalizers deployable (SPEC §1).
+"""sharp: make sharp attention normalizers deployable (docs/design.md).
 
 Layers, lowest first: `sharp.models` (math, modules) ← `sharp.exporter`, `sharp.plugins` ← `sharp.serving`.
 """

@@ -1,4 +1,4 @@
-"""`attend`: the reference against torch SDPA and explicit math; streamed against reference (SPEC §3)."""
+"""`attend`: the reference against torch SDPA and explicit math; streamed against reference (docs/attention.md)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -11,8 +10,9 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from sharp.exporter import metadata
 from sharp.exporter.cli import main, verify
-from sharp.models import MaxRetrieval, MaxRetrievalConfig, ModelConfig, SharpLM, save
+from sharp.models import MaxRetrieval, MaxRetrievalConfig, ModelConfig, SharpLM, registry, save
 
 
 def _model(norm: str, pos: str = "rope", **kw) -> SharpLM:
@@ -58,8 +58,11 @@ def test_each_norm_exports_as_custom_op_and_matches_pytorch(tmp_path, norm, pos,
     assert ("block_size" in attrs) == (fallback == "streamed")
     bodies = {(f.domain, f.name, f.overload) for f in proto.functions}
     assert ("sharp", "SharpAttention", norm) in bodies
-    meta = {p.key: p.value for p in proto.metadata_props}
-    assert meta["sharp.norm"] == norm and json.loads(meta["sharp.layer_norms"]) == [norm, norm]
+    meta = metadata.read(proto)
+    assert [p.key for p in proto.metadata_props] == ["sharp"]  # one entry, the norm written once per layer
+    assert meta.norm == norm and [layer.norm for layer in meta.layers] == [norm, norm]
+    assert all(set(layer.parameters) == set(registry.get(norm).param_names) for layer in meta.layers)
+    assert meta.model_config().to_dict() == model.cfg.to_dict()
     # independent of the CLI's own check: unseen lengths and a past cache, in a fresh session
     for _, d_logits, d_entropy in verify(out, model, kv_cache=True):
         assert d_logits < 1e-4 and d_entropy < 1e-4
@@ -108,8 +111,7 @@ def test_allowed_norm_changes_on_a_softmax_model(tmp_path, capsys):
     out = _export(tmp_path, model, "--norm", "adaptive", "--poly", "-0.05", "0.5", "-2.0", "4.5", "-1.5")
     assert [n.overload for n in onnx.load(out).graph.node if n.domain == "sharp"] == ["adaptive"] * 2
     out = _export(tmp_path, model, "--norm", "ssmax", "--ssmax-s", "0.4")
-    meta = {p.key: p.value for p in onnx.load(out).metadata_props}
-    assert json.loads(meta["sharp.parameters"])[0]["ssmax_s"] == [0.4] * 4
+    assert metadata.read(onnx.load(out)).layers[0].parameters["ssmax_s"] == [0.4] * 4
     assert capsys.readouterr().out.count("check passed") == 2
 
 

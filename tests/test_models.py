@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from sharp.models import NORMS, ModelConfig, SamplingParams, SharpLM, attend
-from sharp.models.lm import ByteTokenizer
 from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig, max_retrieval_batch
 from sharp.models.positional import POSITIONAL, alibi_slopes, apply_rope, nape_slopes, rope_angles
-from sharp.models.sampling import sample
+from sharp.models.sampling import GREEDY, sample
+from sharp.models.tokenizer import ByteTokenizer
 
 
 def _lm(norm="softmax", pos="rope", **kw) -> SharpLM:
@@ -142,8 +142,8 @@ def test_generate_greedy_seeded_and_limits():
     model = _lm()
     tok = ByteTokenizer()
     prompt = tok.encode("hi")
-    a = model.generate(prompt, 8)
-    assert a == model.generate(prompt, 8) and 1 <= len(a) <= 8
+    a = model.generate(prompt, 8, GREEDY)
+    assert a == model.generate(prompt, 8, GREEDY) and 1 <= len(a) <= 8
     p = SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
     assert model.generate(prompt, 8, p, seed=3) == model.generate(prompt, 8, p, seed=3)
     with pytest.raises(ValueError, match="exceeds the context limit 64"):

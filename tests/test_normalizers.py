@@ -1,4 +1,4 @@
-"""The normalizers against SPEC §2: properties, independent oracles, gradients, bad inputs."""
+"""The normalizers against docs/design.md: properties, independent oracles, gradients, bad inputs."""
 
 from __future__ import annotations
 

@@ -27,18 +27,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sharp.exporter.export import ExportSettings, export_model
 from sharp.models import ModelConfig, SharpLM, load, save
+from sharp.models.sampling import GREEDY
 from sharp.serving import (
     BackgroundServer,
     Client,
     Engine,
     EngineConfig,
-    GenerationRequest,
     RequestError,
     ServerConfig,
     ServingMetrics,
     load_backend,
 )
+from sharp.serving.client import make_request
 from sharp.serving.engine import Delta, Finished, StopText
+from sharp.serving.requests import validate
 from sharp.v1 import generator_pb2 as pb
 
 CONTEXT = 4096
@@ -64,7 +66,7 @@ def model_files(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def reference(model_files):
     model = load(model_files["torch"])
-    return lambda ids, n: model.generate(list(ids), n)
+    return lambda ids, n: model.generate(list(ids), n, GREEDY)
 
 
 @contextmanager
@@ -272,17 +274,18 @@ def test_stop_strings_end_generation_without_leaking_text(model_files):
 
 def test_stop_text_holds_back_a_possible_stop_string():
     s = StopText(("END",))
-    out = [s.push(b) for b in b"abEN"]
+    out = [s.push(bytes([b])) for b in b"abEN"]
     assert "".join(out) == "ab"  # "EN" could start END
-    assert s.push(ord("X")) == "ENX"
-    assert s.push(ord("E")) + s.push(ord("N")) + s.push(ord("D")) == "" and s.stopped
+    assert s.push(b"X") == "ENX"
+    assert s.push(b"E") + s.push(b"N") + s.push(b"D") == "" and s.stopped
     assert s.text == "abENX"
     u = StopText(())
-    assert [u.push(b) for b in "é".encode()] == ["", "é"]  # a split UTF-8 character is sent whole
+    assert [u.push(bytes([b])) for b in "é".encode()] == ["", "é"]  # a split UTF-8 character is sent whole
 
 
-def _req(ids, n, **kw) -> GenerationRequest:
-    return GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, **kw)
+def _req(eng: Engine, ids, n, **kw):
+    """A validated greedy request for an engine stepped by hand."""
+    return validate(make_request(list(ids), max_new_tokens=n, temperature=0.0, **kw), eng.limits, eng.tokenizer.encode)
 
 
 def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference):
@@ -290,10 +293,10 @@ def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference
     eng = Engine(be, EngineConfig(prefill_chunk=64))  # stepped by hand: no engine thread
     got: dict[str, list] = {"a": [], "b": []}
     a_prompt, b_prompt = [256, 1, 2, 3], [256, *range(40, 140), *range(40, 140), *range(40, 140)]  # 301 tokens
-    eng.submit(_req(a_prompt, 40), lambda ev: isinstance(ev, Delta) and got["a"].extend(ev.token_ids))
+    eng.submit(_req(eng, a_prompt, 40), lambda ev: isinstance(ev, Delta) and got["a"].extend(ev.token_ids))
     eng.step()
     assert len(got["a"]) == 2  # prefill's token, then one decode step
-    eng.submit(_req(b_prompt, 5), lambda ev: isinstance(ev, Delta) and got["b"].extend(ev.token_ids))
+    eng.submit(_req(eng, b_prompt, 5), lambda ev: isinstance(ev, Delta) and got["b"].extend(ev.token_ids))
     for i in range(5):  # 301 prompt tokens in chunks of 64: four steps prefill, the fifth finishes it
         eng.step()
         assert len(got["a"]) == 3 + i, "the running stream gets a token every step"
@@ -310,7 +313,9 @@ def test_kv_budget_admits_only_what_fits(model_files):
     eng = Engine(be, EngineConfig(kv_cache_mb=2.5 * per_seq / 2**20))
     done = []
     for i in range(4):
-        eng.submit(_req([256, *range(1, 100)], 100, seed=i), lambda ev: isinstance(ev, Finished) and done.append(ev))
+        eng.submit(
+            _req(eng, [256, *range(1, 100)], 100, seed=i), lambda ev: isinstance(ev, Finished) and done.append(ev)
+        )
     usage = []
     while not eng.idle():
         eng.step()
@@ -318,8 +323,8 @@ def test_kv_budget_admits_only_what_fits(model_files):
         usage.append(eng.metrics.kv_usage._value.get())
     assert len(done) == 4 and max(usage) <= 1.0 and max(usage) > 0.5
     with pytest.raises(RequestError) as err:
-        eng.validate(_req([256] * 10, 600))
-    assert err.value.code == "resource_exhausted" and "--kv-cache-mb" in err.value.message
+        _req(eng, [256] * 10, 600)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
 
 
 def test_auth_token_and_tls(model_files, tmp_path):

@@ -1,4 +1,4 @@
-"""Triton streamed normalizer kernels (SPEC §3): `attention(...)` ≡ `attend(..., impl="triton")`.
+"""Triton streamed normalizer kernels (docs/attention.md): `attention(...)` ≡ `attend(..., impl="triton")`.
 
 On a machine without a GPU, set TRITON_INTERPRET=1 before triton is imported to run them on the CPU.
 """

@@ -1,4 +1,4 @@
-"""Triton kernels for the streamed normalizers (SPEC §3); the host side is in `attention.py`.
+"""Triton kernels for the streamed normalizers (docs/attention.md); the host side is in `attention.py`.
 
 Grid: (query blocks, B·Hq, key splits). A program owns BLOCK_M query rows of one head and the key range
 of its split, walks that range in BLOCK_N tiles and writes *partial* per-row state; the host merges the

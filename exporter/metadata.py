@@ -1,0 +1,131 @@
+"""The one metadata schema of files written by sharp-export, and the one function that reads it.
+
+A file carries a single metadata entry, key `sharp`, holding JSON:
+
+    {"schema": 1, "sharp_version": "0.1.0",
+     "config": {...ModelConfig without its norm fields...},
+     "layers": [{"norm": "ssa", "parameters": {"ssa_n": [per head], "ssa_b": [...]}}, ...],
+     "tokenizer": {"kind": "bytes", "bos": 256, "eos": 257, "vocab_size": 258},
+     "export": {"fallback": "dense", "opset": 18, "kv_cache": true, "dtype": "fp32", "block_size": 256}}
+
+The normalizer is written once, per layer, with that layer's parameters; the model-wide norm is derived.
+Serving, benchmarks and tests read files through `read`, which checks the schema before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx
+
+from sharp import __version__
+from sharp.models.config import ModelConfig
+from sharp.models.lm import SharpLM
+from sharp.models.tokenizer import BYTES, ByteTokenizer
+
+KEY = "sharp"
+SCHEMA = 1
+_NORM_FIELDS = ("norm", "layer_norms_override")
+
+
+class MetadataError(ValueError):
+    """The file's sharp metadata is missing or unusable; the message says what and what was expected."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    norm: str
+    parameters: dict[str, list[float]] = field(default_factory=dict)  # per-head values by parameter name
+
+
+@dataclass(frozen=True)
+class ModelMetadata:
+    config: dict[str, Any]  # ModelConfig fields except the norm ones (those are in `layers`)
+    layers: list[LayerAttention]
+    tokenizer: ByteTokenizer = BYTES
+    export: dict[str, Any] = field(default_factory=dict)  # ExportSettings except the norm; {} for a checkpoint
+    sharp_version: str = __version__
+
+    @property
+    def norm(self) -> str:
+        """The model's normalizer, or "mixed" when layers differ."""
+        norms = {layer.norm for layer in self.layers}
+        return norms.pop() if len(norms) == 1 else "mixed"
+
+    def model_config(self) -> ModelConfig:
+        """The ModelConfig the metadata describes (validated by ModelConfig itself)."""
+        norms = [layer.norm for layer in self.layers]
+        same = len(set(norms)) == 1
+        return ModelConfig.from_dict({**self.config, "norm": norms[0], "layer_norms_override": None if same else norms})
+
+    @classmethod
+    def from_model(cls, model: SharpLM, export: dict[str, Any] | None = None) -> ModelMetadata:
+        config = {k: v for k, v in model.cfg.to_dict().items() if k not in _NORM_FIELDS}
+
+        def values(t) -> list[float]:
+            return [round(float(x), 6) for x in t.detach().cpu()]
+
+        layers = [
+            LayerAttention(b.attn.norm, {k: values(v) for k, v in b.attn.head_params().items()}) for b in model.blocks
+        ]
+        return cls(config, layers, BYTES, {k: v for k, v in (export or {}).items() if k != "norm"})
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "schema": SCHEMA,
+                "sharp_version": self.sharp_version,
+                "config": self.config,
+                "layers": [{"norm": layer.norm, "parameters": layer.parameters} for layer in self.layers],
+                "tokenizer": self.tokenizer.to_dict(),
+                "export": self.export,
+            }
+        )
+
+    def write(self, proto: onnx.ModelProto) -> None:
+        """Replace the file's metadata with this entry."""
+        del proto.metadata_props[:]
+        proto.metadata_props.append(onnx.StringStringEntryProto(key=KEY, value=self.to_json()))
+
+
+def parse(text: str) -> ModelMetadata:
+    """The metadata in a `sharp` entry's JSON; MetadataError names the field that is wrong."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise MetadataError(f"metadata '{KEY}' is not JSON ({e.msg})") from None
+    if not isinstance(d, dict):
+        raise MetadataError(f"metadata '{KEY}' must be a JSON object, got {type(d).__name__}")
+    if d.get("schema") != SCHEMA:
+        raise MetadataError(f"metadata schema {d.get('schema')!r}; this sharp reads schema {SCHEMA} (re-export)")
+    for name, kind in (("config", dict), ("layers", list), ("tokenizer", dict), ("export", dict)):
+        if not isinstance(d.get(name), kind):
+            raise MetadataError(f"metadata field '{name}' must be a {kind.__name__}, got {d.get(name)!r:.60}")
+    layers = []
+    for i, layer in enumerate(d["layers"]):
+        if not isinstance(layer, dict) or not isinstance(layer.get("norm"), str):
+            raise MetadataError(f"metadata layers[{i}] must be an object with a 'norm' string")
+        layers.append(LayerAttention(layer["norm"], dict(layer.get("parameters") or {})))
+    try:
+        meta = ModelMetadata(
+            d["config"], layers, ByteTokenizer.from_dict(d["tokenizer"]), d["export"], str(d.get("sharp_version"))
+        )
+        cfg = meta.model_config()
+    except (TypeError, ValueError) as e:
+        raise MetadataError(f"metadata does not describe a model: {e}") from None
+    if len(layers) != cfg.layers:
+        raise MetadataError(f"metadata lists {len(layers)} layers; its config has {cfg.layers}")
+    return meta
+
+
+def read(proto_or_path: onnx.ModelProto | str) -> ModelMetadata:
+    """The sharp metadata of an ONNX model (a path is read without its external data)."""
+    proto = proto_or_path
+    if not isinstance(proto, onnx.ModelProto):
+        proto = onnx.load(str(proto_or_path), load_external_data=False)
+    props = {p.key: p.value for p in proto.metadata_props}
+    if KEY not in props:
+        raise MetadataError("no sharp metadata; expected an ONNX file written by sharp-export")
+    return parse(props[KEY])
