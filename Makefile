@@ -35,7 +35,7 @@ bench: $(STAMP)
 
 # Retrain the committed demo models (models/zoo/, ~15 min on 2 cores): deterministic, from the stdlib sources
 zoo: $(STAMP)
-	$(BIN)/python -m sharp.models.zoo
+	$(BIN)/python -m sharp.zoo
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import zipfile
+from importlib.resources import files
 from pathlib import Path
 
 import torch
@@ -19,6 +20,19 @@ from sharp.models.tokenizer import BYTES
 FORMAT = "sharp"
 VERSION = 1
 ARCHITECTURES = {"SharpLM": (SharpLM, ModelConfig), "MaxRetrieval": (MaxRetrieval, MaxRetrievalConfig)}
+
+
+def zoo_dir() -> Path:
+    """Where the demo models live: package data of sharp.models (a source checkout or an installed wheel)."""
+    return Path(str(files("sharp.models") / "zoo"))
+
+
+def zoo_model(name: str) -> Path:
+    """The demo model `name` ("ssa", "softmax"); FileNotFoundError says how to get it."""
+    path = zoo_dir() / f"{name}.pt"
+    if not path.is_file():
+        raise FileNotFoundError(f"demo model {path} is missing: reinstall sharp-attention or run `make zoo`")
+    return path
 
 
 class CheckpointError(ValueError):

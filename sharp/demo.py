@@ -21,8 +21,7 @@ from pathlib import Path
 import torch
 
 from sharp.models import NORMS, attend, registry
-
-ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
+from sharp.models.checkpoint import zoo_model
 
 
 def _problem(n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -84,10 +83,10 @@ def _entropy_table(lines: list[str], metric: str) -> list[str]:
 
 def product() -> None:
     """Export, serve, stream through sharp-client, scrape the metrics, drain: the shipped flow end to end."""
-    model = ZOO / "ssa.pt"
-    if not model.is_file():
-        print(f"2. (skipped: {model} is missing — run `make zoo` to train the demo models)")
-        return
+    try:
+        model = zoo_model("ssa")
+    except FileNotFoundError as e:
+        raise SystemExit(f"sharp demo: cannot run the product demo: {e}") from None
     bin_dir = Path(sys.executable).parent
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ssa.onnx"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -153,3 +156,19 @@ def test_unknown_norm_lists_the_valid_ones(tmp_path, capsys):
         main([str(tmp_path / "m.pt"), "--norm", "sparsemax"])
     assert e.value.code == 2
     assert "softmax" in capsys.readouterr().err
+
+
+def test_the_command_prints_only_its_own_lines(tmp_path):
+    """Library chatter (missing optional packages, deprecations, renamed axes) is silenced at the CLI."""
+    ckpt = save(_model("ssa"), tmp_path / "model.pt")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharp.exporter.cli", str(ckpt), "-o", str(tmp_path / "m.onnx")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0 and proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("wrote ") and lines[-1].startswith("check passed")
+    assert all(re.match(r"(wrote|check|prefill|decode) ", line) for line in lines), lines

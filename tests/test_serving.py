@@ -421,6 +421,7 @@ def test_sharp_client_commands(model_files):
             [
                 sys.executable,
                 "-c",
+                "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr));"
                 "from sharp.serving.cli import client_main; raise SystemExit(client_main())",
                 "--target",
                 srv.target,
@@ -430,7 +431,9 @@ def test_sharp_client_commands(model_files):
             text=True,
             timeout=120,
         )
-        assert run("health").stdout.strip() == "SERVING"
+        health = run("health")
+        assert health.stdout.strip() == "SERVING"
+        assert health.stderr.strip() == "False"  # the client never loads torch (it starts in a fraction of a second)
         assert '"norm": "ssa"' in run("info").stdout
         r = run("generate", "hello", "--stream", "--max-new-tokens", "5", "--stats")
         assert r.returncode == 0 and "attention (ssa)" in r.stdout and "[finish: " in r.stderr

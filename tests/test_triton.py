@@ -198,7 +198,7 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
 
 def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     """The GPU benchmark's whole pipeline at toy sizes (numbers meaningless; nothing written)."""
-    from sharp.plugins.bench import run
+    from sharp.benchmarks.kernels import run
 
     assert run(["--smoke", "--norms", "softmax", "entmax"]) == 0
     out = capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""`python -m sharp.models.zoo`: train the committed demo models on the Python standard library's sources.
+"""`python -m sharp.zoo`: train the committed demo models on the Python standard library's sources.
 
 Every machine with Python has the corpus, so the models are reproducible anywhere with one command
 (`make zoo`). Two byte-level SharpLMs of the same size, data and seed: `ssa.pt` (SSA attention) and its
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from sharp.models.benchlib import machine, today
-from sharp.models.checkpoint import load
+from sharp.benchmarks.harness import machine, today
+from sharp.models.checkpoint import load, zoo_dir
 from sharp.models.tasks import TextData
 from sharp.models.train import main as train_main
 
-ZOO = Path(__file__).parent / "zoo"
+ZOO = zoo_dir()
 # A fixed list (not a directory walk) so the corpus is the same on every CPython 3.10+
 STDLIB_MODULES = [
     "abc.py",
@@ -109,7 +109,7 @@ def _card(steps: int, corpus: Path) -> str:
         [
             "# Demo models",
             "",
-            "Byte-level SharpLMs trained by `make zoo` (`python -m sharp.models.zoo`) on "
+            "Byte-level SharpLMs trained by `make zoo` (`python -m sharp.zoo`) on "
             f"{len(STDLIB_MODULES)} modules of the Python standard library ({corpus.stat().st_size / 1e6:.1f} MB here;"
             " first 90% train, last 10% validation). Trained on "
             f"{today()}, {machine()}.",
@@ -145,7 +145,7 @@ def _val_loss(model, data: TextData, batches: int = 8) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sharp.models.zoo", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m sharp.zoo", description=__doc__)
     ap.add_argument("--steps", type=int, default=2000)
     args = ap.parse_args(argv)
     ZOO.mkdir(exist_ok=True)

@@ -23,15 +23,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from sharp.benchmarks.harness import machine, markdown_table, today, write_section
 from sharp.exporter.export import ExportSettings, GenerationGraph, export_model, io_names, with_norm
-from sharp.models.benchlib import machine, markdown_table, today, write_section
-from sharp.models.checkpoint import load
+from sharp.models.checkpoint import load, zoo_dir, zoo_model
 from sharp.models.config import ModelConfig
 from sharp.models.layers import SharpAttention, use_custom_op
 from sharp.models.lm import SharpLM
 from sharp.models.positional import apply_rope, rope_angles
-
-ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo"
 
 
 def _sdpa_forward(self: SharpAttention, x, positions, cache=None, key_mask=None, impl="reference"):
@@ -126,8 +124,8 @@ def _time_ms(sess, feed, repeats: int, cap_s: float) -> str | float:
 def _models() -> dict[str, tuple[SharpLM, str]]:
     """norm → (model to export, where it came from)."""
     arch = dict(layers=4, heads=4, dim=128, pos="rope", context_length=16384)
-    if (ZOO / "softmax.pt").is_file() and (ZOO / "ssa.pt").is_file():
-        softmax, ssa, src = load(ZOO / "softmax.pt"), load(ZOO / "ssa.pt"), "demo model"
+    if (zoo_dir() / "softmax.pt").is_file() and (zoo_dir() / "ssa.pt").is_file():
+        softmax, ssa, src = load(zoo_model("softmax")), load(zoo_model("ssa")), "demo model"
     else:
         torch.manual_seed(0)
         softmax, ssa, src = (

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from sharp.benchmarks.harness import markdown_table, today, write_section
 from sharp.models import registry
-from sharp.models.benchlib import markdown_table, today, write_section
 from sharp.models.normalizers import PAPER_POLY
 from sharp.models.positional import nape_slopes
 from sharp.models.problem import build_problem

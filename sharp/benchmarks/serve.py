@@ -20,15 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
-from sharp.models.benchlib import machine, markdown_table, today, write_section
+from sharp.benchmarks.harness import machine, markdown_table, today, write_section
+from sharp.models.checkpoint import zoo_model
 from sharp.serving.backends import load_backend
 from sharp.serving.client import AsyncClient, make_request
 from sharp.serving.engine import Delta, Engine, EngineConfig, Finished
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import validate
 from sharp.serving.server import BackgroundServer, ServerConfig
-
-ZOO = Path(__file__).resolve().parent.parent / "models" / "zoo" / "ssa.pt"
 
 
 @dataclass
@@ -217,7 +216,7 @@ def run(argv: list[str] | None = None) -> int:
             from sharp.exporter.cli import main as export
 
             model = Path(tmp) / "ssa.onnx"
-            if export([str(ZOO), "-o", str(model), "--no-check"]) != 0:
+            if export([str(zoo_model("ssa")), "-o", str(model), "--no-check"]) != 0:
                 return 1
         body = bench(model, args)
     print(body)

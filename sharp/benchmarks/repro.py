@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
-from sharp.models.benchlib import machine, markdown_table, today, write_section
+from sharp.benchmarks.harness import machine, markdown_table, today, write_section
 from sharp.models.max_retrieval import max_retrieval_batch
 from sharp.models.tasks import copy_batch
 from sharp.models.train import lm_loss_and_accuracy, train

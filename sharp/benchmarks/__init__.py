@@ -1,4 +1,5 @@
-"""`sharp-bench`: one command, one subcommand per benchmark; each layer owns its benchmark code."""
+"""`sharp-bench`: one command, one subcommand per benchmark. Benchmarks live here, at the top of the package,
+so they may use every layer and no layer carries measurement code."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from importlib import import_module
 
 # subcommand -> module with run(argv) -> int; imported only when chosen, so each needs only its own extras
 COMMANDS = {
-    "normalizers": "sharp.models.bench",
-    "kernels": "sharp.plugins.bench",
-    "repro": "sharp.models.repro",
-    "export": "sharp.exporter.bench",
-    "serve": "sharp.serving.bench",
+    "normalizers": "sharp.benchmarks.normalizers",
+    "kernels": "sharp.benchmarks.kernels",
+    "repro": "sharp.benchmarks.repro",
+    "export": "sharp.benchmarks.export",
+    "serve": "sharp.benchmarks.serve",
 }
 
 

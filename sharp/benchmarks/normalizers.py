@@ -13,9 +13,9 @@ import sys
 import torch
 from tqdm import tqdm
 
+from sharp.benchmarks.harness import machine, markdown_table, measure, run_isolated, today, write_section
 from sharp.models import registry
 from sharp.models.attention import attend
-from sharp.models.benchlib import machine, markdown_table, measure, run_isolated, today, write_section
 from sharp.models.normalizers import PAPER_POLY
 from sharp.models.problem import build_problem
 from sharp.models.registry import NORMS
@@ -139,8 +139,8 @@ def run(argv: list[str] | None = None) -> int:
         if need_gib > args.memory_budget_gib:
             ref = {"skipped": f"skipped (~{need_gib:.0f} GiB)"}
         else:
-            ref = run_isolated("sharp.models.bench", {**base, "impl": "reference"})
-        st = run_isolated("sharp.models.bench", {**base, "impl": "streamed"})
+            ref = run_isolated("sharp.benchmarks.normalizers", {**base, "impl": "reference"})
+        st = run_isolated("sharp.benchmarks.normalizers", {**base, "impl": "streamed"})
         rows.append((length, norm, ref, st))
         tqdm.write(f"L={length} {norm}: reference {_fmt_ms(ref)} ms, streamed {_fmt_ms(st)} ms")
         if args.write:  # keep the page current, so an interrupted run still leaves its measured rows
@@ -153,5 +153,5 @@ def run(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # isolated worker: python -m sharp.models.bench '<case json>'
+if __name__ == "__main__":  # isolated worker: python -m sharp.benchmarks.normalizers '<case json>'
     print(json.dumps(_case_worker(json.loads(sys.argv[1]))))
