@@ -210,3 +210,16 @@ def test_streamed_refuses_autograd():
         attend(q.requires_grad_(), k, v, impl="streamed")
     with torch.no_grad():
         attend(q, k, v, impl="streamed")
+
+
+@pytest.mark.parametrize("alpha", [3.0, torch.tensor([1.2, 3.0])])
+def test_streamed_entmax_at_large_alpha_relies_on_the_narrowed_bracket(alpha):
+    """α > 2 makes S(τ) concave: Newton steps overshoot the root and the safeguard bisects the bracket that
+    each pass narrows; with a stale bracket the threshold never converges."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) * 2 for _ in range(3))
+    kw = dict(norm="entmax", causal=True, alpha=alpha, return_entropy=True)
+    o_ref, h_ref = attend(q, k, v, **kw)
+    o_str, h_str = attend(q, k, v, impl="streamed", block_size=16, **kw)
+    torch.testing.assert_close(o_str, o_ref, atol=2e-5, rtol=0)
+    torch.testing.assert_close(h_str, h_ref, atol=2e-5, rtol=0)
