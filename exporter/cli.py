@@ -56,6 +56,16 @@ def check_norm_change(model: SharpLM, norm: str, values: dict[str, float]) -> No
             raise UsageError(f"{cfg.norm} → {norm} needs {_flag(param)} (the model never learned {param})")
 
 
+def _check_output(model: Path, out: Path) -> None:
+    """The output path can be written and is not the input."""
+    if out.resolve() == model.resolve() or (out.exists() and model.exists() and out.samefile(model)):
+        raise UsageError(f"-o {out} is the input checkpoint; choose another output path")
+    if out.is_dir():
+        raise UsageError(f"-o {out} is a directory; give a file path such as {out / model.with_suffix('.onnx').name}")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise UsageError(f"cannot write {out}: {out.parent} is not a writable directory")
+
+
 def _session(path: Path):
     import onnxruntime as ort
 
@@ -164,6 +174,10 @@ def _export(args) -> int:
 
     from sharp.exporter.export import ExportSettings, export_model, with_norm
 
+    out = args.output or args.model.with_suffix(".onnx")
+    _check_output(args.model, out)  # before any work: never after 20 s of it, never over the input
+    if args.block_size < 1:
+        raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
     model = load(args.model)
     if not isinstance(model, SharpLM):
         raise UsageError(
@@ -172,12 +186,10 @@ def _export(args) -> int:
     norm = args.norm or model.cfg.norm
     values = {param: getattr(args, param) for param in CHANGE_PARAMS}
     check_norm_change(model, norm, values)
-    out = args.output or args.model.with_suffix(".onnx")
-    if args.block_size < 1:
-        raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
-    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        raise UsageError(f"cannot write {out}: {out.parent} is not a writable directory")
-    model = with_norm(model, norm, tuple(args.poly) if args.poly else None, **values)
+    try:
+        model = with_norm(model, norm, tuple(args.poly) if args.poly else None, **values)
+    except ValueError as e:  # the changed config's own validation (e.g. --poly nan, --ssmax-s inf)
+        raise UsageError(str(e)) from None
     settings = ExportSettings(
         norm=norm,
         fallback=args.fallback,
@@ -187,7 +199,12 @@ def _export(args) -> int:
         block_size=args.block_size,
     )
     proto = export_model(model, settings)
-    onnx.save(proto, out)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        onnx.save(proto, tmp)
+        tmp.replace(out)  # atomic: `out` is either the old file or the whole new one
+    finally:
+        tmp.unlink(missing_ok=True)
     print(
         f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {model.cfg.layers} × sharp::SharpAttention[{norm}], "
         f"fallback {args.fallback}, opset {args.opset}"
@@ -203,7 +220,7 @@ def _export(args) -> int:
     for name, dl, de in rows:
         print(f"{name:<22}{dl:>16.2e}{de:>17.2e}")
     worst = max(max(dl, de) for _, dl, de in rows)
-    if worst > TOLERANCE:
+    if not worst <= TOLERANCE:  # NaN fails too
         print(f"check FAILED: {worst:.2e} > {TOLERANCE:.0e}", file=sys.stderr)
         return 1
     print(f"check passed (tolerance {TOLERANCE:.0e}, onnxruntime CPU without plugins)")

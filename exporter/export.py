@@ -154,16 +154,16 @@ def with_norm(model: SharpLM, norm: str, poly: tuple[float, ...] | None = None, 
     (`values` give the parameters the model never learned, e.g. ssmax_s; see cli.check_norm_change)."""
     target = registry.get(norm)
     cfg = model.cfg
+    changes = {registry.head_param(k).config_field: v for k, v in values.items() if v is not None}
+    if poly is not None:
+        changes["adaptive_poly"] = list(poly)
     if norm == cfg.norm:
-        if poly is not None:
-            cfg.adaptive_poly = tuple(poly)
+        checked = type(cfg).from_dict({**cfg.to_dict(), **changes})  # ModelConfig validates the new values
+        cfg.adaptive_poly = checked.adaptive_poly  # the layers share this config object
         return model
     if not registry.can_export_as(cfg.norm, norm):
         raise ValueError(f"a {cfg.norm} model cannot be exported as {norm}")
-    changes = {registry.head_param(k).config_field: v for k, v in values.items() if v is not None}
     new_cfg = type(cfg).from_dict({**cfg.to_dict(), "norm": norm, "layer_norms_override": None, **changes})
-    if poly is not None:
-        new_cfg.adaptive_poly = tuple(poly)
     twin = SharpLM(new_cfg)
     missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
     new_params = tuple(p.state_name for p in target.params)

@@ -117,6 +117,13 @@ def parse(text: str) -> ModelMetadata:
         raise MetadataError(f"metadata does not describe a model: {e}") from None
     if len(layers) != cfg.layers:
         raise MetadataError(f"metadata lists {len(layers)} layers; its config has {cfg.layers}")
+    for i, layer in enumerate(layers):
+        for name, values in layer.parameters.items():
+            numbers = isinstance(values, list) and all(isinstance(v, int | float) for v in values)
+            if not isinstance(name, str) or not numbers or len(values) != cfg.heads:
+                raise MetadataError(
+                    f"metadata layers[{i}].parameters.{name} must be {cfg.heads} numbers (one per head)"
+                )
     return meta
 
 
@@ -129,3 +136,32 @@ def read(proto_or_path: onnx.ModelProto | str) -> ModelMetadata:
     if KEY not in props:
         raise MetadataError("no sharp metadata; expected an ONNX file written by sharp-export")
     return parse(props[KEY])
+
+
+def _static_dims(value_info) -> list[int | None]:
+    return [d.dim_value if d.HasField("dim_value") else None for d in value_info.type.tensor_type.shape.dim]
+
+
+def check_graph(meta: ModelMetadata, proto: onnx.ModelProto) -> None:
+    """The metadata agrees with the graph it describes: I/O names, layer count, vocabulary and cache shapes."""
+    cfg = meta.model_config()
+    inputs = {i.name: i for i in proto.graph.input}
+    outputs = {o.name: o for o in proto.graph.output}
+    for name in ("input_ids", "attention_mask", "position_ids"):
+        if name not in inputs:
+            raise MetadataError(f"the graph has no input '{name}'; expected a generation graph from sharp-export")
+    for name in ("logits", "attention_entropy"):
+        if name not in outputs:
+            raise MetadataError(f"the graph has no output '{name}'; expected a generation graph from sharp-export")
+    vocab = _static_dims(outputs["logits"])[-1:]
+    if vocab and vocab[0] is not None and vocab[0] != cfg.vocab_size:
+        raise MetadataError(f"metadata vocab_size {cfg.vocab_size}, but the graph's logits have {vocab[0]} entries")
+    past = sorted(n for n in inputs if n.startswith("past_key_values."))
+    if meta.export.get("kv_cache") and len(past) != 2 * cfg.layers:
+        raise MetadataError(f"metadata says {cfg.layers} layers, the graph has {len(past)} past key/value inputs")
+    for name in past:
+        dims = _static_dims(inputs[name])
+        expected = {1: ("kv_heads", cfg.kv_heads), 3: ("head_dim", cfg.head_dim)}
+        for axis, (field_name, value) in expected.items():
+            if len(dims) != 4 or (dims[axis] is not None and dims[axis] != value):
+                raise MetadataError(f"metadata {field_name} {value} does not match input {name} of shape {dims}")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pickle
-import zipfile
 from importlib.resources import files
 from pathlib import Path
 
@@ -77,7 +76,7 @@ def read(path: str | Path) -> dict:
             f"{path}: refused — it holds Python objects that a weights-only load never executes ({globals_[0]}); "
             "expected a sharp checkpoint written by sharp.models.save"
         ) from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as e:
+    except Exception as e:  # a weights-only load runs no code; anything it raises means "not a torch file"
         raise CheckpointError(f"{path}: not a readable torch file (truncated or corrupt: {type(e).__name__})") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = f"a dict with keys {sorted(payload)[:6]}" if isinstance(payload, dict) else type(payload).__name__
@@ -87,7 +86,27 @@ def read(path: str | Path) -> dict:
     for key in ("config", "state_dict", "norm", "meta"):
         if key not in payload:
             raise CheckpointError(f"{path}: sharp checkpoint lacks '{key}'")
+    for key, kind in (("config", dict), ("state_dict", dict)):
+        if not isinstance(payload[key], kind):
+            raise CheckpointError(f"{path}: '{key}' must be a {kind.__name__}, got {type(payload[key]).__name__}")
+    bad = [k for k, v in payload["state_dict"].items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))]
+    if bad:
+        raise CheckpointError(f"{path}: state_dict entries must be named tensors; {bad[0]!r:.40} is not")
     return payload
+
+
+def _check_shapes(path: Path, cfg, state: dict) -> None:
+    """The weights that fix a SharpLM's size agree with its config (a lying config is refused, not built)."""
+    if not isinstance(cfg, ModelConfig):
+        return
+    want = {"embed.weight": (cfg.vocab_size, cfg.dim)}
+    for i in range(cfg.layers):
+        want[f"blocks.{i}.attn.q_proj.weight"] = (cfg.heads * cfg.head_dim, cfg.dim)
+        want[f"blocks.{i}.attn.k_proj.weight"] = (cfg.kv_heads * cfg.head_dim, cfg.dim)
+    for key, shape in want.items():
+        got = tuple(state[key].shape) if key in state else None
+        if got != shape:
+            raise CheckpointError(f"{path}: config says {key} is {shape}, the weights hold {got}")
 
 
 def load(path: str | Path) -> nn.Module:
@@ -99,9 +118,11 @@ def load(path: str | Path) -> nn.Module:
         raise CheckpointError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
     model_cls, cfg_cls = ARCHITECTURES[arch]
     try:
-        model = model_cls(cfg_cls.from_dict(config))
+        cfg = cfg_cls.from_dict(config)
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{path}: bad config: {e}") from None
+        raise CheckpointError(f"{path}: {str(e).removeprefix('bad model config: ')}") from None
+    _check_shapes(path, cfg, payload["state_dict"])  # before anything of the config's size is allocated
+    model = model_cls(cfg)
     try:
         result = model.load_state_dict(payload["state_dict"], strict=False)
     except RuntimeError as e:  # shape mismatches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 from sharp.models import registry
@@ -9,6 +10,7 @@ from sharp.models.normalizers import PAPER_POLY
 from sharp.models.positional import POSITIONAL
 
 MLPS = ("swiglu", "gelu")
+MAX_WEIGHTS = 1 << 36  # a config beyond this is a typo or an attack, not a model to build on this machine
 LAYER_NORMS = ("rmsnorm", "layernorm")
 
 
@@ -39,9 +41,25 @@ class ModelConfig:
     adaptive_poly: tuple[float, ...] = PAPER_POLY
 
     def __post_init__(self) -> None:
+        _check_types(self)  # first, so the checks below compare numbers with numbers
         self.kv_heads = self.kv_heads or self.heads
         self.adaptive_poly = tuple(float(c) for c in self.adaptive_poly)
         problems = []
+        for name in ("vocab_size", "dim", "layers", "heads", "kv_heads", "context_length"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            problems.append(f"mlp_hidden must be >= 1 or null, got {self.mlp_hidden}")
+        for name in ("rope_base", "rope_scaling"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                problems.append(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        for name in ("asentmax_delta", "asentmax_s_gamma"):
+            if not math.isfinite(getattr(self, name)):
+                problems.append(f"{name} must be finite, got {getattr(self, name)}")
+        if not self.adaptive_poly or not all(math.isfinite(c) for c in self.adaptive_poly):
+            problems.append(f"adaptive_poly must be one or more finite coefficients, got {list(self.adaptive_poly)}")
+        if problems:
+            raise ValueError("bad model config: " + "; ".join(problems))
         if self.dim % self.heads:
             problems.append(f"dim {self.dim} is not a multiple of heads {self.heads}")
         if self.heads % self.kv_heads:
@@ -65,8 +83,19 @@ class ModelConfig:
         for p in dict.fromkeys(p for n in norms for p in n.params):  # initial values of the parameters in use
             if (why := p.init_problem(float(getattr(self, p.config_field)))) is not None:
                 problems.append(why)
+        if self.num_weights() > MAX_WEIGHTS:
+            problems.append(f"{self.num_weights():,} weights; sharp builds models of at most {MAX_WEIGHTS:,}")
         if problems:
             raise ValueError("bad model config: " + "; ".join(problems))
+
+    def num_weights(self) -> int:
+        """The parameter count this config describes (before building anything)."""
+        d, hd = self.dim, self.dim // self.heads
+        hidden = self.mlp_hidden or (4 * d if self.mlp == "gelu" else 8 * ((8 * d // 3 + 7) // 8))
+        attn = d * (self.heads * hd) * 2 + d * (self.kv_heads * hd) * 2
+        mlp = d * hidden * (3 if self.mlp == "swiglu" else 2)
+        embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return embed + self.layers * (attn + mlp)
 
     @property
     def head_dim(self) -> int:
@@ -88,3 +117,32 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown model config keys: {', '.join(unknown)}")
         return cls(**d)
+
+
+_INT, _FLOAT = (int,), (int, float)
+
+
+def _check_types(cfg: ModelConfig) -> None:
+    """Each field holds the type its annotation names (JSON and checkpoints carry anything); one line per field."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        kind = f.type
+        if kind.endswith("| None") and value is None:
+            continue
+        base = kind.removesuffix(" | None")
+        if base == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif base == "float":
+            ok = isinstance(value, _FLOAT) and not isinstance(value, bool)
+        elif base == "bool":
+            ok = isinstance(value, bool)
+        elif base == "str":
+            ok = isinstance(value, str)
+        elif base == "list[str]":
+            ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+        else:  # tuple[float, ...]
+            ok = isinstance(value, list | tuple) and all(
+                isinstance(v, _FLOAT) and not isinstance(v, bool) for v in value
+            )
+        if not ok:
+            raise ValueError(f"bad model config: {f.name} must be {kind}, got {value!r:.60}")

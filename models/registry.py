@@ -71,12 +71,12 @@ class HeadParam:
 
     @property
     def domain(self) -> str:
-        return f"{'>' if self.strict else '>='} {self.minimum:g}"
+        return "finite" if self.minimum == -math.inf else f"finite and {'>' if self.strict else '>='} {self.minimum:g}"
 
     def problem(self, value: float) -> str | None:
         """Why `value` is outside the domain, or None."""
         ok = math.isfinite(value) and (value > self.minimum if self.strict else value >= self.minimum)
-        return None if ok else f"{self.name} must be finite and {self.domain}, got {value}"
+        return None if ok else f"{self.name} must be {self.domain}, got {value}"
 
     def init_problem(self, value: float) -> str | None:
         """Why `value` cannot initialise the stored parameter (outside the domain, or not representable:
@@ -92,7 +92,7 @@ class HeadParam:
         v = value.detach()
         ok = bool(torch.isfinite(v).all()) and bool((v > self.minimum if self.strict else v >= self.minimum).all())
         if not ok:
-            raise ValueError(f"{self.name} must be finite and {self.domain} for every head")
+            raise ValueError(f"{self.name} must be {self.domain} for every head")
 
     @property
     def state_name(self) -> str:

@@ -29,11 +29,18 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
+TEMPERATURE_FLOOR = 1e-4
+"""Temperatures below this sample greedily: there a logit gap of 0.01 already has odds of e^100, and dividing by
+a tinier temperature would overflow float32."""
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
-    """logits (B, V) → token ids (B,)."""
-    if params.temperature == 0:
+    """logits (B, V) → token ids (B,). Raises ValueError for logits a distribution cannot come from (NaN, +inf,
+    or every logit −inf), so the caller can end just that sequence."""
+    bad = torch.isnan(logits).any(-1) | (logits == float("inf")).any(-1) | (logits == float("-inf")).all(-1)
+    if bool(bad.any()):
+        raise ValueError("the model produced non-finite logits")
+    if params.temperature < TEMPERATURE_FLOOR:
         return logits.argmax(-1)
     scores = logits.float() / params.temperature
     if params.top_k:

@@ -118,6 +118,7 @@ class OnnxRuntimeBackend(Backend):
             ) from e
         try:
             meta = metadata.read(proto)
+            metadata.check_graph(meta, proto)
         except metadata.MetadataError as e:
             raise BackendError(f"{path}: {e}") from None
         if not meta.export.get("kv_cache", False):

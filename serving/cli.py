@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
 import signal
+import ssl
 import sys
 from pathlib import Path
 
@@ -32,6 +35,37 @@ def _read(path: Path | None, what: str) -> bytes | None:
         raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
 
 
+def _token(path: Path | None) -> str | None:
+    """The bearer token in `path`: printable ASCII without spaces, surrounding whitespace ignored."""
+    raw = _read(path, "--auth-token-file")
+    if raw is None:
+        return None
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise UsageError(f"--auth-token-file {path}: the token must be ASCII") from None
+    if not token:
+        raise UsageError(f"--auth-token-file {path} is empty")
+    if not token.isprintable() or " " in token:
+        raise UsageError(f"--auth-token-file {path}: the token must be one word of printable ASCII")
+    return token
+
+
+def _tls(cert_path: Path | None, key_path: Path | None) -> tuple[bytes | None, bytes | None]:
+    """The PEM certificate chain and key, parsed and checked to belong together before the server starts."""
+    if cert_path is None:
+        return None, None
+    cert, key = _read(cert_path, "--tls-cert"), _read(key_path, "--tls-key")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_path, key_path)
+    except ssl.SSLError as e:
+        raise UsageError(
+            f"--tls-cert {cert_path} / --tls-key {key_path}: not a PEM certificate chain and its own private key"
+            f" ({e.reason})"
+        ) from None
+    return cert, key
+
+
 def serve_parser() -> argparse.ArgumentParser:
     from sharp.serving.backends import BACKENDS  # the serving side only: the client never loads torch
 
@@ -42,12 +76,16 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
     ap.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     ap.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0: any free port; -1: off)")
+    ap.add_argument("--metrics-host", help="address of the Prometheus endpoint (default: --host)")
     ap.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting requests; more get RESOURCE_EXHAUSTED")
     ap.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache budget (padding included)")
     ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per engine step")
     ap.add_argument("--max-new-tokens-limit", type=int, default=4096)
     ap.add_argument("--default-max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-prompt-bytes", type=int, default=1 << 20, help="UTF-8 bytes of a text prompt")
+    ap.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
+    ap.add_argument("--max-stop-length", type=int, default=256, help="characters of one stop string")
     ap.add_argument("--entropy-metrics", choices=["head", "layer", "off"], default="head")
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
     ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
@@ -71,9 +109,14 @@ def build_server(args):
         raise UsageError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
     if not -1 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be in [-1, 65535] (0: any free port, -1: off), got {args.metrics_port}")
-    token = _read(args.auth_token_file, "--auth-token-file")
-    if token is not None and not token.strip():
-        raise UsageError(f"--auth-token-file {args.auth_token_file} is empty")
+    if args.metrics_port == args.port != 0 and (args.metrics_host or args.host) == args.host:
+        raise UsageError(f"--metrics-port {args.metrics_port} is the gRPC --port; give the metrics their own port")
+    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
+        raise UsageError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout}")
+    if args.threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0: all cores), got {args.threads}")
+    token = _token(args.auth_token_file)
+    cert, key = _tls(args.tls_cert, args.tls_key)
     config = EngineConfig(
         max_batch=args.max_batch,
         max_queue=args.max_queue,
@@ -81,6 +124,9 @@ def build_server(args):
         prefill_chunk=args.prefill_chunk,
         max_new_tokens_limit=args.max_new_tokens_limit,
         default_max_new_tokens=args.default_max_new_tokens,
+        max_prompt_bytes=args.max_prompt_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_length=args.max_stop_length,
     )
     try:
         config.check()
@@ -93,10 +139,11 @@ def build_server(args):
         host=args.host,
         port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_host=args.metrics_host,
         drain_timeout=args.drain_timeout,
-        auth_token=token.decode().strip() if token else None,
-        tls_cert=_read(args.tls_cert, "--tls-cert"),
-        tls_key=_read(args.tls_key, "--tls-key"),
+        auth_token=token,
+        tls_cert=cert,
+        tls_key=key,
     )
     return engine, server
 
@@ -107,7 +154,8 @@ async def _serve(engine, config) -> None:
     server = SharpServer(engine, config)
     await server.start()
     spec = engine.spec
-    metrics = f", metrics http://{config.host}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    where = config.metrics_host or config.host
+    metrics = f", metrics http://{where}:{server.metrics_port}/metrics" if server.metrics_port else ""
     print(
         f"sharp-serve: {spec.name} ({spec.backend}, norm {spec.norm}, {spec.layers} layers × {spec.heads} heads)"
         f" on {config.host}:{server.port}{metrics}",
@@ -115,8 +163,15 @@ async def _serve(engine, config) -> None:
     )
     loop = asyncio.get_running_loop()
     draining = asyncio.Event()
+
+    def on_signal() -> None:
+        if draining.is_set():  # a second SIGTERM / Ctrl-C: stop waiting for the drain
+            print("sharp-serve: second signal, exiting without draining", file=sys.stderr, flush=True)
+            os._exit(1)
+        draining.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, draining.set)
+        loop.add_signal_handler(sig, on_signal)
     waiter = asyncio.ensure_future(server.wait())
     stopper = asyncio.ensure_future(draining.wait())
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -9,15 +9,15 @@ more than one chunk), then runs one batched decode step over every running seque
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import grpc
 import numpy as np
@@ -29,6 +29,7 @@ from sharp.serving.cache import BatchCache
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import GenerationRequest, Limits, RequestError
 from sharp.serving.stats import RequestOutcome, StepStats
+from sharp.serving.text import StopText
 
 log = logging.getLogger("sharp.serving")
 
@@ -41,13 +42,27 @@ class EngineConfig:
     prefill_chunk: int = 256  # prompt tokens processed per engine step
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64
+    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of a text prompt, checked before it is tokenized
+    max_stop_strings: int = 16
+    max_stop_length: int = 256  # characters of one stop string
 
     def check(self) -> None:
-        for name in ("max_batch", "max_queue", "prefill_chunk", "max_new_tokens_limit", "default_max_new_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.kv_cache_mb > 0:
-            raise ValueError(f"kv_cache_mb must be > 0, got {self.kv_cache_mb}")
+        """Raise ValueError naming the first option out of range (with `_` for the flag's `-`)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.kv_cache_mb, int | float) and math.isfinite(self.kv_cache_mb) and self.kv_cache_mb > 0):
+            raise ValueError(f"kv_cache_mb must be a finite number > 0, got {self.kv_cache_mb!r}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= max_new_tokens_limit"
+                f" ({self.max_new_tokens_limit})"
+            )
+
+    def request_bytes(self) -> int:
+        """The largest GenerateRequest message the limits allow (the server's receive limit)."""
+        return self.max_prompt_bytes + self.max_stop_strings * (4 * self.max_stop_length + 8) + (1 << 16)
 
 
 @dataclass
@@ -80,41 +95,6 @@ class Failed:
 
 
 Event = Delta | Finished | Failed
-
-
-class StopText:
-    """Incremental UTF-8 text with stop strings: text that could still become a stop string is held back."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
-        self.text, self.emitted, self.searched, self.stopped = "", 0, 0, False
-
-    def push(self, data: bytes) -> str:
-        """Add one token's bytes; returns the text that is now safe to send."""
-        if data:
-            self.text += self.decoder.decode(data)
-        if not self.stops:
-            return self._release(len(self.text))
-        start = max(0, self.searched - self.longest + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text, self.stopped = self.text[: min(hits)], True
-            return self._release(len(self.text))
-        self.searched = len(self.text)
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k])), default=0)
-        return self._release(len(self.text) - hold)
-
-    def finish(self) -> str:
-        if not self.stopped:
-            self.text += self.decoder.decode(b"", final=True)
-        return self._release(len(self.text))
-
-    def _release(self, upto: int) -> str:
-        out = self.text[self.emitted : upto] if upto > self.emitted else ""
-        self.emitted = max(self.emitted, upto)
-        return out
 
 
 class HeadStats:
@@ -183,6 +163,9 @@ class Engine:
             kv_budget_bytes=self.budget_bytes,
             max_new_tokens_limit=config.max_new_tokens_limit,
             default_max_new_tokens=config.default_max_new_tokens,
+            max_prompt_bytes=config.max_prompt_bytes,
+            max_stop_strings=config.max_stop_strings,
+            max_stop_length=config.max_stop_length,
         )
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
@@ -237,8 +220,9 @@ class Engine:
                 seq.cancelled = True
                 self._cond.notify_all()
 
-    async def stream(self, req: GenerationRequest) -> AsyncIterator[Event]:
-        """Events of one request; leaving the iterator early (cancel, deadline, disconnect) frees its work."""
+    def stream(self, req: GenerationRequest) -> AsyncIterator[Event]:
+        """Submit `req` now (RequestError if refused) and return its events; leaving the iterator early (cancel,
+        deadline, disconnect) frees its work."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -246,7 +230,9 @@ class Engine:
             with contextlib.suppress(RuntimeError):  # the caller's loop is gone
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
-        seq = self.submit(req, sink)
+        return self._follow(self.submit(req, sink), events)
+
+    async def _follow(self, seq: Sequence, events: asyncio.Queue[Event]) -> AsyncIterator[Event]:
         try:
             while True:
                 ev = await events.get()
@@ -391,7 +377,11 @@ class Engine:
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token of `seq`, send it and finish the sequence when a stop condition holds."""
-        token = int(sample(logits, seq.request.sampling, seq.generator))
+        try:
+            token = int(sample(logits, seq.request.sampling, seq.generator))
+        except ValueError as e:  # this sequence's logits are unusable: it ends alone, the batch goes on
+            self._fail(seq, grpc.StatusCode.INTERNAL, f"{e} for this request after {len(seq.generated)} tokens")
+            return
         now = time.perf_counter()
         if seq.generated:
             self._stats.inter_token.append(now - seq.last_token_time)
@@ -427,6 +417,13 @@ class Engine:
         )
         self._outbox.append((seq, summary))
         self._stats.outcomes.append(RequestOutcome("ok", time.perf_counter() - seq.arrival))
+
+    def _fail(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
+        """End one sequence with `code`; the caller drops it from the batch (it is marked done)."""
+        with self._cond:
+            seq.done = True
+        self._outbox.append((seq, Failed(code, message)))
+        self._stats.outcomes.append(RequestOutcome(code.name.lower(), time.perf_counter() - seq.arrival))
 
     def _fail_all(self, message: str) -> None:
         """End every unfinished sequence with INTERNAL; those that finished this step keep their answer."""

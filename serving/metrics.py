@@ -19,6 +19,8 @@ from sharp.serving.backends import ModelSpec
 from sharp.serving.stats import RequestOutcome, StepStats
 
 ENTROPY_MODES = ("head", "layer", "off")
+# Final statuses of a request: ok, cancelled (client cancel, disconnect or deadline), or the gRPC status it got.
+STATUSES = ("ok", "cancelled", "invalid_argument", "out_of_range", "resource_exhausted", "unavailable", "internal")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ENTROPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
 NORMALIZED_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -93,6 +95,8 @@ class ServingMetrics:
         self.queue_time = hist("sharp_request_queue_seconds", "Arrival to admission into the running batch.")
         self.batch_size = hist("sharp_batch_size", "Sequences in each batched decode step.", BATCH_BUCKETS)
         self._requests = Counter("sharp_requests", "Requests by final status.", ["model", "status"], registry=r)
+        for status in STATUSES:  # every series exists from the start, so the first error shows in rate()
+            self._requests.labels(model, status)
         self._model = model
         self.prompt_tokens = Counter("sharp_prompt_tokens", "Prompt tokens prefilled.", ["model"], registry=r).labels(
             model

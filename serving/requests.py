@@ -18,6 +18,7 @@ from sharp.models.sampling import SamplingParams
 from sharp.v1 import generator_pb2 as pb
 
 DEFAULT_SAMPLING = SamplingParams()
+MAX_REQUEST_ID = 128
 
 
 class RequestError(Exception):
@@ -38,6 +39,9 @@ class Limits:
     kv_budget_bytes: int
     max_new_tokens_limit: int
     default_max_new_tokens: int
+    max_prompt_bytes: int
+    max_stop_strings: int
+    max_stop_length: int
 
 
 @dataclass(frozen=True)
@@ -54,9 +58,33 @@ class GenerationRequest:
 
 
 def validate(msg: pb.GenerateRequest, limits: Limits, encode) -> GenerationRequest:
-    """The typed request for `msg`; `encode(text)` tokenizes a prompt (BOS included)."""
+    """The typed request for `msg`; `encode(text)` tokenizes a prompt (BOS included). Sizes are checked before
+    any work that grows with them (a prompt's bytes before it is tokenized, the id count before the ids)."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
     if msg.prompt and msg.input_ids:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "give either prompt or input_ids, not both")
+        raise RequestError(invalid, "give either prompt or input_ids, not both")
+    if len(msg.request_id) > MAX_REQUEST_ID:
+        raise RequestError(invalid, f"request_id of {len(msg.request_id)} characters; at most {MAX_REQUEST_ID}")
+    if len(msg.stop) > limits.max_stop_strings:
+        raise RequestError(
+            invalid, f"{len(msg.stop)} stop strings; at most {limits.max_stop_strings} (--max-stop-strings)"
+        )
+    for s in msg.stop:
+        if len(s) > limits.max_stop_length:
+            raise RequestError(
+                invalid, f"a stop string of {len(s)} characters; at most {limits.max_stop_length} (--max-stop-length)"
+            )
+    if msg.prompt:
+        size = len(msg.prompt) if len(msg.prompt) > limits.max_prompt_bytes else len(msg.prompt.encode("utf-8"))
+        if size > limits.max_prompt_bytes:
+            raise RequestError(
+                invalid, f"prompt of {size}+ bytes; at most {limits.max_prompt_bytes} (--max-prompt-bytes)"
+            )
+    elif len(msg.input_ids) > limits.context_length:
+        raise RequestError(
+            grpc.StatusCode.OUT_OF_RANGE,
+            f"{len(msg.input_ids)} input_ids exceed the model's context of {limits.context_length} tokens",
+        )
     ids = tuple(encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)
     sampling = SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else DEFAULT_SAMPLING.temperature,
@@ -68,7 +96,7 @@ def validate(msg: pb.GenerateRequest, limits: Limits, encode) -> GenerationReque
         max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else limits.default_max_new_tokens,
         sampling=sampling,
         seed=msg.seed if msg.HasField("seed") else secrets.randbits(63),
-        stop=tuple(msg.stop),
+        stop=tuple(s for s in msg.stop if s),
         attention_stats=msg.return_attention_stats,
         request_id=msg.request_id or uuid.uuid4().hex,
     )

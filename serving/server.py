@@ -6,17 +6,21 @@ queue, graceful drain, optional bearer-token auth and TLS, and the Prometheus en
 from __future__ import annotations
 
 import asyncio
+import errno
+import hmac
 import logging
+import socket
 import threading
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from sharp.serving.engine import Delta, Engine, Failed, Finished
+from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.requests import RequestError, validate
 from sharp.serving.stats import RequestOutcome
 from sharp.v1 import generator_pb2 as pb
@@ -25,6 +29,7 @@ from sharp.v1 import generator_pb2_grpc as pb_grpc
 log = logging.getLogger("sharp.serving")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Generator"
+LARGE_PROMPT = 1 << 16  # characters: validation of a longer prompt runs in a worker thread
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 
 
@@ -33,10 +38,30 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port
     metrics_port: int | None = 9400  # 0: any free port; None: no metrics endpoint
+    metrics_host: str | None = None  # None: the same address as the gRPC server
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     auth_token: str | None = None  # bearer token every call but health must carry
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be bound, in words, or None when it can."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"{host!r} is not a resolvable address ({e.strerror})"
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return f"port {port} is already in use (another sharp-serve or program listens there)"
+                if e.errno == errno.EADDRNOTAVAIL:
+                    return f"{host} is not an address of this machine"
+                return e.strerror or str(e)
+    return None
 
 
 def _stats(ev: Finished, norm: str) -> pb.AttentionStats | None:
@@ -58,17 +83,29 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     async def _events(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         """(request, event) pairs of one call. The one place a refusal or a failure becomes a status: validation,
-        draining, a full queue (at submission) and a failed sequence all end the call here."""
+        draining, a full queue (at submission) and a failed sequence all end the call here, each counted once
+        (a call cancelled before it reached the engine too; after that the engine counts it)."""
         self.inflight += 1
+        submitted = False
         try:
-            req = validate(msg, self.engine.limits, self.engine.tokenizer.encode)
-            async for ev in self.engine.stream(req):
-                if isinstance(ev, Failed):
-                    raise RequestError(ev.code, ev.message)
+            encode, limits = self.engine.tokenizer.encode, self.engine.limits
+            if len(msg.prompt) > LARGE_PROMPT:  # tokenizing a large prompt must not stall the event loop
+                req = await asyncio.to_thread(validate, msg, limits, encode)
+            else:
+                req = validate(msg, limits, encode)
+            events = self.engine.stream(req)
+            submitted = True
+            async for ev in events:
+                if isinstance(ev, Failed):  # counted by the engine
+                    await context.abort(ev.code, ev.message)
                 yield req, ev
         except RequestError as e:
             self.engine.metrics.log_outcome(RequestOutcome(e.code.name.lower()))
             await context.abort(e.code, e.message)
+        except asyncio.CancelledError:
+            if not submitted:
+                self.engine.metrics.log_outcome(RequestOutcome("cancelled"))
+            raise
         finally:
             self.inflight -= 1
 
@@ -126,28 +163,85 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             max_new_tokens_limit=c.max_new_tokens_limit,
             max_batch=c.max_batch,
             kv_cache_mb=c.kv_cache_mb,
+            default_max_new_tokens=c.default_max_new_tokens,
+            max_prompt_bytes=c.max_prompt_bytes,
+            max_stop_strings=c.max_stop_strings,
+            max_stop_length=c.max_stop_length,
         )
 
 
-class BearerAuth(grpc.aio.ServerInterceptor):
-    """Every call but grpc.health.v1 must carry `authorization: Bearer <token>`."""
+class _Undecodable:
+    """What a request deserializer returns for bytes that are not the expected message."""
 
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}"
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _decoding(deserializer):
+    def load(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # protobuf's DecodeError and friends: the client sent something else
+            return _Undecodable(e)
+
+    return load
+
+
+class Guard(grpc.aio.ServerInterceptor):
+    """Undecodable request messages get INVALID_ARGUMENT; with a token, every call but grpc.health.v1 must carry
+    `authorization: Bearer <token>` (scheme case-insensitive, token compared in constant time)."""
+
+    def __init__(self, token: str | None):
+        self.token = token.encode() if token else None
+
+    def _authorized(self, details) -> bool:
+        if self.token is None or details.method.startswith("/grpc.health.v1.Health/"):
+            return True
+        header = dict(details.invocation_metadata or ()).get("authorization", "")
+        scheme, _, token = str(header).strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.token)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith("/grpc.health.v1.Health/"):
+        if handler is None or handler.request_streaming:
             return handler
-        if dict(details.invocation_metadata or ()).get("authorization") == self.expected:
-            return handler
+        allowed = self._authorized(details)
 
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization)")
+        async def refuse(request, context) -> bool:
+            if not allowed:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization)")
+            if isinstance(request, _Undecodable):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid {details.method} message"
+                )
 
+        load = _decoding(handler.request_deserializer)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+            inner = handler.unary_stream
+
+            async def stream(request, context):
+                await refuse(request, context)
+                async for item in inner(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(stream, load, handler.response_serializer)
+        inner = handler.unary_unary
+
+        async def unary(request, context):
+            await refuse(request, context)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, load, handler.response_serializer)
+
+
+def _reflection_pool() -> descriptor_pool.DescriptorPool:
+    """Only the served APIs' descriptors (not every proto the process happens to import)."""
+    pool = descriptor_pool.DescriptorPool()
+    for file in (pb.DESCRIPTOR, health_pb2.DESCRIPTOR):
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+    return pool
 
 
 class SharpServer:
@@ -163,28 +257,42 @@ class SharpServer:
 
     async def start(self) -> None:
         cfg = self.config
-        interceptors = [BearerAuth(cfg.auth_token)] if cfg.auth_token else []
-        self.server = grpc.aio.server(interceptors=interceptors)
+        options = [
+            ("grpc.so_reuseport", 0),  # a busy port is an error, never a second server sharing the traffic
+            ("grpc.max_receive_message_length", self.engine.config.request_bytes()),
+        ]
+        self.server = grpc.aio.server(interceptors=[Guard(cfg.auth_token)], options=options)
         pb_grpc.add_GeneratorServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), self.server
-        )
+        names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server, pool=_reflection_pool())
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert and cfg.tls_key:
-            creds = grpc.ssl_server_credentials([(cfg.tls_key, cfg.tls_cert)])
-            self.port = self.server.add_secure_port(address, creds)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        if (problem := bind_problem(cfg.host, cfg.port)) is not None:  # before gRPC tries, and logs its own lines
+            raise OSError(f"cannot listen on {address}: {problem}")
+        try:
+            if cfg.tls_cert and cfg.tls_key:
+                creds = grpc.ssl_server_credentials([(cfg.tls_key, cfg.tls_cert)])
+                self.port = self.server.add_secure_port(address, creds)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(f"cannot listen on {address}: the gRPC runtime refused the address")
+        if cfg.metrics_port is not None:
+            try:
+                self._metrics_http = MetricsServer(
+                    cfg.metrics_host or cfg.host, cfg.metrics_port, self.engine.metrics.registry
+                )
+            except OSError as e:
+                raise OSError(
+                    f"cannot serve metrics on {cfg.metrics_host or cfg.host}:{cfg.metrics_port}: {e.strerror}"
+                ) from None
+            self.metrics_port = self._metrics_http.start().port
         self.engine.start()
         await self.server.start()
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if cfg.metrics_port is not None:
-            self._metrics_http, _ = start_http_server(cfg.metrics_port, cfg.host, registry=self.engine.metrics.registry)
-            self.metrics_port = self._metrics_http.server_port
 
     async def drain(self) -> None:
         """Health NOT_SERVING, new calls UNAVAILABLE, in-flight calls finish within drain_timeout, then stop."""
@@ -201,8 +309,7 @@ class SharpServer:
             await self.server.stop(grace=None)
         self.engine.stop()
         if self._metrics_http is not None:
-            self._metrics_http.shutdown()
-            self._metrics_http.server_close()
+            self._metrics_http.stop()
             self._metrics_http = None
 
     async def wait(self) -> None:

@@ -39,8 +39,9 @@ from sharp.serving import (
     load_backend,
 )
 from sharp.serving.client import make_request
-from sharp.serving.engine import Delta, Finished, StopText
+from sharp.serving.engine import Delta, Finished
 from sharp.serving.requests import validate
+from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
 CONTEXT = 4096
@@ -401,7 +402,7 @@ def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
     [
         (["/nonexistent.onnx"], "no such file"),
         (["MODEL", "--tls-cert", "x.pem"], "--tls-cert and --tls-key go together"),
-        (["MODEL", "--max-batch", "0"], "max-batch must be >= 1"),
+        (["MODEL", "--max-batch", "0"], "max-batch must be an integer >= 1"),
         (["MODEL.pt"], "export it with sharp-export"),
         (["MODEL", "--entropy-metrics", "all"], "invalid choice"),
     ],

@@ -1,0 +1,328 @@
+"""sharp-serve against hostile and careless clients: one request never disturbs another, every request ends with
+exactly one status and is counted once, work per request is bounded, and the protocol surface is tight.
+
+Real servers on loopback and real clients throughout; the only stand-in is a backend wrapper that makes the
+model emit NaN logits for one marked request (a broken model cannot be trained on purpose here).
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_serving import model_files, reference, sample_value, scrape  # noqa: F401  (fixtures and helpers)
+
+from sharp.serving import BackgroundServer, Client, Engine, EngineConfig, ServerConfig, ServingMetrics, load_backend
+from sharp.serving.text import StopText
+from sharp.v1 import generator_pb2 as pb
+
+POISON = 255  # a prompt containing this id gets NaN logits from the wrapped backend
+
+
+class NaNForMarkedRows:
+    """Wraps a real backend; rows whose input ids include POISON get NaN logits."""
+
+    def __init__(self, backend):
+        self.inner, self.spec, self.device = backend, backend.spec, backend.device
+        self.marked: set[int] = set()
+
+    def empty_past(self, batch):
+        return self.inner.empty_past(batch)
+
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+        out = self.inner.forward(input_ids, attention_mask, position_ids, past, entropy)
+        for row in range(input_ids.shape[0]):
+            if (input_ids[row] == POISON).any():
+                out.logits[row] = float("nan")
+        return out
+
+
+class SlowEndless:
+    """Wraps a real backend: a prefill takes 0.3 s more (a short deadline expires before the first token) and the
+    model never emits EOS (a stream runs until it is cancelled, never ending by chance)."""
+
+    def __init__(self, backend):
+        self.inner, self.spec, self.device = backend, backend.spec, backend.device
+
+    def empty_past(self, batch):
+        return self.inner.empty_past(batch)
+
+    def forward(self, input_ids, *args):
+        if input_ids.shape[1] > 1:
+            time.sleep(0.3)
+        out = self.inner.forward(input_ids, *args)
+        out.logits[:, self.spec.tokenizer.eos] = float("-inf")
+        return out
+
+
+@contextmanager
+def server(model_files, wrap=None, engine: dict | None = None, **config):  # noqa: F811
+    be = load_backend(model_files["onnxruntime"])
+    be = wrap(be) if wrap else be
+    eng = Engine(be, EngineConfig(**(engine or {})), ServingMetrics(be.spec, entropy="head"))
+    with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0, **config)) as srv:
+        yield srv
+
+
+class Bystander:
+    """A greedy stream running beside the abuse; afterwards its tokens must equal the model's own."""
+
+    def __init__(self, target: str, prompt: str, n: int):
+        self.client, self.prompt, self.n = Client(target), prompt, n
+        self.tokens: list[int] = []
+        self.error: Exception | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            for chunk in self.client.generate_stream(self.prompt, max_new_tokens=self.n, temperature=0):
+                self.tokens.extend(chunk.token_ids)
+        except Exception as e:  # reported by check()
+            self.error = e
+
+    def __enter__(self) -> Bystander:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.thread.join(timeout=120)
+        self.client.close()
+
+    def check(self, reference) -> None:  # noqa: F811
+        self.thread.join(timeout=120)
+        assert self.error is None, self.error
+        ids = self.client.tokenize(self.prompt, add_bos=True)
+        assert self.tokens == reference(ids, self.n)
+
+
+def test_nan_logits_end_only_that_request(model_files, reference):  # noqa: F811
+    with server(model_files, wrap=NaNForMarkedRows) as srv, Client(srv.target) as c:
+        with Bystander(srv.target, "bystander", 60) as b:
+            time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate([256, 1, POISON, 2], max_new_tokens=20, temperature=0.8)
+            assert err.value.code() == grpc.StatusCode.INTERNAL and "non-finite logits" in err.value.details()
+            b.check(reference)
+        assert c.generate("after", max_new_tokens=3).usage.completion_tokens == 3
+        _wait_idle(srv)
+        m = scrape(srv)
+    assert sample_value(m, "sharp_requests", "sharp_requests_total", status="internal") == 1
+    assert sample_value(m, "sharp_requests", "sharp_requests_total", status="ok") == 2
+    assert sample_value(m, "sharp_running_requests", "sharp_running_requests") == 0
+
+
+def test_a_tiny_temperature_samples_greedily(model_files, reference):  # noqa: F811
+    with server(model_files) as srv, Client(srv.target) as c:
+        ids = c.tokenize("tiny", add_bos=True)
+        r = c.generate("tiny", max_new_tokens=12, temperature=1e-38)
+        assert list(r.token_ids) == reference(ids, 12)
+
+
+def _wait_idle(srv, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while not srv.server.engine.idle() and time.monotonic() < end:
+        time.sleep(0.01)
+    time.sleep(0.05)  # the step that emptied the engine has logged its record
+    assert srv.server.engine.idle()
+
+
+ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.sampled_from([0.0, 1e-38, 1e-45, -0.0, 1.0, 3.4e38]),
+)
+requests = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.text(max_size=300),
+        "input_ids": st.lists(st.integers(-(2**31), 2**31 - 1) | st.integers(0, 300), max_size=50),
+        "max_new_tokens": st.integers(-(2**31), 2**31 - 1) | st.integers(0, 8),
+        "temperature": floats,
+        "top_k": st.integers(-(2**31), 2**31 - 1) | st.integers(0, 300),
+        "top_p": floats,
+        "seed": st.integers(0, 2**64 - 1),
+        "stop": st.lists(st.text(max_size=300), max_size=20),
+        "return_attention_stats": st.booleans(),
+        "request_id": st.text(max_size=200),
+    },
+)
+
+
+def test_fuzzed_requests_get_a_status_and_never_disturb_a_bystander(model_files, reference):  # noqa: F811
+    with (
+        server(model_files, engine=dict(max_stop_length=64, max_stop_strings=8)) as srv,
+        Client(srv.target, timeout=30) as c,
+    ):
+        codes: dict[str, int] = {}
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(requests)
+        def one(fields):
+            msg = pb.GenerateRequest(**fields)
+            try:
+                c.stub.Generate(msg, timeout=30)
+                codes["OK"] = codes.get("OK", 0) + 1
+            except grpc.RpcError as e:
+                assert e.code() in ALLOWED, (e.code(), e.details(), fields)
+                assert e.details() and "Traceback" not in e.details()
+                codes[e.code().name] = codes.get(e.code().name, 0) + 1
+
+        with Bystander(srv.target, "a bystander's prompt", 200) as b:
+            one()
+            b.check(reference)
+        assert c.health() == "SERVING"
+        _wait_idle(srv)
+        m = scrape(srv)
+    assert sum(codes.values()) >= 50 and len(codes) >= 2  # both answers and refusals were exercised
+    counted = sample_value(m, "sharp_requests", "sharp_requests_total")
+    assert counted == sum(codes.values()) + 1  # each fuzzed request and the bystander, once each
+    assert sample_value(m, "sharp_running_requests", "sharp_running_requests") == 0
+    assert sample_value(m, "sharp_queue_size", "sharp_queue_size") == 0
+
+
+def test_stop_matching_is_linear_and_limits_are_enforced(model_files):  # noqa: F811
+    s = StopText(("abcabd", "x" * 200))
+    text = "".join(s.push(ch.encode()) for ch in "abcabcabd")
+    assert text == "abc" and s.stopped  # KMP: the overlapping restart at "abc|abd" is found
+    u = StopText(("aab",))
+    assert "".join(u.push(ch.encode()) for ch in "aaaa") == "aa"  # "aa" may still become "aab"
+    limits = dict(max_stop_strings=2, max_stop_length=8, max_prompt_bytes=100)
+    with server(model_files, engine=limits) as srv, Client(srv.target) as c:
+        for kw, says in (
+            (dict(stop=["a", "b", "c"]), "--max-stop-strings"),
+            (dict(stop=["x" * 9]), "--max-stop-length"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                c.generate("p", max_new_tokens=2, **kw)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("é" * 60, max_new_tokens=2)  # 60 characters, 120 bytes
+        assert "--max-prompt-bytes" in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(list(range(5000)), max_new_tokens=2)
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        info = c.info()
+        assert (info.max_stop_strings, info.max_stop_length, info.max_prompt_bytes) == (2, 8, 100)
+        big = pb.GenerateRequest(prompt="y" * (2 << 20))  # over the server's receive limit
+        with pytest.raises(grpc.RpcError) as err:
+            c.stub.Generate(big, timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_cancels_deadlines_and_killed_clients_leave_nothing_behind(model_files):  # noqa: F811
+    threads_before = threading.active_count()
+    with server(model_files, wrap=SlowEndless, engine=dict(max_queue=1024)) as srv:
+        rss_after_first = None
+        sent = 0
+        for wave in range(3):
+            killed = [
+                subprocess.Popen(
+                    [sys.executable, "-c", _STREAM_FOREVER, srv.target],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                )
+                for _ in range(4)
+            ]
+            for p in killed:
+                assert p.stdout.readline().strip() == b"streaming"  # it holds a running request
+            with Client(srv.target) as c:
+                calls = [c.generate_stream(f"wave {wave} {i}", max_new_tokens=3000) for i in range(6)]
+                for call in calls:
+                    next(call)
+                for call in calls:
+                    call.cancel()
+                for i in range(6):
+                    with pytest.raises(grpc.RpcError) as err:
+                        Client(srv.target, timeout=0.2).generate(f"late {i}", max_new_tokens=3000)
+                    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            for p in killed:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+            sent += 4 + 6 + 6
+            _wait_idle(srv)
+            m = scrape(srv)
+            assert sample_value(m, "sharp_running_requests", "sharp_running_requests") == 0
+            assert sample_value(m, "sharp_queue_size", "sharp_queue_size") == 0
+            assert sample_value(m, "sharp_kv_cache_usage_ratio", "sharp_kv_cache_usage_ratio") == 0
+            assert sample_value(m, "sharp_requests", "sharp_requests_total", status="cancelled") == sent
+            assert sample_value(m, "sharp_requests", "sharp_requests_total") == sent
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            rss_after_first = rss_after_first or rss
+        assert rss - rss_after_first < 200 * 1024  # KiB: no per-wave growth beyond noise
+        assert threading.active_count() <= threads_before + 8  # the server's own threads, nothing per client
+
+
+_STREAM_FOREVER = """
+import sys
+from sharp.serving.client import Client
+c = Client(sys.argv[1])
+for chunk in c.generate_stream("killed client", max_new_tokens=3000):
+    print("streaming", flush=True)
+    break
+import time
+time.sleep(600)
+"""
+
+
+def test_metrics_endpoint_bounds_idle_connections(model_files):  # noqa: F811
+    with server(model_files) as srv:
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", srv.server.metrics_port)) for _ in range(100)]
+        time.sleep(0.5)
+        assert threading.active_count() <= before + 8  # bounded handler threads, not one per connection
+        for s in idle:
+            s.close()
+        end = time.monotonic() + 30
+        while True:  # the held slots time out; then scraping works again
+            try:
+                assert "sharp_requests_total" in str(scrape(srv))
+                break
+            except Exception:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.2)
+
+
+def test_protocol_surface(model_files):  # noqa: F811
+    with server(model_files, auth_token="tok3n") as srv:
+        channel = grpc.insecure_channel(srv.target)
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        meta = (("authorization", "bearer tok3n"),)  # the scheme is case-insensitive
+
+        def ask(**req):
+            return next(
+                iter(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(**req)]), metadata=meta))
+            )
+
+        listed = {s.name for s in ask(list_services="").list_services_response.service}
+        assert listed == {"sharp.v1.Generator", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+        assert ask(file_containing_symbol="sharp.v1.Generator").HasField("file_descriptor_response")
+        assert ask(file_containing_symbol="onnx.ModelProto").HasField("error_response")  # not every proto in process
+        raw = channel.unary_unary("/sharp.v1.Generator/Generate", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as err:
+            raw(b"\xff\xff\xff\xff", metadata=meta, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "Error" not in err.value.details()
+        with Client(srv.target, token="wrong") as c, pytest.raises(grpc.RpcError) as err:
+            c.info()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with Client(srv.target, token="tok3n") as c:
+            assert c.info().name
+        channel.close()
+
+
+def test_status_series_exist_before_any_request(model_files):  # noqa: F811
+    with server(model_files) as srv:
+        m = scrape(srv)
+    statuses = {s.labels["status"] for s in m["sharp_requests"].samples if s.name == "sharp_requests_total"}
+    assert {"ok", "cancelled", "invalid_argument", "internal", "resource_exhausted"} <= statuses
