@@ -128,16 +128,18 @@ def EntmaxShifted(Z: FLOAT, visible: BOOL, am1: FLOAT, lam: FLOAT) -> FLOAT:
 
 @script(FALLBACK, default_opset=op)
 def ThresholdSums(U: FLOAT, tau: FLOAT, inv: FLOAT) -> tuple[FLOAT, FLOAT, FLOAT]:
-    """With d = [u − τ]_+: Σ d^inv, Σ d^(inv−1), Σ_{d>0} d^(inv−2) (inv = 1/(α−1)), last axis kept."""
+    """With d = [u − τ]_+: Σ d^inv, Σ d^(inv−1), Σ_{d>0} d^(inv−2) (inv = 1/(α−1)), last axis kept — one power
+    per element (d^(inv−1)), the other two sums by one multiplication and one division."""
     zero = op.Constant(value_float=0.0)
     one = op.Constant(value_float=1.0)
     d = op.Relu(op.Sub(U, tau))
     live = op.Greater(d, zero)
     dl = op.Where(live, d, one)
+    p1 = op.Where(live, op.Pow(dl, op.Sub(inv, one)), zero)
     axis = op.Constant(value_ints=[-1])
-    s0 = op.ReduceSum(op.Where(live, op.Pow(dl, inv), zero), axis, keepdims=1)
-    s1 = op.ReduceSum(op.Where(live, op.Pow(dl, op.Sub(inv, one)), zero), axis, keepdims=1)
-    s2 = op.ReduceSum(op.Where(live, op.Pow(dl, op.Sub(inv, op.Constant(value_float=2.0))), zero), axis, keepdims=1)
+    s0 = op.ReduceSum(op.Mul(p1, d), axis, keepdims=1)
+    s1 = op.ReduceSum(p1, axis, keepdims=1)
+    s2 = op.ReduceSum(op.Div(p1, dl), axis, keepdims=1)
     return s0, s1, s2
 
 

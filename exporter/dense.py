@@ -16,8 +16,6 @@ from sharp.exporter.body_parts import (
     RepeatKV,
     SignedLog,
     ThresholdStart,
-    ThresholdStep,
-    ThresholdSums,
     VisibleCount,
 )
 from sharp.exporter.op_schema import FALLBACK
@@ -114,26 +112,28 @@ def DenseEntmax(
     causal: int,
     max_iters: int,
 ) -> tuple[FLOAT, FLOAT]:
-    """α-entmax of λ z: τ by safeguarded Halley/Newton steps until every row converges (≤ max_iters)."""
+    """α-entmax of λ z: τ by `max_iters` halvings of its bracket. With every logit materialised, one halving is
+    one cheap pass, and measured faster here than the streamed body's Halley/Newton steps (three sums a pass)."""
     z, visible = Logits(Q, K, key_mask, alibi_slopes, scale=scale, causal=causal)
     one = op.Constant(value_float=1.0)
+    zero = op.Constant(value_float=0.0)
+    half = op.Constant(value_float=0.5)
     am1 = op.Sub(op.Reshape(alpha, op.Constant(value_ints=[1, -1, 1, 1])), one)
     inv = op.Div(one, am1)
     u = EntmaxShifted(z, visible, am1, query_scale)
     m = op.ReduceMax(u, op.Constant(value_ints=[-1]), keepdims=1)
-    u = op.Sub(u, op.Where(op.IsInf(m), op.Constant(value_float=0.0), m))
+    u = op.Sub(u, op.Where(op.IsInf(m), zero, m))
     lo, hi = ThresholdStart(VisibleCount(visible), am1)
-    tau = lo
-    i = op.Constant(value_int=0)
-    go = op.Constant(value=True)
-    while go:
-        s0, s1, s2 = ThresholdSums(u, tau, inv)
-        tau, lo, hi, done = ThresholdStep(tau, lo, hi, s0, s1, s2, inv)
-        i = op.Add(i, op.Constant(value_int=1))
-        go = op.And(op.Not(done), op.Less(i, op.Constant(value_int=max_iters)))
-    w = op.Where(visible, op.Pow(op.Relu(op.Sub(u, tau)), inv), op.Constant(value_float=0.0))
+    for _ in range(op.Constant(value_int=max_iters)):
+        mid = op.Mul(op.Add(lo, hi), half)
+        s = op.ReduceSum(op.Pow(op.Relu(op.Sub(u, mid)), inv), op.Constant(value_ints=[-1]), keepdims=1)
+        big = op.GreaterOrEqual(s, one)
+        lo = op.Where(big, mid, lo)
+        hi = op.Where(big, hi, mid)
+    tau = op.Mul(op.Add(lo, hi), half)
+    w = op.Where(visible, op.Pow(op.Relu(op.Sub(u, tau)), inv), zero)
     total = op.ReduceSum(w, op.Constant(value_ints=[-1]), keepdims=1)
-    p = op.Div(w, op.Where(op.Greater(total, op.Constant(value_float=0.0)), total, one))
+    p = op.Div(w, op.Where(op.Greater(total, zero), total, one))
     out, ent = Finish(p, V, Q)
     return out, ent
 

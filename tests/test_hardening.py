@@ -27,11 +27,11 @@ from sharp.serving import BackgroundServer, Client, Engine, EngineConfig, Server
 from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
-POISON = 255  # a prompt containing this id gets NaN logits from the wrapped backend
+POISON = 255  # a prompt (of two or more ids) containing this id gets NaN logits from the wrapped backend
 
 
 class NaNForMarkedRows:
-    """Wraps a real backend; rows whose input ids include POISON get NaN logits."""
+    """Wraps a real backend; a prompt that contains POISON gets NaN logits."""
 
     def __init__(self, backend):
         self.inner, self.spec, self.device = backend, backend.spec, backend.device
@@ -43,7 +43,7 @@ class NaNForMarkedRows:
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):
         out = self.inner.forward(input_ids, attention_mask, position_ids, past, entropy)
         for row in range(input_ids.shape[0]):
-            if (input_ids[row] == POISON).any():
+            if input_ids.shape[1] > 1 and (input_ids[row] == POISON).any():  # prompts only, never sampled ids
                 out.logits[row] = float("nan")
         return out
 
