@@ -83,7 +83,9 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per engine step")
     ap.add_argument("--max-new-tokens-limit", type=int, default=4096)
     ap.add_argument("--default-max-new-tokens", type=int, default=64)
-    ap.add_argument("--max-prompt-bytes", type=int, default=1 << 20, help="UTF-8 bytes of a text prompt")
+    ap.add_argument(
+        "--max-prompt-bytes", type=int, help="UTF-8 bytes of a text prompt (default: 16 × the model's context length)"
+    )
     ap.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
     ap.add_argument("--max-stop-length", type=int, default=256, help="characters of one stop string")
     ap.add_argument("--entropy-metrics", choices=["head", "layer", "off"], default="head")

@@ -32,6 +32,7 @@ from sharp.serving.stats import RequestOutcome, StepStats
 from sharp.serving.text import StopText
 
 log = logging.getLogger("sharp.serving")
+PROMPT_BYTES_PER_TOKEN = 16  # the default prompt limit: more bytes than this per context token is never a prompt
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class EngineConfig:
     prefill_chunk: int = 256  # prompt tokens processed per engine step
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64
-    max_prompt_bytes: int = 1 << 20  # UTF-8 bytes of a text prompt, checked before it is tokenized
+    max_prompt_bytes: int | None = None  # UTF-8 bytes of a text prompt (None: 16 × the model's context length)
     max_stop_strings: int = 16
     max_stop_length: int = 256  # characters of one stop string
 
@@ -50,7 +51,9 @@ class EngineConfig:
         """Raise ValueError naming the first option out of range (with `_` for the flag's `-`)."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if f.type.startswith("int") and value is None and f.type.endswith("None"):
+                continue
+            if f.type.startswith("int") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
         if not (isinstance(self.kv_cache_mb, int | float) and math.isfinite(self.kv_cache_mb) and self.kv_cache_mb > 0):
             raise ValueError(f"kv_cache_mb must be a finite number > 0, got {self.kv_cache_mb!r}")
@@ -59,10 +62,6 @@ class EngineConfig:
                 f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= max_new_tokens_limit"
                 f" ({self.max_new_tokens_limit})"
             )
-
-    def request_bytes(self) -> int:
-        """The largest GenerateRequest message the limits allow (the server's receive limit)."""
-        return self.max_prompt_bytes + self.max_stop_strings * (4 * self.max_stop_length + 8) + (1 << 16)
 
 
 @dataclass
@@ -163,7 +162,7 @@ class Engine:
             kv_budget_bytes=self.budget_bytes,
             max_new_tokens_limit=config.max_new_tokens_limit,
             default_max_new_tokens=config.default_max_new_tokens,
-            max_prompt_bytes=config.max_prompt_bytes,
+            max_prompt_bytes=config.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * self.spec.context_length,
             max_stop_strings=config.max_stop_strings,
             max_stop_length=config.max_stop_length,
         )
@@ -241,6 +240,16 @@ class Engine:
                     return
         finally:
             self.cancel(seq)
+
+    def request_bytes(self) -> int:
+        """The largest GenerateRequest message the limits allow (the server's receive limit)."""
+        lim = self.limits
+        return (
+            lim.max_prompt_bytes
+            + 4 * lim.context_length
+            + lim.max_stop_strings * (4 * lim.max_stop_length + 8)
+            + (1 << 16)
+        )
 
     def idle(self) -> bool:
         with self._cond:

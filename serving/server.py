@@ -164,7 +164,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             max_batch=c.max_batch,
             kv_cache_mb=c.kv_cache_mb,
             default_max_new_tokens=c.default_max_new_tokens,
-            max_prompt_bytes=c.max_prompt_bytes,
+            max_prompt_bytes=self.engine.limits.max_prompt_bytes,
             max_stop_strings=c.max_stop_strings,
             max_stop_length=c.max_stop_length,
         )
@@ -259,7 +259,7 @@ class SharpServer:
         cfg = self.config
         options = [
             ("grpc.so_reuseport", 0),  # a busy port is an error, never a second server sharing the traffic
-            ("grpc.max_receive_message_length", self.engine.config.request_bytes()),
+            ("grpc.max_receive_message_length", self.engine.request_bytes()),
         ]
         self.server = grpc.aio.server(interceptors=[Guard(cfg.auth_token)], options=options)
         pb_grpc.add_GeneratorServicer_to_server(self.service, self.server)
