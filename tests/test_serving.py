@@ -397,6 +397,23 @@ def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
         proc.kill()
 
 
+def test_a_second_signal_stops_the_drain(model_files):
+    """SIGTERM starts a drain that would wait for a long stream; a second SIGTERM exits at once (status 1)."""
+    cmd = [sys.executable, "-m", "sharp.serving.cli", str(model_files["onnxruntime"]), "--port", "0"]
+    proc = subprocess.Popen([*cmd, "--metrics-port", "-1", "--drain-timeout", "600"], stdout=subprocess.PIPE, text=True)
+    try:
+        port = re.search(r" on 127\.0\.0\.1:(\d+)", proc.stdout.readline()).group(1)
+        with Client(f"127.0.0.1:{port}") as c:
+            stream = c.generate_stream("second signal", max_new_tokens=4000, temperature=0, stop=["never"])
+            next(stream)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.stdout.readline().strip() == "sharp-serve: draining"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
