@@ -54,6 +54,11 @@ class BatchCache:
         ]
         self.lengths.append(length)
 
+    def row(self, i: int) -> list[Tensor]:
+        """Row i's own cache (batch 1, exactly its length wide), to run it alone."""
+        n = self.lengths[i]
+        return [t[i : i + 1, :, t.shape[2] - n :] for t in self.tensors]
+
     def advance(self, presents: list[Tensor]) -> None:
         """After a decode step: the step's presents (one more column) replace the cache; every row grew by one."""
         self.tensors = presents

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from sharp.models.sampling import sample
-from sharp.serving.backends import Backend
+from sharp.serving.backends import Backend, StepOutput
 from sharp.serving.cache import BatchCache
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import GenerationRequest, Limits, RequestError
@@ -341,13 +341,19 @@ class Engine:
             n = min(budget, seq.prompt_len - start)
             ids = torch.tensor([seq.request.prompt_ids[start : start + n]], dtype=torch.int64)
             past = seq.cache if seq.cache is not None else self.backend.empty_past(1)
-            out = self.backend.forward(
-                ids,
-                torch.ones(1, start + n, dtype=torch.int64),
-                torch.arange(start, start + n, dtype=torch.int64)[None],
-                past,
-                self._want_entropy([seq]),
-            )
+            try:
+                out = self.backend.forward(
+                    ids,
+                    torch.ones(1, start + n, dtype=torch.int64),
+                    torch.arange(start, start + n, dtype=torch.int64)[None],
+                    past,
+                    self._want_entropy([seq]),
+                )
+            except Exception:  # the model failed on this prompt: it ends alone
+                self._prefilling.remove(seq)
+                seq.cache = None
+                self._fail_forward(seq, f"prefill at prompt token {start}")
+                continue
             seq.cache, seq.length = out.presents, start + n
             budget -= n
             self._stats.prompt_tokens += n
@@ -368,21 +374,54 @@ class Engine:
     def _decode(self) -> None:
         if not self._running:
             return
-        seqs, cache = self._running, self._cache
-        lengths = torch.tensor(cache.lengths, dtype=torch.int64)
-        ids = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.int64)
-        out = self.backend.forward(
-            ids, cache.attention_mask(), lengths[:, None], cache.tensors, self._want_entropy(seqs)
-        )
-        cache.advance(out.presents)
+        lengths = list(self._cache.lengths)  # each row's first new position
+        try:
+            out = self._decode_forward(self._running, self._cache)
+            self._cache.advance(out.presents)
+        except Exception:  # some row breaks the model: run the rows alone, so only the failing ones end
+            out = self._decode_rows_alone()
+            if out is None:
+                return
+            lengths = [n - 1 for n in self._cache.lengths]
+        seqs = self._running
         self._stats.decode_batch = len(seqs)
-        self._record_entropy(seqs, out.entropy, lengths.tolist())
+        self._record_entropy(seqs, out.entropy, lengths)
         finished = []
         for i, s in enumerate(seqs):
             self._emit(s, out.logits[i : i + 1])
             if s.done:
                 finished.append(i)
         self._leave(finished)
+
+    def _decode_forward(self, seqs: list[Sequence], cache: BatchCache) -> StepOutput:
+        ids = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.int64)
+        positions = torch.tensor(cache.lengths, dtype=torch.int64)[:, None]
+        return self.backend.forward(ids, cache.attention_mask(), positions, cache.tensors, self._want_entropy(seqs))
+
+    def _decode_rows_alone(self) -> StepOutput | None:
+        """Decode each running row on its own; fail the rows whose forward raises and rebuild the batch cache
+        from the others. Returns the survivors' outputs in their order (None when none survived)."""
+        kept, outs, cache = [], [], BatchCache()
+        for i, seq in enumerate(self._running):
+            alone = BatchCache()
+            alone.join(self._cache.row(i), self._cache.lengths[i])
+            try:
+                out = self._decode_forward([seq], alone)
+            except Exception:
+                self._fail_forward(seq, f"decode at token {len(seq.generated)}")
+                continue
+            cache.join(out.presents, alone.lengths[0] + 1)
+            kept.append(seq)
+            outs.append(out)
+        self._running, self._cache = kept, cache
+        if not kept:
+            return None
+        entropy = None if outs[0].entropy is None else torch.cat([o.entropy for o in outs])
+        return StepOutput(torch.cat([o.logits for o in outs]), cache.tensors, entropy)
+
+    def _fail_forward(self, seq: Sequence, where: str) -> None:
+        log.exception("model forward failed for request %r (%s)", seq.request.request_id, where)
+        self._fail(seq, grpc.StatusCode.INTERNAL, f"the model failed on this request ({where}); see the server log")
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Sample the next token of `seq`, send it and finish the sequence when a stop condition holds."""

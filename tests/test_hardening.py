@@ -1,8 +1,8 @@
 """sharp-serve against hostile and careless clients: one request never disturbs another, every request ends with
 exactly one status and is counted once, work per request is bounded, and the protocol surface is tight.
 
-Real servers on loopback and real clients throughout; the only stand-in is a backend wrapper that makes the
-model emit NaN logits for one marked request (a broken model cannot be trained on purpose here).
+Real servers on loopback and real clients throughout; the only stand-ins are backend wrappers that make the model
+emit NaN logits for, or raise on, one marked request (a broken model cannot be trained on purpose here).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
 POISON = 255  # a prompt (of two or more ids) containing this id gets NaN logits from the wrapped backend
+BREAKS_PREFILL, BREAKS_DECODE = 254, 253  # ... makes the wrapped backend raise in prefill, or in decode
 
 
 class NaNForMarkedRows:
@@ -45,6 +46,30 @@ class NaNForMarkedRows:
         for row in range(input_ids.shape[0]):
             if input_ids.shape[1] > 1 and (input_ids[row] == POISON).any():  # prompts only, never sampled ids
                 out.logits[row] = float("nan")
+        return out
+
+
+class RaisesForMarkedRows:
+    """Wraps a real backend. A prompt holding BREAKS_PREFILL makes its prefill raise; a prompt holding BREAKS_DECODE
+    leaves NaN keys in its own cache, and any forward given such a cache raises, as a backend that checks its inputs
+    would — so a decode batch holding that row fails as a whole."""
+
+    def __init__(self, backend):
+        self.inner, self.spec, self.device = backend, backend.spec, backend.device
+        self.batch_failures = 0
+
+    def empty_past(self, batch):
+        return self.inner.empty_past(batch)
+
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+        if input_ids.shape[1] > 1 and (input_ids == BREAKS_PREFILL).any():
+            raise RuntimeError("prefill refused")
+        if any(t.isnan().any() for t in past):
+            self.batch_failures += input_ids.shape[0] > 1
+            raise RuntimeError("non-finite keys in the cache")
+        out = self.inner.forward(input_ids, attention_mask, position_ids, past, entropy)
+        if input_ids.shape[1] > 1 and (input_ids == BREAKS_DECODE).any():
+            out.presents[0][:] = float("nan")
         return out
 
 
@@ -120,6 +145,60 @@ def test_nan_logits_end_only_that_request(model_files, reference):  # noqa: F811
     assert sample_value(m, "sharp_requests", "sharp_requests_total", status="internal") == 1
     assert sample_value(m, "sharp_requests", "sharp_requests_total", status="ok") == 2
     assert sample_value(m, "sharp_running_requests", "sharp_running_requests") == 0
+
+
+def test_a_model_failure_ends_only_the_rows_it_fails_on(model_files, reference):  # noqa: F811
+    with server(model_files, wrap=RaisesForMarkedRows) as srv, Client(srv.target) as c:
+        with Bystander(srv.target, "bystander", 60) as b:
+            time.sleep(0.05)
+            for marker, where in ((BREAKS_PREFILL, "prefill"), (BREAKS_DECODE, "decode")):
+                with pytest.raises(grpc.RpcError) as err:
+                    c.generate([256, 1, marker, 2], max_new_tokens=20, temperature=0.8)
+                assert err.value.code() == grpc.StatusCode.INTERNAL, err.value.details()
+                assert f"the model failed on this request ({where}" in err.value.details()
+            b.check(reference)
+        assert srv.server.engine.backend.batch_failures >= 1  # the broken row was decoded beside the bystander
+        assert c.generate("after", max_new_tokens=3).usage.completion_tokens == 3
+        _wait_idle(srv)
+        m = scrape(srv)
+    assert sample_value(m, "sharp_requests", "sharp_requests_total", status="internal") == 2
+    assert sample_value(m, "sharp_requests", "sharp_requests_total", status="ok") == 2
+    assert sample_value(m, "sharp_running_requests", "sharp_running_requests") == 0
+
+
+class BlockingEncode:
+    """Wraps the engine's tokenizer: encode() waits until released, holding a call before it reaches the engine."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.entered, self.release = tokenizer, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        self.entered.set()
+        self.release.wait(30)
+        return self.inner.encode(text, bos=bos)
+
+
+def test_a_call_cancelled_before_the_engine_is_counted_once(model_files):  # noqa: F811
+    with server(model_files, engine={"max_prompt_bytes": 1 << 18}) as srv, Client(srv.target) as c:
+        engine = srv.server.engine
+        engine.tokenizer = blocker = BlockingEncode(engine.tokenizer)
+        call = c.generate_stream("x" * (1 << 17), max_new_tokens=3)  # large: validated in a worker thread
+        assert blocker.entered.wait(10)
+        call.cancel()
+        end = time.monotonic() + 10
+        while sample_value(scrape(srv), "sharp_requests", "sharp_requests_total", status="cancelled") != 1:
+            assert time.monotonic() < end, "the cancelled call was never counted"
+            time.sleep(0.02)
+        blocker.release.set()  # validation finishes after the cancel: nothing more may be counted or submitted
+        time.sleep(0.2)
+        assert engine.idle()
+        m = scrape(srv)
+    counted = {s.labels["status"]: s.value for s in m["sharp_requests"].samples if s.name == "sharp_requests_total"}
+    assert counted.pop("cancelled") == 1
+    assert set(counted.values()) == {0}, counted
 
 
 def test_a_tiny_temperature_samples_greedily(model_files, reference):  # noqa: F811
