@@ -244,13 +244,37 @@ def _reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
+class Health(HealthServicer):
+    """grpcio-health-checking's servicer plus Health/List, which the library leaves unimplemented."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.statuses = {"": health_pb2.HealthCheckResponse.SERVING}
+        self.shutting_down = False
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
+        await super().set(service, status)
+        if not self.shutting_down:  # after a graceful shutdown began, the library ignores changes too
+            self.statuses[service] = status
+
+    async def enter_graceful_shutdown(self) -> None:
+        self.shutting_down = True
+        self.statuses = dict.fromkeys(self.statuses, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await super().enter_graceful_shutdown()
+
+    async def List(self, request, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(
+            statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in self.statuses.items()}
+        )
+
+
 class SharpServer:
     """The engine behind a grpc.aio server and a metrics endpoint; `drain` is what SIGTERM does."""
 
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine, self.config = engine, config
         self.service = GeneratorService(engine)
-        self.health = HealthServicer()
+        self.health = Health()
         self.server: grpc.aio.Server | None = None
         self.port = self.metrics_port = None
         self._metrics_http = None

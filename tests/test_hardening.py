@@ -18,6 +18,7 @@ from contextlib import contextmanager
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -387,6 +388,9 @@ def test_protocol_surface(model_files):  # noqa: F811
         listed = {s.name for s in ask(list_services="").list_services_response.service}
         assert listed == {"sharp.v1.Generator", "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
         assert ask(file_containing_symbol="sharp.v1.Generator").HasField("file_descriptor_response")
+        health = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert {k: v.status for k, v in health.statuses.items()} == {"": serving, "sharp.v1.Generator": serving}
         assert ask(file_containing_symbol="onnx.ModelProto").HasField("error_response")  # not every proto in process
         raw = channel.unary_unary("/sharp.v1.Generator/Generate", request_serializer=None, response_deserializer=None)
         with pytest.raises(grpc.RpcError) as err:

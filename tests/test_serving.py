@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from sharp.exporter.export import ExportSettings, export_model
@@ -361,6 +362,8 @@ def test_drain_in_process_health_and_unavailable(model_files):
         while c.health() == "SERVING" and time.time() < deadline:
             time.sleep(0.01)
         assert c.health("sharp.v1.Generator") == "NOT_SERVING"
+        listed = c.health_stub.List(health_pb2.HealthListRequest(), timeout=10).statuses
+        assert {v.status for v in listed.values()} == {health_pb2.HealthCheckResponse.NOT_SERVING} and len(listed) == 2
         with pytest.raises(grpc.RpcError) as err:
             c.generate("new", max_new_tokens=2)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
