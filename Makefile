@@ -12,7 +12,9 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) | $(BIN)/python
+NATIVE_SOURCES := $(wildcard plugins/onnxruntime/*.cc plugins/onnxruntime/*.h) plugins/onnxruntime/build.py
+
+$(STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) $(NATIVE_SOURCES) | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[dev,kernels]'
 	touch $(STAMP)

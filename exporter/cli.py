@@ -22,6 +22,7 @@ import torch
 from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load
 from sharp.models.lm import SharpLM
+from sharp.plugins.onnxruntime import choose_library
 
 TOLERANCE = 1e-4
 # Parameters an inference-time norm change needs from the command line (the model never learned them).
@@ -66,19 +67,22 @@ def _check_output(model: Path, out: Path) -> None:
         raise UsageError(f"cannot write {out}: {out.parent} is not a writable directory")
 
 
-def _session(path: Path):
+def _session(path: Path, library: str | None):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    if library:
+        opts.register_custom_ops_library(library)
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def verify(path: Path, model: SharpLM, kv_cache: bool) -> list[tuple[str, float, float]]:
-    """Run the file against PyTorch: prefill at two lengths other than the traced 5, then decode on a cache."""
+def verify(path: Path, model: SharpLM, kv_cache: bool, library: str | None = None) -> list[tuple[str, float, float]]:
+    """Run the file against PyTorch (with the op `library` registered, if any): prefill at two lengths other than
+    the traced 5, then decode on a cache."""
     from sharp.exporter.export import io_names
 
-    sess = _session(path)
+    sess = _session(path, library)
     names, _ = io_names(model.cfg.layers, kv_cache)
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -143,6 +147,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-size", type=int, default=256, help="keys per Loop iteration of --fallback streamed")
     ap.add_argument("--no-kv-cache", dest="kv_cache", action="store_false")
     ap.add_argument("--no-check", dest="check", action="store_false")
+    ap.add_argument(
+        "--no-native",
+        dest="native",
+        action="store_false",
+        help="check with the file's fallback bodies, not sharp's native onnxruntime kernel",
+    )
     ap.add_argument("--poly", type=float, nargs="+", help="adaptive polynomial, highest power first")
     for param in CHANGE_PARAMS:
         users = ", ".join(n.name for n in registry.all_norms() if param in n.change_requires)
@@ -212,10 +222,11 @@ def _export(args) -> int:
     if not args.check:
         return 0
     onnx.checker.check_model(str(out), full_check=True)
-    if args.fallback == "none":
-        print("check: onnx.checker passed; not run (no fallback body: needs a sharp plugin)")
+    library, attention = choose_library(args.native)
+    if args.fallback == "none" and library is None:
+        print(f"check: onnx.checker passed; not run (no fallback body and no kernel; {attention})")
         return 0
-    rows = verify(out, model, args.kv_cache)
+    rows = verify(out, model, args.kv_cache, library)
     print(f"{'check':<22}{'max |Δ logits|':>16}{'max |Δ entropy|':>17}")
     for name, dl, de in rows:
         print(f"{name:<22}{dl:>16.2e}{de:>17.2e}")
@@ -223,7 +234,7 @@ def _export(args) -> int:
     if not worst <= TOLERANCE:  # NaN fails too
         print(f"check FAILED: {worst:.2e} > {TOLERANCE:.0e}", file=sys.stderr)
         return 1
-    print(f"check passed (tolerance {TOLERANCE:.0e}, onnxruntime CPU without plugins)")
+    print(f"check passed (tolerance {TOLERANCE:.0e}, onnxruntime CPU; {attention})")
     return 0
 
 

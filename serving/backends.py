@@ -8,7 +8,7 @@ attention entropy (B, layers, heads, L) from the attention itself.
 
 from __future__ import annotations
 
-import os
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +21,9 @@ from sharp.exporter import metadata
 from sharp.exporter.metadata import LayerAttention, ModelMetadata
 from sharp.models.config import ModelConfig
 from sharp.models.tokenizer import ByteTokenizer
+from sharp.plugins.onnxruntime import choose_library
+
+log = logging.getLogger("sharp.serving")
 
 BACKENDS = ("onnxruntime", "torch")
 
@@ -106,7 +109,9 @@ class Backend(ABC):
 class OnnxRuntimeBackend(Backend):
     """A file written by `sharp-export` with a KV cache, run by onnxruntime (CPU; CUDA when available)."""
 
-    def __init__(self, path: Path, device: str = "cpu", op_library: str | None = None, threads: int = 0):
+    def __init__(
+        self, path: Path, device: str = "cpu", op_library: str | None = None, threads: int = 0, native: bool = True
+    ):
         import onnx
         import onnxruntime as ort
 
@@ -125,7 +130,8 @@ class OnnxRuntimeBackend(Backend):
             raise BackendError(f"{path}: exported without a KV cache; re-export without --no-kv-cache to serve it")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        op_library = op_library or os.environ.get("SHARP_ORT_OP_LIBRARY")
+        op_library, self.attention = choose_library(native, op_library)
+        log.info("%s", self.attention)
         if op_library:  # a native sharp::SharpAttention kernel replaces the standard-op fallback bodies
             options.register_custom_ops_library(op_library)
         providers = ["CPUExecutionProvider"]
@@ -133,7 +139,10 @@ class OnnxRuntimeBackend(Backend):
             if "CUDAExecutionProvider" not in ort.get_available_providers():
                 raise BackendError("--device cuda needs onnxruntime-gpu (pip install 'sharp-attention[gpu]')")
             providers.insert(0, "CUDAExecutionProvider")
-        self.session = ort.InferenceSession(str(path), options, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as e:  # e.g. a --fallback none file without a kernel: say which attention was chosen
+            raise BackendError(f"{path}: onnxruntime cannot load it ({self.attention}): {e}") from None
         self.device = torch.device("cpu")  # inputs and outputs travel as host arrays
         self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]

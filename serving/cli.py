@@ -93,7 +93,14 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
     ap.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
     ap.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
-    ap.add_argument("--ort-op-library", help="a native sharp::SharpAttention library for onnxruntime")
+    ap.add_argument(
+        "--native",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run attention with sharp's native onnxruntime kernel when it is built (--no-native: the file's "
+        "fallback bodies, for comparison)",
+    )
+    ap.add_argument("--ort-op-library", help="another sharp::SharpAttention library for onnxruntime (overrides)")
     ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: all cores)")
     return ap
 
@@ -134,7 +141,11 @@ def build_server(args):
         config.check()
     except ValueError as e:
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
-    kw = {"op_library": args.ort_op_library, "threads": args.threads} if args.backend == "onnxruntime" else {}
+    kw = (
+        {"op_library": args.ort_op_library, "threads": args.threads, "native": args.native}
+        if args.backend == "onnxruntime"
+        else {}
+    )
     backend = load_backend(args.model, args.backend, args.device, **kw)
     engine = Engine(backend, config, ServingMetrics(backend.spec, entropy=args.entropy_metrics))
     server = ServerConfig(

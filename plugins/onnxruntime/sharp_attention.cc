@@ -1,0 +1,589 @@
+// sharp::SharpAttention (opset 1) for ONNX Runtime's CPU execution provider, per docs/op.md.
+//
+// Work is split into tasks of (batch, query head, query tile). A task computes its tile's logits against every
+// key it can see with one GEMM (Eigen), normalises each row in place (softmax family: max-relative softmax and
+// entropy; entmax family: safeguarded Halley/Newton threshold, as in docs/attention.md), then multiplies by V
+// with GEMMs over the key blocks that carry weight. Extra memory is one (tile × visible keys) buffer per thread:
+// O(L · tile), never O(Lq · Lk). Tasks run on ORT's intra-op thread pool and write disjoint outputs, so results
+// do not depend on the thread count.
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace sharp {
+
+enum class Family { kSoftmax, kEntmax };
+enum class Transform { kIdentity, kLogNScale, kSignedLog, kEntropyBeta, kNone };
+
+struct NormEntry {
+  const char* name;
+  Family family;
+  Transform transform;
+  bool query_scale;
+  int num_params;
+  const char* params[2];
+};
+
+#include "norm_table.h"
+
+// The op's input slots (docs/op.md), in order.
+enum Slot { kQ, kK, kV, kKeyMask, kAlibi, kAlpha, kQueryScale, kSsaN, kSsaB, kSsmaxS, kNumSlots };
+constexpr const char* kSlotNames[kNumSlots] = {"Q",     "K",           "V",     "key_mask", "alibi_slopes",
+                                               "alpha", "query_scale", "ssa_n", "ssa_b",    "ssmax_s"};
+constexpr int64_t kQueryTile = 64;  // query rows per task
+constexpr int64_t kKeyBlock = 64;   // keys per P·V GEMM when entmax skips blocks without support
+constexpr int kMaxThresholdPasses = 100;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using ConstMatrix = Eigen::Map<const RowMajor>;
+using Matrix = Eigen::Map<RowMajor>;
+using StridedMatrix = Eigen::Map<RowMajor, Eigen::Aligned64, Eigen::OuterStride<>>;
+using AlignedFloats = std::vector<float, Eigen::aligned_allocator<float>>;
+constexpr int64_t kAlign = 16;  // floats: every logits row starts on a 64-byte boundary, in every thread, so
+                                // vectorised reductions split rows identically whatever thread runs the tile
+using Row = Eigen::Map<Eigen::ArrayXf>;
+
+struct Error : std::runtime_error {
+  OrtErrorCode code;
+  Error(OrtErrorCode c, const std::string& m) : std::runtime_error(m), code(c) {}
+};
+
+[[noreturn]] void invalid(const std::string& message) { throw Error(ORT_INVALID_ARGUMENT, "SharpAttention: " + message); }
+
+void check(OrtStatus* status) {
+  if (status == nullptr) return;
+  const OrtApi& api = Ort::GetApi();
+  std::string message = api.GetErrorMessage(status);
+  OrtErrorCode code = api.GetErrorCode(status);
+  api.ReleaseStatus(status);
+  throw Error(code, message);
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+// ---- attributes ----------------------------------------------------------------------------------------------
+
+struct Attributes {
+  const NormEntry* norm = nullptr;
+  bool causal = true;
+  float scale = 1.0f;
+  int64_t q_heads = 0, kv_heads = 0;
+  std::vector<float> poly;
+  float threshold = 0.5f;
+  int param_slot[2] = {-1, -1};
+};
+
+template <typename T>
+bool optional_attribute(const OrtKernelInfo* info, const char* name, T* out) {
+  const OrtApi& api = Ort::GetApi();
+  OrtStatus* status;
+  if constexpr (std::is_same_v<T, float>) {
+    status = api.KernelInfoGetAttribute_float(info, name, out);
+  } else {
+    status = api.KernelInfoGetAttribute_int64(info, name, out);
+  }
+  if (status != nullptr) {
+    api.ReleaseStatus(status);
+    return false;
+  }
+  return true;
+}
+
+Attributes read_attributes(const OrtKernelInfo* info) {
+  Ort::ConstKernelInfo ki(info);
+  Attributes a;
+  std::string norm;
+  try {
+    norm = ki.GetAttribute<std::string>("norm");
+  } catch (const Ort::Exception&) {
+    invalid("the node has no 'norm' attribute");
+  }
+  for (const NormEntry& e : kNorms)
+    if (norm == e.name) a.norm = &e;
+  if (a.norm == nullptr) {
+    std::string known;
+    for (const NormEntry& e : kNorms) known += std::string(known.empty() ? "" : ", ") + e.name;
+    invalid("unknown norm '" + norm + "'; this library implements " + known);
+  }
+  int64_t causal = 1;
+  optional_attribute(info, "causal", &causal);
+  a.causal = causal != 0;
+  if (!optional_attribute(info, "q_heads", &a.q_heads) || !optional_attribute(info, "kv_heads", &a.kv_heads))
+    invalid("the node needs integer attributes q_heads and kv_heads");
+  if (a.q_heads < 1 || a.kv_heads < 1 || a.q_heads % a.kv_heads != 0)
+    invalid("q_heads " + std::to_string(a.q_heads) + " must be a positive multiple of kv_heads " +
+            std::to_string(a.kv_heads));
+  a.scale = std::numeric_limits<float>::quiet_NaN();
+  optional_attribute(info, "scale", &a.scale);  // absent: 1/sqrt(D), resolved at the first run
+  optional_attribute(info, "threshold", &a.threshold);
+  if (a.norm->transform == Transform::kEntropyBeta) {
+    try {
+      a.poly = ki.GetAttributes<float>("poly");
+    } catch (const Ort::Exception&) {
+      invalid("norm '" + norm + "' needs the 'poly' attribute");
+    }
+    if (a.poly.empty()) invalid("norm '" + norm + "' needs a non-empty 'poly' attribute");
+  }
+  for (int p = 0; p < a.norm->num_params; ++p) {
+    for (int s = 0; s < kNumSlots; ++s)
+      if (std::strcmp(kSlotNames[s], a.norm->params[p]) == 0) a.param_slot[p] = s;
+    if (a.param_slot[p] < 0) invalid(std::string("no input slot named ") + a.norm->params[p]);
+  }
+  return a;
+}
+
+// ---- inputs --------------------------------------------------------------------------------------------------
+
+struct Tensor {
+  const void* data = nullptr;
+  std::vector<int64_t> shape;
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  bool given = false;  // false: the slot is omitted (empty name, or past the node's inputs)
+  bool present() const { return given; }
+  const float* f() const { return static_cast<const float*>(data); }
+};
+
+Tensor input(OrtKernelContext* ctx, size_t count, int slot) {
+  Tensor t;
+  if (static_cast<size_t>(slot) >= count) return t;
+  const OrtApi& api = Ort::GetApi();
+  const OrtValue* value = nullptr;
+  check(api.KernelContext_GetInput(ctx, slot, &value));
+  if (value == nullptr) return t;
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(api.GetTensorTypeAndShape(value, &info));
+  size_t rank = 0;
+  OrtStatus* status = api.GetDimensionsCount(info, &rank);
+  if (status == nullptr) {
+    t.shape.resize(rank);
+    status = api.GetDimensions(info, t.shape.data(), rank);
+  }
+  if (status == nullptr) status = api.GetTensorElementType(info, &t.type);
+  api.ReleaseTensorTypeAndShapeInfo(info);
+  check(status);
+  void* data = nullptr;
+  check(api.GetTensorMutableData(const_cast<OrtValue*>(value), &data));  // read only
+  t.data = data;
+  t.given = true;
+  return t;
+}
+
+void expect_shape(const Tensor& t, int slot, const std::vector<int64_t>& want) {
+  if (t.shape != want)
+    invalid(std::string("input ") + kSlotNames[slot] + " has shape " + shape_string(t.shape) + ", expected " +
+            shape_string(want));
+}
+
+// ---- one problem ---------------------------------------------------------------------------------------------
+
+struct Problem {
+  const Attributes* a;
+  const float *q, *k, *v, *alibi, *query_scale;
+  const bool* key_mask;
+  const char* mask_full;  // per batch row: key_mask is all true (the common case: no padding)
+  const float* param[2];
+  int64_t batch, hq, hkv, lq, lk, d, dv, tiles;
+  float scale;
+  float *out, *entropy;
+};
+
+struct Workspace {  // one per thread, grown on demand and reused (no allocation per tile once warm)
+  AlignedFloats logits, shifted, copy;
+  AlignedFloats candidates, powers;
+  std::vector<double> row_sum;
+  std::vector<char> live_block;
+};
+thread_local Workspace tls_workspace;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// A row whose max is not finite: −inf (nothing visible) gives zeros; +inf or NaN gives NaN (docs/attention.md).
+// Returns the row sum to record, or 1 (a placeholder) when the row is usable.
+bool degenerate_row(Row r, float max, float* entropy, float* sum) {
+  if (std::isfinite(max)) return false;
+  const float fill = max == kNegInf ? 0.0f : kNaN;
+  r.setConstant(fill);
+  *entropy = fill;
+  *sum = fill;
+  return true;
+}
+
+// Softmax of row t[0, n) in place (masked entries −inf): weights e^{t−m}; returns Λ = Σ e^{t−m} and writes the
+// max-relative entropy log Λ − K'/Λ, K' = Σ e^{t−m} (t − m). `tmp` holds n floats.
+float softmax_row(float* t, int64_t n, float* entropy, float* tmp) {
+  Row r(t, n), shifted(tmp, n);
+  float lam;
+  if (degenerate_row(r, r.maxCoeff(), entropy, &lam)) return lam;
+  shifted = r - r.maxCoeff();
+  r = (shifted > kNegInf).select(shifted.exp(), 0.0f);
+  lam = r.sum();
+  const float kp = (r > 0.0f).select(r * shifted, 0.0f).sum();
+  *entropy = std::log(lam) - kp / lam;
+  return lam;
+}
+
+// β(H) of the adaptive norm: max(poly(H), 1) above the threshold, else 1 (poly highest power first).
+float adaptive_beta(const Attributes& a, float h) {
+  if (!(h > a.threshold)) return 1.0f;
+  float acc = 0.0f;
+  for (float c : a.poly) acc = acc * h + c;
+  return std::max(acc, 1.0f);
+}
+
+// α-entmax of row z[0, n) in place, α = 1 + am1: weights p = [u − τ]_+^{1/(α−1)} with u = (α−1) z, unnormalised;
+// returns Z = Σ p and writes the entropy log Z − Σ p log p / Z. τ by safeguarded Halley (α ≤ 1.5) or Newton steps
+// on S(τ) = Σ [u − τ]_+^{1/(α−1)} − 1 inside the bracket [−1, −n^{1−α}] (the row max shifted to 0), until the
+// step is below 4 ulp.
+float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) {
+  Row r(z, n);
+  r *= am1;
+  const float umax = r.maxCoeff();
+  float zsum;
+  if (degenerate_row(r, umax, entropy, &zsum)) return zsum;
+  r -= umax;
+  const double inv = 1.0 / am1;
+  // Only u > −1 can ever be in the support (τ ≥ −1): the threshold passes run over those alone.
+  ws.candidates.clear();
+  int64_t visible = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    visible += z[j] > kNegInf;
+    if (z[j] > -1.0f) ws.candidates.push_back(z[j]);
+  }
+  const int64_t m = static_cast<int64_t>(ws.candidates.size());
+  ws.powers.resize(m);
+  Row c(ws.candidates.data(), m), pw(ws.powers.data(), m);
+  const double eps4 = 4.0 * std::numeric_limits<float>::epsilon();
+  double lo = -1.0, hi = -std::pow(static_cast<double>(visible), -static_cast<double>(am1));
+  double tau = lo;
+  for (int pass = 0; pass < kMaxThresholdPasses; ++pass) {
+    const float tf = static_cast<float>(tau);
+    double s, s1, s2 = 0.0;
+    if (inv == 2.0) {  // α = 1.5: d², d, 1
+      pw = (c - tf).max(0.0f);
+      s = pw.square().sum();
+      s1 = pw.sum();
+      s2 = static_cast<double>((pw > 0.0f).count());
+    } else if (inv == 1.0) {  // α = 2: d, 1 (Newton)
+      pw = (c - tf).max(0.0f);
+      s = pw.sum();
+      s1 = static_cast<double>((pw > 0.0f).count());
+    } else {  // d^inv, d^(inv−1) (and d^(inv−2) for Halley) from log d; never d^(inv−2) · d², which overflows
+      pw = (c > tf).select((c - tf).log(), 0.0f);
+      s = (c > tf).select((pw * static_cast<float>(inv)).exp(), 0.0f).sum();
+      s1 = (c > tf).select((pw * static_cast<float>(inv - 1.0)).exp(), 0.0f).sum();
+      if (inv >= 2.0) s2 = (c > tf).select((pw * static_cast<float>(inv - 2.0)).exp(), 0.0f).sum();
+    }
+    const double f = s - 1.0;
+    if (f > 0) {
+      lo = tau;
+    } else {
+      hi = tau;
+    }
+    const double fp = -inv * s1;
+    double step;
+    if (inv >= 2.0) {
+      const double fpp = inv * (inv - 1.0) * s2;
+      step = 2.0 * f * fp / (2.0 * fp * fp - f * fpp);
+    } else {
+      step = f / fp;
+    }
+    double next = tau - step;
+    if (!std::isfinite(next) || next < lo || next > hi) next = 0.5 * (lo + hi);
+    const bool done = std::abs(next - tau) <= eps4 || f == 0.0 || hi - lo <= eps4;
+    tau = next;
+    if (done) break;
+  }
+  const float t = static_cast<float>(tau);
+  r = (r - t).max(0.0f);  // masked: −inf − τ clamps to 0
+  if (inv == 2.0) {
+    r = r.square();
+  } else if (inv != 1.0) {
+    r = (r > 0.0f).select((r.log() * static_cast<float>(inv)).exp(), 0.0f);
+  }
+  zsum = r.sum();
+  const float plogp = (r > 0.0f).select(r * r.log(), 0.0f).sum();
+  *entropy = std::log(zsum) - plogp / zsum;
+  return zsum;
+}
+
+void run_tile(const Problem& p, int64_t task) {
+  const Attributes& a = *p.a;
+  const int64_t tile = task % p.tiles, bh = task / p.tiles, h = bh % p.hq, b = bh / p.hq;
+  const int64_t kvh = h / (p.hq / p.hkv);
+  const int64_t r0 = tile * kQueryTile, r1 = std::min(p.lq, r0 + kQueryTile), rows = r1 - r0;
+  const int64_t offset = p.lk - p.lq;  // query row i sits at position offset + i
+  const int64_t kend = a.causal ? std::min(p.lk, offset + r1) : p.lk;
+  float* out = p.out + (bh * p.lq + r0) * p.dv;
+  float* ent = p.entropy + bh * p.lq + r0;
+  if (kend == 0) {
+    std::fill(out, out + rows * p.dv, 0.0f);
+    std::fill(ent, ent + rows, 0.0f);
+    return;
+  }
+  Workspace& ws = tls_workspace;
+  const int64_t stride = (kend + kAlign - 1) / kAlign * kAlign;
+  ws.logits.resize(static_cast<size_t>(rows * stride));
+  ws.row_sum.resize(rows);
+  ws.shifted.resize(stride);
+  ws.copy.resize(stride);
+  StridedMatrix s(ws.logits.data(), rows, kend, Eigen::OuterStride<>(stride));
+  ConstMatrix q(p.q + (bh * p.lq + r0) * p.d, rows, p.d);
+  ConstMatrix k(p.k + (b * p.hkv + kvh) * p.lk * p.d, kend, p.d);
+  s.noalias() = q * k.transpose();
+
+  // Per-head parameters; entmax with α = 1 is softmax.
+  const float p0 = a.norm->num_params > 0 ? p.param[0][h] : 0.0f;
+  const float p1 = a.norm->num_params > 1 ? p.param[1][h] : 0.0f;
+  const bool entmax = a.norm->family == Family::kEntmax && p0 != 1.0f;
+  const float slope = p.alibi ? p.alibi[h] : 0.0f;
+  const bool* mask = p.key_mask ? p.key_mask + b * p.lk : nullptr;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t pos = offset + r0 + i;
+    const int64_t n = a.causal ? pos + 1 : p.lk;  // keys [0, n) may be visible
+    const float lambda = p.query_scale ? p.query_scale[bh * p.lq + r0 + i] : 1.0f;
+    float* z = ws.logits.data() + i * stride;
+    Row zr(z, kend);
+    if (slope != 0.0f) {
+      zr = lambda * (p.scale * zr + slope * (Eigen::ArrayXf::LinSpaced(kend, 0, kend - 1) - float(pos)));
+    } else {
+      zr *= p.scale * lambda;
+    }
+    int64_t visible = n;
+    std::fill(z + n, z + kend, kNegInf);  // causally hidden
+    if (mask != nullptr && !p.mask_full[b]) {
+      for (int64_t j = 0; j < n; ++j) {
+        if (!mask[j]) {
+          z[j] = kNegInf;
+          --visible;
+        }
+      }
+    }
+    float* h_out = ent + i;
+    if (entmax) {
+      ws.row_sum[i] = entmax_row(z, kend, p0 - 1.0f, h_out, ws);
+      continue;
+    }
+    Row t(z, kend);
+    switch (a.norm->transform) {
+      case Transform::kLogNScale: {
+        const float factor = p0 * std::log(static_cast<float>(std::max<int64_t>(visible, 1)));
+        t = (t > kNegInf).select(t * factor, kNegInf);
+        break;
+      }
+      case Transform::kSignedLog:
+        t = (t > kNegInf).select(t.sign() * p0 * (t.abs() * p1 + 1.0f).log(), kNegInf);  // vectorised log(1 + x)
+        break;
+      case Transform::kEntropyBeta: {
+        std::copy(z, z + kend, ws.copy.begin());
+        float h0;
+        softmax_row(ws.copy.data(), kend, &h0, ws.shifted.data());
+        const float beta = adaptive_beta(a, h0);
+        if (beta != 1.0f) t = (t > kNegInf).select(t * beta, kNegInf);
+        break;
+      }
+      case Transform::kIdentity:
+      case Transform::kNone:
+        break;
+    }
+    ws.row_sum[i] = softmax_row(z, kend, h_out, ws.shifted.data());
+  }
+
+  // O = W V / Z over the key blocks that carry weight (softmax: all of them).
+  Matrix o(out, rows, p.dv);
+  const float* vbase = p.v + (b * p.hkv + kvh) * p.lk * p.dv;
+  if (!entmax) {
+    o.noalias() = s * ConstMatrix(vbase, kend, p.dv);
+  } else {
+    o.setZero();
+    const int64_t blocks = (kend + kKeyBlock - 1) / kKeyBlock;
+    ws.live_block.assign(blocks, 0);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* w = ws.logits.data() + i * stride;
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        if (ws.live_block[blk]) continue;
+        const int64_t e = std::min(kend, (blk + 1) * kKeyBlock);
+        for (int64_t j = blk * kKeyBlock; j < e; ++j)
+          if (w[j] != 0.0f) {
+            ws.live_block[blk] = 1;
+            break;
+          }
+      }
+    }
+    for (int64_t blk = 0; blk < blocks;) {  // one GEMM per run of live blocks
+      if (!ws.live_block[blk]) {
+        ++blk;
+        continue;
+      }
+      int64_t end = blk;
+      while (end < blocks && ws.live_block[end]) ++end;
+      const int64_t j0 = blk * kKeyBlock, j1 = std::min(kend, end * kKeyBlock);
+      o.noalias() += s.middleCols(j0, j1 - j0) * ConstMatrix(vbase + j0 * p.dv, j1 - j0, p.dv);
+      blk = end;
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i) {
+    const double z = ws.row_sum[i];
+    if (z > 0) {
+      o.row(i) *= static_cast<float>(1.0 / z);
+    } else if (z == 0) {
+      o.row(i).setZero();
+    } else {
+      o.row(i).setConstant(std::numeric_limits<float>::quiet_NaN());
+    }
+  }
+}
+
+void run_task(void* problem, size_t task) { run_tile(*static_cast<const Problem*>(problem), static_cast<int64_t>(task)); }
+
+// ---- the kernel ----------------------------------------------------------------------------------------------
+
+struct Kernel {
+  Attributes a;
+  explicit Kernel(const OrtKernelInfo* info) : a(read_attributes(info)) {}
+
+  void Compute(OrtKernelContext* ctx) const {
+    const OrtApi& api = Ort::GetApi();
+    size_t count = 0;
+    check(api.KernelContext_GetInputCount(ctx, &count));
+    Tensor t[kNumSlots];
+    for (int s = 0; s < kNumSlots; ++s) t[s] = input(ctx, count, s);
+    for (int s : {kQ, kK, kV})
+      if (t[s].shape.size() != 4 || !t[s].present())
+        invalid(std::string("input ") + kSlotNames[s] + " must have rank 4, got shape " + shape_string(t[s].shape));
+    const int64_t batch = t[kQ].shape[0], hq = t[kQ].shape[1], lq = t[kQ].shape[2], d = t[kQ].shape[3];
+    const int64_t hkv = t[kK].shape[1], lk = t[kK].shape[2], dv = t[kV].shape[3];
+    if (hq != a.q_heads) invalid("Q has " + std::to_string(hq) + " heads, the node says q_heads " + std::to_string(a.q_heads));
+    if (hkv != a.kv_heads)
+      invalid("K has " + std::to_string(hkv) + " heads, the node says kv_heads " + std::to_string(a.kv_heads));
+    expect_shape(t[kK], kK, {batch, hkv, lk, d});
+    expect_shape(t[kV], kV, {batch, hkv, lk, dv});
+    if (lq > lk) invalid("Q has " + std::to_string(lq) + " rows but K only " + std::to_string(lk) + " keys (Lq <= Lk)");
+    if (t[kKeyMask].present()) expect_shape(t[kKeyMask], kKeyMask, {batch, lk});
+    if (t[kAlibi].present()) expect_shape(t[kAlibi], kAlibi, {hq});
+    if (a.norm->query_scale) {
+      if (!t[kQueryScale].present()) invalid(std::string("norm '") + a.norm->name + "' needs input query_scale");
+      expect_shape(t[kQueryScale], kQueryScale, {batch, hq, lq});
+    }
+    for (int s : {kQ, kK, kV, kAlibi, kAlpha, kQueryScale, kSsaN, kSsaB, kSsmaxS})
+      if (t[s].present() && t[s].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+        invalid(std::string("input ") + kSlotNames[s] + " must be float32");
+    if (t[kKeyMask].present() && t[kKeyMask].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL)
+      invalid("input key_mask must be bool");
+    Problem p{};
+    p.a = &a;
+    for (int i = 0; i < a.norm->num_params; ++i) {
+      const Tensor& param = t[a.param_slot[i]];
+      if (!param.present()) invalid(std::string("norm '") + a.norm->name + "' needs input " + a.norm->params[i]);
+      expect_shape(param, a.param_slot[i], {hq});
+      p.param[i] = param.f();
+    }
+    p.q = t[kQ].f(), p.k = t[kK].f(), p.v = t[kV].f();
+    p.alibi = t[kAlibi].present() ? t[kAlibi].f() : nullptr;
+    // λ is read only by norms that take it (the registry's query_scale flag), as the fallback bodies do.
+    p.query_scale = a.norm->query_scale ? t[kQueryScale].f() : nullptr;
+    p.key_mask = t[kKeyMask].present() ? static_cast<const bool*>(t[kKeyMask].data) : nullptr;
+    std::vector<char> mask_full(batch, 1);
+    if (p.key_mask != nullptr)
+      for (int64_t bi = 0; bi < batch; ++bi) mask_full[bi] = std::all_of(p.key_mask + bi * lk, p.key_mask + (bi + 1) * lk, [](bool x) { return x; });
+    p.mask_full = mask_full.data();
+    p.batch = batch, p.hq = hq, p.hkv = hkv, p.lq = lq, p.lk = lk, p.d = d, p.dv = dv;
+    p.scale = std::isnan(a.scale) ? 1.0f / std::sqrt(static_cast<float>(d)) : a.scale;
+    p.tiles = (lq + kQueryTile - 1) / kQueryTile;
+
+    const int64_t out_shape[4] = {batch, hq, lq, dv};
+    OrtValue* o = nullptr;
+    check(api.KernelContext_GetOutput(ctx, 0, out_shape, 4, &o));
+    check(api.GetTensorMutableData(o, reinterpret_cast<void**>(&p.out)));
+    size_t outputs = 0;
+    check(api.KernelContext_GetOutputCount(ctx, &outputs));
+    std::vector<float> discard;
+    if (outputs > 1) {
+      OrtValue* e = nullptr;
+      check(api.KernelContext_GetOutput(ctx, 1, out_shape, 3, &e));
+      if (e != nullptr) check(api.GetTensorMutableData(e, reinterpret_cast<void**>(&p.entropy)));
+    }
+    if (p.entropy == nullptr) {
+      discard.resize(static_cast<size_t>(batch * hq * lq));
+      p.entropy = discard.data();
+    }
+    const size_t tasks = static_cast<size_t>(batch * hq * p.tiles);
+    if (tasks == 0) return;
+    if (tasks == 1) {
+      run_task(&p, 0);
+    } else {
+      check(api.KernelContext_ParallelFor(ctx, run_task, tasks, 0, &p));
+    }
+  }
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* ctx) const {
+    try {
+      Compute(ctx);
+      return nullptr;
+    } catch (const Error& e) {
+      return Ort::GetApi().CreateStatus(e.code, e.what());
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string("SharpAttention: ") + e.what()).c_str());
+    }
+  }
+};
+
+struct Op : Ort::CustomOpBase<Op, Kernel, true> {
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new Kernel(info);
+      return nullptr;
+    } catch (const Error& e) {
+      return api.CreateStatus(e.code, e.what());
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_FAIL, e.what());
+    }
+  }
+  const char* GetName() const { return "SharpAttention"; }
+  size_t GetInputTypeCount() const { return kNumSlots; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == kKeyMask ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i <= kV ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
+    return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
+  }
+};
+
+}  // namespace sharp
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                              const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) return nullptr;  // an ORT older than these headers: cannot even report an error
+  Ort::InitApi(api);
+  static sharp::Op op;
+  static std::once_flag once;
+  static OrtCustomOpDomain* domain = nullptr;
+  static OrtStatus* failed = nullptr;
+  std::call_once(once, [&] {
+    failed = api->CreateCustomOpDomain("sharp", &domain);
+    if (failed == nullptr) failed = api->CustomOpDomain_Add(domain, &op);
+  });
+  if (failed != nullptr) return api->CreateStatus(api->GetErrorCode(failed), api->GetErrorMessage(failed));
+  return api->AddCustomOpDomain(options, domain);
+}
