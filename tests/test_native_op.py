@@ -8,11 +8,13 @@ where a missing library is a failure.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -20,16 +22,23 @@ from onnx import TensorProto, helper
 from test_serving import model_files, reference  # noqa: F401  (fixtures)
 
 from sharp.exporter import fallback
+from sharp.exporter.export import ExportSettings, export_model
 from sharp.exporter.op_schema import OP_INPUTS
-from sharp.models import attend, registry
+from sharp.models import attend, load, registry
+from sharp.models.tokenizer import ByteTokenizer
 from sharp.models.normalizers import PAPER_POLY
 from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path, norm_table
+from sharp.serving import BackgroundServer, Client, Engine, EngineConfig, ServerConfig, ServingMetrics, load_backend
+from sharp.serving.backends import BackendError
+
+Tokenizer = ByteTokenizer()
 
 
 @pytest.fixture(scope="module")
 def library() -> str:
+    """The built library, or $SHARP_ORT_OP_LIBRARY (e.g. a sanitizer build: build.py --sanitize)."""
     try:
-        return library_path()
+        return os.environ.get("SHARP_ORT_OP_LIBRARY") or library_path()
     except NativeOpUnavailable as e:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must build the native op: {e}")
@@ -263,3 +272,26 @@ def test_bad_attributes_fail_at_load(library):
         session(one_op_model("nope", True, None), library)
     with pytest.raises(Exception, match="q_heads 4 must be a positive multiple of kv_heads 3"):
         session(one_op_model("softmax", True, None, kv_heads=3), library)
+
+
+def _served_tokens(path: Path, prompts: list[str], n: int, **backend) -> list[list[int]]:
+    be = load_backend(path, **backend)
+    engine = Engine(be, EngineConfig(), ServingMetrics(be.spec, entropy="head"))
+    with BackgroundServer(engine, ServerConfig(port=0, metrics_port=None)) as srv, Client(srv.target) as c:
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: batched decode with left padding
+            calls = [pool.submit(c.generate, p, max_new_tokens=n, temperature=0) for p in prompts]
+            return [list(f.result().token_ids) for f in calls]
+
+
+def test_a_fallback_none_file_is_served_end_to_end(library, model_files, reference, tmp_path, monkeypatch):  # noqa: F811
+    """A file with no fallback body runs only through the kernel: sharp-serve's greedy tokens equal the PyTorch
+    model's, as do those of the same model's dense-fallback file served with --no-native."""
+    bare = tmp_path / "bare.onnx"
+    onnx.save(export_model(load(model_files["torch"]), ExportSettings(norm="ssa", fallback="none")), bare)
+    prompts = ["the kernel", "a longer prompt for the batch", "x"]
+    want = [reference(Tokenizer.encode(p), 24) for p in prompts]
+    assert _served_tokens(bare, prompts, 24) == want
+    assert _served_tokens(model_files["onnxruntime"], prompts, 24, native=False) == want
+    monkeypatch.delenv("SHARP_ORT_OP_LIBRARY", raising=False)
+    with pytest.raises(BackendError, match="native kernel switched off"):
+        load_backend(bare, native=False)
