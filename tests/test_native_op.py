@@ -25,8 +25,8 @@ from sharp.exporter import fallback
 from sharp.exporter.export import ExportSettings, export_model
 from sharp.exporter.op_schema import OP_INPUTS
 from sharp.models import attend, load, registry
-from sharp.models.tokenizer import ByteTokenizer
 from sharp.models.normalizers import PAPER_POLY
+from sharp.models.tokenizer import ByteTokenizer
 from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path, norm_table
 from sharp.serving import BackgroundServer, Client, Engine, EngineConfig, ServerConfig, ServingMetrics, load_backend
 from sharp.serving.backends import BackendError
@@ -277,10 +277,13 @@ def test_bad_attributes_fail_at_load(library):
 def _served_tokens(path: Path, prompts: list[str], n: int, **backend) -> list[list[int]]:
     be = load_backend(path, **backend)
     engine = Engine(be, EngineConfig(), ServingMetrics(be.spec, entropy="head"))
-    with BackgroundServer(engine, ServerConfig(port=0, metrics_port=None)) as srv, Client(srv.target) as c:
-        with cf.ThreadPoolExecutor(len(prompts)) as pool:  # concurrent: batched decode with left padding
-            calls = [pool.submit(c.generate, p, max_new_tokens=n, temperature=0) for p in prompts]
-            return [list(f.result().token_ids) for f in calls]
+    with (
+        BackgroundServer(engine, ServerConfig(port=0, metrics_port=None)) as srv,
+        Client(srv.target) as c,
+        cf.ThreadPoolExecutor(len(prompts)) as pool,  # concurrent: batched decode with left padding
+    ):
+        calls = [pool.submit(c.generate, p, max_new_tokens=n, temperature=0) for p in prompts]
+        return [list(f.result().token_ids) for f in calls]
 
 
 def test_a_fallback_none_file_is_served_end_to_end(library, model_files, reference, tmp_path, monkeypatch):  # noqa: F811
