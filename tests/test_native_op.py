@@ -298,3 +298,15 @@ def test_a_fallback_none_file_is_served_end_to_end(library, model_files, referen
     monkeypatch.delenv("SHARP_ORT_OP_LIBRARY", raising=False)
     with pytest.raises(BackendError, match="native kernel switched off"):
         load_backend(bare, native=False)
+
+
+def test_adaptive_reads_the_threshold_attribute(library):
+    """With the default polynomial β = 1 below H ≈ 0.85 anyway, so the threshold is tested at 1.5: the kernel
+    must agree with the body given the same attribute, and differ from the default."""
+    x = inputs(seed=9)
+    o_nat, h_nat = session(one_op_model("adaptive", True, None, threshold=1.5), library).run(None, x)
+    o_body, h_body = session(one_op_model("adaptive", True, "dense", threshold=1.5), None).run(None, x)
+    np.testing.assert_allclose(o_nat, o_body, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(h_nat, h_body, atol=2e-5, rtol=0)
+    o_default, _ = session(one_op_model("adaptive", True, None), library).run(None, x)
+    assert np.abs(o_default - o_nat).max() > 1e-2
