@@ -2,8 +2,10 @@
 streamed with 256-key blocks), against the same softmax model exported through torch's own SDPA (an
 opset-23 `Attention` node) — all in one run.
 
-Prefill at several lengths (batch 1) and per-token decode on a past cache; medians of repeated runs after a
-warm-up. The demo models (models/zoo) are used when present; entmax / asentmax use random weights of the
+Each norm also runs through sharp's native kernel library (its `--fallback none` file with the library
+registered). Prefill at several lengths (batch 1) and per-token decode on a past cache; medians of repeated runs
+after a warm-up. Peak memory of a long native prefill (--memory-lengths) is measured in fresh processes.
+The demo models (models/zoo) are used when present; entmax / asentmax use random weights of the
 same architecture (latency does not depend on training). A case whose first run exceeds --time-cap is
 reported as such instead of being repeated.
 """
@@ -11,7 +13,9 @@ reported as such instead of being repeated.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import tempfile
 import time
 import types
@@ -23,13 +27,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from sharp.benchmarks.harness import machine, markdown_table, today, write_section
+from sharp.benchmarks.harness import machine, markdown_table, measure, run_isolated, today, write_section
 from sharp.exporter.export import ExportSettings, GenerationGraph, export_model, io_names, with_norm
 from sharp.models.checkpoint import load, zoo_dir, zoo_model
 from sharp.models.config import ModelConfig
 from sharp.models.layers import SharpAttention, use_custom_op
 from sharp.models.lm import SharpLM
 from sharp.models.positional import apply_rope, rope_angles
+from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
 
 
 def _sdpa_forward(self: SharpAttention, x, positions, cache=None, key_mask=None, impl="reference"):
@@ -83,13 +88,27 @@ def export_sdpa_baseline(model: SharpLM, path: Path) -> Path:
     return path
 
 
-def _session(path: Path, threads: int):
+def _session(path: Path, threads: int, library: str | None = None):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
+    if library:
+        opts.register_custom_ops_library(library)
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+SDPA_MEMORY_MAX = 8192  # onnxruntime's CPU Attention holds (heads, L, L) scores: 16 GiB at 32,768 tokens
+
+
+def memory_case(case: dict) -> dict:
+    """In a fresh process: peak extra resident memory (MiB) of one prefill of case["length"] tokens."""
+    sess = _session(Path(case["path"]), case["threads"], case.get("library"))
+    cfg = types.SimpleNamespace(layers=case["layers"], kv_heads=case["kv_heads"], head_dim=case["head_dim"])
+    feed = _feeds(cfg, case["length"], 0)
+    result = measure(lambda: sess.run(None, feed), 1)
+    return {"peak_mib": result["peak_mib"], "seconds": result["median_s"]}
 
 
 def _feeds(cfg: ModelConfig, new: int, past: int) -> dict[str, np.ndarray]:
@@ -153,8 +172,17 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--time-cap", type=float, default=60.0, help="seconds: longer first runs are not repeated")
     ap.add_argument("--fallbacks", nargs="+", choices=["dense", "streamed"], default=["dense", "streamed"])
+    ap.add_argument("--no-native", dest="native", action="store_false", help="leave out the native kernel rows")
+    ap.add_argument("--memory-lengths", type=int, nargs="*", default=[8192, 32768])
     ap.add_argument("--no-write", dest="write", action="store_false")
     args = ap.parse_args(argv)
+    library = None
+    if args.native:
+        try:
+            library = library_path()
+        except NativeOpUnavailable as e:
+            print(f"sharp-bench export: {e} (--no-native measures the fallbacks alone)", file=sys.stderr)
+            return 1
     models = _models()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,15 +191,19 @@ def run(argv: list[str] | None = None) -> int:
                 models["softmax"][0], Path(tmp) / "sdpa.onnx"
             )
         }
+        libraries: dict[str, str] = {}
         for norm, (model, _) in models.items():
-            for fallback in args.fallbacks:
+            for fallback in [*args.fallbacks, "none"] if library else args.fallbacks:
                 path = Path(tmp) / f"{norm}-{fallback}.onnx"
                 onnx.save(export_model(model, ExportSettings(norm=norm, fallback=fallback)), path)
-                files[f"sharp {norm} ({fallback} fallback)"] = path
+                label = f"sharp {norm} (native kernel)" if fallback == "none" else f"sharp {norm} ({fallback} fallback)"
+                files[label] = path
+                if fallback == "none":
+                    libraries[label] = library
         cfg = models["softmax"][0].cfg
         base: dict[str, float] = {}
         for label, path in tqdm(files.items(), desc="export", unit="file"):
-            sess = _session(path, args.threads)
+            sess = _session(path, args.threads, libraries.get(label))
             cells = []
             for key, feed in [(f"prefill {n}", _feeds(cfg, n, 0)) for n in args.lengths] + [
                 (f"decode @{args.decode_past}", _feeds(cfg, 1, args.decode_past))
@@ -186,6 +218,26 @@ def run(argv: list[str] | None = None) -> int:
                 )
                 cells.append(f"{ms:,.1f}{ratio}" if isinstance(ms, float) else ms)
             rows.append([label, *cells])
+        memory_rows = []
+        sdpa_label = next(iter(files))
+        for label in [sdpa_label, *(f"sharp {norm} (native kernel)" for norm in models)] if library else ():
+            cells = []
+            for n in args.memory_lengths:
+                if label == sdpa_label and n > SDPA_MEMORY_MAX:
+                    cells.append("not run (L × L scores)")
+                    continue
+                case = dict(
+                    path=str(files[label]),
+                    library=libraries.get(label),
+                    threads=args.threads,
+                    length=n,
+                    layers=cfg.layers,
+                    kv_heads=cfg.kv_heads,
+                    head_dim=cfg.head_dim,
+                )
+                r = run_isolated("sharp.benchmarks.export", case)
+                cells.append(r.get("error") or f"{r['peak_mib']:,.0f} MiB ({r['seconds']:.1f} s)")
+            memory_rows.append([label, *cells])
     header = ["file", *(f"prefill {n:,} ms" for n in args.lengths), f"decode @{args.decode_past:,} ms/token"]
     sources = ", ".join(f"{n}: {src}" for n, (_, src) in models.items())
     body = "\n".join(
@@ -199,9 +251,24 @@ def run(argv: list[str] | None = None) -> int:
             f" Models (4 layers, 4 heads, dim 128): {sources}.",
             "",
             markdown_table(header, rows),
+            *(
+                [
+                    "",
+                    "Peak extra resident memory of one prefill (fresh process per cell; the file's KV-cache"
+                    " outputs and logits included, time in brackets):",
+                    "",
+                    markdown_table(["file", *(f"prefill {n:,}" for n in args.memory_lengths)], memory_rows),
+                ]
+                if memory_rows
+                else []
+            ),
         ]
     )
     print(body)
     if args.write:
         write_section("export", body)
     return 0
+
+
+if __name__ == "__main__":  # a memory case, in the fresh process run_isolated starts
+    print(json.dumps(memory_case(json.loads(sys.argv[1]))))

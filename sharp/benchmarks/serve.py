@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import numpy as np
 
 from sharp.benchmarks.harness import machine, markdown_table, today, write_section
 from sharp.models.checkpoint import zoo_model
+from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
 from sharp.serving.backends import load_backend
 from sharp.serving.client import AsyncClient, make_request
 from sharp.serving.engine import Delta, Engine, EngineConfig, Finished
@@ -123,8 +125,8 @@ def _row(name: str, runs: list[Run]) -> list[str]:
     ]
 
 
-def _server(model: Path, max_batch: int, entropy: str) -> BackgroundServer:
-    backend = load_backend(model)
+def _server(model: Path, max_batch: int, entropy: str, native: bool = True) -> BackgroundServer:
+    backend = load_backend(model, native=native)
     engine = Engine(backend, EngineConfig(max_batch=max_batch, max_queue=4096), ServingMetrics(backend.spec, entropy))
     return BackgroundServer(engine, ServerConfig(port=0, metrics_port=None))
 
@@ -133,10 +135,10 @@ def bench(model: Path, args) -> str:
     prompts = _prompts(args.requests, args.prompt_chars)
     rows = []
 
-    def measure(name, max_batch, entropy, scenario, in_process=False):
+    def measure(name, max_batch, entropy, scenario, in_process=False, native=True):
         runs = []
         for _ in range(args.repeats):
-            with _server(model, max_batch, entropy) as srv:
+            with _server(model, max_batch, entropy, native) as srv:
 
                 async def go():
                     if in_process:
@@ -156,6 +158,13 @@ def bench(model: Path, args) -> str:
     c = args.baseline_concurrency
     measure(f"gRPC, closed loop C={c}, --max-batch 1", 1, "head", lambda s: closed_loop(s, prompts, c, n))
     measure(f"in-process engine, C={c}", args.max_batch, "head", lambda s: closed_loop(s, prompts, c, n), True)
+    measure(
+        f"gRPC, closed loop C={c}, --no-native (the file's dense fallback bodies)",
+        args.max_batch,
+        "head",
+        lambda s: closed_loop(s, prompts, c, n),
+        native=False,
+    )
     measure(
         f"gRPC, closed loop C={c}, --entropy-metrics off",
         args.max_batch,
@@ -184,7 +193,8 @@ def bench(model: Path, args) -> str:
             "",
             f"Measured {today()} on {machine()}. Command: `sharp-bench serve --requests {args.requests}"
             f" --new-tokens {n} --repeats {args.repeats}`. Model: models/zoo/ssa.pt exported with sharp-export"
-            " (4 layers × 4 heads, dim 128, SSA, dense fallback), onnxruntime CPU backend; server and load"
+            " (4 layers × 4 heads, dim 128, SSA, dense fallback), onnxruntime CPU backend with sharp's native kernel"
+            " unless stated; server and load"
             " generator in one process (server on its own thread and event loop, the load generator streaming over"
             f" loopback gRPC). {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
             f" tokens each, --max-batch {args.max_batch} unless stated; medians of {args.repeats} runs, each on a"
@@ -210,6 +220,11 @@ def run(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if min(args.requests, args.new_tokens, args.repeats, args.max_batch, *args.concurrency) < 1 or args.rate <= 0:
         ap.error("--requests, --new-tokens, --repeats, --max-batch, --concurrency and --rate must be positive")
+    try:
+        library_path()  # the native-vs-fallback comparison needs the kernel
+    except NativeOpUnavailable as e:
+        print(f"sharp-bench serve: {e}", file=sys.stderr)
+        return 1
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
