@@ -141,6 +141,16 @@ def test_native_matches_reference_and_both_bodies(library, norm, causal):
     assert np.abs(o_nat).max() > 0.1  # a real output, not zeros
 
 
+@pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)
+def test_a_long_prefill_over_many_tiles_and_blocks(library, norm):
+    """600 queries on 600 keys: ten query tiles, ten 64-key blocks, causal, left padding in the second row."""
+    x = inputs(seed=10, lq=600, lk=600)
+    o_ref, h_ref = torch_reference(norm, x, True)
+    o_nat, h_nat = session(one_op_model(norm.name, True, None), library).run(None, x)
+    np.testing.assert_allclose(o_nat, o_ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(h_nat, h_ref, atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("norm", ["entmax", "asentmax"])
 def test_entmax_alpha_one_heads_are_softmax(library, norm):
     x = inputs(seed=1)
