@@ -32,15 +32,18 @@ POISON = 255  # a prompt (of two or more ids) containing this id gets NaN logits
 BREAKS_PREFILL, BREAKS_DECODE = 254, 253  # ... makes the wrapped backend raise in prefill, or in decode
 
 
-class NaNForMarkedRows:
-    """Wraps a real backend; a prompt that contains POISON gets NaN logits."""
+class Wrapped:
+    """A real backend behind a stand-in that changes what its forward does."""
 
     def __init__(self, backend):
         self.inner, self.spec, self.device = backend, backend.spec, backend.device
-        self.marked: set[int] = set()
 
     def empty_past(self, batch):
         return self.inner.empty_past(batch)
+
+
+class NaNForMarkedRows(Wrapped):
+    """Wraps a real backend; a prompt that contains POISON gets NaN logits."""
 
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):
         out = self.inner.forward(input_ids, attention_mask, position_ids, past, entropy)
@@ -50,17 +53,14 @@ class NaNForMarkedRows:
         return out
 
 
-class RaisesForMarkedRows:
+class RaisesForMarkedRows(Wrapped):
     """Wraps a real backend. A prompt holding BREAKS_PREFILL makes its prefill raise; a prompt holding BREAKS_DECODE
     leaves NaN keys in its own cache, and any forward given such a cache raises, as a backend that checks its inputs
     would — so a decode batch holding that row fails as a whole."""
 
     def __init__(self, backend):
-        self.inner, self.spec, self.device = backend, backend.spec, backend.device
+        super().__init__(backend)
         self.batch_failures = 0
-
-    def empty_past(self, batch):
-        return self.inner.empty_past(batch)
 
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):
         if input_ids.shape[1] > 1 and (input_ids == BREAKS_PREFILL).any():
@@ -75,15 +75,9 @@ class RaisesForMarkedRows:
         return out
 
 
-class SlowEndless:
+class SlowEndless(Wrapped):
     """Wraps a real backend: a prefill takes 0.3 s more (a short deadline expires before the first token) and the
     model never emits EOS (a stream runs until it is cancelled, never ending by chance)."""
-
-    def __init__(self, backend):
-        self.inner, self.spec, self.device = backend, backend.spec, backend.device
-
-    def empty_past(self, batch):
-        return self.inner.empty_past(batch)
 
     def forward(self, input_ids, *args):
         if input_ids.shape[1] > 1:

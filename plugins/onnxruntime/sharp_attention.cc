@@ -229,8 +229,9 @@ bool degenerate_row(Row r, float max, float* entropy, float* sum) {
 float softmax_row(float* t, int64_t n, float* entropy, float* tmp) {
   Row r(t, n), shifted(tmp, n);
   float lam;
-  if (degenerate_row(r, r.maxCoeff(), entropy, &lam)) return lam;
-  shifted = r - r.maxCoeff();
+  const float max = r.maxCoeff();
+  if (degenerate_row(r, max, entropy, &lam)) return lam;
+  shifted = r - max;
   r = (shifted > kNegInf).select(shifted.exp(), 0.0f);
   lam = r.sum();
   const float kp = (r > 0.0f).select(r * shifted, 0.0f).sum();
