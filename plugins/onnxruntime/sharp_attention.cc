@@ -9,6 +9,9 @@
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
+// Eigen's default alignment follows -march (32 bytes without AVX-512): fix it at 64 so aligned_allocator and the
+// Aligned64 maps below agree on every CPU.
+#define EIGEN_MAX_ALIGN_BYTES 64
 #include <Eigen/Core>
 
 #include <algorithm>
