@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import ssl
 import sys
 from pathlib import Path
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 
 class UsageError(Exception):
@@ -77,6 +81,12 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
     ap.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0: any free port; -1: off)")
     ap.add_argument("--metrics-host", help="address of the Prometheus endpoint (default: --host)")
+    ap.add_argument(
+        "--health-port",
+        type=int,
+        help="also answer grpc.health.v1 in plaintext on this port (for kubelet probes when --tls-cert is on)",
+    )
+    ap.add_argument("--model-name", help="the model's name in metrics and GetModelInfo (default: the file's stem)")
     ap.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting requests; more get RESOURCE_EXHAUSTED")
     ap.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache budget (padding included)")
@@ -88,7 +98,12 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
     ap.add_argument("--max-stop-length", type=int, default=256, help="characters of one stop string")
-    ap.add_argument("--entropy-metrics", choices=["head", "layer", "off"], default="head")
+    ap.add_argument(
+        "--entropy-metrics",
+        choices=["auto", "head", "layer", "off"],
+        default="auto",
+        help="entropy histogram labels: per head, per layer, off; auto: per head up to 256 (layer, head) pairs",
+    )
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
     ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
     ap.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
@@ -120,6 +135,16 @@ def build_server(args):
         raise UsageError(f"--metrics-port must be in [-1, 65535] (0: any free port, -1: off), got {args.metrics_port}")
     if args.metrics_port == args.port != 0 and (args.metrics_host or args.host) == args.host:
         raise UsageError(f"--metrics-port {args.metrics_port} is the gRPC --port; give the metrics their own port")
+    if args.health_port is not None:
+        if not 0 <= args.health_port <= 65535:
+            raise UsageError(f"--health-port must be in [0, 65535] (0: any free port), got {args.health_port}")
+        if args.health_port != 0 and args.health_port in (args.port, args.metrics_port):
+            raise UsageError(f"--health-port {args.health_port} is taken by --port or --metrics-port; give it its own")
+    if args.model_name is not None and not MODEL_NAME.fullmatch(args.model_name):
+        raise UsageError(
+            f"--model-name {args.model_name!r}: 1-128 characters of letters, digits and ._:/@+- starting with a letter"
+            " or digit"
+        )
     if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
         raise UsageError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout}")
     if args.threads < 0:
@@ -147,12 +172,15 @@ def build_server(args):
         else {}
     )
     backend = load_backend(args.model, args.backend, args.device, **kw)
+    if args.model_name is not None:
+        backend.spec = dataclasses.replace(backend.spec, name=args.model_name)
     engine = Engine(backend, config, ServingMetrics(backend.spec, entropy=args.entropy_metrics))
     server = ServerConfig(
         host=args.host,
         port=args.port,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         metrics_host=args.metrics_host,
+        health_port=args.health_port,
         drain_timeout=args.drain_timeout,
         auth_token=token,
         tls_cert=cert,
@@ -169,6 +197,8 @@ async def _serve(engine, config) -> None:
     spec = engine.spec
     where = config.metrics_host or config.host
     metrics = f", metrics http://{where}:{server.metrics_port}/metrics" if server.metrics_port else ""
+    if server.health_port:
+        metrics += f", plaintext health {config.host}:{server.health_port}"
     print(
         f"sharp-serve: {spec.name} ({spec.backend}, norm {spec.norm}, {spec.layers} layers × {spec.heads} heads)"
         f" on {config.host}:{server.port}{metrics}",

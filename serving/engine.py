@@ -154,6 +154,8 @@ class Engine:
         self.backend, self.config, self.spec = backend, config, backend.spec
         self.tokenizer = self.spec.tokenizer
         self.metrics = metrics or ServingMetrics(self.spec, entropy="off")
+        self.metrics.queue_capacity.set(config.max_queue)
+        self.metrics.max_batch.set(config.max_batch)
         self.budget_bytes = int(config.kv_cache_mb * 2**20)
         self.limits = Limits(
             vocab_size=self.spec.vocab_size,

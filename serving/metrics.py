@@ -3,11 +3,14 @@ per-layer/per-head attention entropy histograms fed by the attention's own entro
 
 The attention histograms are updated once per engine step with NumPy bucket counts for every (position,
 layer, head) of the step, instead of one Python `observe` per value, and exposed through a custom collector;
-`entropy="layer"` aggregates the heads of a layer to bound the cardinality, `"off"` disables them.
+`entropy="layer"` aggregates the heads of a layer to bound the cardinality, `"off"` disables them, and `"auto"`
+(the default) is per head up to HEAD_LABEL_CAP (layer, head) pairs and per layer above. The entropy buckets reach
+ln(context length) of the served model, the entropy of a fully dispersed head at full context.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -18,13 +21,33 @@ from prometheus_client.utils import floatToGoString
 from sharp.serving.backends import ModelSpec
 from sharp.serving.stats import RequestOutcome, StepStats
 
-ENTROPY_MODES = ("head", "layer", "off")
+ENTROPY_MODES = ("auto", "head", "layer", "off")
+# Above this many (layer, head) pairs "auto" labels the entropy histograms by layer only: each pair costs 35-40
+# series (two histograms' buckets, +Inf, _sum and _count), so the cap bounds them near 10K per replica, where a
+# 32-layer × 32-head model labelled by head would make ~38K.
+HEAD_LABEL_CAP = 256
 # Final statuses of a request: ok, cancelled (client cancel, disconnect or deadline), or the gRPC status it got.
 STATUSES = ("ok", "cancelled", "invalid_argument", "out_of_range", "resource_exhausted", "unavailable", "internal")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ENTROPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
+LOW_ENTROPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0)
 NORMALIZED_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def entropy_buckets(context_length: int) -> tuple[float, ...]:
+    """Fine buckets near 0 (sharp heads), then one per nat up to the first integer >= ln(context_length), so a
+    dispersed head at full context still lands in a finite bucket."""
+    top = max(math.ceil(math.log(max(context_length, 2))), 7)
+    return LOW_ENTROPY_BUCKETS + tuple(float(b) for b in range(7, top + 1))
+
+
+def entropy_mode(requested: str, layers: int, heads: int) -> str:
+    """The label granularity `requested` resolves to for a model of this shape."""
+    if requested not in ENTROPY_MODES:
+        raise ValueError(f"entropy metrics must be one of {', '.join(ENTROPY_MODES)}, got {requested!r}")
+    if requested == "auto":
+        return "head" if layers * heads <= HEAD_LABEL_CAP else "layer"
+    return requested
 
 
 class AttentionHistogram:
@@ -79,11 +102,9 @@ class _AttentionCollector:
 class ServingMetrics:
     """Every metric of one served model, in its own registry (several servers can share a process)."""
 
-    def __init__(self, spec: ModelSpec, entropy: str = "head", registry: CollectorRegistry | None = None):
-        if entropy not in ENTROPY_MODES:
-            raise ValueError(f"entropy metrics must be one of {', '.join(ENTROPY_MODES)}, got {entropy!r}")
+    def __init__(self, spec: ModelSpec, entropy: str = "auto", registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        self.entropy = entropy
+        self.entropy = entropy = entropy_mode(entropy, spec.layers, spec.heads)
         model, r = spec.name, self.registry
 
         def hist(name, doc, buckets=LATENCY_BUCKETS):
@@ -107,6 +128,12 @@ class ServingMetrics:
         self.queue_size = Gauge("sharp_queue_size", "Requests waiting for admission.", ["model"], registry=r).labels(
             model
         )
+        self.queue_capacity = Gauge(
+            "sharp_queue_capacity", "Requests that may wait (--max-queue); more are refused.", ["model"], registry=r
+        ).labels(model)
+        self.max_batch = Gauge(
+            "sharp_max_batch", "Sequences decoded together at most (--max-batch).", ["model"], registry=r
+        ).labels(model)
         self.running = Gauge(
             "sharp_running_requests", "Requests prefilling or decoding.", ["model"], registry=r
         ).labels(model)
@@ -120,7 +147,7 @@ class ServingMetrics:
                 AttentionHistogram(
                     "sharp_attention_entropy_nats",
                     "Entropy of each query's attention distribution (nats), per layer and head.",
-                    ENTROPY_BUCKETS,
+                    entropy_buckets(spec.context_length),
                     *shape,
                 ),
                 AttentionHistogram(

@@ -39,6 +39,7 @@ class ServerConfig:
     port: int = 50051  # 0: any free port
     metrics_port: int | None = 9400  # 0: any free port; None: no metrics endpoint
     metrics_host: str | None = None  # None: the same address as the gRPC server
+    health_port: int | None = None  # a plaintext grpc.health.v1-only port (probes behind TLS); 0: any free port
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     auth_token: str | None = None  # bearer token every call but health must carry
     tls_cert: bytes | None = None
@@ -276,8 +277,9 @@ class SharpServer:
         self.service = GeneratorService(engine)
         self.health = Health()
         self.server: grpc.aio.Server | None = None
-        self.port = self.metrics_port = None
+        self.port = self.metrics_port = self.health_port = None
         self._metrics_http = None
+        self._health_server: grpc.aio.Server | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -303,6 +305,8 @@ class SharpServer:
             self.port = 0
         if not self.port:
             raise OSError(f"cannot listen on {address}: the gRPC runtime refused the address")
+        if cfg.health_port is not None and (problem := bind_problem(cfg.host, cfg.health_port)) is not None:
+            raise OSError(f"cannot serve health on {cfg.host}:{cfg.health_port}: {problem}")
         if cfg.metrics_port is not None:
             try:
                 self._metrics_http = MetricsServer(
@@ -315,8 +319,20 @@ class SharpServer:
             self.metrics_port = self._metrics_http.start().port
         self.engine.start()
         await self.server.start()
+        if cfg.health_port is not None:  # after the main port, so no probe sees SERVING before it can serve
+            await self._start_health(cfg.host, cfg.health_port)
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _start_health(self, host: str, port: int) -> None:
+        """grpc.health.v1 alone, in plaintext: the same statuses as the main port, nothing else reachable."""
+        address = f"{host}:{port}"
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        self.health_port = self._health_server.add_insecure_port(address)
+        if not self.health_port:
+            raise OSError(f"cannot serve health on {address}: the gRPC runtime refused the address")
+        await self._health_server.start()
 
     async def drain(self) -> None:
         """Health NOT_SERVING, new calls UNAVAILABLE, in-flight calls finish within drain_timeout, then stop."""
@@ -331,6 +347,8 @@ class SharpServer:
     async def stop(self) -> None:
         if self.server is not None:
             await self.server.stop(grace=None)
+        if self._health_server is not None:
+            await self._health_server.stop(grace=None)
         self.engine.stop()
         if self._metrics_http is not None:
             self._metrics_http.stop()

@@ -249,7 +249,9 @@ def test_metrics_after_traffic(model_files):
     assert sample_value(m, "sharp_kv_cache_usage_ratio", "sharp_kv_cache_usage_ratio") == 0
 
 
-@pytest.mark.parametrize(("mode", "labels"), [("layer", {"model", "layer"}), ("off", None)])
+@pytest.mark.parametrize(
+    ("mode", "labels"), [("layer", {"model", "layer"}), ("off", None), ("auto", {"model", "layer", "head"})]
+)
 def test_entropy_metric_cardinality_setting(model_files, mode, labels):
     with serving(model_files, entropy=mode) as srv, Client(srv.target) as c:
         r = c.generate("x", max_new_tokens=4, attention_stats=True)
@@ -259,6 +261,46 @@ def test_entropy_metric_cardinality_setting(model_files, mode, labels):
         assert "sharp_attention_entropy_nats" not in m
     else:
         assert {k for s in m["sharp_attention_entropy_nats"].samples for k in s.labels} - {"le"} == labels
+
+
+def test_entropy_buckets_reach_ln_context_and_auto_labels_large_models_by_layer():
+    from sharp.serving.metrics import HEAD_LABEL_CAP, entropy_buckets, entropy_mode
+
+    for n in (2, 4096, 22_000, 131_072, 1 << 20):
+        bounds = entropy_buckets(n)
+        assert bounds[-1] >= math.log(n) and list(bounds) == sorted(set(bounds))
+        assert bounds[-1] - max(math.log(n), 6) <= 1  # no bucket far above what can happen
+    assert entropy_mode("auto", 16, 16) == "head" and HEAD_LABEL_CAP >= 16 * 16
+    assert entropy_mode("auto", 32, 32) == "layer" and entropy_mode("head", 32, 32) == "head"
+    with pytest.raises(ValueError, match="auto, head, layer, off"):
+        entropy_mode("all", 1, 1)
+
+
+def test_model_name_and_capacity_gauges_reach_the_metrics(model_files):
+    import dataclasses
+
+    be = load_backend(model_files["onnxruntime"], "onnxruntime")
+    be.spec = dataclasses.replace(be.spec, name="llama-sharp/v2")
+    eng = Engine(be, EngineConfig(max_queue=7, max_batch=3), ServingMetrics(be.spec))
+    with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0)) as srv, Client(srv.target) as c:
+        assert c.info().name == "llama-sharp/v2"
+        m = scrape(srv)
+    assert sample_value(m, "sharp_queue_capacity", "sharp_queue_capacity", model="llama-sharp/v2") == 7
+    assert sample_value(m, "sharp_max_batch", "sharp_max_batch", model="llama-sharp/v2") == 3
+    statuses = {s.labels["status"] for s in m["sharp_requests"].samples if s.name == "sharp_requests_total"}
+    assert statuses == {
+        "ok",
+        "cancelled",
+        "invalid_argument",
+        "out_of_range",
+        "resource_exhausted",
+        "unavailable",
+        "internal",
+    }  # every status series exists before the first request
+    top = max(
+        float(s.labels["le"]) for s in m["sharp_attention_entropy_nats"].samples if s.labels.get("le", "+Inf") != "+Inf"
+    )
+    assert top >= math.log(CONTEXT)
 
 
 def test_stop_strings_end_generation_without_leaking_text(model_files):
@@ -351,6 +393,25 @@ def test_auth_token_and_tls(model_files, tmp_path):
             plaintext.info()  # a plaintext client cannot talk to the TLS port
 
 
+def test_plaintext_health_port_behind_tls_answers_health_only_and_follows_the_drain(model_files):
+    """What a kubelet's gRPC probe needs when the service port speaks TLS: health in plaintext, nothing else."""
+    import trustme
+
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    tls = dict(tls_cert=cert.cert_chain_pems[0].bytes(), tls_key=cert.private_key_pem.bytes(), health_port=0)
+    with serving(model_files, server=tls) as srv:
+        port = srv.server.health_port
+        assert port and port != srv.server.port
+        with Client(f"127.0.0.1:{port}") as probe:
+            assert probe.health() == "SERVING" and probe.health("sharp.v1.Generator") == "SERVING"
+            with pytest.raises(grpc.RpcError) as err:
+                probe.info()
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # the model is not reachable in plaintext
+            srv.drain()
+            with pytest.raises(grpc.RpcError):  # stopped with the server: the probe fails, as it must
+                probe.health()
+
+
 def test_drain_in_process_health_and_unavailable(model_files):
     with serving(model_files, server=dict(drain_timeout=30)) as srv, Client(srv.target) as c:
         assert c.health() == "SERVING" and c.health("sharp.v1.Generator") == "SERVING"
@@ -425,6 +486,9 @@ def test_a_second_signal_stops_the_drain(model_files):
         (["MODEL", "--max-batch", "0"], "max-batch must be an integer >= 1"),
         (["MODEL.pt"], "export it with sharp-export"),
         (["MODEL", "--entropy-metrics", "all"], "invalid choice"),
+        (["MODEL", "--model-name", "has space"], "--model-name 'has space': 1-128 characters"),
+        (["MODEL", "--health-port", "70000"], "--health-port must be in [0, 65535]"),
+        (["MODEL", "--port", "5000", "--health-port", "5000"], "--health-port 5000 is taken"),
     ],
 )
 def test_sharp_serve_usage_errors_exit_2_with_one_line(model_files, args, says):
