@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install test lint demo bench zoo clean
+.PHONY: install deploy-tools test lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,10 +16,21 @@ NATIVE_SOURCES := $(wildcard plugins/onnxruntime/*.cc plugins/onnxruntime/*.h) p
 
 $(STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) $(NATIVE_SOURCES) | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[dev,kernels]'
+	$(BIN)/pip install -q -e '.[dev,kernels,deploy]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# prometheus and promtool (Debian's package, unpacked into build/deploy-tools: no root, no service started) for the
+# tests of deploy/; CI runs this, elsewhere those tests skip with the reason until it is run.
+DEPLOY_TOOLS := build/deploy-tools
+deploy-tools: $(DEPLOY_TOOLS)/root/usr/bin/promtool
+
+$(DEPLOY_TOOLS)/root/usr/bin/promtool:
+	mkdir -p $(DEPLOY_TOOLS)
+	cd $(DEPLOY_TOOLS) && (apt-get download prometheus || (apt-get update -qq && apt-get download prometheus))
+	dpkg-deb -x $(DEPLOY_TOOLS)/prometheus_*.deb $(DEPLOY_TOOLS)/root
+	$@ --version
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q

@@ -1,0 +1,364 @@
+"""deploy/ checked offline with the real tools: both kustomize overlays rendered by kubectl, core kinds validated
+strictly against Kubernetes' schemas, the operator's custom resources against its models (unknown fields refused),
+the manifests' own consistency (selectors, ports, probes, the server's arguments parsed by sharp-serve itself),
+promtool on the rules and their unit tests, hadolint on the images, and a real Prometheus scraping a live
+sharp-serve with the shipped recording rules.
+
+Tools that only exist as Debian packages (prometheus, promtool) come from `make deploy-tools`; without them those
+tests skip with the reason, except under CI=true, where that is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from test_serving import CONTEXT, model_files, serving  # noqa: F401  (fixtures)
+
+from sharp.serving import Client
+from sharp.serving.cli import serve_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+BIN = Path(sys.executable).parent
+TOOLS = ROOT / "build" / "deploy-tools" / "root" / "usr" / "bin"
+OVERLAYS = ("cpu", "gpu")
+K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests target (native sleep preStop, grpc probes)
+
+
+def tool(name: str) -> str:
+    """The path of `name` (the venv, then make deploy-tools' directory, then PATH); skips, or fails under CI."""
+    for found in (BIN / name, TOOLS / name):
+        if found.exists():
+            return str(found)
+    if path := shutil.which(name):
+        return path
+    reason = f"{name} is not installed (make deploy-tools)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must have {name}: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict]]:
+    out = subprocess.run(
+        [tool("kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / request.param)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return request.param, [d for d in yaml.safe_load_all(out) if d]
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    return {d["kind"]: d for d in docs}
+
+
+def test_overlays_render_every_kind(rendered):
+    _, docs = rendered
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(
+        [
+            "ServiceAccount",
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget",
+            "HorizontalPodAutoscaler",
+            "NetworkPolicy",
+            "ServiceMonitor",
+            "PrometheusRule",
+        ]
+    )
+
+
+def test_core_kinds_pass_strict_schema_validation(rendered):
+    import kubernetes_validate
+
+    _, docs = rendered
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on an unknown or mistyped field
+
+
+def test_strict_validation_refuses_a_typo():
+    """The check above can fail: a misspelt field is an error, not silently dropped."""
+    import kubernetes_validate
+
+    doc = yaml.safe_load((DEPLOY / "k8s" / "base" / "poddisruptionbudget.yaml").read_text())
+    doc["spec"]["maxUnavalable"] = doc["spec"].pop("maxUnavailable")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def operator_check(doc: dict) -> None:
+    """Validate against prometheus-operator's models; the models ignore unknown fields, so a field they drop on
+    the round trip is one the operator does not know."""
+    import cloudcoil.models.prometheus_operator.v1 as operator
+
+    model = getattr(operator, doc["kind"]).model_validate(doc)
+    back = model.model_dump(by_alias=True, exclude_unset=True, mode="json")
+    assert back == doc, f"{doc['kind']}: fields the operator does not know: {json.dumps(doc)} vs {json.dumps(back)}"
+
+
+def test_custom_resources_match_the_operator_models(rendered):
+    _, docs = rendered
+    custom = [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert {d["kind"] for d in custom} == {"ServiceMonitor", "PrometheusRule"}
+    for doc in custom:
+        operator_check(doc)
+    monitor = by_kind(docs)["ServiceMonitor"]
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(AssertionError, match="fields the operator does not know"):
+        operator_check(monitor)
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_selectors_ports_and_probes_fit_together(rendered):
+    overlay, docs = rendered
+    k = by_kind(docs)
+    pod = k["Deployment"]["spec"]["template"]
+    labels, spec = pod["metadata"]["labels"], pod["spec"]
+    (container,) = spec["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert selects(k["Deployment"]["spec"]["selector"]["matchLabels"], labels)
+    assert selects(k["Service"]["spec"]["selector"], labels)
+    assert selects(k["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"], labels)
+    assert selects(k["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"], labels)
+    assert selects(k["ServiceMonitor"]["spec"]["selector"]["matchLabels"], k["Service"]["metadata"]["labels"])
+    service_ports = {p["name"]: p for p in k["Service"]["spec"]["ports"]}
+    assert {p["targetPort"] for p in service_ports.values()} <= set(ports)
+    assert {e["port"] for e in k["ServiceMonitor"]["spec"]["endpoints"]} <= set(service_ports)
+    assert service_ports["grpc"]["appProtocol"] == "grpc"
+    policy_ports = {p["port"] for rule in k["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
+    assert policy_ports == {"grpc", "health", "metrics"}
+    # every probe is gRPC on the plaintext health port; readiness asks for the generator service itself
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == ports["health"]
+    assert container["readinessProbe"]["grpc"]["service"] == "sharp.v1.Generator"
+    # hardening
+    assert spec["securityContext"]["runAsNonRoot"] and spec["automountServiceAccountToken"] is False
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
+    assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/models", "/tmp", "/etc/sharp/tls"}
+    if overlay == "gpu":
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]) and spec["nodeSelector"]
+        assert spec.get("runtimeClassName") == "nvidia"
+    else:
+        assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+
+
+def server_args(container: dict) -> list[str]:
+    """The container's arguments with $(VAR) expanded from its env, as the kubelet does."""
+    env = {e["name"]: e["value"] for e in container["env"]}
+    expand = lambda a: re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a)
+    return [expand(a) for a in container["args"]]
+
+
+def test_the_server_arguments_parse_and_the_drain_fits_the_grace_period(rendered):
+    overlay, docs = rendered
+    pod = by_kind(docs)["Deployment"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = serve_parser().parse_args(server_args(container))  # exits 2 on an option sharp-serve does not have
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (args.port, args.health_port, args.metrics_port) == (ports["grpc"], ports["health"], ports["metrics"])
+    assert args.host == "0.0.0.0" and args.tls_cert and args.tls_key
+    assert (args.backend, args.device, args.model.suffix) == (
+        ("torch", "cuda", ".pt") if overlay == "gpu" else ("onnxruntime", "cpu", ".onnx")
+    )
+    pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > pause + args.drain_timeout
+    live = container["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] > args.drain_timeout  # a drain is not a restart
+
+
+def test_autoscaler_metric_is_what_the_adapter_serves(rendered):
+    _, docs = rendered
+    hpa = by_kind(docs)["HorizontalPodAutoscaler"]
+    (metric,) = hpa["spec"]["metrics"]
+    adapter = yaml.safe_load((DEPLOY / "prometheus" / "adapter-values.yaml").read_text())
+    served = {r["name"]["as"] for r in adapter["rules"]["custom"]}
+    assert metric["pods"]["metric"]["name"] in served
+    assert hpa["spec"]["scaleTargetRef"]["name"] == by_kind(docs)["Deployment"]["metadata"]["name"]
+
+
+def write_rules(directory: Path) -> Path:
+    """The PrometheusRule's spec as a plain rules file (the form promtool and plain Prometheus read)."""
+    spec = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())["spec"]
+    path = directory / "rules.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False, width=1 << 20))
+    return path
+
+
+def test_promtool_checks_and_unit_tests_the_rules(tmp_path):
+    promtool = tool("promtool")
+    write_rules(tmp_path)
+    shutil.copy(DEPLOY / "prometheus" / "rules_test.yaml", tmp_path)
+    check = subprocess.run([promtool, "check", "rules", "rules.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "SUCCESS: 18 rules found" in check.stdout
+    unit = subprocess.run([promtool, "test", "rules", "rules_test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+
+
+def test_images_are_hadolint_clean():
+    files = sorted((DEPLOY / "docker").glob("Dockerfile.*[!e]"))  # not the .dockerignore files
+    assert [f.name for f in files] == ["Dockerfile.cpu", "Dockerfile.gpu"]
+    r = subprocess.run([tool("hadolint"), *map(str, files)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for f in files:
+        text = f.read_text()
+        assert re.search(r"^USER 10001", text, re.M) and "AS build" in text and "AS baked" in text
+
+
+def test_dashboard_queries_only_exported_series_and_recorded_rules(model_files):  # noqa: F811
+    """Every metric the dashboard names is one sharp-serve exposes or a rule records."""
+    dashboard = json.loads((DEPLOY / "grafana" / "sharp-serve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert len(exprs) >= 10
+    rules = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())["spec"]["groups"]
+    recorded = {r["record"] for g in rules for r in g["rules"] if "record" in r}
+    with serving(model_files) as srv, Client(srv.target) as c:
+        c.generate("dashboard", max_new_tokens=4)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read()
+    exposed = {line.split("{")[0].split(" ")[0] for line in text.decode().splitlines() if not line.startswith("#")}
+    names = {n for e in exprs for n in re.findall(r"\b(sharp[:_][a-z0-9_:]+)", e)}
+    assert names and names <= exposed | recorded, names - exposed - recorded
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert any("heatmap" in t.lower() for t in titles)
+
+
+# --- a real Prometheus scraping a live sharp-serve ---------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def query(base: str, promql: str) -> list[dict]:
+    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+    reply = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    assert reply["status"] == "success", reply
+    return reply["data"]["result"]
+
+
+def wait_for(base: str, promql: str, ok, timeout: float = 60) -> list[dict]:
+    deadline = time.time() + timeout
+    while True:
+        result = query(base, promql)
+        if ok(result):
+            return result
+        if time.time() > deadline:
+            raise AssertionError(f"{promql}: {result}")
+        time.sleep(0.5)
+
+
+def test_real_prometheus_scrapes_sharp_serve_and_records_what_clients_saw(model_files, tmp_path):  # noqa: F811
+    prometheus = tool("prometheus")
+    rules = write_rules(tmp_path)
+    with serving(model_files) as srv:
+        target = f"127.0.0.1:{srv.server.metrics_port}"
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules)],
+            "scrape_configs": [
+                {
+                    "job_name": "sharp-serve",
+                    "static_configs": [{"targets": [target], "labels": {"namespace": "ci", "pod": "sharp-0"}}],
+                }
+            ],
+        }
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(
+            [
+                prometheus,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.time() + 60
+            while True:  # the API answers once Prometheus is up
+                try:
+                    urllib.request.urlopen(f"{base}/-/ready", timeout=2)
+                    break
+                except OSError:
+                    assert proc.poll() is None, proc.stderr.read().decode()
+                    assert time.time() < deadline, "prometheus did not become ready"
+                    time.sleep(0.3)
+            # one scrape before any traffic, so every counter's window starts at 0
+            wait_for(base, 'sharp_requests_total{status="ok"}', lambda r: len(r) == 1 and r[0]["value"][1] == "0")
+            seen = []
+            with Client(srv.target) as c:
+                for i in range(3):
+                    seen.append(c.generate(f"prometheus {i}", max_new_tokens=6, attention_stats=True))
+                with pytest.raises(grpc.RpcError) as refused:
+                    c.generate("bad", temperature=-1.0)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            wait_for(base, "sum(sharp_requests_total)", lambda r: r and float(r[0]["value"][1]) == 4)
+            # entropy series per layer and head
+            pairs = query(base, "count by (layer, head) (sharp_attention_entropy_nats_count)")
+            assert {(p["metric"]["layer"], p["metric"]["head"]) for p in pairs} == {
+                ("0", "0"),
+                ("0", "1"),
+                ("1", "0"),
+                ("1", "1"),
+            }
+            # recording rules against what the clients saw: one request in four was the client's own mistake
+            ratio = wait_for(
+                base,
+                'sharp:requests:ratio_rate5m{status="invalid_argument"}',
+                lambda r: r and abs(float(r[0]["value"][1]) - 0.25) < 1e-9,
+            )
+            assert ratio[0]["metric"]["model"] == "tiny"
+            errors = query(base, "sharp:request_errors:ratio_rate5m")
+            assert float(errors[0]["value"][1]) == 0  # no server-side failure
+            # the recorded mean normalized entropy of each head = the clients' own per-request means, pooled
+            for layer, head in ((0, 0), (1, 1)):
+                weights = [r.usage.prompt_tokens + r.usage.completion_tokens - 2 for r in seen]
+                means = [
+                    next(
+                        h for h in r.attention_stats.heads if (h.layer, h.head) == (layer, head)
+                    ).mean_normalized_entropy
+                    for r in seen
+                ]
+                expected = sum(w * m for w, m in zip(weights, means, strict=True)) / sum(weights)
+                got = wait_for(
+                    base,
+                    f'sharp:attention_normalized_entropy:mean5m{{layer="{layer}",head="{head}"}}',
+                    lambda r, e=expected: r and math.isclose(float(r[0]["value"][1]), e, abs_tol=1e-5),
+                )
+                assert 0 < float(got[0]["value"][1]) < 1
+            # the autoscaler's signal, as prometheus-adapter asks for it
+            adapter = yaml.safe_load((DEPLOY / "prometheus" / "adapter-values.yaml").read_text())
+            template = adapter["rules"]["custom"][0]["metricsQuery"]
+            promql = template.replace("<<.GroupBy>>", "pod").replace("<<.LabelMatchers>>", 'namespace="ci"')
+            (inflight,) = query(base, promql)
+            assert inflight["metric"] == {"pod": "sharp-0"} and float(inflight["value"][1]) == 0
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
