@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from test_serving import CONTEXT, model_files, serving  # noqa: F401  (fixtures)
+from test_serving import model_files, serving  # noqa: F401  (fixtures)
 
 from sharp.serving import Client
 from sharp.serving.cli import serve_parser
