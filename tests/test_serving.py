@@ -541,3 +541,14 @@ def test_async_client(model_files):
         unary, chunks, info, health, ids = asyncio.run(go(srv.target))
     assert "".join(ch.text for ch in chunks) == unary.text and chunks[-1].usage == unary.usage
     assert info.norm == "ssa" and health == "SERVING" and ids == [97, 98]
+
+
+def test_sharp_serve_model_name_and_health_port_options_reach_the_server(model_files):
+    from sharp.serving.cli import build_server, serve_parser
+
+    args = serve_parser().parse_args(
+        [str(model_files["onnxruntime"]), "--model-name", "prod-model", "--health-port", "0", "--port", "0"]
+    )
+    engine, config = build_server(args)
+    assert engine.spec.name == "prod-model" and config.health_port == 0
+    assert engine.metrics.registry.get_sample_value("sharp_queue_capacity", {"model": "prod-model"}) == 256
