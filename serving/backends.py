@@ -26,6 +26,9 @@ from sharp.plugins.onnxruntime import choose_library
 log = logging.getLogger("sharp.serving")
 
 BACKENDS = ("onnxruntime", "torch")
+# On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
+# reference, whose (queries × keys) logits grow quadratically with the prompt.
+STREAMED_FROM_KEYS = 1024
 
 
 class BackendError(Exception):
@@ -166,7 +169,8 @@ class OnnxRuntimeBackend(Backend):
 
 
 class TorchBackend(Backend):
-    """A sharp `model.pt` (SharpLM) in PyTorch; on CUDA the attention runs the Triton kernels."""
+    """A sharp `model.pt` (SharpLM) in PyTorch; on CUDA the attention runs the Triton kernels, on CPU the reference
+    or, for long contexts, the streamed attention."""
 
     def __init__(self, path: Path, device: str = "cpu"):
         from sharp.models import CheckpointError, SharpLM, load
@@ -187,13 +191,16 @@ class TorchBackend(Backend):
     @torch.inference_mode()
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):
         cache = [(past[2 * i], past[2 * i + 1]) for i in range(self.spec.layers)]
+        impl = self.impl
+        if impl == "reference" and attention_mask.shape[1] >= STREAMED_FROM_KEYS:
+            impl = "streamed"
         out = self.model.step(
             input_ids.to(self.device),
             cache=cache,
             positions=position_ids.to(self.device),
             key_mask=attention_mask.to(self.device, torch.bool),
             return_entropy=entropy,
-            impl=self.impl,
+            impl=impl,
         )
         presents = [t for kv in out.cache for t in kv]
         ent = out.entropy.float().cpu() if entropy else None
