@@ -110,6 +110,9 @@ class ServingMetrics:
         def hist(name, doc, buckets=LATENCY_BUCKETS):
             return Histogram(name, doc, ["model"], registry=r, buckets=buckets).labels(model)
 
+        def per_model(kind, name, doc):  # a Counter or Gauge of this model's one series
+            return kind(name, doc, ["model"], registry=r).labels(model)
+
         self.ttft = hist("sharp_time_to_first_token_seconds", "Arrival to the first generated token.")
         self.inter_token = hist("sharp_inter_token_latency_seconds", "Time between consecutive generated tokens.")
         self.duration = hist("sharp_request_duration_seconds", "Arrival to the end of the request.")
@@ -119,27 +122,17 @@ class ServingMetrics:
         for status in STATUSES:  # every series exists from the start, so the first error shows in rate()
             self._requests.labels(model, status)
         self._model = model
-        self.prompt_tokens = Counter("sharp_prompt_tokens", "Prompt tokens prefilled.", ["model"], registry=r).labels(
-            model
+        self.prompt_tokens = per_model(Counter, "sharp_prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = per_model(Counter, "sharp_generation_tokens", "Tokens generated.")
+        self.queue_size = per_model(Gauge, "sharp_queue_size", "Requests waiting for admission.")
+        self.queue_capacity = per_model(
+            Gauge, "sharp_queue_capacity", "Requests that may wait (--max-queue); more are refused."
         )
-        self.generation_tokens = Counter("sharp_generation_tokens", "Tokens generated.", ["model"], registry=r).labels(
-            model
+        self.max_batch = per_model(Gauge, "sharp_max_batch", "Sequences decoded together at most (--max-batch).")
+        self.running = per_model(Gauge, "sharp_running_requests", "Requests prefilling or decoding.")
+        self.kv_usage = per_model(
+            Gauge, "sharp_kv_cache_usage_ratio", "KV cache in use (padding included) / --kv-cache-mb."
         )
-        self.queue_size = Gauge("sharp_queue_size", "Requests waiting for admission.", ["model"], registry=r).labels(
-            model
-        )
-        self.queue_capacity = Gauge(
-            "sharp_queue_capacity", "Requests that may wait (--max-queue); more are refused.", ["model"], registry=r
-        ).labels(model)
-        self.max_batch = Gauge(
-            "sharp_max_batch", "Sequences decoded together at most (--max-batch).", ["model"], registry=r
-        ).labels(model)
-        self.running = Gauge(
-            "sharp_running_requests", "Requests prefilling or decoding.", ["model"], registry=r
-        ).labels(model)
-        self.kv_usage = Gauge(
-            "sharp_kv_cache_usage_ratio", "KV cache in use (padding included) / --kv-cache-mb.", ["model"], registry=r
-        ).labels(model)
         self.attention: list[AttentionHistogram] = []
         if entropy != "off":
             shape = (model, spec.layers, spec.heads, entropy)
