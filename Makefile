@@ -16,7 +16,7 @@ NATIVE_SOURCES := $(wildcard plugins/onnxruntime/*.cc plugins/onnxruntime/*.h) p
 
 $(STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) $(NATIVE_SOURCES) | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[dev,kernels,deploy]'
+	$(BIN)/pip install -q -e '.[dev,kernels,deploy,hf,genai]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -14,13 +14,19 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 
+from sharp.exporter import metadata
+from sharp.exporter.export import ExportSettings
+from sharp.exporter.metadata import ModelMetadata
 from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load
+from sharp.models.config import ModelShape
 from sharp.models.lm import SharpLM
 from sharp.plugins.onnxruntime import choose_library
 
@@ -77,16 +83,20 @@ def _session(path: Path, library: str | None):
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
-def verify(path: Path, model: SharpLM, kv_cache: bool, library: str | None = None) -> list[tuple[str, float, float]]:
+Reference = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # ids → logits, entropy (whole sequence)
+
+
+def verify(
+    path: Path, shape: ModelShape, kv_cache: bool, reference: Reference, library: str | None = None
+) -> list[tuple[str, float, float]]:
     """Run the file against PyTorch (with the op `library` registered, if any): prefill at two lengths other than
     the traced 5, then decode on a cache."""
     from sharp.exporter.export import io_names
 
     sess = _session(path, library)
-    names, _ = io_names(model.cfg.layers, kv_cache)
+    names, _ = io_names(shape.layers, kv_cache)
     g = torch.Generator().manual_seed(0)
     rows = []
-    cfg = model.cfg
 
     def run(ids: torch.Tensor, past: list[torch.Tensor], mask: torch.Tensor, pos: torch.Tensor):
         feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": pos.numpy()}
@@ -94,39 +104,47 @@ def verify(path: Path, model: SharpLM, kv_cache: bool, library: str | None = Non
             feed.update({n: t.numpy() for n, t in zip(names[3:], past, strict=True)})
         return sess.run(None, feed)
 
+    vocab = min(shape.vocab_size, 256)
     for batch, length in ((1, 9), (3, 2)):
-        ids = torch.randint(0, 256, (batch, length), generator=g)
+        ids = torch.randint(0, vocab, (batch, length), generator=g)
         pos = torch.arange(length).expand(batch, length).contiguous()
         mask = torch.ones(batch, length, dtype=torch.int64)
-        empty = [torch.zeros(batch, cfg.kv_heads, 0, cfg.head_dim) for _ in range(2 * cfg.layers)]
+        empty = [torch.zeros(batch, shape.kv_heads, 0, shape.head_dim) for _ in range(2 * shape.layers)]
         got = run(ids, empty, mask, pos)
-        with torch.no_grad():
-            ref = model.step(ids, return_entropy=True)
-        rows.append((f"prefill B={batch} L={length}", *_diffs(got, ref)))
+        rows.append((f"prefill B={batch} L={length}", *_diffs(got, *reference(ids))))
         if kv_cache and length == 9:
             past = got[1:-1]
-            nxt = torch.randint(0, 256, (1, 1), generator=g)
+            nxt = torch.randint(0, vocab, (1, 1), generator=g)
             got2 = run(
                 nxt, [torch.from_numpy(p) for p in past], torch.ones(1, 10, dtype=torch.int64), torch.tensor([[9]])
             )
-            with torch.no_grad():
-                ref2 = model.step(torch.cat((ids, nxt), 1), return_entropy=True)
-            ref2.logits, ref2.entropy = ref2.logits[:, -1:], ref2.entropy[..., -1:]
-            rows.append(("decode with past=9", *_diffs(got2, ref2)))
+            logits, entropy = reference(torch.cat((ids, nxt), 1))
+            rows.append(("decode with past=9", *_diffs(got2, logits[:, -1:], entropy[..., -1:])))
     return rows
 
 
-def _diffs(got, ref) -> tuple[float, float]:
-    logits = float(np.abs(got[0] - ref.logits.numpy()).max())
-    ent = float(np.abs(got[-1] - ref.entropy.numpy()).max())
-    return logits, ent
+def sharplm_reference(model: SharpLM) -> Reference:
+    def run(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            out = model.step(ids, return_entropy=True)
+        return out.logits, out.entropy
+
+    return run
+
+
+def _diffs(got, logits: torch.Tensor, entropy: torch.Tensor) -> tuple[float, float]:
+    return float(np.abs(got[0] - logits.numpy()).max()), float(np.abs(got[-1] - entropy.numpy()).max())
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="sharp-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("model", type=Path, help="a sharp checkpoint (model.pt)")
+    ap.add_argument(
+        "model",
+        type=Path,
+        help="a sharp checkpoint (model.pt), or a Hugging Face model directory (config.json, weights, tokenizer.json)",
+    )
     ap.add_argument("--norm", choices=registry.NORMS, help="normalizer in the file (default: the checkpoint's)")
     ap.add_argument("-o", "--output", type=Path, help="output .onnx (default: MODEL with .onnx)")
     ap.add_argument(
@@ -145,6 +163,12 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--dtype", choices=["fp32"], default="fp32")
     ap.add_argument("--block-size", type=int, default=256, help="keys per Loop iteration of --fallback streamed")
+    ap.add_argument(
+        "--genai",
+        action="store_true",
+        help="write an onnxruntime-genai package into the directory -o (model.onnx, genai_config.json, tokenizer"
+        " files, sharp's op library unless --no-native)",
+    )
     ap.add_argument("--no-kv-cache", dest="kv_cache", action="store_false")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument(
@@ -179,15 +203,9 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=r"# The axis name", category=UserWarning)
 
 
-def _export(args) -> int:
-    import onnx
+def _load_sharplm(args) -> tuple[ModelMetadata, Callable[[ExportSettings], onnx.ModelProto], Reference]:
+    from sharp.exporter.export import export_model, with_norm
 
-    from sharp.exporter.export import ExportSettings, export_model, with_norm
-
-    out = args.output or args.model.with_suffix(".onnx")
-    _check_output(args.model, out)  # before any work: never after 20 s of it, never over the input
-    if args.block_size < 1:
-        raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
     model = load(args.model)
     if not isinstance(model, SharpLM):
         raise UsageError(
@@ -200,6 +218,58 @@ def _export(args) -> int:
         model = with_norm(model, norm, tuple(args.poly) if args.poly else None, **values)
     except ValueError as e:  # the changed config's own validation (e.g. --poly nan, --ssmax-s inf)
         raise UsageError(str(e)) from None
+    return ModelMetadata.from_model(model), lambda s: export_model(model, s), sharplm_reference(model)
+
+
+def _load_transformers(args) -> tuple[ModelMetadata, Callable[[ExportSettings], onnx.ModelProto], Reference]:
+    if not (args.model / "config.json").is_file():
+        raise UsageError(f"{args.model}: a directory without config.json; expected a Hugging Face model directory")
+    try:
+        from sharp.exporter import hf as hf_export
+        from sharp.models import hf
+    except ImportError as e:
+        msg = f"exporting a Hugging Face model needs transformers ({e}); pip install 'sharp-attention[hf]'"
+        raise UsageError(msg) from None
+    try:
+        config = hf.load_config(args.model)
+        norm = args.norm or hf.AttentionSettings.of(config).norm
+        values = {param: getattr(args, param) for param in CHANGE_PARAMS}
+        hf.sharpen(config, norm, tuple(args.poly) if args.poly else None, **values)
+        tokenizer = hf_export.load_tokenizer(args.model, config)
+    except (ValueError, OSError) as e:  # UnsupportedModel, a bad config.json, a refused norm change
+        raise UsageError(f"{args.model}: {e}") from None
+    model = hf.load_model(args.model, config)
+    return (
+        hf_export.metadata(model, tokenizer, ExportSettings(norm=norm)),
+        lambda s: hf_export.export_hf(model, tokenizer, s),
+        lambda ids: hf_export.reference(model, ids),
+    )
+
+
+def _check_package_dir(model: Path, out: Path) -> None:
+    """--genai: `out` is a new or empty directory that is not the input."""
+    if out.resolve() == model.resolve() or model.resolve() in out.resolve().parents:
+        raise UsageError(f"-o {out} is (inside) the input model; choose another directory")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"-o {out} exists and is not an empty directory; --genai writes a new directory")
+    parent = out.parent if not out.exists() else out
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"cannot write {out}: {parent} is not a writable directory")
+
+
+def _export(args) -> int:
+    if args.genai:
+        out = args.output or args.model.with_name(args.model.stem + "-genai")
+        _check_package_dir(args.model, out)
+        if not args.kv_cache:
+            raise UsageError("--genai needs the KV cache graph; drop --no-kv-cache")
+    else:
+        out = args.output or args.model.with_suffix(".onnx")
+        _check_output(args.model, out)  # before any work: never after 20 s of it, never over the input
+    if args.block_size < 1:
+        raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
+    meta, export, reference = (_load_transformers if args.model.is_dir() else _load_sharplm)(args)
+    norm = meta.norm
     settings = ExportSettings(
         norm=norm,
         fallback=args.fallback,
@@ -208,25 +278,37 @@ def _export(args) -> int:
         dtype=args.dtype,
         block_size=args.block_size,
     )
-    proto = export_model(model, settings)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    try:
-        onnx.save(proto, tmp)
-        tmp.replace(out)  # atomic: `out` is either the old file or the whole new one
-    finally:
-        tmp.unlink(missing_ok=True)
+    library, attention = choose_library(args.native)
+    if args.genai and args.fallback == "none" and library is None:
+        raise UsageError(
+            f"--genai --fallback none needs sharp's op library in the package, and there is none ({attention})"
+        )
+    proto = export(settings)
+    if args.genai:
+        from sharp.exporter.genai import MODEL_FILE, write_package
+
+        files = write_package(proto, metadata.read(proto), out, library)
+        print(f"wrote {out}/: {', '.join(f.name for f in files)}")
+        out = out / MODEL_FILE
+    else:
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        try:
+            onnx.save(proto, tmp)
+            tmp.replace(out)  # atomic: `out` is either the old file or the whole new one
+        finally:
+            tmp.unlink(missing_ok=True)
+    shape = meta.shape
     print(
-        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {model.cfg.layers} × sharp::SharpAttention[{norm}], "
+        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {shape.layers} × sharp::SharpAttention[{norm}], "
         f"fallback {args.fallback}, opset {args.opset}"
     )
     if not args.check:
         return 0
     onnx.checker.check_model(str(out), full_check=True)
-    library, attention = choose_library(args.native)
     if args.fallback == "none" and library is None:
         print(f"check: onnx.checker passed; not run (no fallback body and no kernel; {attention})")
         return 0
-    rows = verify(out, model, args.kv_cache, library)
+    rows = verify(out, shape, args.kv_cache, reference, library)
     print(f"{'check':<22}{'max |Δ logits|':>16}{'max |Δ entropy|':>17}")
     for name, dl, de in rows:
         print(f"{name:<22}{dl:>16.2e}{de:>17.2e}")

@@ -19,6 +19,7 @@ from sharp.exporter import fallback
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, translate
 from sharp.models import registry
+from sharp.models.config import ModelShape
 from sharp.models.layers import use_custom_op
 from sharp.models.lm import SharpLM
 
@@ -74,14 +75,13 @@ def io_names(layers: int, kv_cache: bool) -> tuple[list[str], list[str]]:
 
 
 def example_inputs(
-    model: SharpLM, kv_cache: bool, batch: int = 2, length: int = 5, past: int = 3
+    shape: ModelShape, kv_cache: bool, batch: int = 2, length: int = 5, past: int = 3
 ) -> tuple[Tensor, ...]:
-    cfg = model.cfg
     past = past if kv_cache else 0
-    ids = torch.randint(0, cfg.vocab_size, (batch, length))
+    ids = torch.randint(0, shape.vocab_size, (batch, length))
     mask = torch.ones(batch, past + length, dtype=torch.int64)
     pos = (torch.arange(length) + past).expand(batch, length).contiguous()
-    kv = [torch.randn(batch, cfg.kv_heads, past, cfg.head_dim) for _ in range(2 * cfg.layers)] if kv_cache else []
+    kv = [torch.randn(batch, shape.kv_heads, past, shape.head_dim) for _ in range(2 * shape.layers)] if kv_cache else []
     return (ids, mask, pos, *kv)
 
 
@@ -94,19 +94,17 @@ def _dynamic_shapes(layers: int, kv_cache: bool) -> tuple:
     return (*shapes, tuple({0: batch, 2: torch.export.Dim.AUTO} for _ in range(2 * layers)))  # *past: one entry
 
 
-def export_model(model: SharpLM, settings: ExportSettings) -> onnx.ModelProto:
-    """The ONNX ModelProto of `model` (each layer keeps its own norm)."""
-    model = model.eval()
-    wrapper = GenerationGraph(model, settings.kv_cache).eval()
-    inputs, outputs = io_names(model.cfg.layers, settings.kv_cache)
+def trace(graph: nn.Module, shape: ModelShape, settings: ExportSettings) -> onnx.ModelProto:
+    """torch.onnx.export of a generation graph (flat I/O, `io_names`) whose attention calls sharp's op."""
+    inputs, outputs = io_names(shape.layers, settings.kv_cache)
     with torch.no_grad():
         program = torch.onnx.export(
-            wrapper,
-            example_inputs(model, settings.kv_cache),
+            graph.eval(),
+            example_inputs(shape, settings.kv_cache),
             dynamo=True,
             input_names=inputs,
             output_names=outputs,
-            dynamic_shapes=_dynamic_shapes(model.cfg.layers, settings.kv_cache),
+            dynamic_shapes=_dynamic_shapes(shape.layers, settings.kv_cache),
             custom_translation_table={torch.ops.sharp.attention.default: translate},
             # The optimizer and the version converter inline local functions; the translation therefore emits
             # schema-only SharpAttention nodes and `finalize` attaches the bodies after both have run.
@@ -114,14 +112,20 @@ def export_model(model: SharpLM, settings: ExportSettings) -> onnx.ModelProto:
             optimize=True,
             verbose=False,
         )
-    proto = program.model_proto
+    return program.model_proto
+
+
+def export_model(model: SharpLM, settings: ExportSettings) -> onnx.ModelProto:
+    """The ONNX ModelProto of `model` (each layer keeps its own norm)."""
+    model = model.eval()
+    proto = trace(GenerationGraph(model, settings.kv_cache), model.cfg.shape, settings)
     use_custom_op(model, on=False)
-    return finalize(proto, model, settings)
+    return finalize(proto, ModelMetadata.from_model(model, asdict(settings)), settings)
 
 
-def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -> onnx.ModelProto:
+def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettings) -> onnx.ModelProto:
     """Give the exported file its contract form (docs/op.md) and metadata."""
-    cfg = model.cfg
+    shape = meta.shape
     norms_used = set()
     for node in proto.graph.node:
         if node.domain == SHARP.domain and node.op_type == "SharpAttention":
@@ -129,7 +133,7 @@ def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -
             norms_used.add(norm)
             node.overload = norm  # the fallback body of this norm (plugins ignore the overload)
             node.attribute.extend(
-                [helper.make_attribute("q_heads", cfg.heads), helper.make_attribute("kv_heads", cfg.kv_heads)]
+                [helper.make_attribute("q_heads", shape.heads), helper.make_attribute("kv_heads", shape.kv_heads)]
             )
             if settings.fallback == "streamed":
                 node.attribute.append(helper.make_attribute("block_size", settings.block_size))
@@ -145,7 +149,7 @@ def finalize(proto: onnx.ModelProto, model: SharpLM, settings: ExportSettings) -
     del proto.opset_import[:]
     proto.opset_import.extend(imports.values())
     proto.ir_version = min(proto.ir_version, 10)
-    ModelMetadata.from_model(model, asdict(settings)).write(proto)
+    meta.write(proto)
     return proto
 
 

@@ -8,6 +8,11 @@ A file carries a single metadata entry, key `sharp`, holding JSON:
      "tokenizer": {"kind": "bytes", "bos": 256, "eos": 257, "vocab_size": 258},
      "export": {"fallback": "dense", "opset": 18, "kv_cache": true, "dtype": "fp32", "block_size": 256}}
 
+A transformers model (sharp-export HF_DIR) adds `"architecture": "transformers"`, its config.json as `config`,
+the sizes serving needs as `shape` ({"layers", "heads", "kv_heads", "head_dim", "vocab_size", "context_length"})
+and a tokenizer of kind "hf" ({"bos", "eos": [...], "vocab_size", "prepend_bos"}) whose tokenizer.json text is the
+second entry, key `sharp.tokenizer.json` — the file is self-contained: serving needs nothing beside it.
+
 The normalizer is written once, per layer, with that layer's parameters; the model-wide norm is derived.
 Serving, benchmarks and tests read files through `read`, which checks the schema before anything is built.
 """
@@ -15,18 +20,21 @@ Serving, benchmarks and tests read files through `read`, which checks the schema
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import onnx
 
 from sharp import __version__
-from sharp.models.config import ModelConfig
+from sharp.models import registry
+from sharp.models.config import ModelConfig, ModelShape
 from sharp.models.lm import SharpLM
-from sharp.models.tokenizer import BYTES, ByteTokenizer
+from sharp.models.tokenizer import BYTES, HFTokenizer, Tokenizer, tokenizer_from_dict
 
 KEY = "sharp"
+TOKENIZER_KEY = "sharp.tokenizer.json"
 SCHEMA = 1
+ARCHITECTURES = ("sharplm", "transformers")
 _NORM_FIELDS = ("norm", "layer_norms_override")
 
 
@@ -42,11 +50,17 @@ class LayerAttention:
 
 @dataclass(frozen=True)
 class ModelMetadata:
-    config: dict[str, Any]  # ModelConfig fields except the norm ones (those are in `layers`)
+    config: dict[str, Any]  # ModelConfig fields except the norm ones (those are in `layers`); config.json for HF
     layers: list[LayerAttention]
-    tokenizer: ByteTokenizer = BYTES
+    tokenizer: Tokenizer = BYTES
     export: dict[str, Any] = field(default_factory=dict)  # ExportSettings except the norm; {} for a checkpoint
     sharp_version: str = __version__
+    architecture: str = "sharplm"
+    hf_shape: ModelShape | None = None  # the sizes of a transformers model (a SharpLM's come from its config)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.hf_shape if self.architecture == "transformers" else self.model_config().shape
 
     @property
     def norm(self) -> str:
@@ -55,7 +69,9 @@ class ModelMetadata:
         return norms.pop() if len(norms) == 1 else "mixed"
 
     def model_config(self) -> ModelConfig:
-        """The ModelConfig the metadata describes (validated by ModelConfig itself)."""
+        """The SharpLM ModelConfig the metadata describes (validated by ModelConfig itself)."""
+        if self.architecture != "sharplm":
+            raise MetadataError(f"a {self.architecture} model has no SharpLM config")
         norms = [layer.norm for layer in self.layers]
         same = len(set(norms)) == 1
         return ModelConfig.from_dict({**self.config, "norm": norms[0], "layer_norms_override": None if same else norms})
@@ -73,25 +89,29 @@ class ModelMetadata:
         return cls(config, layers, BYTES, {k: v for k, v in (export or {}).items() if k != "norm"})
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "schema": SCHEMA,
-                "sharp_version": self.sharp_version,
-                "config": self.config,
-                "layers": [{"norm": layer.norm, "parameters": layer.parameters} for layer in self.layers],
-                "tokenizer": self.tokenizer.to_dict(),
-                "export": self.export,
-            }
-        )
+        d = {
+            "schema": SCHEMA,
+            "sharp_version": self.sharp_version,
+            "config": self.config,
+            "layers": [{"norm": layer.norm, "parameters": layer.parameters} for layer in self.layers],
+            "tokenizer": self.tokenizer.to_dict(),
+            "export": self.export,
+        }
+        if self.architecture != "sharplm":
+            d.update(architecture=self.architecture, shape=asdict(self.hf_shape))
+        return json.dumps(d)
 
     def write(self, proto: onnx.ModelProto) -> None:
-        """Replace the file's metadata with this entry."""
+        """Replace the file's metadata with this entry (and the tokenizer.json of an HF tokenizer)."""
         del proto.metadata_props[:]
         proto.metadata_props.append(onnx.StringStringEntryProto(key=KEY, value=self.to_json()))
+        if isinstance(self.tokenizer, HFTokenizer):
+            proto.metadata_props.append(onnx.StringStringEntryProto(key=TOKENIZER_KEY, value=self.tokenizer.json))
 
 
-def parse(text: str) -> ModelMetadata:
-    """The metadata in a `sharp` entry's JSON; MetadataError names the field that is wrong."""
+def parse(text: str, tokenizer_json: str | None = None) -> ModelMetadata:
+    """The metadata in a `sharp` entry's JSON (and the `sharp.tokenizer.json` entry, if any); MetadataError names
+    the field that is wrong."""
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:
@@ -103,16 +123,23 @@ def parse(text: str) -> ModelMetadata:
     for name, kind in (("config", dict), ("layers", list), ("tokenizer", dict), ("export", dict)):
         if not isinstance(d.get(name), kind):
             raise MetadataError(f"metadata field '{name}' must be a {kind.__name__}, got {d.get(name)!r:.60}")
+    architecture = d.get("architecture", "sharplm")
+    if architecture not in ARCHITECTURES:
+        raise MetadataError(f"metadata architecture {architecture!r}; valid: {', '.join(ARCHITECTURES)}")
     layers = []
     for i, layer in enumerate(d["layers"]):
         if not isinstance(layer, dict) or not isinstance(layer.get("norm"), str):
             raise MetadataError(f"metadata layers[{i}] must be an object with a 'norm' string")
         layers.append(LayerAttention(layer["norm"], dict(layer.get("parameters") or {})))
     try:
+        hf_shape = ModelShape(**d["shape"]) if architecture == "transformers" else None
+        tokenizer = tokenizer_from_dict(d["tokenizer"], tokenizer_json)
         meta = ModelMetadata(
-            d["config"], layers, ByteTokenizer.from_dict(d["tokenizer"]), d["export"], str(d.get("sharp_version"))
+            d["config"], layers, tokenizer, d["export"], str(d.get("sharp_version")), architecture, hf_shape
         )
-        cfg = meta.model_config()
+        cfg = meta.shape
+        for layer in layers:
+            registry.get(layer.norm)
     except (TypeError, ValueError) as e:
         raise MetadataError(f"metadata does not describe a model: {e}") from None
     if len(layers) != cfg.layers:
@@ -135,7 +162,7 @@ def read(proto_or_path: onnx.ModelProto | str) -> ModelMetadata:
     props = {p.key: p.value for p in proto.metadata_props}
     if KEY not in props:
         raise MetadataError("no sharp metadata; expected an ONNX file written by sharp-export")
-    return parse(props[KEY])
+    return parse(props[KEY], props.get(TOKENIZER_KEY))
 
 
 def _static_dims(value_info) -> list[int | None]:
@@ -144,7 +171,7 @@ def _static_dims(value_info) -> list[int | None]:
 
 def check_graph(meta: ModelMetadata, proto: onnx.ModelProto) -> None:
     """The metadata agrees with the graph it describes: I/O names, layer count, vocabulary and cache shapes."""
-    cfg = meta.model_config()
+    cfg = meta.shape
     inputs = {i.name: i for i in proto.graph.input}
     outputs = {o.name: o for o in proto.graph.output}
     for name in ("input_ids", "attention_mask", "position_ids"):

@@ -14,6 +14,25 @@ MAX_WEIGHTS = 1 << 36  # a config beyond this is a typo or an attack, not a mode
 LAYER_NORMS = ("rmsnorm", "layernorm")
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes serving and the exporter's checks need, whatever the architecture (SharpLM or transformers)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"bad model shape: {name} must be an integer >= 1, got {value!r:.40}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"bad model shape: heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 258  # bytes + BOS + EOS (ByteTokenizer)
@@ -100,6 +119,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.heads
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(self.layers, self.heads, self.kv_heads, self.head_dim, self.vocab_size, self.context_length)
 
     def layer_norms(self) -> list[str]:
         """The normalizer of each layer."""

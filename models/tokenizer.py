@@ -1,9 +1,40 @@
-"""The byte-level tokenizer of sharp's own models: the one object every layer (training, checkpoints, export
-metadata, serving) uses, so its ids are written down in exactly one place."""
+"""The tokenizers a served model can have, behind one interface: sharp's byte tokenizer (its own models) and a
+Hugging Face `tokenizer.json` run by the `tokenizers` library (transformers models; transformers itself is not
+needed). Every layer — training, checkpoints, export metadata, serving — uses these objects, so a model's ids,
+BOS/EOS and detokenization are written down in exactly one place.
+
+Interface: `encode(text, bos)`, `decode(ids)`, `stream()` (incremental detokenization: text arrives only in whole
+UTF-8 characters), `eos_ids`, `bos`, `vocab_size`, `kind`, `to_dict()`; `tokenizer_from_dict` reads one back.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import codecs
+import json
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class TextStream(Protocol):
+    """Detokenizes one sequence as its tokens arrive."""
+
+    def step(self, token: int) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+class _ByteStream:
+    def __init__(self, tokenizer: ByteTokenizer):
+        self.tokenizer = tokenizer
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token: int) -> str:
+        return self.decoder.decode(self.tokenizer.token_bytes(token))
+
+    def finish(self) -> str:
+        return self.decoder.decode(b"", final=True)
 
 
 @dataclass(frozen=True)
@@ -15,6 +46,10 @@ class ByteTokenizer:
     vocab_size: int = 258
     kind: str = "bytes"
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset((self.eos,))
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return ([self.bos] if bos else []) + list(text.encode("utf-8"))
 
@@ -25,18 +60,156 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
+    def stream(self) -> TextStream:
+        return _ByteStream(self)
+
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def tokenizer_json(self) -> str:
+        """This tokenizer as a Hugging Face tokenizer.json (byte-level BPE without merges: one token per byte,
+        BOS prepended), for runtimes that read that format (onnxruntime-genai)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+        byte_char = dict(zip(_gpt2_bytes(), _gpt2_chars(), strict=True))  # the ByteLevel pre-tokenizer's alphabet
+        vocab = {byte_char[b]: b for b in range(256)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(["<bos>", "<eos>"])
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", self.bos)]
+        )
+        return tok.to_str()
 
     @classmethod
     def from_dict(cls, d: dict) -> ByteTokenizer:
         """The tokenizer a checkpoint or a file's metadata describes; refuses what this one cannot be."""
         if not isinstance(d, dict) or d.get("kind", "bytes") != "bytes":
-            raise ValueError(f"tokenizer {d!r}: only the byte tokenizer (kind 'bytes') is supported")
+            raise ValueError(f"tokenizer {d!r:.80}: only the byte tokenizer (kind 'bytes') is supported here")
         tok = cls()
         if any(d.get(k, getattr(tok, k)) != getattr(tok, k) for k in ("bos", "eos")):
             raise ValueError(f"tokenizer {d!r}: the byte tokenizer has bos {tok.bos}, eos {tok.eos}")
         return tok
+
+
+def _gpt2_bytes() -> list[int]:
+    """Byte order of the GPT-2 byte-to-unicode table (printable bytes map to themselves, the rest to 256+)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    return printable + [b for b in range(256) if b not in printable]
+
+
+def _gpt2_chars() -> list[str]:
+    printable = _gpt2_bytes()[:188]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(256 - len(printable))]
+
+
+class _HFStream:
+    def __init__(self, tokenizer: HFTokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.ids: list[int] = []
+        self.sent = 0  # characters returned so far
+
+    def step(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.stream.step(self.tokenizer.backend, token) or ""
+        self.sent += len(text)
+        return text
+
+    def finish(self) -> str:
+        """What DecodeStream still holds (bytes of an unfinished character), as a whole decode renders it."""
+        return self.tokenizer.decode(self.ids)[self.sent :]
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """A tokenizer.json with the model's BOS/EOS. `prepend_bos`: the model wants BOS but the file's
+    post-processor does not add it (tokenizer_config.json `add_bos_token`), so encode adds it."""
+
+    json: str = field(repr=False)
+    bos: int | None
+    eos: tuple[int, ...]
+    vocab_size: int
+    prepend_bos: bool = False
+    kind: str = "hf"
+
+    @cached_property
+    def backend(self):
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.json)
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return frozenset(self.eos)
+
+    def encode(self, text: str, bos: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=bos).ids
+        if bos and self.prepend_bos and self.bos is not None and ids[:1] != [self.bos]:
+            ids = [self.bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=True)
+
+    def stream(self) -> TextStream:
+        return _HFStream(self)
+
+    def to_dict(self) -> dict:
+        """Everything but the tokenizer.json text, which travels beside it (see exporter/metadata.py)."""
+        return {
+            "kind": self.kind,
+            "bos": self.bos,
+            "eos": list(self.eos),
+            "vocab_size": self.vocab_size,
+            "prepend_bos": self.prepend_bos,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, tokenizer_json: str) -> HFTokenizer:
+        try:
+            tok = cls(
+                tokenizer_json,
+                None if d.get("bos") is None else int(d["bos"]),
+                tuple(int(e) for e in d.get("eos") or ()),
+                int(d["vocab_size"]),
+                bool(d.get("prepend_bos", False)),
+            )
+            tok.backend  # noqa: B018 - parse now: a broken tokenizer.json is refused on load, not on first request
+        except Exception as e:  # a malformed entry or tokenizer.json, whatever the parser raises
+            raise ValueError(f"tokenizer {d!r:.80}: {e}") from None
+        return tok
+
+    @classmethod
+    def from_dir(cls, path: str | Path, vocab_size: int, bos: int | None, eos: list[int]) -> HFTokenizer:
+        """The tokenizer of a transformers model directory: tokenizer.json, and tokenizer_config.json's
+        `add_bos_token` when the file's own post-processor does not add BOS."""
+        path = Path(path)
+        text = (path / "tokenizer.json").read_text(encoding="utf-8")
+        options = _read_json(path / "tokenizer_config.json")
+        tok = cls(text, bos, tuple(eos), vocab_size)
+        adds_bos = bos is not None and tok.backend.encode("a", add_special_tokens=True).ids[:1] == [bos]
+        prepend = bool(options.get("add_bos_token")) and bos is not None and not adds_bos
+        return cls(text, bos, tuple(eos), vocab_size, prepend)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def tokenizer_from_dict(d: dict, tokenizer_json: str | None = None) -> Tokenizer:
+    """The tokenizer a file's metadata describes (`tokenizer_json`: the tokenizer.json text for kind "hf")."""
+    if isinstance(d, dict) and d.get("kind") == "hf":
+        if tokenizer_json is None:
+            raise ValueError("tokenizer kind 'hf' but the file carries no tokenizer.json")
+        return HFTokenizer.from_dict(d, tokenizer_json)
+    return ByteTokenizer.from_dict(d)
 
 
 BYTES = ByteTokenizer()

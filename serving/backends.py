@@ -19,8 +19,8 @@ from torch import Tensor
 
 from sharp.exporter import metadata
 from sharp.exporter.metadata import LayerAttention, ModelMetadata
-from sharp.models.config import ModelConfig
-from sharp.models.tokenizer import ByteTokenizer
+from sharp.models.config import ModelShape
+from sharp.models.tokenizer import Tokenizer
 from sharp.plugins.onnxruntime import choose_library
 
 log = logging.getLogger("sharp.serving")
@@ -42,17 +42,17 @@ class ModelSpec:
     name: str
     backend: str
     metadata: ModelMetadata
-    config: ModelConfig = field(init=False)
+    config: ModelShape = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "config", self.metadata.model_config())
+        object.__setattr__(self, "config", self.metadata.shape)
 
     @property
     def norm(self) -> str:
         return self.metadata.norm
 
     @property
-    def tokenizer(self) -> ByteTokenizer:
+    def tokenizer(self) -> Tokenizer:
         return self.metadata.tokenizer
 
     @property
@@ -212,6 +212,11 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
     path = Path(path)
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if path.is_dir():
+        raise BackendError(
+            f"{path}: a directory; export a Hugging Face model directory with `sharp-export {path} -o model.onnx`"
+            " and serve the file"
+        )
     if not path.is_file():
         raise BackendError(
             f"{path}: no such file (expected {'an .onnx file' if backend == 'onnxruntime' else 'a model.pt'})"

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from sharp.models.sampling import sample
+from sharp.models.tokenizer import TextStream
 from sharp.serving.backends import Backend, StepOutput
 from sharp.serving.cache import BatchCache
 from sharp.serving.metrics import ServingMetrics
@@ -129,6 +130,7 @@ class Sequence:
     generator: torch.Generator
     text: StopText
     stats: HeadStats | None
+    detokenizer: TextStream
     cache: list[torch.Tensor] | None = None  # own cache while prefilling
     length: int = 0  # prompt tokens prefilled so far
     generated: list[int] = field(default_factory=list)
@@ -199,6 +201,7 @@ class Engine:
             torch.Generator().manual_seed(req.seed),
             StopText(req.stop),
             HeadStats(self.spec.layers, self.spec.heads) if req.attention_stats else None,
+            self.tokenizer.stream(),
         )
         with self._cond:
             if self.draining or self._stopping:
@@ -440,16 +443,16 @@ class Engine:
         seq.last_token_time = now
         seq.generated.append(token)
         self._stats.generation_tokens += 1
-        text = seq.text.push(self.tokenizer.token_bytes(token))
+        text = seq.text.push(seq.detokenizer.step(token))
         reason = None
-        if token == self.tokenizer.eos:
+        if token in self.tokenizer.eos_ids:
             reason = "eos"
         elif seq.text.stopped:
             reason = "stop"
         elif len(seq.generated) >= seq.request.max_new_tokens:
             reason = "length"
         if reason is not None:
-            text += seq.text.finish()
+            text += seq.text.finish(seq.detokenizer.finish())
         self._outbox.append((seq, Delta([token], text)))
         if reason is not None:
             self._finish(seq, reason)

@@ -1,4 +1,4 @@
-"""Incremental detokenized text with stop strings, linear in the generated text.
+"""Generated text with stop strings, linear in its length (the tokenizer's stream turns tokens into text).
 
 Each stop string has a KMP automaton whose state is the longest prefix of the stop string that ends the text so
 far: one character costs O(1) amortised per stop string, a match is the state reaching the full length, and the
@@ -6,8 +6,6 @@ text that must be held back (it could still become a stop string) is the largest
 """
 
 from __future__ import annotations
-
-import codecs
 
 
 def _prefix_function(s: str) -> list[int]:
@@ -42,17 +40,17 @@ class _StopMatcher:
 
 
 class StopText:
-    """UTF-8 text as tokens arrive; generation stops before the first completed stop string, and text that could
-    still become one is held back. Split UTF-8 characters are sent whole."""
+    """Text as tokens arrive; generation stops before the first completed stop string, and text that could still
+    become one is held back."""
 
     def __init__(self, stops: tuple[str, ...]):
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.matchers = [_StopMatcher(s) for s in stops if s]
         self.text, self.emitted, self.stopped = "", 0, False
 
-    def push(self, data: bytes) -> str:
-        """Add one token's bytes; returns the text that is now safe to send."""
-        new = self.decoder.decode(data) if data else ""
+    def push(self, new: str) -> str:
+        """Add one token's text; returns the text that is now safe to send."""
+        if self.stopped:
+            return ""
         if not self.matchers:
             self.text += new
             return self._release(len(self.text))
@@ -65,10 +63,10 @@ class StopText:
         self.text += new
         return self._release(len(self.text) - max(m.state for m in self.matchers))
 
-    def finish(self) -> str:
-        if not self.stopped:
-            self.text += self.decoder.decode(b"", final=True)
-        return self._release(len(self.text))
+    def finish(self, rest: str = "") -> str:
+        """The held-back text at the end (`rest`: what the detokenizer still held), stop strings still applied."""
+        out = self.push(rest) if rest else ""
+        return out + self._release(len(self.text))
 
     def _release(self, upto: int) -> str:
         out = self.text[self.emitted : upto] if upto > self.emitted else ""

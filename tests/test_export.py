@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sharp.exporter import metadata
-from sharp.exporter.cli import main, verify
+from sharp.exporter.cli import main, sharplm_reference, verify
 from sharp.models import MaxRetrieval, MaxRetrievalConfig, ModelConfig, SharpLM, registry, save
 
 
@@ -67,7 +67,7 @@ def test_each_norm_exports_as_custom_op_and_matches_pytorch(tmp_path, norm, pos,
     assert all(set(layer.parameters) == set(registry.get(norm).param_names) for layer in meta.layers)
     assert meta.model_config().to_dict() == model.cfg.to_dict()
     # independent of the CLI's own check: unseen lengths and a past cache, in a fresh session
-    for _, d_logits, d_entropy in verify(out, model, kv_cache=True):
+    for _, d_logits, d_entropy in verify(out, model.cfg.shape, True, sharplm_reference(model)):
         assert d_logits < 1e-4 and d_entropy < 1e-4
 
 

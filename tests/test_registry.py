@@ -88,7 +88,9 @@ def test_a_new_normalizer_with_an_existing_algorithm_needs_only_its_entry(monkey
         path.write_bytes(
             export_model(model, ExportSettings(norm="logn", fallback=mode, block_size=4)).SerializeToString()
         )
-        for _, d_logits, d_entropy in export_cli.verify(path, model, kv_cache=True):
+        for _, d_logits, d_entropy in export_cli.verify(
+            path, model.cfg.shape, True, export_cli.sharplm_reference(model)
+        ):
             assert d_logits < 1e-4 and d_entropy < 1e-4
 
 

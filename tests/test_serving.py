@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sharp.exporter.export import ExportSettings, export_model
 from sharp.models import ModelConfig, SharpLM, load, save
 from sharp.models.sampling import GREEDY
+from sharp.models.tokenizer import BYTES
 from sharp.serving import (
     BackgroundServer,
     Client,
@@ -318,13 +319,15 @@ def test_stop_strings_end_generation_without_leaking_text(model_files):
 
 def test_stop_text_holds_back_a_possible_stop_string():
     s = StopText(("END",))
-    out = [s.push(bytes([b])) for b in b"abEN"]
+    out = [s.push(c) for c in "abEN"]
     assert "".join(out) == "ab"  # "EN" could start END
-    assert s.push(b"X") == "ENX"
-    assert s.push(b"E") + s.push(b"N") + s.push(b"D") == "" and s.stopped
+    assert s.push("X") == "ENX"
+    assert s.push("E") + s.push("N") + s.push("D") == "" and s.stopped
     assert s.text == "abENX"
-    u = StopText(())
-    assert [u.push(bytes([b])) for b in "é".encode()] == ["", "é"]  # a split UTF-8 character is sent whole
+    u = StopText(("EN",))
+    assert u.push("aE") == "a" and u.finish("") == "E"  # held back until the end, then sent
+    stream = BYTES.stream()
+    assert [stream.step(b) for b in "é".encode()] == ["", "é"]  # a split UTF-8 character is sent whole
 
 
 def _req(eng: Engine, ids, n, **kw):

@@ -13,6 +13,7 @@ COMMANDS = {
     "repro": "sharp.benchmarks.repro",
     "export": "sharp.benchmarks.export",
     "serve": "sharp.benchmarks.serve",
+    "genai": "sharp.benchmarks.genai",
 }
 
 

@@ -73,7 +73,7 @@ def export_sdpa_baseline(model: SharpLM, path: Path) -> Path:
     with torch.no_grad():
         program = torch.onnx.export(
             wrapper,
-            example_inputs(model, True),
+            example_inputs(model.cfg.shape, True),
             dynamo=True,
             input_names=inputs,
             output_names=outputs,

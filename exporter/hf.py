@@ -1,0 +1,100 @@
+"""Lower a Hugging Face transformers decoder (a model directory) to the same generation graph as a SharpLM.
+
+The model runs with `attn_implementation="sharp"` (models/hf.py), so each attention layer is one
+`torch.ops.sharp.attention` call that the common tracer (export.trace) turns into a `sharp::SharpAttention`
+node; the KV cache travels as flat past/present tensors (a transformers DynamicCache is rebuilt from them inside
+the graph), and the per-head entropy the attention returns in place of its weights becomes `attention_entropy`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import onnx
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache, PretrainedConfig
+
+from sharp.exporter.export import ExportSettings, finalize, trace
+from sharp.exporter.metadata import LayerAttention, ModelMetadata
+from sharp.models import hf
+from sharp.models.tokenizer import HFTokenizer
+
+
+class HFGenerationGraph(nn.Module):
+    """Flat tensor I/O with the Optimum / onnxruntime-genai names around a transformers causal LM."""
+
+    def __init__(self, model: nn.Module, kv_cache: bool):
+        super().__init__()
+        self.model = model
+        self.kv_cache = kv_cache
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, *past: Tensor):
+        cache = DynamicCache(config=self.model.config) if self.kv_cache else None
+        for i in range(len(past) // 2):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=self.kv_cache,
+            output_attentions=True,
+        )
+        presents = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)] if cache else []
+        return (out.logits, *presents, torch.stack(out.attentions, 1))
+
+
+def reference(model: nn.Module, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Logits and entropy (B, layers, heads, L) of the PyTorch model on a whole sequence."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_attentions=True, use_cache=False)
+    return out.logits, torch.stack(out.attentions, 1)
+
+
+def special_ids(path: Path, config: PretrainedConfig) -> tuple[int | None, list[int]]:
+    """BOS and the EOS ids (generation_config.json's list when present, and config.json's)."""
+    eos: list[int] = []
+    generation = path / "generation_config.json"
+    sources = [json.loads(generation.read_text(encoding="utf-8"))] if generation.is_file() else []
+    sources.append({"eos_token_id": config.eos_token_id, "bos_token_id": config.bos_token_id})
+    bos = next((s["bos_token_id"] for s in sources if isinstance(s.get("bos_token_id"), int)), None)
+    for s in sources:
+        value = s.get("eos_token_id")
+        for e in value if isinstance(value, list) else [value]:
+            if isinstance(e, int) and e not in eos:
+                eos.append(e)
+    return bos, eos
+
+
+def load_tokenizer(path: Path, config: PretrainedConfig) -> HFTokenizer:
+    """The model directory's tokenizer.json with its BOS/EOS; ValueError when there is none."""
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(
+            f"{path} has no tokenizer.json (sharp-serve needs one; a slow tokenizer can be converted with "
+            "transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir))"
+        )
+    bos, eos = special_ids(path, config)
+    return HFTokenizer.from_dir(path, config.vocab_size, bos, eos)
+
+
+def metadata(model: nn.Module, tokenizer: HFTokenizer, settings: ExportSettings) -> ModelMetadata:
+    config = model.config
+    shape = hf.shape_of(config)
+    attention = hf.AttentionSettings.of(config)
+    layer = LayerAttention(attention.norm, attention.head_values(shape.heads))
+    config_dict = json.loads(config.to_json_string(use_diff=False))
+    export = {k: v for k, v in asdict(settings).items() if k != "norm"}
+    return ModelMetadata(
+        config_dict, [layer] * shape.layers, tokenizer, export, architecture="transformers", hf_shape=shape
+    )
+
+
+def export_hf(model: nn.Module, tokenizer: HFTokenizer, settings: ExportSettings) -> onnx.ModelProto:
+    """The ONNX ModelProto of a transformers causal LM running sharp's attention."""
+    model = model.eval()
+    shape = hf.shape_of(model.config)
+    proto = trace(HFGenerationGraph(model, settings.kv_cache), shape, settings)
+    return finalize(proto, metadata(model, tokenizer, settings), settings)

@@ -1,0 +1,366 @@
+"""Hugging Face models: sharp's attention inside transformers, export, serving with tokenizer.json.
+
+No model hub is reachable: every model is built from a config with random weights (a wider init than
+transformers' default, so attention is far from uniform and greedy choices are clear) and saved with
+save_pretrained; the tokenizer is a byte-level BPE trained here with `tokenizers`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+
+from sharp.exporter import cli as export_cli  # noqa: E402
+from sharp.exporter import metadata  # noqa: E402
+from sharp.models import hf  # noqa: E402
+from sharp.models.tokenizer import BYTES, HFTokenizer  # noqa: E402
+from sharp.serving import Client  # noqa: E402
+from sharp.serving.backends import BackendError, load_backend  # noqa: E402
+from sharp.serving.engine import Engine, EngineConfig  # noqa: E402
+from sharp.serving.metrics import ServingMetrics  # noqa: E402
+from sharp.serving.server import BackgroundServer, ServerConfig  # noqa: E402
+
+VOCAB = 320
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.15,
+)
+CORPUS = [
+    "def main():\n    return sum(x * x for x in range(10))\n",
+    "The quick brown fox jumps over the lazy dog. Zoë's café serves crème brûlée — naïve! ",
+    "数学 is mathematics; 🎉 celebrations and ✓ checks; Ελληνικά and русский текст. ",
+]
+
+
+def _configs() -> dict[str, transformers.PretrainedConfig]:
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 16}
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    return {
+        "llama": transformers.LlamaConfig(**SIZES, rope_parameters=llama3),
+        "mistral": transformers.MistralConfig(**SIZES, sliding_window=None),
+        "qwen2": transformers.Qwen2Config(**SIZES, tie_word_embeddings=True),  # q/k/v biases, tied embeddings
+        "qwen3": transformers.Qwen3Config(**SIZES),  # q/k norms
+        # Llama-4-style query temperature on every layer: 1 + 0.1·log(1 + floor(pos / 16)), active from position 16.
+        "ministral3": transformers.Ministral3Config(**SIZES, rope_parameters={**yarn, "llama_4_scaling_beta": 0.1}),
+        "gpt2": transformers.GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=512,
+            vocab_size=VOCAB,
+            bos_token_id=1,
+            eos_token_id=2,
+            initializer_range=0.15,
+        ),
+    }
+
+
+def _train_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    tok = _train_tokenizer()
+    dirs = {}
+    for name, config in _configs().items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        dirs[name] = root / name
+        model.save_pretrained(dirs[name])
+        tok.save(str(dirs[name] / "tokenizer.json"))
+    return dirs
+
+
+def _eager(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family", list(_configs()))
+def test_sharp_attention_matches_transformers_eager_with_padding_and_a_cache(hf_dirs, family):
+    eager, ours = _eager(hf_dirs[family]), hf.load_model(hf_dirs[family])
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 40), generator=g)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0  # left padding
+    with torch.no_grad():
+        want = eager(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask, output_attentions=True)
+        assert want.abs().max() > 1.0  # logits far from flat: the comparison below is not about a constant
+        assert (got.logits - want)[mask.bool()].abs().max() < 1e-4
+        ent = torch.stack(got.attentions, 1)  # the entropy travels as the attention "weights"
+        assert ent.shape == (2, 2, 4, 40) and bool((ent >= 0).all()) and bool((ent[0, :, :, 0] == 0).all())
+        # a cache: prefill 30 tokens, then 10 more in two steps, against the whole sequence at once
+        cache = transformers.DynamicCache(config=ours.config)
+        ours(ids[:, :30], attention_mask=mask[:, :30], past_key_values=cache, use_cache=True)
+        for start in (30, 31):
+            stop = start + (1 if start == 30 else 9)
+            step = ours(ids[:, start:stop], attention_mask=mask[:, :stop], past_key_values=cache, use_cache=True)
+            diff = (step.logits - want[:, start:stop])[mask[:, start:stop].bool()].abs().max()
+            assert diff < 1e-4, f"{family}: decode after {start} keys differs by {diff}"
+
+
+def test_ministral3_query_temperature_is_honoured(hf_dirs):
+    """Without the Llama-4-style scaling the logits at positions ≥ 16 would differ: check that they do, so the
+    parity above covers the scaling rather than positions where it is 1."""
+    path = hf_dirs["ministral3"]
+    config = hf.load_config(path)
+    flat = hf.load_config(path)
+    flat.rope_parameters = {**flat.rope_parameters, "llama_4_scaling_beta": 0.0}
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        scaled = hf.load_model(path, config)(ids).logits
+        unscaled = hf.load_model(path, flat)(ids).logits
+    assert (scaled[:, :16] - unscaled[:, :16]).abs().max() < 1e-5
+    assert (scaled[:, 20:] - unscaled[:, 20:]).abs().max() > 1e-2
+
+
+def test_adaptive_never_raises_layer0_entropy(hf_dirs):
+    path = hf_dirs["llama"]
+    sharpened = hf.load_config(path)
+    hf.sharpen(sharpened, "adaptive")
+    ids = torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        soft = hf.load_model(path)(ids, output_attentions=True).attentions[0]
+        adaptive = hf.load_model(path, sharpened)(ids, output_attentions=True).attentions[0]
+    assert bool((adaptive <= soft + 1e-5).all())
+    assert float((soft - adaptive).max()) > 1e-3  # and it does sharpen somewhere
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        (transformers.Gemma3TextConfig(**SIZES), "sliding-window"),
+        (transformers.MistralConfig(**SIZES, sliding_window=64), "sliding-window attention (window 64"),
+        (transformers.LlamaConfig(**SIZES, rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "'dynamic'"),
+        (
+            transformers.LlamaConfig(**SIZES, rope_parameters={"rope_type": "default", "rope_theta": 1e4, "fancy": 1}),
+            "unknown RoPE/scaling fields ['fancy']",
+        ),
+        (transformers.LlamaConfig(**SIZES, use_logn_attn=True), "use_logn_attn"),
+        (transformers.Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=32), "sliding-window"),
+        (transformers.BertConfig(), "model_type 'bert' is not supported"),
+    ],
+)
+def test_what_sharp_cannot_reproduce_is_refused_with_the_reason(config, says):
+    with pytest.raises(hf.UnsupportedModel) as err:
+        hf.check_config(config)
+    assert says in str(err.value)
+
+
+def test_only_inference_time_norms_on_pretrained_models():
+    config = transformers.LlamaConfig(**SIZES)
+    for norm in ("entmax", "asentmax", "ssa"):
+        with pytest.raises(hf.UnsupportedModel, match="learned in training"):
+            hf.sharpen(config, norm)
+    with pytest.raises(ValueError, match="ssmax needs ssmax_s"):
+        hf.sharpen(config, "ssmax")
+    hf.sharpen(config, "ssmax", ssmax_s=1.25)
+    assert config.sharp_attention == {"norm": "ssmax", "ssmax_s": 1.25}
+
+
+def test_sharp_export_cli_on_a_model_directory(hf_dirs, tmp_path, capsys):
+    out = tmp_path / "llama.onnx"
+    assert export_cli.main([str(hf_dirs["llama"]), "--norm", "ssmax", "--ssmax-s", "1.2", "-o", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "2 × sharp::SharpAttention[ssmax]" in said and "check passed" in said
+    meta = metadata.read(out)
+    assert meta.architecture == "transformers" and meta.norm == "ssmax"
+    assert meta.layers[0].parameters == {"ssmax_s": [1.2] * 4}
+    assert (meta.shape.layers, meta.shape.kv_heads, meta.shape.head_dim) == (2, 2, 16)
+    assert isinstance(meta.tokenizer, HFTokenizer) and meta.tokenizer.eos == (2,)
+    assert meta.config["model_type"] == "llama" and meta.config["sharp_attention"]["norm"] == "ssmax"
+    for args, says in (
+        (["--norm", "entmax"], "learned in training"),
+        (["--norm", "ssmax"], "ssmax needs ssmax_s"),
+    ):
+        assert export_cli.main([str(hf_dirs["llama"]), *args, "-o", str(tmp_path / "x.onnx")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and "\n" not in err
+    (tmp_path / "empty").mkdir()
+    assert export_cli.main([str(tmp_path / "empty"), "-o", str(tmp_path / "x.onnx")]) == 2
+    assert "without config.json" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def exported(hf_dirs, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("hf-onnx")
+    files = {}
+    for family in ("llama", "gpt2"):
+        files[family] = out / f"{family}.onnx"
+        assert export_cli.main([str(hf_dirs[family]), "-o", str(files[family])]) == 0
+    return files
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sharp_serve_greedy_equals_transformers_generate(hf_dirs, exported, family):
+    backend = load_backend(exported[family])
+    engine = Engine(backend, EngineConfig(), ServingMetrics(backend.spec))
+    eager = _eager(hf_dirs[family])
+    tok = Tokenizer.from_file(str(hf_dirs[family] / "tokenizer.json"))
+    prompts = ["def main():\n", "The quick brown fox jumps over the lazy dog and", "Zoë 🎉"]
+    with BackgroundServer(engine, ServerConfig(port=0, metrics_port=0)) as srv, Client(srv.target) as c:
+        ids = {p: c.tokenize(p, add_bos=True) for p in prompts}
+        assert ids[prompts[0]] == tok.encode(prompts[0]).ids  # the model's own template adds <s>
+        # concurrent requests of different lengths share a left-padded batch
+        futures = [c.stub.Generate.future(_request(p)) for p in prompts]
+        for prompt, future in zip(prompts, futures, strict=True):
+            r = future.result()
+            with torch.no_grad():
+                want = eager.generate(torch.tensor([ids[prompt]]), max_new_tokens=20, do_sample=False, pad_token_id=0)[
+                    0, len(ids[prompt]) :
+                ].tolist()
+            assert list(r.token_ids) == want
+            assert r.text == tok.decode(want, skip_special_tokens=True)
+            streamed = "".join(ch.text for ch in c.generate_stream(prompt, max_new_tokens=20, temperature=0))
+            assert streamed == r.text
+        info = c.info()
+        assert (info.layers, info.heads, info.context_length) == (2, 4, 512)
+
+
+def _request(prompt: str):
+    from sharp.serving.client import make_request
+
+    return make_request(prompt, max_new_tokens=20, temperature=0)
+
+
+def test_streamed_detokenization_never_splits_a_character(hf_dirs):
+    tok = HFTokenizer.from_dir(hf_dirs["llama"], VOCAB, 1, [2])
+    text = "数学 🎉 ✓ Ελληνικά crème brûlée — русский"
+    ids = tok.encode(text, bos=False)
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    stream = tok.stream()
+    pieces = [stream.step(i) for i in ids]
+    assert "".join(pieces) + stream.finish() == text
+    assert all("\ufffd" not in p for p in pieces) and "" in pieces  # held back while a character is incomplete
+
+
+def test_byte_tokenizer_as_tokenizer_json_encodes_and_decodes_the_same():
+    tok = Tokenizer.from_str(BYTES.tokenizer_json())
+    for text in ("", "hello wörld", "数学 🎉\n\t ✓", " leading space", "\x00\x7f"):
+        assert tok.encode(text).ids == BYTES.encode(text)
+        assert tok.decode(BYTES.encode(text)[1:]) == text
+    assert tok.token_to_id("<bos>") == BYTES.bos and tok.token_to_id("<eos>") == BYTES.eos
+
+
+def test_metadata_of_a_transformers_file_round_trips_and_is_checked(exported):
+    import onnx
+
+    proto = onnx.load(str(exported["llama"]), load_external_data=False)
+    meta = metadata.read(proto)
+    metadata.check_graph(meta, proto)
+    assert meta.tokenizer.encode("def") == HFTokenizer.from_dict(meta.tokenizer.to_dict(), meta.tokenizer.json).encode(
+        "def"
+    )
+    entry = json.loads(next(p.value for p in proto.metadata_props if p.key == metadata.KEY))
+    for change, says in (
+        ({"architecture": "jax"}, "architecture 'jax'"),
+        ({"shape": {**entry["shape"], "kv_heads": 3}}, "not a multiple of kv_heads"),
+        ({"tokenizer": {**entry["tokenizer"], "vocab_size": "many"}}, "does not describe a model"),
+    ):
+        with pytest.raises(metadata.MetadataError) as err:
+            metadata.parse(json.dumps({**entry, **change}), meta.tokenizer.json)
+        assert says in str(err.value)
+    with pytest.raises(metadata.MetadataError, match=r"carries no tokenizer\.json"):
+        metadata.parse(json.dumps(entry))
+    with pytest.raises(BackendError, match="sharp-export"):
+        load_backend(exported["llama"].parent)  # a directory is not a servable file
+
+
+def _genai_greedy(package: Path, ids: list[int], n: int) -> list[int]:
+    og = pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
+    model = og.Model(str(package))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + n, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    out = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        out.append(int(generator.get_next_tokens()[0]))
+    return out
+
+
+def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tokens(hf_dirs, tmp_path):
+    og = pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
+    package = tmp_path / "llama-genai"
+    assert export_cli.main([str(hf_dirs["llama"]), "--norm", "adaptive", "--genai", "-o", str(package)]) == 0
+    config = json.loads((package / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is False and config["model"]["eos_token_id"] == [2]
+    library = config["model"]["decoder"]["session_options"].get("custom_ops_library")
+    assert library is None or (package / library).is_file()  # sharp's kernel travels inside the package
+    prompt = "The quick brown fox"
+    tok = HFTokenizer.from_dir(hf_dirs["llama"], VOCAB, 1, [2])
+    ids = tok.encode(prompt)  # genai's tokenizer does not add BOS: the app prepends model.bos_token_id
+    assert [config["model"]["bos_token_id"], *og.Tokenizer(og.Model(str(package))).encode(prompt)] == ids
+    sharpened = hf.load_config(hf_dirs["llama"])
+    hf.sharpen(sharpened, "adaptive")
+    with torch.no_grad():
+        want = (
+            hf.load_model(hf_dirs["llama"], sharpened)
+            .generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(ids) :]
+            .tolist()
+        )
+    assert _genai_greedy(package, ids, 16) == want
+
+
+def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path):
+    og = pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
+    from sharp.models import ModelConfig, SharpLM, save
+    from sharp.models.sampling import GREEDY
+
+    torch.manual_seed(0)
+    model = SharpLM(ModelConfig(vocab_size=258, dim=32, layers=2, heads=2, norm="ssa", context_length=256))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    save(model, tmp_path / "tiny.pt")
+    package = tmp_path / "tiny-genai"
+    assert export_cli.main([str(tmp_path / "tiny.pt"), "--genai", "-o", str(package)]) == 0
+    prompt = "def main(): ✓"
+    assert list(og.Tokenizer(og.Model(str(package))).encode(prompt)) == BYTES.encode(prompt, bos=False)
+    ids = BYTES.encode(prompt)
+    assert _genai_greedy(package, ids, 20) == model.generate(ids, 20, GREEDY)
+
+
+def test_genai_option_never_writes_over_anything(hf_dirs, tmp_path, capsys):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    for out, says in ((busy, "not an empty directory"), (hf_dirs["llama"] / "pkg", "inside) the input model")):
+        assert export_cli.main([str(hf_dirs["llama"]), "--genai", "-o", str(out)]) == 2
+        assert says in capsys.readouterr().err
+    assert (busy / "keep.txt").read_text() == "mine" and not (hf_dirs["llama"] / "pkg").exists()
