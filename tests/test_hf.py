@@ -364,3 +364,28 @@ def test_genai_option_never_writes_over_anything(hf_dirs, tmp_path, capsys):
         assert export_cli.main([str(hf_dirs["llama"]), "--genai", "-o", str(out)]) == 2
         assert says in capsys.readouterr().err
     assert (busy / "keep.txt").read_text() == "mine" and not (hf_dirs["llama"] / "pkg").exists()
+
+
+def test_bos_and_eos_come_from_the_model_directory(tmp_path):
+    from sharp.exporter.hf import special_ids
+
+    tok = _train_tokenizer()
+    tok.post_processor = None  # no template: BOS only through tokenizer_config.json's add_bos_token
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 7]}))
+    config = transformers.LlamaConfig(**{**SIZES, "eos_token_id": [2, 9]})  # 2 twice: listed once
+    bos, eos = special_ids(tmp_path, config)
+    assert (bos, eos) == (1, [2, 7, 9])
+    prepending = HFTokenizer.from_dir(tmp_path, VOCAB, bos, eos)
+    assert prepending.prepend_bos and prepending.encode("def")[0] == 1 and prepending.encode("def", bos=False)[0] != 1
+    assert prepending.eos_ids == {2, 7, 9}
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    templated = HFTokenizer.from_dir(tmp_path, VOCAB, bos, eos)
+    assert not templated.prepend_bos and templated.encode("def")[:2] != [1, 1]  # BOS once, from the template
+    (tmp_path / "tokenizer.json").unlink()
+    from sharp.exporter.hf import load_tokenizer
+
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_tokenizer(tmp_path, config)
