@@ -80,11 +80,16 @@ def default_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Varia
     return out
 
 
-def compile_variant(v: Variant, arch: int) -> triton.compiler.CompiledKernel:
+# PTX ISA 9.0: the newest the 580-series driver (CUDA 13.0) of the GPUs we are lent loads; Triton's own ptxas
+# would otherwise stamp its newer version (9.4 with Triton 3.9) and the driver would refuse the module.
+PTX_VERSION = 90
+
+
+def compile_variant(v: Variant, arch: int, ptx_version: int = PTX_VERSION) -> triton.compiler.CompiledKernel:
     fn = kernels.KERNELS[v.kernel]
     constexprs = {**v.flags, **_TILE, "BLOCK_D": v.block_d}
     src = ASTSource(fn=fn, signature=_signature(fn, v.dtype, constexprs), constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,14 +98,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=sorted(_DTYPES))
     ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    ap.add_argument(
+        "--ptx-version",
+        type=int,
+        default=PTX_VERSION,
+        help="PTX ISA version as an integer (90 = 9.0); at most what the target driver's CUDA version loads",
+    )
     args = ap.parse_args(argv)
+    if not 60 <= args.ptx_version <= 99:
+        ap.error(f"--ptx-version {args.ptx_version}: give the ISA version as an integer 60-99 (90 = PTX 9.0)")
     if triton.knobs.runtime.interpret:
         print("aot: unset TRITON_INTERPRET; the interpreter cannot compile kernels", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     manifest = []
     for v in default_variants(tuple(args.dtype), tuple(args.head_dim)):
-        ck = compile_variant(v, args.arch)
+        ck = compile_variant(v, args.arch, args.ptx_version)
         (args.out / f"{v.name}.ptx").write_text(ck.asm["ptx"])
         if "cubin" in ck.asm:
             (args.out / f"{v.name}.cubin").write_bytes(ck.asm["cubin"])
@@ -111,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 "kernel": v.kernel,
                 "entry": md.name,
                 "arch": args.arch,
+                "ptx_version": f"{args.ptx_version // 10}.{args.ptx_version % 10}",
                 "num_warps": md.num_warps,
                 "shared_bytes": md.shared,
                 "constexprs": {**v.flags, **_TILE, "BLOCK_D": v.block_d},
