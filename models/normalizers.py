@@ -61,7 +61,12 @@ def polyval(coeffs: tuple[float, ...] | Tensor, x: Tensor) -> Tensor:
     return out
 
 
-def adaptive_beta(h: Tensor, poly: tuple[float, ...] | Tensor = PAPER_POLY, threshold: float = 0.5) -> Tensor:
+ADAPTIVE_THRESHOLD = 0.5  # nats: rows with a lower softmax entropy keep β = 1
+
+
+def adaptive_beta(
+    h: Tensor, poly: tuple[float, ...] | Tensor = PAPER_POLY, threshold: float = ADAPTIVE_THRESHOLD
+) -> Tensor:
     """Inverse temperature β from the entropy H of the softmax row: max(poly(H), 1) above the threshold, else 1."""
     return torch.where(h > threshold, polyval(poly, h).clamp_min(1.0), torch.ones_like(h))
 
@@ -80,7 +85,7 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
 
 
 def adaptive_softmax(
-    x: Tensor, dim: int = -1, poly: tuple[float, ...] | Tensor = PAPER_POLY, threshold: float = 0.5
+    x: Tensor, dim: int = -1, poly: tuple[float, ...] | Tensor = PAPER_POLY, threshold: float = ADAPTIVE_THRESHOLD
 ) -> Tensor:
     """Adaptive-temperature softmax (Veličković et al.): softmax(β(H) x) with H the entropy of softmax(x)."""
     xf = x.to(compute_dtype(x.dtype))

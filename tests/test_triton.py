@@ -95,6 +95,28 @@ def test_split_k_merge_with_empty_splits(norm, lq):
     torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_key_mask_padding_matches_reference(norm, shape):
+    """Left-padded batches as serving builds them: row 0 unpadded, row 1 with 7 padding keys, row 2 with 30, so
+    its first causal queries see only padding (all-masked rows: zero output, zero entropy), plus a hole in the
+    middle of row 0; several tiles and, for decode, several key splits per program."""
+    lq, lk = (21, 45) if shape == "prefill" else (1, 70)
+    q, k, v, qs = _qkv(b=3, hq=4, hkv=2, lq=lq, lk=lk, seed=7)
+    mask = torch.ones(3, lk, dtype=torch.bool)
+    mask[1, :7] = False
+    mask[2, :30] = False
+    mask[0, 20:23] = False
+    kw = _norm_kwargs(norm, 4, qs, per_head=True)
+    o_ref, h_ref = attend(q, k, v, causal=True, key_mask=mask, return_entropy=True, **kw)
+    splits = None if shape == "prefill" else 3
+    o, h = run_problem(_problem(q, k, v, causal=True, key_mask=mask, **kw), block_size=16, splits=splits)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=0)
+    if shape == "prefill":
+        assert bool((o[2, :, :6] == 0).all()) and bool((h[2, :, :6] == 0).all())  # rows that see only padding
+
+
 def test_decode_config_splits_keys_to_fill_the_gpu():
     q, k, v, _ = _qkv(b=1, hq=2, hkv=2, lq=1, lk=4096)
     cfg = launch_config(_problem(q, k, v), block_size=64)

@@ -25,7 +25,7 @@ from sharp.plugins.triton import kernels
 
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 _TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
-_SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "keys_per_split"}
+_SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "keys_per_split", "NPOLY"}
 
 
 @dataclass(frozen=True)
@@ -44,16 +44,19 @@ class Variant:
 
 
 def _signature(fn, dtype: str, constexprs: dict) -> dict[str, str]:
-    """Pointers to the element dtype for Q/K/V, fp32 for state buffers, i32 sizes/strides, fp32 scale."""
+    """Pointers to the element dtype for Q/K/V, int8 for the key mask, fp32 for state buffers, i32 sizes/strides,
+    fp32 scale."""
     sig = {}
     for arg in fn.arg_names:
         if arg in constexprs:
             sig[arg] = "constexpr"
-        elif arg in ("Q", "K", "V"):
+        elif arg in ("Q", "K", "V", "OUT"):
             sig[arg] = f"*{_DTYPES[dtype]}"
         elif arg == "SKIPPED_OUT":
             sig[arg] = "*i32"
-        elif arg == "scale":
+        elif arg == "KMASK":
+            sig[arg] = "*i8"
+        elif arg in ("scale", "beta_threshold"):
             sig[arg] = "fp32"
         elif arg in _SIZES or arg.startswith("s"):  # sizes and strides
             sig[arg] = "i32"
@@ -68,13 +71,18 @@ def default_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Varia
     for dtype in dtypes:
         for d in head_dims:
             for causal in (False, True):
-                base = {"CAUSAL": causal, "HAS_ALIBI": False, "HAS_LAMBDA": False, "DOT_F32": dtype == "fp32"}
-                out.append(
-                    Variant("softmax_family", dtype, d, {**base, "SSA": False, "HAS_ROWF": True, "WITH_V": True})
-                )
-                out.append(
-                    Variant("softmax_family", dtype, d, {**base, "SSA": True, "HAS_ROWF": False, "WITH_V": True})
-                )
+                base = {
+                    "CAUSAL": causal,
+                    "HAS_ALIBI": False,
+                    "HAS_LAMBDA": False,
+                    "HAS_KMASK": False,
+                    "DOT_F32": dtype == "fp32",
+                }
+                # one launch per call: softmax/ssmax (row factor), SSA, adaptive (both sweeps in the program)
+                prefill = {**base, "FINALIZE": True, "WITH_V": True}
+                for ssa, rowf, adaptive in ((False, True, False), (True, False, False), (False, False, True)):
+                    flags = {**prefill, "SSA": ssa, "HAS_ROWF": rowf, "ADAPTIVE": adaptive}
+                    out.append(Variant("softmax_family", dtype, d, flags))
                 for k in ("entmax_max", "entmax_sums", "entmax_output"):
                     out.append(Variant(k, dtype, d, dict(base)))
     return out

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from sharp.models.attention import attend
-from sharp.models.normalizers import Param, adaptive_beta
+from sharp.models.normalizers import ADAPTIVE_THRESHOLD, Param, adaptive_beta
 from sharp.models.problem import AttentionProblem
 from sharp.models.registry import Family, Transform
 from sharp.models.streamed import StreamStats, finish_softmax_state, merge_softmax_states, refine_threshold
@@ -75,10 +75,13 @@ class _Launcher:
         self.dummy = torch.zeros(1, dtype=torch.float32, device=dev)
         self.slopes = p.alibi_slopes.float().contiguous() if p.alibi_slopes is not None else self.dummy
         self.lam = p.query_scale.float().contiguous() if p.query_scale is not None else self.dummy
+        # padding keys: (B, Lk) int8, 1 = present (bool pointers are not portable across Triton versions)
+        self.kmask = p.key_mask.to(torch.int8).contiguous() if p.key_mask is not None else self.dummy
         self.flags = dict(
             CAUSAL=p.causal,
             HAS_ALIBI=p.alibi_slopes is not None,
             HAS_LAMBDA=p.query_scale is not None,
+            HAS_KMASK=p.key_mask is not None,
             DOT_F32=cfg.dot_f32,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -86,7 +89,7 @@ class _Launcher:
         )
         self.qk_strides = (*p.q.stride(), *p.k.stride())
         self.v_strides = p.v.stride()
-        self.sizes = (p.heads, p.group, p.lq, p.lk, p.q.shape[-1], self.bh, p.scale, cfg.keys_per_split)
+        self.sizes = (p.heads, p.group, p.lq, p.lk, p.q.shape[-1], self.bh, p.scale, cfg.keys_per_split, p.lk)
 
     def per_head(self, value: Param) -> Tensor:
         t = torch.as_tensor(value, dtype=torch.float32, device=self.p.q.device)
@@ -102,12 +105,24 @@ class _Launcher:
         return t.reshape(self.p.batch, self.p.heads, *t.shape[1:])
 
 
-def _softmax_family(run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool) -> tuple[Tensor | None, Tensor]:
+def _softmax_family(
+    run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool, adaptive: bool = False
+) -> tuple[Tensor | None, Tensor]:
+    """One launch. With one split and V (prefill) the kernel finishes the output and entropy itself; otherwise it
+    writes per-split partial states that are merged here (split-K decode, or adaptive's statistics pass)."""
     p, cfg = run.p, run.cfg
-    m, lam, kp = run.rows(fill=_NEG_INF), run.rows(), run.rows()
-    acc = run.rows(cfg.block_d) if with_v else run.dummy
+    finalize = cfg.splits == 1 and with_v
+    if finalize:
+        m = lam = kp = acc = run.dummy
+        out = torch.empty(run.bh, p.lq, cfg.block_d, dtype=p.q.dtype, device=p.q.device)
+        ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
+    else:
+        m, lam, kp = run.rows(fill=_NEG_INF), run.rows(), run.rows()
+        acc = run.rows(cfg.block_d) if with_v else run.dummy
+        out = ent = run.dummy
     ssa_n = run.per_head(p.ssa_n) if ssa else run.dummy
     ssa_b = run.per_head(p.ssa_b) if ssa else run.dummy
+    poly = torch.as_tensor(p.poly, dtype=torch.float32, device=p.q.device).contiguous() if adaptive else run.dummy
     _softmax_family_kernel[run.grid](
         p.q,
         p.k,
@@ -115,20 +130,30 @@ def _softmax_family(run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool
         rowf if rowf is not None else run.dummy,
         ssa_n,
         ssa_b,
+        poly,
         run.slopes,
         run.lam,
+        run.kmask,
         m,
         lam,
         kp,
         acc,
+        out,
+        ent,
         *run.qk_strides,
         *run.v_strides,
         *run.sizes,
+        poly.numel() if adaptive else 0,
+        ADAPTIVE_THRESHOLD,
         SSA=ssa,
         HAS_ROWF=rowf is not None,
+        ADAPTIVE=adaptive,
+        FINALIZE=finalize,
         WITH_V=with_v,
         **run.flags,
     )
+    if finalize:
+        return out[..., : p.v.shape[-1]].float(), ent
     _, lam1, kp1, acc1 = merge_softmax_states(m, lam, kp, acc if with_v else None)
     out, ent = finish_softmax_state(lam1, kp1, acc1)
     if out is not None:
@@ -137,15 +162,19 @@ def _softmax_family(run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool
 
 
 def _softmax_family_transform(run: _Launcher, stats: StreamStats) -> tuple[Tensor, Tensor]:
-    """One launch over t = T(z) (two for the entropy-dependent β: a statistics pass without V first)."""
+    """One launch over t = T(z); the entropy-dependent β takes two sweeps — in one program for prefill, as two
+    launches (statistics, then output) when the keys are split."""
     p = run.p
     kind = p.norm.transform
     if kind is Transform.SIGNED_LOG:
         out, ent = _softmax_family(run, None, ssa=True, with_v=True)
     elif kind is Transform.LOG_N_SCALE:
-        log_n = torch.log(p.visible_keys(p.query_positions()).view(-1).float())
+        log_n = torch.log(p.visible_keys(p.query_positions()).view(-1, p.lq).float())
         out, ent = _softmax_family(run, _row_factor(run, run.per_head(p.ssmax_s), log_n), False, True)
-    elif kind is Transform.ENTROPY_BETA:
+    elif kind is Transform.ENTROPY_BETA and run.cfg.splits == 1:  # both sweeps in one program, β on chip
+        out, ent = _softmax_family(run, None, ssa=False, with_v=True, adaptive=True)
+        stats.key_passes += 1
+    elif kind is Transform.ENTROPY_BETA:  # split-K: the entropy needs every split's state first
         _, h = _softmax_family(run, None, ssa=False, with_v=False)
         stats.key_passes += 1
         out, ent = _softmax_family(run, adaptive_beta(h, p.poly).contiguous(), ssa=False, with_v=True)
@@ -160,7 +189,7 @@ def _softmax_family_transform(run: _Launcher, stats: StreamStats) -> tuple[Tenso
 def _row_factor(run: _Launcher, per_head: Tensor, per_row: Tensor) -> Tensor:
     """(Hq,) × (Lq,) → contiguous (B·Hq, Lq) fp32 factors."""
     p = run.p
-    f = per_head.view(1, p.heads, 1) * per_row.view(1, 1, p.lq)
+    f = per_head.view(1, p.heads, 1) * per_row.view(-1, 1, p.lq)  # per_row: (Lq,) or (B, Lq) with a key mask
     return f.expand(p.batch, p.heads, p.lq).reshape(run.bh, p.lq).float().contiguous()
 
 
@@ -169,13 +198,14 @@ def _entmax(run: _Launcher, stats: StreamStats) -> tuple[Tensor, Tensor]:
     am1 = run.per_head(p.alpha) - 1.0
     umax = run.rows(fill=_NEG_INF)
     common = (*run.qk_strides, *run.sizes)
-    _entmax_max_kernel[run.grid](p.q, p.k, am1, run.slopes, run.lam, umax, *common, **run.flags)
+    _entmax_max_kernel[run.grid](p.q, p.k, am1, run.slopes, run.lam, run.kmask, umax, *common, **run.flags)
     stats.key_passes += 1
     umax = umax.amax(0)  # (B·Hq, Lq)
     all_masked = umax == _NEG_INF
     umax = torch.where(all_masked, 0.0, umax).contiguous()
     # τ relative to the row max lies in [−1, −n^{1−α}], n = visible keys of the row
-    n = p.visible_keys(p.query_positions()).view(1, p.lq).to(torch.float32)
+    n = p.visible_keys(p.query_positions()).to(torch.float32).view(-1, 1, p.lq)  # (1 or B, 1, Lq)
+    n = n.expand(p.batch, p.heads, p.lq).reshape(run.bh, p.lq)
     am1_rows = am1.repeat(p.batch).view(run.bh, 1)
     lo = torch.full_like(umax, -1.0)
     hi = (-torch.pow(n, -am1_rows)).expand_as(lo).contiguous()
@@ -184,7 +214,9 @@ def _entmax(run: _Launcher, stats: StreamStats) -> tuple[Tensor, Tensor]:
     s, s1, s2 = run.rows(), run.rows(), run.rows()
     passes = 0
     for _ in range(MAX_THRESHOLD_PASSES):
-        _entmax_sums_kernel[run.grid](p.q, p.k, am1, run.slopes, run.lam, umax, tau, s, s1, s2, *common, **run.flags)
+        _entmax_sums_kernel[run.grid](
+            p.q, p.k, am1, run.slopes, run.lam, run.kmask, umax, tau, s, s1, s2, *common, **run.flags
+        )
         passes += 1
         tau, lo, hi, conv = refine_threshold(
             tau, lo, hi, s.sum(0), s1.sum(0), s2.sum(0), inv, tol=4 * torch.finfo(torch.float32).eps
@@ -204,6 +236,7 @@ def _entmax(run: _Launcher, stats: StreamStats) -> tuple[Tensor, Tensor]:
         am1,
         run.slopes,
         run.lam,
+        run.kmask,
         umax,
         tau,
         zsum,
@@ -247,8 +280,6 @@ def run_problem(
     """Output (B, Hq, Lq, Dv) fp32 and entropy (B, Hq, Lq) for a validated problem."""
     if p.q.device.type != "cuda" and not interpreting():
         raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton)")
-    if p.key_mask is not None:
-        raise ValueError("impl='triton' does not take key_mask yet; use impl='streamed' or 'reference' for padding")
     if p.v.shape[-1] != p.q.shape[-1]:
         raise ValueError(f"impl='triton' needs v's head dim equal to q's, got {p.v.shape[-1]} and {p.q.shape[-1]}")
     if not 1 <= p.q.shape[-1] <= 256:

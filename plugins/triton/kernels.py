@@ -57,12 +57,16 @@ def _logits(
     scale,
     slope,
     lam,
+    KMASK,
+    smb,
     CAUSAL: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_LAMBDA: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """z (BLOCK_M, BLOCK_N) = λ · (scale · q·k + slope · (j − pos)), −inf where masked."""
+    """z (BLOCK_M, BLOCK_N) = λ · (scale · q·k + slope · (j − pos)), −inf where masked (causally, beyond Lk, or a
+    padding key: KMASK (B, Lk) int8, 0 = absent)."""
     cols = start_n + offs_n
     kt_ptrs = K + b * skb + hkv * skh + cols[None, :] * skn + offs_d[:, None] * skd
     kt = tl.load(kt_ptrs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
@@ -76,6 +80,9 @@ def _logits(
     if HAS_LAMBDA:
         z = z * lam[:, None]
     visible = cols[None, :] < LK
+    if HAS_KMASK:
+        present = tl.load(KMASK + b * smb + cols, mask=cols < LK, other=0)
+        visible = visible & (present[None, :] != 0)
     if CAUSAL:
         visible = visible & (cols[None, :] <= qpos[:, None])
     return tl.where(visible, z, float("-inf"))
@@ -110,23 +117,17 @@ def _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI: tl.constexpr, 
 
 
 @triton.jit
-def _softmax_family_kernel(
-    Q,
+def _softmax_sweep(
+    q,
     K,
     V,
-    ROWF,
-    SSA_N,
-    SSA_B,
-    SLOPES,
-    LAMBDA,
-    M_OUT,
-    L_OUT,
-    KP_OUT,
-    ACC_OUT,
-    sqb,
-    sqh,
-    sqm,
-    sqd,
+    b,
+    hkv,
+    lo,
+    hi,
+    offs_n,
+    offs_d,
+    qpos,
     skb,
     skh,
     skn,
@@ -135,46 +136,29 @@ def _softmax_family_kernel(
     svh,
     svn,
     svd,
-    H,
-    GROUP,
-    LQ,
     LK,
     D,
-    BH,
     scale,
-    keys_per_split,
+    slope,
+    lam,
+    KMASK,
+    smb,
+    rowf,
+    ssa_n,
+    ssa_b,
     SSA: tl.constexpr,
-    HAS_ROWF: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_LAMBDA: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
     WITH_V: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Online softmax over t = rowf·z (softmax, ssmax, adaptive) or t = sgn(z) n log(1 + b|z|) (SSA).
-
-    Writes the partial state of its split: m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v.
-    """
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
-    rowf = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-    if HAS_ROWF:
-        rowf = tl.load(ROWF + pid_bh * LQ + offs_m, mask=offs_m < LQ, other=1.0)
-    ssa_n = 1.0
-    ssa_b = 1.0
-    if SSA:
-        ssa_n = tl.load(SSA_N + h)
-        ssa_b = tl.load(SSA_B + h)
-    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
-
+    """One online-softmax walk over keys [lo, hi): m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m),
+    acc = Σ e^{t−m} v."""
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -198,9 +182,12 @@ def _softmax_family_kernel(
             scale,
             slope,
             lam,
+            KMASK,
+            smb,
             CAUSAL,
             HAS_ALIBI,
             HAS_LAMBDA,
+            HAS_KMASK,
             DOT_F32,
         )
         masked = z == float("-inf")
@@ -223,14 +210,127 @@ def _softmax_family_kernel(
             v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
             acc = acc * r[:, None] + _pv(e, v, DOT_F32)
         m_i = m_new
+    return m_i, l_i, kp_i, acc
 
-    row = (pid_s * BH + pid_bh) * LQ + offs_m
+
+@triton.jit
+def _entropy(l_i, kp_i):
+    """H = log Λ − K'/Λ of the finished row; 0 for a row that saw no key."""
+    live = l_i > 0
+    safe = tl.where(live, l_i, 1.0)
+    return tl.where(live, tl.log(safe) - kp_i / safe, 0.0)
+
+
+@triton.jit
+def _softmax_family_kernel(
+    Q,
+    K,
+    V,
+    ROWF,
+    SSA_N,
+    SSA_B,
+    POLY,
+    SLOPES,
+    LAMBDA,
+    KMASK,
+    M_OUT,
+    L_OUT,
+    KP_OUT,
+    ACC_OUT,
+    OUT,
+    ENT_OUT,
+    sqb,
+    sqh,
+    sqm,
+    sqd,
+    skb,
+    skh,
+    skn,
+    skd,
+    svb,
+    svh,
+    svn,
+    svd,
+    H,
+    GROUP,
+    LQ,
+    LK,
+    D,
+    BH,
+    scale,
+    keys_per_split,
+    smb,
+    NPOLY,
+    beta_threshold,
+    SSA: tl.constexpr,
+    HAS_ROWF: tl.constexpr,
+    ADAPTIVE: tl.constexpr,
+    FINALIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    HAS_LAMBDA: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
+    WITH_V: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Online softmax over t = rowf·z (softmax, ssmax, adaptive) or t = sgn(z) n log(1 + b|z|) (SSA).
+
+    FINALIZE (one split: prefill): writes the normalised output (OUT, in its own dtype) and the entropy
+    (ENT_OUT) — one launch per call. ADAPTIVE (with FINALIZE): a first sweep without V gives each row's softmax
+    entropy H, β = max(poly(H), 1) where H > beta_threshold (else 1) is formed on chip, and the second sweep runs
+    softmax(β·z) with V. Otherwise (split-K decode): writes the partial state of its split — m (max t),
+    Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the host to merge.
+    """
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
+    rowf = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    if HAS_ROWF:
+        rowf = tl.load(ROWF + pid_bh * LQ + offs_m, mask=offs_m < LQ, other=1.0)
+    ssa_n = 1.0
+    ssa_b = 1.0
+    if SSA:
+        ssa_n = tl.load(SSA_N + h)
+        ssa_b = tl.load(SSA_B + h)
+    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    if ADAPTIVE:
+        _, l1, kp1, _ = _softmax_sweep(
+            q, K, V, b, hkv, lo, hi, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd, LK, D, scale,
+            slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, False, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, False,
+            DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+        )  # fmt: skip
+        h1 = _entropy(l1, kp1)
+        beta = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for i in range(NPOLY):  # Horner, highest power first
+            beta = beta * h1 + tl.load(POLY + i)
+        rowf = tl.where(h1 > beta_threshold, tl.maximum(beta, 1.0), 1.0)
+    m_i, l_i, kp_i, acc = _softmax_sweep(
+        q, K, V, b, hkv, lo, hi, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd, LK, D, scale,
+        slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, SSA, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V,
+        DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+
     keep = offs_m < LQ
-    tl.store(M_OUT + row, m_i, mask=keep)
-    tl.store(L_OUT + row, l_i, mask=keep)
-    tl.store(KP_OUT + row, kp_i, mask=keep)
-    if WITH_V:
-        tl.store(ACC_OUT + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+    if FINALIZE:
+        row = pid_bh * LQ + offs_m
+        live = l_i > 0
+        out = acc / tl.where(live, l_i, 1.0)[:, None]  # a row with no visible key has acc = 0: output 0
+        tl.store(OUT + row[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
+        tl.store(ENT_OUT + row, _entropy(l_i, kp_i), mask=keep)
+    else:
+        row = (pid_s * BH + pid_bh) * LQ + offs_m
+        tl.store(M_OUT + row, m_i, mask=keep)
+        tl.store(L_OUT + row, l_i, mask=keep)
+        tl.store(KP_OUT + row, kp_i, mask=keep)
+        if WITH_V:
+            tl.store(ACC_OUT + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
 
 
 @triton.jit
@@ -240,6 +340,7 @@ def _entmax_max_kernel(
     AM1,
     SLOPES,
     LAMBDA,
+    KMASK,
     UMAX_OUT,
     sqb,
     sqh,
@@ -257,9 +358,11 @@ def _entmax_max_kernel(
     BH,
     scale,
     keys_per_split,
+    smb,
     CAUSAL: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_LAMBDA: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -295,9 +398,12 @@ def _entmax_max_kernel(
             scale,
             slope,
             lam,
+            KMASK,
+            smb,
             CAUSAL,
             HAS_ALIBI,
             HAS_LAMBDA,
+            HAS_KMASK,
             DOT_F32,
         )
         umax = tl.maximum(umax, tl.max(am1 * z, 1))
@@ -311,6 +417,7 @@ def _entmax_sums_kernel(
     AM1,
     SLOPES,
     LAMBDA,
+    KMASK,
     UMAX,
     TAU,
     S_OUT,
@@ -332,9 +439,11 @@ def _entmax_sums_kernel(
     BH,
     scale,
     keys_per_split,
+    smb,
     CAUSAL: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_LAMBDA: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -378,9 +487,12 @@ def _entmax_sums_kernel(
             scale,
             slope,
             lam,
+            KMASK,
+            smb,
             CAUSAL,
             HAS_ALIBI,
             HAS_LAMBDA,
+            HAS_KMASK,
             DOT_F32,
         )
         d = tl.maximum(am1 * z - shift[:, None], 0.0)
@@ -404,6 +516,7 @@ def _entmax_output_kernel(
     AM1,
     SLOPES,
     LAMBDA,
+    KMASK,
     UMAX,
     TAU,
     Z_OUT,
@@ -430,9 +543,11 @@ def _entmax_output_kernel(
     BH,
     scale,
     keys_per_split,
+    smb,
     CAUSAL: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     HAS_LAMBDA: tl.constexpr,
+    HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -477,9 +592,12 @@ def _entmax_output_kernel(
             scale,
             slope,
             lam,
+            KMASK,
+            smb,
             CAUSAL,
             HAS_ALIBI,
             HAS_LAMBDA,
+            HAS_KMASK,
             DOT_F32,
         )
         d = tl.maximum(am1 * z - shift[:, None], 0.0)
