@@ -204,6 +204,7 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
             str(tmp_path),
             "--dtype",
             "bf16",
+            "fp16",
             "--head-dim",
             "64",
         ],
@@ -220,7 +221,66 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
         ptx = (tmp_path / f"{m['variant']}.ptx").read_text()
         assert ".target sm_90" in ptx and f".entry {m['entry']}(" in ptx
         assert ".version 9.0\n" in ptx and m["ptx_version"] == "9.0"  # what the lent GPUs' 580 driver loads
+        launch = m["launch"]
+        assert launch["scratch_bytes"] == 0  # TensorRT passes null for Triton's hidden scratch pointers
+        assert launch["block"] == [32 * m["num_warps"], 1, 1]
+        assert launch["shared_opt_in"] == (launch["shared_bytes"] > 48 * 1024)
+        params = [a for a in m["signature"] if m["signature"][a] != "constexpr"]
+        assert launch["arguments"] == [*params, "global_scratch", "profile_scratch"]
+        # the PTX entry takes exactly these parameters, in this order (Triton names them <entry>_param_<i>)
+        assert f"{m['entry']}_param_{len(launch['arguments']) - 1}" in ptx
+        assert f"{m['entry']}_param_{len(launch['arguments'])}" not in ptx
         assert (tmp_path / f"{m['variant']}.cubin").stat().st_size > 1000
+    _launch_through_the_manifest(manifest)
+
+
+def _grid(launch: dict, sizes: dict) -> tuple[int, ...]:
+    ceil_div = lambda a, b: -(-a // b)
+    return tuple(int(eval(expr, {"__builtins__": {}}, {"ceil_div": ceil_div, **sizes})) for expr in launch["grid"])
+
+
+def _launch_through_the_manifest(manifest: list[dict]) -> None:
+    """What a plugin does with the manifest alone — arguments by name in its order, the grid from its expressions,
+    the constexprs it records — for the fp16 prefill variants, in the interpreter, against the reference."""
+    from sharp.plugins.triton import kernels
+
+    b, hq, hkv, lq, lk, d = 2, 4, 2, 100, 100, 64  # 2 query blocks × 2 key tiles of 64 per program
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).half() for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    bh, dummy = b * hq, torch.zeros(1)
+    cases = {
+        "softmax_family_fp16_d64_causal_finalize_has_rowf_with_v": ("ssmax", torch.full((bh, lq), 1.0)),
+        "softmax_family_fp16_d64_causal_finalize_ssa_with_v": ("ssa", dummy),
+        "softmax_family_fp16_d64_adaptive_causal_finalize_with_v": ("adaptive", dummy),
+    }
+    entries = {m["variant"]: m for m in manifest}
+    for variant, (norm, rowf) in cases.items():
+        m = entries[variant]
+        out, ent = torch.zeros(bh, lq, d, dtype=torch.float16), torch.zeros(bh, lq)
+        kw = {"ssa_n": 1.5, "ssa_b": 1.0} if norm == "ssa" else {}
+        if norm == "ssmax":  # ssmax's row factor s·log n, s = 1: what the host (or a plugin) computes
+            rowf = torch.log(torch.arange(lk - lq + 1, lk + 1).float()).expand(bh, lq).contiguous()
+            kw = {"ssmax_s": 1.0}
+        poly = torch.tensor((-0.037, 0.481, -2.3, 4.917, -1.791))
+        values = dict(
+            Q=q, K=k, V=v, ROWF=rowf, SSA_N=torch.full((hq,), 1.5), SSA_B=torch.full((hq,), 1.0), POLY=poly,
+            SLOPES=dummy, LAMBDA=dummy, KMASK=dummy, M_OUT=dummy, L_OUT=dummy, KP_OUT=dummy, ACC_OUT=dummy,
+            OUT=out, ENT_OUT=ent, H=hq, GROUP=hq // hkv, LQ=lq, LK=lk, D=d, BH=bh, scale=d**-0.5,
+            keys_per_split=128, smb=lk, NPOLY=poly.numel(), beta_threshold=0.5,
+        )  # fmt: skip
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            values.update(zip((f"s{name}b", f"s{name}h", f"s{name}{'m' if name == 'q' else 'n'}", f"s{name}d"),
+                              t.stride(), strict=True))  # fmt: skip
+        launch = m["launch"]
+        args = [values[a] for a in launch["arguments"] if a not in ("global_scratch", "profile_scratch")]
+        kernels.KERNELS[m["kernel"]][_grid(launch, values)](*args, **m["constexprs"])
+        o_ref, h_ref = attend(
+            q.float(), k.float(), v.float(), norm=norm, causal=True, return_entropy=True,
+            poly=tuple(poly.tolist()), **kw,
+        )  # fmt: skip
+        o = out.view(b, hq, lq, d).float()
+        torch.testing.assert_close(o, o_ref, atol=2e-3, rtol=0, msg=variant)
+        torch.testing.assert_close(ent.view(b, hq, lq), h_ref, atol=1e-3, rtol=0, msg=variant)
 
 
 def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):

@@ -2,8 +2,9 @@
 
 This is what the TensorRT plugin is built from: `python -m sharp.plugins.triton.aot --arch 90 --out DIR`
 writes one `.ptx` and one `.cubin` per kernel variant plus `manifest.json` (entry name, shared memory,
-warps, the constexprs and the argument signature). Must run without TRITON_INTERPRET (the interpreter
-replaces the JIT functions that `triton.compile` needs).
+warps, the constexprs, the argument signature and the launch contract: grid as expressions of the size
+arguments, block, shared memory and its opt-in, scratch, parameter order). Must run without TRITON_INTERPRET
+(the interpreter replaces the JIT functions that `triton.compile` needs).
 """
 
 from __future__ import annotations
@@ -100,6 +101,28 @@ def compile_variant(v: Variant, arch: int, ptx_version: int = PTX_VERSION) -> tr
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version})
 
 
+# Shared memory a kernel may use without cudaFuncSetAttribute(MaxDynamicSharedMemorySize): above it the launcher
+# (a TensorRT plugin, the CUDA driver API) must opt in first.
+SHARED_DEFAULT_LIMIT = 48 * 1024
+HIDDEN_ARGUMENTS = ("global_scratch", "profile_scratch")  # appended by Triton to every kernel's parameters
+
+
+def launch_contract(v: Variant, md) -> dict:
+    """How to launch the compiled variant without Triton: grid (expressions in the kernel's own size arguments;
+    prefill, one key split), block, shared memory and whether it needs the > 48 KB opt-in, scratch (must be 0:
+    TensorRT passes null for the hidden pointers) and the parameters in order, hidden ones last."""
+    fn = kernels.KERNELS[v.kernel]
+    constexprs = {**v.flags, **_TILE, "BLOCK_D": v.block_d}
+    return {
+        "grid": [f"ceil_div(LQ, {_TILE['BLOCK_M']})", "BH", "1"],
+        "block": [md.num_warps * 32, 1, 1],
+        "shared_bytes": md.shared,
+        "shared_opt_in": md.shared > SHARED_DEFAULT_LIMIT,
+        "scratch_bytes": md.global_scratch_size + md.profile_scratch_size,
+        "arguments": [a for a in fn.arg_names if a not in constexprs] + list(HIDDEN_ARGUMENTS),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sharp.plugins.triton.aot", description=__doc__)
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an integer (90 = sm_90)")
@@ -137,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 "shared_bytes": md.shared,
                 "constexprs": {**v.flags, **_TILE, "BLOCK_D": v.block_d},
                 "signature": _signature(kernels.KERNELS[v.kernel], v.dtype, {**v.flags, **_TILE, "BLOCK_D": 0}),
+                "launch": launch_contract(v, md),
             }
         )
         print(f"{v.name}: {md.name}, {md.num_warps} warps, {md.shared} B shared")
