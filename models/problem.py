@@ -37,6 +37,16 @@ class AttentionProblem:
     query_scale: Tensor | None
     alibi_slopes: Tensor | None
     key_mask: Tensor | None = None  # (B, Lk) bool, True = the key exists (False: padding)
+    # The algorithm that runs, decided once by build_problem (it reads α): entmax with α = 1 everywhere is softmax;
+    # None when per-head α mixes 1 with α > 1 (only the reference runs that, row by row).
+    mixed_family: Family | None = Family.SOFTMAX
+
+    @property
+    def family(self) -> Family:
+        """The one algorithm a streamed implementation runs for every head of the call."""
+        if self.mixed_family is None:
+            raise ValueError("streamed attention cannot mix alpha == 1 (softmax) with alpha > 1 across heads")
+        return self.mixed_family
 
     @property
     def batch(self) -> int:
@@ -62,20 +72,6 @@ class AttentionProblem:
     @property
     def group(self) -> int:
         return self.q.shape[1] // self.k.shape[1]
-
-    @property
-    def family(self) -> Family:
-        """The algorithm that runs: entmax with α = 1 everywhere is softmax. Streamed implementations run one
-        algorithm per call, so per-head α mixing 1 with α > 1 is refused for them (the reference handles it
-        row by row)."""
-        if self.norm.family is not Family.ENTMAX:
-            return self.norm.family
-        if isinstance(self.alpha, float):
-            return Family.SOFTMAX if self.alpha == 1.0 else Family.ENTMAX
-        ones = self.alpha == 1.0
-        if bool(ones.any()) and not bool(ones.all()):
-            raise ValueError("streamed attention cannot mix alpha == 1 (softmax) with alpha > 1 across heads")
-        return Family.SOFTMAX if bool(ones.all()) else Family.ENTMAX
 
     @property
     def params(self) -> dict[str, Param]:
@@ -193,6 +189,7 @@ def build_problem(
         else:
             p.check_tensor(value)
     poly_t = tuple(float(c) for c in (poly.tolist() if isinstance(poly, Tensor) else poly))
+    family = _family(spec, params["alpha"])
     return AttentionProblem(
         q=q,
         k=k,
@@ -205,4 +202,18 @@ def build_problem(
         query_scale=query_scale,
         alibi_slopes=alibi_slopes,
         key_mask=key_mask,
+        mixed_family=family,
     )
+
+
+def _family(spec: Norm, alpha: Param) -> Family | None:
+    """Entmax with α = 1 everywhere is softmax; None for per-head α mixing 1 with α > 1. Decided here, with the
+    other value checks, so that the kernels' host code never reads a device value."""
+    if spec.family is not Family.ENTMAX:
+        return spec.family
+    if isinstance(alpha, float):
+        return Family.SOFTMAX if alpha == 1.0 else Family.ENTMAX
+    ones = alpha == 1.0
+    if bool(ones.any()) and not bool(ones.all()):
+        return None
+    return Family.SOFTMAX if bool(ones.all()) else Family.ENTMAX

@@ -26,7 +26,7 @@ from sharp.plugins.triton import kernels
 
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 _TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
-_SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "keys_per_split", "NPOLY"}
+_SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "keys_per_split", "NPOLY", "max_passes"}
 
 
 @dataclass(frozen=True)
@@ -53,11 +53,11 @@ def _signature(fn, dtype: str, constexprs: dict) -> dict[str, str]:
             sig[arg] = "constexpr"
         elif arg in ("Q", "K", "V", "OUT"):
             sig[arg] = f"*{_DTYPES[dtype]}"
-        elif arg == "SKIPPED_OUT":
+        elif arg in ("SKIPPED_OUT", "COUNTS"):
             sig[arg] = "*i32"
         elif arg == "KMASK":
             sig[arg] = "*i8"
-        elif arg in ("scale", "beta_threshold"):
+        elif arg in ("scale", "beta_threshold", "tol"):
             sig[arg] = "fp32"
         elif arg in _SIZES or arg.startswith("s"):  # sizes and strides
             sig[arg] = "i32"
@@ -84,8 +84,8 @@ def default_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Varia
                 for ssa, rowf, adaptive in ((False, True, False), (True, False, False), (False, False, True)):
                     flags = {**prefill, "SSA": ssa, "HAS_ROWF": rowf, "ADAPTIVE": adaptive}
                     out.append(Variant("softmax_family", dtype, d, flags))
-                for k in ("entmax_max", "entmax_sums", "entmax_output"):
-                    out.append(Variant(k, dtype, d, dict(base)))
+                # entmax / asentmax: max, threshold and output sweeps in one program (general α; no counters)
+                out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False}))
     return out
 
 

@@ -16,11 +16,12 @@ from sharp.models.attention import attend
 from sharp.models.normalizers import ADAPTIVE_THRESHOLD, Param, adaptive_beta
 from sharp.models.problem import AttentionProblem
 from sharp.models.registry import Family, Transform
-from sharp.models.streamed import StreamStats, finish_softmax_state, merge_softmax_states, refine_threshold
+from sharp.models.streamed import StreamStats, finish_softmax_state, merge_softmax_states
 from sharp.plugins.triton.kernels import (
-    _entmax_max_kernel,
+    _entmax_kernel,
+    _entmax_logits_kernel,
     _entmax_output_kernel,
-    _entmax_sums_kernel,
+    _entmax_threshold_kernel,
     _softmax_family_kernel,
 )
 
@@ -193,70 +194,77 @@ def _row_factor(run: _Launcher, per_head: Tensor, per_row: Tensor) -> Tensor:
     return f.expand(p.batch, p.heads, p.lq).reshape(run.bh, p.lq).float().contiguous()
 
 
-def _entmax(run: _Launcher, stats: StreamStats) -> tuple[Tensor, Tensor]:
+def _alpha_fast_path(alpha: Param) -> int:
+    """The kernels' FAST constexpr: 2 when every head has α = 1.5, 1 when α = 2 (powers without exp/log), else 0.
+    Only a Python float decides it — reading a tensor's values would synchronise with the device."""
+    if isinstance(alpha, float):
+        return {1.5: 2, 2.0: 1}.get(alpha, 0)
+    return 0
+
+
+_THRESHOLD_TOL = 4 * torch.finfo(torch.float32).eps
+_THRESHOLD_ROWS = 16  # rows per program of the split-K threshold kernel
+
+
+def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
+    """One launch with one key split (prefill); split-K decode is three launches (logits → τ per row on chip →
+    partial outputs) and device-side sums. Never a host synchronisation unless `stats` asks for the counts."""
     p, cfg = run.p, run.cfg
     am1 = run.per_head(p.alpha) - 1.0
-    umax = run.rows(fill=_NEG_INF)
-    common = (*run.qk_strides, *run.sizes)
-    _entmax_max_kernel[run.grid](p.q, p.k, am1, run.slopes, run.lam, run.kmask, umax, *common, **run.flags)
-    stats.key_passes += 1
-    umax = umax.amax(0)  # (B·Hq, Lq)
-    all_masked = umax == _NEG_INF
-    umax = torch.where(all_masked, 0.0, umax).contiguous()
-    # τ relative to the row max lies in [−1, −n^{1−α}], n = visible keys of the row
-    n = p.visible_keys(p.query_positions()).to(torch.float32).view(-1, 1, p.lq)  # (1 or B, 1, Lq)
-    n = n.expand(p.batch, p.heads, p.lq).reshape(run.bh, p.lq)
-    am1_rows = am1.repeat(p.batch).view(run.bh, 1)
-    lo = torch.full_like(umax, -1.0)
-    hi = (-torch.pow(n, -am1_rows)).expand_as(lo).contiguous()
-    tau = lo.clone()
-    inv = 1.0 / am1_rows
-    s, s1, s2 = run.rows(), run.rows(), run.rows()
-    passes = 0
-    for _ in range(MAX_THRESHOLD_PASSES):
-        _entmax_sums_kernel[run.grid](
-            p.q, p.k, am1, run.slopes, run.lam, run.kmask, umax, tau, s, s1, s2, *common, **run.flags
-        )
-        passes += 1
-        tau, lo, hi, conv = refine_threshold(
-            tau, lo, hi, s.sum(0), s1.sum(0), s2.sum(0), inv, tol=4 * torch.finfo(torch.float32).eps
-        )
-        tau = tau.contiguous()
-        if bool((conv | all_masked).all()):
-            break
-    stats.key_passes += passes + 1
-    stats.threshold_passes = max(stats.threshold_passes, passes)
-    stats.per_chunk_threshold_passes.append(passes)
+    fast = _alpha_fast_path(p.alpha)
+    count = stats is not None
+    if cfg.splits == 1:
+        out = torch.empty(run.bh, p.lq, cfg.block_d, dtype=p.q.dtype, device=p.q.device)
+        ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
+        counts = torch.zeros(run.bh, run.grid[0], 2, dtype=torch.int32, device=p.q.device) if count else run.dummy
+        _entmax_kernel[run.grid[:2]](
+            p.q, p.k, p.v, am1, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
+            p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, _THRESHOLD_TOL,
+            FAST=fast, COUNT=count, **run.flags,
+        )  # fmt: skip
+        if count:
+            passes = int(counts[..., 0].max()) if counts.numel() else 0
+            skipped = int(counts[..., 1].sum())
+            _count(stats, p, cfg, passes, skipped)
+        return out[..., : p.v.shape[-1]].float(), ent
+    common = (*run.qk_strides, *run.v_strides, *run.sizes)
+    u = torch.empty(run.bh, p.lq, p.lk, dtype=torch.float32, device=p.q.device)
+    _entmax_logits_kernel[run.grid](
+        p.q, p.k, am1, run.slopes, run.lam, run.kmask, u, *run.qk_strides,
+        p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, cfg.keys_per_split, p.lk, **run.flags,
+    )  # fmt: skip
+    rows = run.bh * p.lq
+    umax = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
+    tau = torch.empty_like(umax)
+    programs = -(-rows // _THRESHOLD_ROWS)
+    counts = torch.zeros(programs, dtype=torch.int32, device=p.q.device) if count else run.dummy
+    _entmax_threshold_kernel[(programs,)](
+        u, am1, umax, tau, counts, p.heads, p.lq, p.lk, rows, MAX_THRESHOLD_PASSES, _THRESHOLD_TOL,
+        FAST=fast, COUNT=count, BLOCK_R=_THRESHOLD_ROWS, BLOCK_N=cfg.block_n,
+    )  # fmt: skip
     zsum, plogp, acc = run.rows(), run.rows(), run.rows(cfg.block_d)
     skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)
     _entmax_output_kernel[run.grid](
-        p.q,
-        p.k,
-        p.v,
-        am1,
-        run.slopes,
-        run.lam,
-        run.kmask,
-        umax,
-        tau,
-        zsum,
-        plogp,
-        acc,
-        skipped,
-        *run.qk_strides,
-        *run.v_strides,
-        *run.sizes,
-        **run.flags,
-    )
-    visible_tiles = _visible_tiles(p, cfg)
-    stats.tiles_total += visible_tiles
-    stats.tiles_skipped += int(skipped.sum())
+        p.q, p.k, p.v, am1, run.slopes, run.lam, run.kmask, umax, tau, zsum, plogp, acc, skipped, *common,
+        FAST=fast, **run.flags,
+    )  # fmt: skip
+    if count:
+        _count(stats, p, cfg, int(counts.max()), int(skipped.sum()))
     zsum, plogp, acc = zsum.sum(0), plogp.sum(0), acc.sum(0)
     live = zsum > 0
     safe = torch.where(live, zsum, 1.0)
     out = acc[..., : p.v.shape[-1]] / safe.unsqueeze(-1)
     ent = torch.where(live, torch.log(safe) - plogp / safe, 0.0)
     return out, ent
+
+
+def _count(stats: StreamStats, p: AttentionProblem, cfg: LaunchConfig, passes: int, skipped: int) -> None:
+    """Fold the kernels' counters into `stats` (key passes: max, threshold passes, output)."""
+    stats.key_passes += passes + 2
+    stats.threshold_passes = max(stats.threshold_passes, passes)
+    stats.per_chunk_threshold_passes.append(passes)
+    stats.tiles_total += _visible_tiles(p, cfg)
+    stats.tiles_skipped += skipped
 
 
 def _visible_tiles(p: AttentionProblem, cfg: LaunchConfig) -> int:
@@ -277,20 +285,20 @@ def run_problem(
     splits: int | None = None,
     stats: StreamStats | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Output (B, Hq, Lq, Dv) fp32 and entropy (B, Hq, Lq) for a validated problem."""
+    """Output (B, Hq, Lq, Dv) fp32 and entropy (B, Hq, Lq) for a validated problem. `stats` (optional) collects
+    the entmax kernels' pass and skip counters — reading them synchronises with the device."""
     if p.q.device.type != "cuda" and not interpreting():
         raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton)")
     if p.v.shape[-1] != p.q.shape[-1]:
         raise ValueError(f"impl='triton' needs v's head dim equal to q's, got {p.v.shape[-1]} and {p.q.shape[-1]}")
     if not 1 <= p.q.shape[-1] <= 256:
         raise ValueError(f"impl='triton' supports head dims up to 256, got {p.q.shape[-1]}")
-    stats = stats if stats is not None else StreamStats()
     cfg = launch_config(p, block_size, splits)
     run = _Launcher(p, cfg)
     if p.family is Family.ENTMAX:
         out, ent = _entmax(run, stats)
     else:
-        out, ent = _softmax_family_transform(run, stats)
+        out, ent = _softmax_family_transform(run, stats if stats is not None else StreamStats())
     return run.unflatten(out), run.unflatten(ent)
 
 

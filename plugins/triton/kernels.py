@@ -334,227 +334,265 @@ def _softmax_family_kernel(
 
 
 @triton.jit
-def _entmax_max_kernel(
-    Q,
-    K,
-    AM1,
-    SLOPES,
-    LAMBDA,
-    KMASK,
-    UMAX_OUT,
-    sqb,
-    sqh,
-    sqm,
-    sqd,
-    skb,
-    skh,
-    skn,
-    skd,
-    H,
-    GROUP,
-    LQ,
-    LK,
-    D,
-    BH,
-    scale,
-    keys_per_split,
-    smb,
-    CAUSAL: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    HAS_LAMBDA: tl.constexpr,
-    HAS_KMASK: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Entmax pass 1: per-row max of u = (α−1) z over the split."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
-    am1 = tl.load(AM1 + h)
-    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
-    umax = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    for start_n in range(lo, hi, BLOCK_N):
-        z = _logits(
-            q,
-            K,
-            b,
-            hkv,
-            start_n,
-            offs_n,
-            offs_d,
-            qpos,
-            skb,
-            skh,
-            skn,
-            skd,
-            LK,
-            D,
-            scale,
-            slope,
-            lam,
-            KMASK,
-            smb,
-            CAUSAL,
-            HAS_ALIBI,
-            HAS_LAMBDA,
-            HAS_KMASK,
-            DOT_F32,
-        )
-        umax = tl.maximum(umax, tl.max(am1 * z, 1))
-    tl.store(UMAX_OUT + (pid_s * BH + pid_bh) * LQ + offs_m, umax, mask=offs_m < LQ)
+def _powers(d, inv, FAST: tl.constexpr):
+    """(d^inv, d^(inv−1), Σ-ready d^(inv−2)) for d ≥ 0, each 0 where d = 0. FAST = 2: inv = 2 (α = 1.5);
+    FAST = 1: inv = 1 (α = 2) — no exp/log on the fast paths."""
+    live = d > 0
+    if FAST == 2:
+        p0 = d * d
+        p1 = d
+        p2 = tl.where(live, 1.0, 0.0)
+    elif FAST == 1:  # α = 2 takes Newton's step: S'' is not needed
+        p0 = d
+        p1 = tl.where(live, 1.0, 0.0)
+        p2 = tl.zeros_like(d)
+    else:
+        logd = tl.log(tl.where(live, d, 1.0))
+        p0 = tl.where(live, tl.exp(inv * logd), 0.0)
+        p1 = tl.where(live, tl.exp((inv - 1.0) * logd), 0.0)
+        p2 = tl.where(live, tl.exp((inv - 2.0) * logd), 0.0)
+    return p0, p1, p2
 
 
 @triton.jit
-def _entmax_sums_kernel(
-    Q,
-    K,
-    AM1,
-    SLOPES,
-    LAMBDA,
-    KMASK,
-    UMAX,
-    TAU,
-    S_OUT,
-    S1_OUT,
-    S2_OUT,
-    sqb,
-    sqh,
-    sqm,
-    sqd,
-    skb,
-    skh,
-    skn,
-    skd,
-    H,
-    GROUP,
-    LQ,
-    LK,
-    D,
-    BH,
-    scale,
-    keys_per_split,
-    smb,
-    CAUSAL: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    HAS_LAMBDA: tl.constexpr,
-    HAS_KMASK: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Entmax threshold pass: with d = [u − max u − τ]_+ and inv = 1/(α−1), partial Σ d^inv, Σ d^(inv−1),
-    Σ_{d>0} d^(inv−2) for the host's safeguarded Halley/Newton step. Tiles with no d > 0 skip the powers."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+def _weights(d, inv, FAST: tl.constexpr):
+    """w = d^inv and log w (0 where d = 0) for the output and its entropy."""
+    live = d > 0
+    logw = inv * tl.log(tl.where(live, d, 1.0))
+    if FAST == 2:
+        w = d * d
+    elif FAST == 1:
+        w = d
+    else:
+        w = tl.where(live, tl.exp(logw), 0.0)
+    return w, logw
+
+
+@triton.jit
+def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
+    """One safeguarded root step for S(τ) = Σ d^inv = 1 per row (the streamed oracle's `refine_threshold`):
+    Halley where S'' is bounded (α ≤ 1.5), Newton otherwise, bisection when the step leaves the bracket."""
+    f = s0 - 1.0
+    above = f > 0
+    lo = tl.where(above, tau, lo)
+    hi = tl.where(above, hi, tau)
+    fp = -inv * s1
+    fpp = inv * (inv - 1.0) * s2
+    halley = 2.0 * f * fp / (2.0 * fp * fp - f * fpp)
+    newton = f / fp
+    cand = tau - tl.where(inv >= 2.0, halley, newton)
+    ok = (cand == cand) & (tl.abs(cand) < float("inf")) & (cand >= lo) & (cand <= hi)
+    new = tl.where(ok, cand, 0.5 * (lo + hi))
+    conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol)
+    return new, lo, hi, conv
+
+
+@triton.jit
+def _bracket(umax, cnt, am1, keep):
+    """Row shift (max u, 0 for a row with no key), τ's bracket [−1, −n^{1−α}] relative to it, and the rows that
+    need no refinement (no visible key, or past Lq)."""
+    dead = (umax == float("-inf")) | (keep == 0)
+    shift = tl.where(umax == float("-inf"), 0.0, umax)
+    lo = tl.zeros_like(umax) - 1.0
+    hi = tl.where(cnt > 0, -tl.exp(-am1 * tl.log(tl.maximum(cnt, 1.0))), -1.0)
+    return shift, lo, hi, dead
+
+
+@triton.jit
+def _entmax_program(
+    Q, K, V, AM1, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
+    pid_m, pid_bh, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
+    CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep (and visible-key count),
+    safeguarded Halley/Newton threshold sweeps until every row has converged (at most max_passes; no host sync),
+    and an output sweep that skips the V load and P·V of tiles with no support. Writes the output in OUT's dtype
+    and the entropy; COUNT: also (threshold passes, skipped tiles) of the program."""
+    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, 0, H, GROUP, LQ, LK, LK, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
     am1 = tl.load(AM1 + h)
     inv = 1.0 / am1
     keep = offs_m < LQ
-    shift = tl.load(UMAX + pid_bh * LQ + offs_m, mask=keep, other=0.0) + tl.load(
-        TAU + pid_bh * LQ + offs_m, mask=keep, other=0.0
-    )
     q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
-    s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+    umax = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    cnt = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         z = _logits(
-            q,
-            K,
-            b,
-            hkv,
-            start_n,
-            offs_n,
-            offs_d,
-            qpos,
-            skb,
-            skh,
-            skn,
-            skd,
-            LK,
-            D,
-            scale,
-            slope,
-            lam,
-            KMASK,
-            smb,
-            CAUSAL,
-            HAS_ALIBI,
-            HAS_LAMBDA,
-            HAS_KMASK,
-            DOT_F32,
-        )
-        d = tl.maximum(am1 * z - shift[:, None], 0.0)
+            q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
+            CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
+        )  # fmt: skip
+        umax = tl.maximum(umax, tl.max(am1 * z, 1))
+        cnt += tl.sum(tl.where(z > float("-inf"), 1.0, 0.0), 1)
+    shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
+    tau = t_lo
+    passes = pid_m * 0
+    todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
+    while todo:
+        s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for start_n in range(lo, hi, BLOCK_N):
+            z = _logits(
+                q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK,
+                smb, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
+            )  # fmt: skip
+            d = tl.maximum(am1 * z - (shift + tau)[:, None], 0.0)
+            if tl.max(tl.max(d, 1), 0) > 0:
+                p0, p1, p2 = _powers(d, inv, FAST)
+                s0 += tl.sum(p0, 1)
+                s1 += tl.sum(p1, 1)
+                s2 += tl.sum(p2, 1)
+        tau, t_lo, t_hi, conv = _refine(tau, t_lo, t_hi, s0, s1, s2, inv, tol)
+        passes += 1
+        todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
+    zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    skipped = pid_m * 0
+    for start_n in range(lo, hi, BLOCK_N):
+        z = _logits(
+            q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
+            CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
+        )  # fmt: skip
+        d = tl.maximum(am1 * z - (shift + tau)[:, None], 0.0)
         if tl.max(tl.max(d, 1), 0) > 0:
-            live = d > 0
-            logd = tl.log(tl.where(live, d, 1.0))
-            s0 += tl.sum(tl.where(live, tl.exp(inv * logd), 0.0), 1)
-            s1 += tl.sum(tl.where(live, tl.exp((inv - 1.0) * logd), 0.0), 1)
-            s2 += tl.sum(tl.where(live, tl.exp((inv - 2.0) * logd), 0.0), 1)
-    row = (pid_s * BH + pid_bh) * LQ + offs_m
-    tl.store(S_OUT + row, s0, mask=keep)
-    tl.store(S1_OUT + row, s1, mask=keep)
-    tl.store(S2_OUT + row, s2, mask=keep)
+            w, logw = _weights(d, inv, FAST)
+            zsum += tl.sum(w, 1)
+            plogp += tl.sum(w * logw, 1)
+            v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
+            acc += _pv(w, v, DOT_F32)
+        else:
+            skipped += 1
+    live = zsum > 0
+    safe = tl.where(live, zsum, 1.0)
+    row = pid_bh * LQ + offs_m
+    out = acc / safe[:, None]
+    tl.store(OUT + row[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
+    tl.store(ENT_OUT + row, tl.where(live, tl.log(safe) - plogp / safe, 0.0), mask=keep)
+    if COUNT:
+        slot = COUNTS + (pid_bh * tl.cdiv(LQ, BLOCK_M) + pid_m) * 2
+        tl.store(slot, passes)
+        tl.store(slot + 1, skipped)
+
+
+@triton.jit
+def _entmax_kernel(
+    Q, K, V, AM1, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
+    CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`)."""
+    _entmax_program(
+        Q, K, V, AM1, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
+        CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def _entmax_logits_kernel(
+    Q, K, AM1, SLOPES, LAMBDA, KMASK, U_OUT,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+    H, GROUP, LQ, LK, D, scale, keys_per_split, smb,
+    CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Split-K entmax decode, step 1: u = (α−1) z of this split's keys into U (B·Hq, Lq, Lk) fp32 (−inf where
+    masked), so the threshold kernel reads 4 bytes per logit instead of recomputing Q·Kᵀ every pass."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
+    am1 = tl.load(AM1 + h)
+    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    keep = offs_m < LQ
+    row = pid_bh * LQ + offs_m
+    end = tl.minimum(pid_s * keys_per_split + keys_per_split, LK)
+    for start_n in range(lo, end, BLOCK_N):
+        cols = start_n + offs_n
+        if start_n < hi:
+            z = _logits(
+                q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK,
+                smb, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
+            )  # fmt: skip
+            u = am1 * z
+        else:  # causally hidden from every row of the block
+            u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) - float("inf")
+        tl.store(U_OUT + row[:, None] * LK + cols[None, :], u, mask=keep[:, None] & (cols[None, :] < end))
+
+
+@triton.jit
+def _entmax_threshold_kernel(
+    U, AM1, UMAX_OUT, TAU_OUT, COUNTS, H, LQ, LK, ROWS, max_passes, tol,
+    FAST: tl.constexpr, COUNT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Split-K entmax decode, step 2: each row's max u and τ from U, the same safeguarded refinement as the
+    fused kernel, iterated on chip until the program's rows converge — no host sync between passes."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    keep = rows < ROWS
+    am1 = tl.load(AM1 + (rows // LQ) % H, mask=keep, other=1.0)
+    inv = 1.0 / am1
+    offs_n = tl.arange(0, BLOCK_N)
+    umax = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    cnt = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for start_n in range(0, LK, BLOCK_N):
+        cols = start_n + offs_n
+        u = tl.load(
+            U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
+        )
+        umax = tl.maximum(umax, tl.max(u, 1))
+        cnt += tl.sum(tl.where(u > float("-inf"), 1.0, 0.0), 1)
+    shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
+    tau = t_lo
+    passes = pid * 0
+    todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
+    while todo:
+        s0 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        s1 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        s2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for start_n in range(0, LK, BLOCK_N):
+            cols = start_n + offs_n
+            u = tl.load(
+                U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
+            )
+            d = tl.maximum(u - (shift + tau)[:, None], 0.0)
+            p0, p1, p2 = _powers(d, inv[:, None], FAST)
+            s0 += tl.sum(p0, 1)
+            s1 += tl.sum(p1, 1)
+            s2 += tl.sum(p2, 1)
+        tau, t_lo, t_hi, conv = _refine(tau, t_lo, t_hi, s0, s1, s2, inv, tol)
+        passes += 1
+        todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
+    tl.store(UMAX_OUT + rows, shift, mask=keep)
+    tl.store(TAU_OUT + rows, tau, mask=keep)
+    if COUNT:
+        tl.store(COUNTS + pid, passes)
 
 
 @triton.jit
 def _entmax_output_kernel(
-    Q,
-    K,
-    V,
-    AM1,
-    SLOPES,
-    LAMBDA,
-    KMASK,
-    UMAX,
-    TAU,
-    Z_OUT,
-    PLOGP_OUT,
-    ACC_OUT,
-    SKIPPED_OUT,
-    sqb,
-    sqh,
-    sqm,
-    sqd,
-    skb,
-    skh,
-    skn,
-    skd,
-    svb,
-    svh,
-    svn,
-    svd,
-    H,
-    GROUP,
-    LQ,
-    LK,
-    D,
-    BH,
-    scale,
-    keys_per_split,
-    smb,
-    CAUSAL: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    HAS_LAMBDA: tl.constexpr,
-    HAS_KMASK: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, AM1, SLOPES, LAMBDA, KMASK, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, SKIPPED_OUT,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb,
+    CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
-    """Entmax output pass: w = [u − max u − τ]_+^{1/(α−1)}; partial Σ w, Σ w log w, Σ w v. Key tiles where
-    every w is 0 skip the V load and the second matmul; their count is written per program."""
+):  # fmt: skip
+    """Split-K entmax decode, step 3: w = [u − max u − τ]_+^{1/(α−1)}; partial Σ w, Σ w log w, Σ w v per split
+    (summed on the device by the host's tensor ops). Key tiles where every w is 0 skip the V load and the second
+    matmul; their count is written per program."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -575,36 +613,12 @@ def _entmax_output_kernel(
     skipped = 0
     for start_n in range(lo, hi, BLOCK_N):
         z = _logits(
-            q,
-            K,
-            b,
-            hkv,
-            start_n,
-            offs_n,
-            offs_d,
-            qpos,
-            skb,
-            skh,
-            skn,
-            skd,
-            LK,
-            D,
-            scale,
-            slope,
-            lam,
-            KMASK,
-            smb,
-            CAUSAL,
-            HAS_ALIBI,
-            HAS_LAMBDA,
-            HAS_KMASK,
-            DOT_F32,
-        )
+            q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
+            CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
+        )  # fmt: skip
         d = tl.maximum(am1 * z - shift[:, None], 0.0)
         if tl.max(tl.max(d, 1), 0) > 0:
-            live = d > 0
-            logw = inv * tl.log(tl.where(live, d, 1.0))
-            w = tl.where(live, tl.exp(logw), 0.0)
+            w, logw = _weights(d, inv, FAST)
             zsum += tl.sum(w, 1)
             plogp += tl.sum(w * logw, 1)
             v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
@@ -621,7 +635,8 @@ def _entmax_output_kernel(
 
 KERNELS = {
     "softmax_family": _softmax_family_kernel,
-    "entmax_max": _entmax_max_kernel,
-    "entmax_sums": _entmax_sums_kernel,
+    "entmax": _entmax_kernel,
+    "entmax_logits": _entmax_logits_kernel,
+    "entmax_threshold": _entmax_threshold_kernel,
     "entmax_output": _entmax_output_kernel,
 }
