@@ -236,6 +236,8 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
             sys.executable,
             "-m",
             "sharp.plugins.triton.aot",
+            "--kernels",
+            "torch",
             "--arch",
             "90",
             "--out",
@@ -287,7 +289,7 @@ def _launch_through_the_manifest(manifest: list[dict]) -> None:
     q, k, v = (torch.randn(b, h, n, d, generator=g).half() for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
     bh, dummy = b * hq, torch.zeros(1)
     cases = {
-        "softmax_family_fp16_d64_causal_finalize_has_rowf_with_v": ("ssmax", torch.full((bh, lq), 1.0)),
+        "softmax_family_fp16_d64_causal_finalize_logn_with_v": ("ssmax", dummy),
         "softmax_family_fp16_d64_causal_finalize_ssa_with_v": ("ssa", dummy),
         "softmax_family_fp16_d64_adaptive_causal_finalize_with_v": ("adaptive", dummy),
         "entmax_fp16_d64_causal": ("entmax", dummy),
@@ -297,16 +299,16 @@ def _launch_through_the_manifest(manifest: list[dict]) -> None:
         m = entries[variant]
         out, ent = torch.zeros(bh, lq, d, dtype=torch.float16), torch.zeros(bh, lq)
         kw = {"ssa_n": 1.5, "ssa_b": 1.0} if norm == "ssa" else {}
-        if norm == "ssmax":  # ssmax's row factor s·log n, s = 1: what the host (or a plugin) computes
-            rowf = torch.log(torch.arange(lk - lq + 1, lk + 1).float()).expand(bh, lq).contiguous()
-            kw = {"ssmax_s": 1.0}
+        if norm == "ssmax":  # s·log n, n counted in the kernel
+            kw = {"ssmax_s": 1.3}
         poly = torch.tensor((-0.037, 0.481, -2.3, 4.917, -1.791))
         values = dict(
-            Q=q, K=k, V=v, ROWF=rowf, SSA_N=torch.full((hq,), 1.5), SSA_B=torch.full((hq,), 1.0), POLY=poly,
+            Q=q, K=k, V=v, ROWF=rowf, SSMAX_S=torch.full((hq,), 1.3), SSA_N=torch.full((hq,), 1.5),
+            SSA_B=torch.full((hq,), 1.0), POLY=poly,
             SLOPES=dummy, LAMBDA=dummy, KMASK=dummy, M_OUT=dummy, L_OUT=dummy, KP_OUT=dummy, ACC_OUT=dummy,
             OUT=out, ENT_OUT=ent, H=hq, GROUP=hq // hkv, LQ=lq, LK=lk, D=d, BH=bh, scale=d**-0.5,
             keys_per_split=128, smb=lk, NPOLY=poly.numel(), beta_threshold=0.5,
-            AM1=torch.full((hq,), 0.5), COUNTS=dummy, max_passes=30, tol=4 * torch.finfo(torch.float32).eps,
+            ALPHA=torch.full((hq,), 1.5), COUNTS=dummy, max_passes=30, tol=4 * torch.finfo(torch.float32).eps,
         )  # fmt: skip
         for name, t in (("q", q), ("k", k), ("v", v)):
             values.update(zip((f"s{name}b", f"s{name}h", f"s{name}{'m' if name == 'q' else 'n'}", f"s{name}d"),

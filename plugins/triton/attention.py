@@ -107,7 +107,7 @@ class _Launcher:
 
 
 def _softmax_family(
-    run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool, adaptive: bool = False
+    run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool, adaptive: bool = False, logn: bool = False
 ) -> tuple[Tensor | None, Tensor]:
     """One launch. With one split and V (prefill) the kernel finishes the output and entropy itself; otherwise it
     writes per-split partial states that are merged here (split-K decode, or adaptive's statistics pass)."""
@@ -121,6 +121,7 @@ def _softmax_family(
         m, lam, kp = run.rows(fill=_NEG_INF), run.rows(), run.rows()
         acc = run.rows(cfg.block_d) if with_v else run.dummy
         out = ent = run.dummy
+    ssmax_s = run.per_head(p.ssmax_s) if logn else run.dummy
     ssa_n = run.per_head(p.ssa_n) if ssa else run.dummy
     ssa_b = run.per_head(p.ssa_b) if ssa else run.dummy
     poly = torch.as_tensor(p.poly, dtype=torch.float32, device=p.q.device).contiguous() if adaptive else run.dummy
@@ -129,6 +130,7 @@ def _softmax_family(
         p.k,
         p.v,
         rowf if rowf is not None else run.dummy,
+        ssmax_s,
         ssa_n,
         ssa_b,
         poly,
@@ -148,6 +150,7 @@ def _softmax_family(
         ADAPTIVE_THRESHOLD,
         SSA=ssa,
         HAS_ROWF=rowf is not None,
+        LOGN=logn,
         ADAPTIVE=adaptive,
         FINALIZE=finalize,
         WITH_V=with_v,
@@ -169,9 +172,8 @@ def _softmax_family_transform(run: _Launcher, stats: StreamStats) -> tuple[Tenso
     kind = p.norm.transform
     if kind is Transform.SIGNED_LOG:
         out, ent = _softmax_family(run, None, ssa=True, with_v=True)
-    elif kind is Transform.LOG_N_SCALE:
-        log_n = torch.log(p.visible_keys(p.query_positions()).view(-1, p.lq).float())
-        out, ent = _softmax_family(run, _row_factor(run, run.per_head(p.ssmax_s), log_n), False, True)
+    elif kind is Transform.LOG_N_SCALE:  # s·log n with n counted on chip
+        out, ent = _softmax_family(run, None, ssa=False, with_v=True, logn=True)
     elif kind is Transform.ENTROPY_BETA and run.cfg.splits == 1:  # both sweeps in one program, β on chip
         out, ent = _softmax_family(run, None, ssa=False, with_v=True, adaptive=True)
         stats.key_passes += 1
@@ -185,13 +187,6 @@ def _softmax_family_transform(run: _Launcher, stats: StreamStats) -> tuple[Tenso
         raise ValueError(f"no Triton kernel for transform {kind}")
     stats.key_passes += 1
     return out, ent
-
-
-def _row_factor(run: _Launcher, per_head: Tensor, per_row: Tensor) -> Tensor:
-    """(Hq,) × (Lq,) → contiguous (B·Hq, Lq) fp32 factors."""
-    p = run.p
-    f = per_head.view(1, p.heads, 1) * per_row.view(-1, 1, p.lq)  # per_row: (Lq,) or (B, Lq) with a key mask
-    return f.expand(p.batch, p.heads, p.lq).reshape(run.bh, p.lq).float().contiguous()
 
 
 def _alpha_fast_path(alpha: Param) -> int:
@@ -210,7 +205,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     """One launch with one key split (prefill); split-K decode is three launches (logits → τ per row on chip →
     partial outputs) and device-side sums. Never a host synchronisation unless `stats` asks for the counts."""
     p, cfg = run.p, run.cfg
-    am1 = run.per_head(p.alpha) - 1.0
+    alpha = run.per_head(p.alpha)
     fast = _alpha_fast_path(p.alpha)
     count = stats is not None
     if cfg.splits == 1:
@@ -218,7 +213,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
         ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
         counts = torch.zeros(run.bh, run.grid[0], 2, dtype=torch.int32, device=p.q.device) if count else run.dummy
         _entmax_kernel[run.grid[:2]](
-            p.q, p.k, p.v, am1, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
+            p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
             p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, _THRESHOLD_TOL,
             FAST=fast, COUNT=count, **run.flags,
         )  # fmt: skip
@@ -230,7 +225,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     common = (*run.qk_strides, *run.v_strides, *run.sizes)
     u = torch.empty(run.bh, p.lq, p.lk, dtype=torch.float32, device=p.q.device)
     _entmax_logits_kernel[run.grid](
-        p.q, p.k, am1, run.slopes, run.lam, run.kmask, u, *run.qk_strides,
+        p.q, p.k, alpha, run.slopes, run.lam, run.kmask, u, *run.qk_strides,
         p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, cfg.keys_per_split, p.lk, **run.flags,
     )  # fmt: skip
     rows = run.bh * p.lq
@@ -239,13 +234,13 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     programs = -(-rows // _THRESHOLD_ROWS)
     counts = torch.zeros(programs, dtype=torch.int32, device=p.q.device) if count else run.dummy
     _entmax_threshold_kernel[(programs,)](
-        u, am1, umax, tau, counts, p.heads, p.lq, p.lk, rows, MAX_THRESHOLD_PASSES, _THRESHOLD_TOL,
+        u, alpha, umax, tau, counts, p.heads, p.lq, p.lk, rows, MAX_THRESHOLD_PASSES, _THRESHOLD_TOL,
         FAST=fast, COUNT=count, BLOCK_R=_THRESHOLD_ROWS, BLOCK_N=cfg.block_n,
     )  # fmt: skip
     zsum, plogp, acc = run.rows(), run.rows(), run.rows(cfg.block_d)
     skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)
     _entmax_output_kernel[run.grid](
-        p.q, p.k, p.v, am1, run.slopes, run.lam, run.kmask, umax, tau, zsum, plogp, acc, skipped, *common,
+        p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, umax, tau, zsum, plogp, acc, skipped, *common,
         FAST=fast, **run.flags,
     )  # fmt: skip
     if count:

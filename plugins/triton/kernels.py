@@ -222,61 +222,39 @@ def _entropy(l_i, kp_i):
 
 
 @triton.jit
-def _softmax_family_kernel(
-    Q,
-    K,
-    V,
-    ROWF,
-    SSA_N,
-    SSA_B,
-    POLY,
-    SLOPES,
-    LAMBDA,
-    KMASK,
-    M_OUT,
-    L_OUT,
-    KP_OUT,
-    ACC_OUT,
-    OUT,
-    ENT_OUT,
-    sqb,
-    sqh,
-    sqm,
-    sqd,
-    skb,
-    skh,
-    skn,
-    skd,
-    svb,
-    svh,
-    svn,
-    svd,
-    H,
-    GROUP,
-    LQ,
-    LK,
-    D,
-    BH,
-    scale,
-    keys_per_split,
-    smb,
-    NPOLY,
-    beta_threshold,
-    SSA: tl.constexpr,
-    HAS_ROWF: tl.constexpr,
-    ADAPTIVE: tl.constexpr,
-    FINALIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    HAS_LAMBDA: tl.constexpr,
-    HAS_KMASK: tl.constexpr,
-    WITH_V: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Online softmax over t = rowf·z (softmax, ssmax, adaptive) or t = sgn(z) n log(1 + b|z|) (SSA).
+def _visible_count(KMASK, b, smb, qpos, LK, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """n per row: the keys it sees (ssmax's log n), at least 1 for a row that sees only padding — as
+    `AttentionProblem.visible_keys`. With a key mask it is counted from the mask (int loads only)."""
+    if HAS_KMASK:
+        offs_n = tl.arange(0, BLOCK_N)
+        n = tl.zeros(qpos.shape, dtype=tl.float32)
+        for start_n in range(0, LK, BLOCK_N):
+            cols = start_n + offs_n
+            present = tl.load(KMASK + b * smb + cols, mask=cols < LK, other=0) != 0
+            seen = present[None, :] & (cols[None, :] < LK)
+            if CAUSAL:
+                seen = seen & (cols[None, :] <= qpos[:, None])
+            n += tl.sum(tl.where(seen, 1.0, 0.0), 1)
+        n = tl.maximum(n, 1.0)
+    elif CAUSAL:
+        n = (qpos + 1).to(tl.float32)
+    else:
+        n = tl.zeros(qpos.shape, dtype=tl.float32) + LK
+    return n
+
+
+@triton.jit
+def _softmax_family_program(
+    Q, K, V, ROWF, SSMAX_S, SSA_N, SSA_B, POLY, SLOPES, LAMBDA, KMASK, M_OUT, L_OUT, KP_OUT, ACC_OUT, OUT, ENT_OUT,
+    pid_m, pid_bh, pid_s, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
+    SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
+    WITH_V: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over t = rowf·z (softmax; ssmax with LOGN: rowf = s_h·log n counted on chip; adaptive) or
+    t = sgn(z) n log(1 + b|z|) (SSA), for BLOCK_M rows of one head over the key range of split pid_s.
 
     FINALIZE (one split: prefill): writes the normalised output (OUT, in its own dtype) and the entropy
     (ENT_OUT) — one launch per call. ADAPTIVE (with FINALIZE): a first sweep without V gives each row's softmax
@@ -284,9 +262,6 @@ def _softmax_family_kernel(
     softmax(β·z) with V. Otherwise (split-K decode): writes the partial state of its split — m (max t),
     Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the host to merge.
     """
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -294,6 +269,8 @@ def _softmax_family_kernel(
     rowf = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     if HAS_ROWF:
         rowf = tl.load(ROWF + pid_bh * LQ + offs_m, mask=offs_m < LQ, other=1.0)
+    if LOGN:
+        rowf = tl.load(SSMAX_S + h) * tl.log(_visible_count(KMASK, b, smb, qpos, LK, CAUSAL, HAS_KMASK, BLOCK_N))
     ssa_n = 1.0
     ssa_b = 1.0
     if SSA:
@@ -331,6 +308,26 @@ def _softmax_family_kernel(
         tl.store(KP_OUT + row, kp_i, mask=keep)
         if WITH_V:
             tl.store(ACC_OUT + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _softmax_family_kernel(
+    Q, K, V, ROWF, SSMAX_S, SSA_N, SSA_B, POLY, SLOPES, LAMBDA, KMASK, M_OUT, L_OUT, KP_OUT, ACC_OUT, OUT, ENT_OUT,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
+    SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
+    WITH_V: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Softmax family for torch tensors of any strides: grid (query blocks, B·Hq, key splits)."""
+    _softmax_family_program(
+        Q, K, V, ROWF, SSMAX_S, SSA_N, SSA_B, POLY, SLOPES, LAMBDA, KMASK, M_OUT, L_OUT, KP_OUT, ACC_OUT, OUT,
+        ENT_OUT, tl.program_id(0), tl.program_id(1), tl.program_id(2), sqb, sqh, sqm, sqd, skb, skh, skn, skd,
+        svb, svh, svn, svd, H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
+        SSA, HAS_ROWF, LOGN, ADAPTIVE, FINALIZE, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V, DOT_F32,
+        BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -400,7 +397,7 @@ def _bracket(umax, cnt, am1, keep):
 
 @triton.jit
 def _entmax_program(
-    Q, K, V, AM1, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
+    Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
     pid_m, pid_bh, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
@@ -415,7 +412,7 @@ def _entmax_program(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
-    am1 = tl.load(AM1 + h)
+    am1 = tl.load(ALPHA + h) - 1.0
     inv = 1.0 / am1
     keep = offs_m < LQ
     q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
@@ -482,7 +479,7 @@ def _entmax_program(
 
 @triton.jit
 def _entmax_kernel(
-    Q, K, V, AM1, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
+    Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
@@ -491,7 +488,7 @@ def _entmax_kernel(
 ):  # fmt: skip
     """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`)."""
     _entmax_program(
-        Q, K, V, AM1, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
+        Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
         CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
@@ -499,7 +496,7 @@ def _entmax_kernel(
 
 @triton.jit
 def _entmax_logits_kernel(
-    Q, K, AM1, SLOPES, LAMBDA, KMASK, U_OUT,
+    Q, K, ALPHA, SLOPES, LAMBDA, KMASK, U_OUT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd,
     H, GROUP, LQ, LK, D, scale, keys_per_split, smb,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
@@ -514,7 +511,7 @@ def _entmax_logits_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
-    am1 = tl.load(AM1 + h)
+    am1 = tl.load(ALPHA + h) - 1.0
     q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
     keep = offs_m < LQ
     row = pid_bh * LQ + offs_m
@@ -534,7 +531,7 @@ def _entmax_logits_kernel(
 
 @triton.jit
 def _entmax_threshold_kernel(
-    U, AM1, UMAX_OUT, TAU_OUT, COUNTS, H, LQ, LK, ROWS, max_passes, tol,
+    U, ALPHA, UMAX_OUT, TAU_OUT, COUNTS, H, LQ, LK, ROWS, max_passes, tol,
     FAST: tl.constexpr, COUNT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Split-K entmax decode, step 2: each row's max u and τ from U, the same safeguarded refinement as the
@@ -542,7 +539,7 @@ def _entmax_threshold_kernel(
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     keep = rows < ROWS
-    am1 = tl.load(AM1 + (rows // LQ) % H, mask=keep, other=1.0)
+    am1 = tl.load(ALPHA + (rows // LQ) % H, mask=keep, other=2.0) - 1.0
     inv = 1.0 / am1
     offs_n = tl.arange(0, BLOCK_N)
     umax = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
@@ -583,7 +580,7 @@ def _entmax_threshold_kernel(
 
 @triton.jit
 def _entmax_output_kernel(
-    Q, K, V, AM1, SLOPES, LAMBDA, KMASK, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, SKIPPED_OUT,
+    Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, SKIPPED_OUT,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
@@ -600,7 +597,7 @@ def _entmax_output_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
-    am1 = tl.load(AM1 + h)
+    am1 = tl.load(ALPHA + h) - 1.0
     inv = 1.0 / am1
     keep = offs_m < LQ
     shift = tl.load(UMAX + pid_bh * LQ + offs_m, mask=keep, other=0.0) + tl.load(
@@ -633,10 +630,67 @@ def _entmax_output_kernel(
     tl.store(SKIPPED_OUT + (pid_s * BH + pid_bh) * n_qblocks + pid_m, skipped)
 
 
+# ---- TensorRT entry points -------------------------------------------------------------------------------------
+# TensorRT launches an AOT plugin kernel with the plugin's input pointers, then its int32 extra arguments, then its
+# output pointers (Triton's two hidden scratch pointers last, passed as null). These wrappers take exactly that
+# order for the TensorRT form of the op (docs/tensorrt.md): contiguous (B, H, L, D) tensors whose head dim is the
+# compile-time BLOCK_D, an int32 key mask, every per-head parameter packed in one fp32 PARAMS vector
+# [slopes, alpha, ssa_n, ssa_b, ssmax_s] (H each) followed by the adaptive polynomial, and float scalars as int32
+# bit patterns. Both take the same extras, so one launch contract serves every norm.
+
+
+@triton.jit
+def _contiguous_strides(H, L, D: tl.constexpr):
+    """Strides (b, h, l, d) of a contiguous (B, H, L, D) tensor; the batch stride in int64 (it passes 2^31)."""
+    return H.to(tl.int64) * L * D, L * D, D, 1
+
+
+@triton.jit
+def _trt_softmax_family_kernel(
+    Q, K, V, KMASK, PARAMS, QSCALE,
+    H, GROUP, LQ, LK, BH, scale_bits, NPOLY, threshold_bits, max_passes, tol_bits,
+    OUT, ENT_OUT,
+    SSA: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """softmax, ssmax (LOGN), SSA, adaptive in TensorRT's argument order: one launch, grid (⌈Lq/BLOCK_M⌉, B·H)."""
+    sqb, sqh, sqm, sqd = _contiguous_strides(H, LQ, BLOCK_D)
+    skb, skh, skn, skd = _contiguous_strides(H // GROUP, LK, BLOCK_D)
+    _softmax_family_program(
+        Q, K, V, OUT, PARAMS + 4 * H, PARAMS + 2 * H, PARAMS + 3 * H, PARAMS + 5 * H, PARAMS, QSCALE, KMASK,
+        OUT, OUT, OUT, OUT, OUT, ENT_OUT, tl.program_id(0), tl.program_id(1), 0,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd,
+        H, GROUP, LQ, LK, BLOCK_D, BH, scale_bits.to(tl.float32, bitcast=True), LK, LK, NPOLY,
+        threshold_bits.to(tl.float32, bitcast=True),
+        SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+
+
+@triton.jit
+def _trt_entmax_kernel(
+    Q, K, V, KMASK, PARAMS, QSCALE,
+    H, GROUP, LQ, LK, BH, scale_bits, NPOLY, threshold_bits, max_passes, tol_bits,
+    OUT, ENT_OUT,
+    HAS_LAMBDA: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """entmax, asentmax (HAS_LAMBDA: λ from QSCALE) in TensorRT's argument order: one launch."""
+    sqb, sqh, sqm, sqd = _contiguous_strides(H, LQ, BLOCK_D)
+    skb, skh, skn, skd = _contiguous_strides(H // GROUP, LK, BLOCK_D)
+    _entmax_program(
+        Q, K, V, PARAMS + H, PARAMS, QSCALE, KMASK, OUT, ENT_OUT, OUT, tl.program_id(0), tl.program_id(1),
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
+        scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
+        CAUSAL, True, HAS_LAMBDA, True, DOT_F32, 0, False, BLOCK_M, BLOCK_N, BLOCK_D,
+    )  # fmt: skip
+
+
 KERNELS = {
     "softmax_family": _softmax_family_kernel,
     "entmax": _entmax_kernel,
     "entmax_logits": _entmax_logits_kernel,
     "entmax_threshold": _entmax_threshold_kernel,
     "entmax_output": _entmax_output_kernel,
+    "trt_softmax_family": _trt_softmax_family_kernel,
+    "trt_entmax": _trt_entmax_kernel,
 }

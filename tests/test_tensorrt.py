@@ -1,0 +1,273 @@
+"""The TensorRT plugin without TensorRT: registered against a stand-in of the `tensorrt.plugin` decorator API that
+records what would be registered, and the exact PTX entry, launch parameters and argument order that `aot_impl`
+returns are launched (as the same Triton function, in the interpreter) on real inputs against the reference.
+
+What only TensorRT can show — that it accepts the registration and loads the PTX — is not verified here
+(docs/tensorrt.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from sharp.models import NORMS, attend
+from sharp.plugins.tensorrt import PLUGIN_NAME, KernelManifest, TensorRTUnavailable, import_tensorrt, register
+from sharp.plugins.tensorrt.plugin import EXTRAS, float_bits
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+# ---- a stand-in of tensorrt / tensorrt.plugin: symbolic shapes that evaluate against a binding ---------------------
+@dataclass
+class Sym:
+    """A shape expression: a function of the runtime binding {name: int}."""
+
+    fn: object
+    const: int | None = None
+
+    @staticmethod
+    def of(x) -> Sym:
+        return x if isinstance(x, Sym) else Sym(lambda env, x=x: x, int(x))
+
+    @property
+    def is_constant(self) -> bool:
+        return self.const is not None
+
+    def constant_value(self) -> int:
+        return self.const
+
+    def __call__(self, env: dict) -> int:
+        return self.fn(env)
+
+    def _op(self, other, f):
+        a, b = self, Sym.of(other)
+        const = f(a.const, b.const) if a.is_constant and b.is_constant else None
+        return Sym(lambda env: f(a(env), b(env)), const)
+
+    def __add__(self, o):
+        return self._op(o, lambda x, y: x + y)
+
+    def __mul__(self, o):
+        return self._op(o, lambda x, y: x * y)
+
+    def __floordiv__(self, o):
+        return self._op(o, lambda x, y: x // y)
+
+    __rmul__ = __mul__
+
+
+def dim(name: str) -> Sym:
+    return Sym(lambda env: env[name])
+
+
+@dataclass
+class TensorDesc:
+    dtype: str
+    shape_expr: tuple
+
+    def like(self) -> TensorDesc:
+        return TensorDesc(self.dtype, self.shape_expr)
+
+
+@dataclass
+class LaunchParams:
+    grid_x: object = 1
+    grid_y: object = 1
+    grid_z: object = 1
+    block_x: int = 1
+    shared_mem: int = 0
+
+
+@dataclass
+class StandIn:
+    """Records the decorated functions by kind and plugin name."""
+
+    registered: dict = field(default_factory=dict)
+
+    def _decorator(self, kind):
+        def named(name):
+            def deco(fn):
+                self.registered[(kind, name)] = fn
+                return fn
+
+            return deco
+
+        return named
+
+    def module(self) -> SimpleNamespace:
+        return SimpleNamespace(
+            register=self._decorator("register"),
+            autotune=self._decorator("autotune"),
+            aot_impl=self._decorator("aot_impl"),
+            TensorDesc=TensorDesc,
+            KernelLaunchParams=LaunchParams,
+            SymExprs=tuple,
+            AutoTuneCombination=lambda spec: ("combination", spec),
+            from_shape_expr=lambda shape, dtype: TensorDesc(dtype, tuple(shape)),
+            cdiv=lambda a, b: (Sym.of(a) + (b - 1)) // b,
+            SymInt32=Sym.of,
+            SymIntExprs=SimpleNamespace(from_tuple=tuple),
+        )
+
+
+TRT = SimpleNamespace(float16="float16", bfloat16="bfloat16", float32="float32", int32="int32")
+TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@pytest.fixture(scope="module")
+def manifest_dir(tmp_path_factory):
+    """The TensorRT entry points compiled ahead of time for sm_90 (fp16, head dim 64), as a user would."""
+    out = tmp_path_factory.mktemp("trt-kernels")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sharp.plugins.triton.aot", "--out", str(out), "--dtype", "fp16", "--head-dim", "64"],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def plugin(manifest_dir):
+    standin = StandIn()
+    manifest = register(manifest_dir, trt=TRT, trtp=standin.module())
+    return standin, manifest
+
+
+def test_the_plugin_module_imports_without_tensorrt():
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(TensorRTUnavailable, match=r"TensorRT >= 10\.10"):
+            import_tensorrt()
+    else:  # pragma: no cover - only where TensorRT is installed
+        pytest.fail("this suite expects no TensorRT; the real registration is in docs/tensorrt.md")
+
+
+def test_registration_descriptors_and_type_combinations(plugin):
+    standin, manifest = plugin
+    assert set(standin.registered) == {("register", PLUGIN_NAME), ("autotune", PLUGIN_NAME), ("aot_impl", PLUGIN_NAME)}
+    q = TensorDesc("float16", (dim("B"), Sym.of(4), dim("LQ"), Sym.of(64)))
+    k = TensorDesc("float16", (dim("B"), Sym.of(2), dim("LK"), Sym.of(64)))
+    describe = standin.registered[("register", PLUGIN_NAME)]
+    out, ent = describe(q, k, k, None, None, None, "ssa", 1, 0.125, 4, 2, np.zeros(0, np.float32))
+    env = {"B": 3, "LQ": 17, "LK": 40}
+    assert out.dtype == "float16" and [s(env) for s in out.shape_expr] == [3, 4, 17, 64]
+    assert ent.dtype == "float32" and [s(env) for s in ent.shape_expr] == [3, 4, 17]  # docs/op.md output 1
+    combos = standin.registered[("autotune", PLUGIN_NAME)](q, k, k, None, None, None, (out, ent))
+    assert combos == [("combination", "FP16, FP16, FP16, INT32, FP32, FP32, FP16, FP32")]
+    # every norm of the registry has a compiled variant, causal or not
+    for norm in NORMS:
+        for causal in (False, True):
+            assert manifest.find(norm, "fp16", 64, causal)["kernel"].startswith("trt_")
+
+
+def _tensorrt_form(norm: str, b=2, hq=4, hkv=2, lq=70, lk=100, d=64, seed=0):
+    """Inputs in the TensorRT form (docs/tensorrt.md) and the same problem for `attend`."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, lq, d, generator=g).half()
+    k = torch.randn(b, hkv, lk, d, generator=g).half()
+    v = torch.randn(b, hkv, lk, d, generator=g).half()
+    mask = torch.ones(b, lk, dtype=torch.bool)
+    mask[1, :9] = False  # a left-padded row
+    heads = {
+        "alibi_slopes": torch.tensor([0.5, 0.25, 0.0, 0.0]),
+        "alpha": torch.linspace(1.3, 2.0, hq),
+        "ssa_n": torch.linspace(1.0, 2.0, hq),
+        "ssa_b": torch.linspace(0.5, 1.5, hq),
+        "ssmax_s": torch.linspace(0.5, 1.5, hq),
+    }
+    poly = torch.tensor((-0.037, 0.481, -2.3, 4.917, -1.791))
+    qs = torch.rand(b, hq, lq, generator=g) + 0.5
+    params = torch.cat([*heads.values(), poly]).float().contiguous()
+    inputs = dict(Q=q, K=k, V=v, KMASK=mask.to(torch.int32), PARAMS=params, QSCALE=qs if norm == "asentmax" else
+                  torch.ones(1))  # fmt: skip
+    ref = dict(norm=norm, key_mask=mask, poly=tuple(poly.tolist()), query_scale=qs if norm == "asentmax" else None,
+               **{n: heads[n] for n in heads})  # fmt: skip
+    return inputs, ref, poly
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_aot_impl_hands_over_a_launch_that_computes_the_op(plugin, norm, causal):
+    """The PTX entry and bytes, the grid/block/shared memory and the extras come back as the manifest says, and
+    launching the same Triton function with exactly TensorRT's argument order — inputs, extras evaluated for the
+    runtime shapes, outputs — gives `attend`'s output and entropy (GQA 4:2, left padding, 2 query blocks)."""
+    from sharp.plugins.triton import kernels
+
+    standin, manifest = plugin
+    inputs, ref, poly = _tensorrt_form(norm, seed=len(norm) + causal)
+    env = {"B": 2, "LQ": 70, "LK": 100}
+    q = TensorDesc("float16", (dim("B"), Sym.of(4), dim("LQ"), Sym.of(64)))
+    k = TensorDesc("float16", (dim("B"), Sym.of(2), dim("LK"), Sym.of(64)))
+    aot_impl = standin.registered[("aot_impl", PLUGIN_NAME)]
+    scale = 64**-0.5
+    name, ptx, launch, extras = aot_impl(q, k, k, None, None, None, norm, int(causal), scale, 4, 2,
+                                         poly.numpy().astype(np.float32), (), 0)  # fmt: skip
+    entry = manifest.find(norm, "fp16", 64, causal)
+    assert name == entry["entry"].encode() and f".entry {entry['entry']}(".encode() in ptx
+    assert ptx == (manifest.directory / f"{entry['variant']}.ptx").read_bytes()
+    assert launch.block_x == entry["launch"]["block"][0] and launch.shared_mem == entry["launch"]["shared_bytes"]
+    grid = tuple(Sym.of(g)(env) for g in (launch.grid_x, launch.grid_y, launch.grid_z))
+    assert grid == (2, 8, 1)  # ⌈70/64⌉ query blocks × B·Hq
+    values = [Sym.of(e)(env) for e in extras]
+    assert len(values) == len(EXTRAS) and values[EXTRAS.index("scale_bits")] == float_bits(scale)
+    out = torch.zeros(2, 4, 70, 64, dtype=torch.float16)
+    ent = torch.zeros(2, 4, 70)
+    args = [*inputs.values(), *values, out, ent]  # TensorRT's order: inputs, extras, outputs
+    kernels.KERNELS[entry["kernel"]][grid](*args, **entry["constexprs"])
+    o_ref, h_ref = attend(*(inputs[n].float() for n in "QKV"), causal=causal, return_entropy=True, **ref)
+    torch.testing.assert_close(out.float(), o_ref, atol=2e-3, rtol=0)
+    torch.testing.assert_close(ent, h_ref, atol=2e-3, rtol=0)
+
+
+def test_aot_impl_refuses_what_was_not_compiled(plugin):
+    standin, _ = plugin
+    aot_impl = standin.registered[("aot_impl", PLUGIN_NAME)]
+    empty = np.zeros(0, np.float32)
+    for dtype, d, why in (("float16", 128, "head_dim=128"), ("float32", 64, "dtype=fp32")):
+        q = TensorDesc(dtype, (dim("B"), Sym.of(4), dim("LQ"), Sym.of(d)))
+        with pytest.raises(LookupError, match=why):
+            aot_impl(q, q, q, None, None, None, "softmax", 1, 0.1, 4, 4, empty, (), 0)
+    q = TensorDesc("float16", (dim("B"), Sym.of(4), dim("LQ"), dim("D")))
+    with pytest.raises(ValueError, match=r"head dim .* must be fixed"):
+        aot_impl(q, q, q, None, None, None, "softmax", 1, 0.1, 4, 4, empty, (), 0)
+
+
+def test_a_manifest_in_another_argument_order_is_refused(manifest_dir, tmp_path):
+    entries = json.loads((manifest_dir / "manifest.json").read_text())
+    entries[0]["launch"]["arguments"][3:5] = entries[0]["launch"]["arguments"][4:2:-1]
+    (tmp_path / "manifest.json").write_text(json.dumps(entries))
+    with pytest.raises(ValueError, match="not TensorRT's order"):
+        KernelManifest.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"sharp\.plugins\.triton\.aot"):
+        KernelManifest.load(tmp_path / "missing")
+
+
+def test_compiled_variants_move_tiles_with_vector_and_async_copies_and_never_spill(manifest_dir):
+    """Head dim compile-time, contiguous layouts, 16-byte aligned pointers: no scalar 2-byte global loads (the
+    v1 kernels issued 192 per tile), cp.async tiles, and no local memory in the PTX or the SASS (ptxas spills)."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    entries = json.loads((manifest_dir / "manifest.json").read_text())
+    assert len(entries) == 12  # 6 entry variants (softmax, ssmax, ssa, adaptive, entmax, asentmax) × causal
+    for e in entries:
+        ptx = (manifest_dir / f"{e['variant']}.ptx").read_text()
+        assert ".version 9.0\n" in ptx and e["launch"]["pointer_alignment"] == 16
+        assert "ld.global.b16" not in ptx and "ld.global.u16" not in ptx, e["variant"]
+        assert "cp.async" in ptx and "ld.global.v4" in ptx, e["variant"]
+        assert "local_depot" not in ptx, e["variant"]
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(manifest_dir / f"{e['variant']}.cubin")],
+                               capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert " LOCAL:0 " in usage and " STACK:0 " in usage, (e["variant"], usage)
