@@ -169,6 +169,12 @@ def parser() -> argparse.ArgumentParser:
         help="write an onnxruntime-genai package into the directory -o (model.onnx, genai_config.json, tokenizer"
         " files, sharp's op library unless --no-native)",
     )
+    ap.add_argument(
+        "--tensorrt",
+        action="store_true",
+        help="write the TensorRT form of the op: nodes TensorRT's ONNX parser maps to sharp's AOT plugin (int32 key"
+        " mask, packed parameters; docs/tensorrt.md); checked here through its fallback bodies",
+    )
     ap.add_argument("--no-kv-cache", dest="kv_cache", action="store_false")
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument(
@@ -263,6 +269,8 @@ def _export(args) -> int:
         _check_package_dir(args.model, out)
         if not args.kv_cache:
             raise UsageError("--genai needs the KV cache graph; drop --no-kv-cache")
+        if args.tensorrt:
+            raise UsageError("--genai packages run in onnxruntime-genai; --tensorrt files are for TensorRT")
     else:
         out = args.output or args.model.with_suffix(".onnx")
         _check_output(args.model, out)  # before any work: never after 20 s of it, never over the input
@@ -277,8 +285,10 @@ def _export(args) -> int:
         kv_cache=args.kv_cache,
         dtype=args.dtype,
         block_size=args.block_size,
+        tensorrt=args.tensorrt,
     )
-    library, attention = choose_library(args.native)
+    # sharp's native onnxruntime library takes the standard form only: a TensorRT-form file runs its fallback bodies
+    library, attention = choose_library(args.native and not args.tensorrt)
     if args.genai and args.fallback == "none" and library is None:
         raise UsageError(
             f"--genai --fallback none needs sharp's op library in the package, and there is none ({attention})"
@@ -300,7 +310,7 @@ def _export(args) -> int:
     shape = meta.shape
     print(
         f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {shape.layers} × sharp::SharpAttention[{norm}], "
-        f"fallback {args.fallback}, opset {args.opset}"
+        f"fallback {args.fallback}, opset {args.opset}" + (", TensorRT form" if args.tensorrt else "")
     )
     if not args.check:
         return 0

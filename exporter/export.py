@@ -15,7 +15,7 @@ import torch
 from onnx import helper
 from torch import Tensor, nn
 
-from sharp.exporter import fallback
+from sharp.exporter import fallback, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, translate
 from sharp.models import registry
@@ -35,6 +35,7 @@ class ExportSettings:
     kv_cache: bool = True
     dtype: str = "fp32"
     block_size: int = 256  # keys per Loop iteration of the streamed fallback
+    tensorrt: bool = False  # write the TensorRT form of the op (exporter/tensorrt.py)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -149,6 +150,9 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
     del proto.opset_import[:]
     proto.opset_import.extend(imports.values())
     proto.ir_version = min(proto.ir_version, 10)
+    if settings.tensorrt:
+        mode = settings.fallback if settings.fallback != "none" else None
+        tensorrt.rewrite(proto, mode, settings.block_size)
     meta.write(proto)
     return proto
 

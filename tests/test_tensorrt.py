@@ -271,3 +271,134 @@ def test_compiled_variants_move_tiles_with_vector_and_async_copies_and_never_spi
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(manifest_dir / f"{e['variant']}.cubin")],
                                capture_output=True, text=True, check=True).stdout  # fmt: skip
         assert " LOCAL:0 " in usage and " STACK:0 " in usage, (e["variant"], usage)
+
+
+# ---- sharp-export --tensorrt ----------------------------------------------------------------------------------------
+NORM_POS = [("softmax", "rope"), ("adaptive", "rope"), ("ssmax", "alibi"), ("entmax", "nape"), ("asentmax", "nape"),
+            ("ssa", "rope")]  # fmt: skip
+
+
+def _trt_model(norm: str, pos: str):
+    from sharp.models import ModelConfig, SharpLM
+
+    torch.manual_seed(0)  # head dim 64: the compiled fp16 variants of the fixture
+    cfg = ModelConfig(dim=128, layers=2, heads=2, kv_heads=1, norm=norm, pos=pos, context_length=128)
+    model = SharpLM(cfg).eval()
+    with torch.no_grad():  # parameters off their init, different per head, so a wrong slot would show
+        for name, p in model.named_parameters():
+            if name.endswith(("alpha_raw", "ssa_n_raw", "ssa_b_raw", "ssmax_s")):
+                p.add_(torch.linspace(-0.3, 0.3, p.numel()))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):  # logits of a few units, not ≈ 0: SSA's
+                p.mul_(4.0)  # n·log(1 + b|z|) ≈ n·b·z near 0 would not tell n from b
+    return model
+
+
+def _export_trt(tmp_path, model, *args: str):
+    from sharp.exporter.cli import main
+    from sharp.models import save
+
+    ckpt = save(model, tmp_path / "model.pt")
+    out = tmp_path / "model.trt.onnx"
+    assert main([str(ckpt), "-o", str(out), "--tensorrt", *args]) == 0
+    return out
+
+
+@pytest.mark.parametrize(("norm", "pos"), NORM_POS)
+def test_tensorrt_form_nodes_are_what_the_parser_maps_to_the_plugin_and_run_through_their_fallback(
+    tmp_path, norm, pos, capsys
+):
+    import onnx
+
+    from sharp.exporter import metadata
+    from sharp.exporter.cli import sharplm_reference, verify
+
+    model = _trt_model(norm, pos)
+    out = _export_trt(tmp_path, model)
+    assert "TensorRT form" in capsys.readouterr().out  # and the CLI's own check passed (exit 0)
+    proto = onnx.load(out)
+    assert proto.ir_version <= 10 and {o.domain: o.version for o in proto.opset_import}[""] == 18
+    producers = {o for n in proto.graph.node for o in n.output}
+    kinds = {n.output[0]: n for n in proto.graph.node}
+    ops = [n for n in proto.graph.node if n.domain == "sharp"]
+    assert len(ops) == 2
+    for node in ops:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert node.op_type == "SharpAttention" and attrs["plugin_namespace"] == b"sharp" and attrs["aot"] == 1
+        assert set(attrs) == {"plugin_namespace", "aot", "norm", "causal", "scale", "q_heads", "kv_heads", "poly"}
+        assert attrs["norm"] == norm.encode() and node.overload == f"tensorrt.{norm}"
+        assert len(node.input) == 6 and all(node.input)  # no empty (optional) plugin inputs
+        cast = kinds[node.input[3]]
+        assert cast.op_type == "Cast" and onnx.helper.get_attribute_value(cast.attribute[0]) == onnx.TensorProto.INT32
+        assert kinds[node.input[4]].op_type == "Concat" and len(kinds[node.input[4]].input) == 6
+        assert node.input[5] in producers or node.input[5] in {i.name for i in proto.graph.initializer}
+    assert metadata.read(proto).export["tensorrt"] is True
+    # the file runs in a fresh onnxruntime session through the form's fallback bodies and matches PyTorch
+    for _, d_logits, d_entropy in verify(out, model.cfg.shape, True, sharplm_reference(model)):
+        assert d_logits < 1e-4 and d_entropy < 1e-4
+
+
+@pytest.mark.parametrize(("norm", "pos"), [n for n in NORM_POS if n[0] != "softmax"])
+def test_the_plugin_computes_the_exported_layer_from_the_files_own_tensors(plugin, tmp_path, norm, pos):
+    """Everything but TensorRT, end to end: the TensorRT-form file's layer-0 plugin inputs (as its own graph
+    computes them in onnxruntime), the plugin's aot_impl for those shapes and attributes, and the compiled variant's
+    Triton function launched with TensorRT's argument order (fp16, in the interpreter) give the layer's output."""
+    import onnx
+    import onnxruntime as ort
+
+    from sharp.plugins.triton import kernels
+
+    standin, _ = plugin
+    out = _export_trt(tmp_path, _trt_model(norm, pos), "--no-check")
+    proto = onnx.load(out)
+    node = next(n for n in proto.graph.node if n.domain == "sharp")
+    del proto.graph.output[:]  # expose the plugin node's inputs and outputs
+    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in [*node.input, *node.output])
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    b, length = 2, 37
+    feeds = {
+        "input_ids": np.random.default_rng(0).integers(0, 258, (b, length)).astype(np.int64),
+        "attention_mask": np.ones((b, length), np.int64),
+        "position_ids": np.tile(np.arange(length), (b, 1)),
+    }
+    feeds["attention_mask"][1, :5] = 0  # a left-padded row
+    for i in sess.get_inputs():
+        if i.name.startswith("past_key_values"):
+            feeds[i.name] = np.zeros((b, 1, 0, 64), np.float32)
+    values = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+    q, k, v, mask, params, qscale = (torch.from_numpy(values[n]) for n in node.input)
+    o_ref, h_ref = (torch.from_numpy(values[n]) for n in node.output)
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+    def shape(t):  # static shapes: every dim known
+        return tuple(Sym.of(s) for s in t.shape)
+
+    name, _, launch, extras = standin.registered[("aot_impl", PLUGIN_NAME)](
+        TensorDesc("float16", shape(q)), TensorDesc("float16", shape(k)), None, None, None, None,
+        attrs["norm"].decode(), attrs["causal"], attrs["scale"], attrs["q_heads"], attrs["kv_heads"],
+        np.asarray(attrs["poly"], np.float32), (), 0,
+    )  # fmt: skip
+    entry = next(e for e in plugin[1].entries if e["entry"].encode() == name and attrs["norm"].decode() in e["norms"]
+                 and e["constexprs"]["CAUSAL"] == bool(attrs["causal"]))  # fmt: skip
+    grid = tuple(Sym.of(g)({}) for g in (launch.grid_x, launch.grid_y, launch.grid_z))
+    o = torch.zeros(q.shape, dtype=torch.float16)
+    h = torch.zeros(q.shape[:3])
+    args = [q.half(), k.half(), v.half(), mask, params, qscale, *(Sym.of(e)({}) for e in extras), o, h]
+    kernels.KERNELS[entry["kernel"]][grid](*args, **entry["constexprs"])
+    assert mask.dtype == torch.int32 and params.dtype == torch.float32
+    torch.testing.assert_close(o.float(), o_ref, atol=5e-3, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=5e-3, rtol=0)
+
+
+def test_tensorrt_form_without_fallback_bodies_and_refused_combinations(tmp_path, capsys):
+    import onnx
+
+    from sharp.exporter.cli import main
+    from sharp.models import save
+
+    out = _export_trt(tmp_path, _trt_model("ssa", "rope"), "--fallback", "none")
+    proto = onnx.load(out)
+    assert not [f for f in proto.functions if f.domain.startswith("sharp")]
+    onnx.checker.check_model(proto, full_check=True)
+    ckpt = save(_trt_model("ssa", "rope"), tmp_path / "m2.pt")
+    assert main([str(ckpt), "--tensorrt", "--genai", "-o", str(tmp_path / "pkg")]) == 2
+    assert "--tensorrt files are for TensorRT" in capsys.readouterr().err
