@@ -25,7 +25,7 @@ from sharp.plugins.onnxruntime import choose_library
 
 log = logging.getLogger("sharp.serving")
 
-BACKENDS = ("onnxruntime", "torch")
+BACKENDS = ("onnxruntime", "torch", "tensorrt")
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
 # reference, whose (queries × keys) logits grow quadratically with the prompt.
 STREAMED_FROM_KEYS = 1024
@@ -207,6 +207,69 @@ class TorchBackend(Backend):
         return StepOutput(out.logits[:, -1].float().cpu(), presents, ent)
 
 
+class TensorRTBackend(Backend):
+    """An engine built by sharp-build-engine, on CUDA: one execution context per optimization profile (prefill
+    without a past, decode with one), the steps on a dedicated CUDA stream, I/O as torch CUDA tensors.
+
+    Not verified: TensorRT could not be installed where this was written (docs/tensorrt.md)."""
+
+    def __init__(self, path: Path, device: str = "cuda"):
+        from sharp.plugins.tensorrt import TensorRTUnavailable, import_tensorrt
+        from sharp.plugins.tensorrt.engine import PROFILES, read_metadata
+
+        if device != "cuda":
+            raise BackendError("--backend tensorrt runs on --device cuda")
+        try:
+            meta = read_metadata(path)
+        except metadata.MetadataError as e:
+            raise BackendError(f"{path}: {e}") from None
+        try:
+            trt, _ = import_tensorrt()
+        except TensorRTUnavailable as e:
+            raise BackendError(str(e)) from None
+        if not torch.cuda.is_available():
+            raise BackendError("--backend tensorrt: no CUDA device is visible to torch")
+        self.device = torch.device("cuda")
+        self.stream = torch.cuda.Stream()
+        self.trt = trt
+        self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(path.read_bytes())
+        if self.engine is None:
+            raise BackendError(f"{path}: TensorRT cannot deserialize it (built by another TensorRT version?)")
+        self.contexts = []
+        for index in range(len(PROFILES)):
+            context = self.engine.create_execution_context()
+            context.set_optimization_profile_async(index, self.stream.cuda_stream)
+            self.contexts.append(context)
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.past_names = sorted((n for n in names if n.startswith("past_key_values.")), key=names.index)
+        self.spec = ModelSpec(Path(path).stem, "tensorrt", meta)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+        from sharp.plugins.tensorrt.engine import profile_for
+
+        context = self.contexts[profile_for(past[0].shape[2] if past else 0)]
+        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        feeds.update(zip(self.past_names, past, strict=True))
+        with torch.cuda.stream(self.stream):
+            keep = {name: t.to(self.device).contiguous() for name, t in feeds.items()}
+            for name, t in keep.items():
+                context.set_input_shape(name, tuple(t.shape))
+                context.set_tensor_address(name, t.data_ptr())
+            results = {}
+            for name in self.outputs:
+                dtype = torch.float32 if self.engine.get_tensor_dtype(name) == self.trt.float32 else torch.float16
+                results[name] = torch.empty(tuple(context.get_tensor_shape(name)), dtype=dtype, device=self.device)
+                context.set_tensor_address(name, results[name].data_ptr())
+            if not context.execute_async_v3(self.stream.cuda_stream):
+                raise RuntimeError("TensorRT could not run the step")
+        self.stream.synchronize()
+        presents = [results[n].float() for n in self.outputs if n.startswith("present.")]
+        ent = results["attention_entropy"].float().cpu() if entropy else None
+        return StepOutput(results["logits"][:, -1].float().cpu(), presents, ent)
+
+
 def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "cpu", **kw) -> Backend:
     """The backend for `path`; raises BackendError with what was found and what was expected."""
     path = Path(path)
@@ -218,9 +281,14 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
             " and serve the file"
         )
     if not path.is_file():
-        raise BackendError(
-            f"{path}: no such file (expected {'an .onnx file' if backend == 'onnxruntime' else 'a model.pt'})"
-        )
+        expected = {
+            "onnxruntime": "an .onnx file",
+            "torch": "a model.pt",
+            "tensorrt": "an engine from sharp-build-engine",
+        }
+        raise BackendError(f"{path}: no such file (expected {expected[backend]})")
+    if backend == "tensorrt":
+        return TensorRTBackend(path, device)
     if backend == "onnxruntime":
         if path.suffix == ".pt":
             raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")

@@ -402,3 +402,86 @@ def test_tensorrt_form_without_fallback_bodies_and_refused_combinations(tmp_path
     ckpt = save(_trt_model("ssa", "rope"), tmp_path / "m2.pt")
     assert main([str(ckpt), "--tensorrt", "--genai", "-o", str(tmp_path / "pkg")]) == 2
     assert "--tensorrt files are for TensorRT" in capsys.readouterr().err
+
+
+# ---- sharp-build-engine and sharp-serve --backend tensorrt: everything before TensorRT itself ----------------------
+@pytest.fixture(scope="module")
+def trt_file(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trt-file")
+    return _export_trt(tmp, _trt_model("ssmax", "alibi"), "--no-check")
+
+
+def test_build_engine_checks_everything_before_needing_tensorrt(trt_file, manifest_dir, tmp_path, capsys):
+    from sharp.plugins.tensorrt.engine import main
+
+    plan = tmp_path / "model.plan"
+    std = tmp_path / "standard.onnx"
+    from sharp.exporter.cli import main as export_main
+    from sharp.models import save
+
+    assert export_main([str(save(_trt_model("ssa", "rope"), tmp_path / "m.pt")), "-o", str(std), "--no-check"]) == 0
+    (tmp_path / "junk.onnx").write_bytes(b"not onnx")
+    cases = [
+        ([str(tmp_path / "missing.onnx"), "-o", str(plan)], "no such file"),
+        ([str(tmp_path / "junk.onnx"), "-o", str(plan)], "not an ONNX file"),
+        ([str(std), "-o", str(plan), "--kernels", str(manifest_dir)], "re-export with `sharp-export MODEL --tensorrt`"),
+        ([str(trt_file), "-o", str(trt_file), "--kernels", str(manifest_dir)], "is the input"),
+        ([str(trt_file), "-o", str(plan), "--kernels", str(tmp_path / "none")], "manifest.json not found"),
+        ([str(trt_file), "-o", str(plan), "--kernels", str(manifest_dir), "--bf16"], "dtype=bf16"),
+        ([str(trt_file), "-o", str(plan), "--kernels", str(manifest_dir), "--max-context", "4096"], "--max-context"),
+        ([str(trt_file), "-o", str(plan), "--kernels", str(manifest_dir), "--max-batch", "0"], "--max-batch"),
+        ([str(trt_file), "-o", str(plan), "--fp16", "--bf16"], "not allowed with"),
+        # a valid request: every check passes, and only then is TensorRT needed
+        ([str(trt_file), "-o", str(plan), "--kernels", str(manifest_dir)], "TensorRT is not installed"),
+    ]
+    for argv, message in cases:
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's own errors (one line too)
+            code = e.code
+        assert code == 2, (argv, code)
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert not plan.exists()
+
+
+def test_optimization_profiles_cover_the_generation_graph(trt_file):
+    import onnx
+
+    from sharp.exporter import metadata
+    from sharp.plugins.tensorrt.engine import PROFILES, profile_for, profiles
+
+    proto = onnx.load(trt_file)
+    meta = metadata.read(proto)
+    ranges = profiles(meta, max_batch=8, max_context=128)
+    assert list(ranges) == list(PROFILES) and profile_for(0) == 0 and profile_for(17) == 1
+    for graph_input in proto.graph.input:
+        rank = len(graph_input.type.tensor_type.shape.dim)
+        for dims in ranges.values():
+            d = dims["past" if graph_input.name.startswith("past_key_values.") else graph_input.name]
+            assert len(d.min) == len(d.opt) == len(d.max) == rank
+            assert all(a <= b <= c for a, b, c in zip(d.min, d.opt, d.max, strict=True))
+    prefill, decode = ranges["prefill"], ranges["decode"]
+    assert prefill["past"].max[2] == 0 and prefill["input_ids"].max == (8, 128)
+    assert decode["input_ids"].max == (8, 1) and decode["past"].max[2] == 127
+    assert decode["attention_mask"].min[1] == decode["past"].min[2] + 1  # mask covers past + the new token
+    assert decode["attention_mask"].max[1] == decode["past"].max[2] + 1
+
+
+def test_serving_an_engine_needs_its_metadata_then_tensorrt(trt_file, tmp_path, capsys):
+    import onnx
+
+    from sharp.plugins.tensorrt.engine import metadata_path, read_metadata
+    from sharp.serving.cli import serve_main
+
+    plan = tmp_path / "model.plan"
+    plan.write_bytes(b"engine bytes")
+    assert serve_main([str(plan), "--backend", "tensorrt", "--device", "cuda"]) == 2
+    assert "model.plan.json not found beside it" in capsys.readouterr().err
+    props = {p.key: p.value for p in onnx.load(trt_file).metadata_props}
+    metadata_path(plan).write_text(json.dumps(props))
+    assert read_metadata(plan).norm == "ssmax"
+    assert serve_main([str(plan), "--backend", "tensorrt"]) == 2
+    assert "runs on --device cuda" in capsys.readouterr().err
+    assert serve_main([str(plan), "--backend", "tensorrt", "--device", "cuda"]) == 2
+    assert "TensorRT is not installed" in capsys.readouterr().err
