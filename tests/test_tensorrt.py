@@ -11,8 +11,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,105 +21,9 @@ pytest.importorskip("triton")
 from sharp.models import NORMS, attend
 from sharp.plugins.tensorrt import PLUGIN_NAME, KernelManifest, TensorRTUnavailable, import_tensorrt, register
 from sharp.plugins.tensorrt.plugin import EXTRAS, float_bits
+from sharp.plugins.tensorrt.standin import TRT, Registry, Sym, TensorDesc
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-# ---- a stand-in of tensorrt / tensorrt.plugin: symbolic shapes that evaluate against a binding ---------------------
-@dataclass
-class Sym:
-    """A shape expression: a function of the runtime binding {name: int}."""
-
-    fn: object
-    const: int | None = None
-
-    @staticmethod
-    def of(x) -> Sym:
-        return x if isinstance(x, Sym) else Sym(lambda env, x=x: x, int(x))
-
-    @property
-    def is_constant(self) -> bool:
-        return self.const is not None
-
-    def constant_value(self) -> int:
-        return self.const
-
-    def __call__(self, env: dict) -> int:
-        return self.fn(env)
-
-    def _op(self, other, f):
-        a, b = self, Sym.of(other)
-        const = f(a.const, b.const) if a.is_constant and b.is_constant else None
-        return Sym(lambda env: f(a(env), b(env)), const)
-
-    def __add__(self, o):
-        return self._op(o, lambda x, y: x + y)
-
-    def __mul__(self, o):
-        return self._op(o, lambda x, y: x * y)
-
-    def __floordiv__(self, o):
-        return self._op(o, lambda x, y: x // y)
-
-    __rmul__ = __mul__
-
-
-def dim(name: str) -> Sym:
-    return Sym(lambda env: env[name])
-
-
-@dataclass
-class TensorDesc:
-    dtype: str
-    shape_expr: tuple
-
-    def like(self) -> TensorDesc:
-        return TensorDesc(self.dtype, self.shape_expr)
-
-
-@dataclass
-class LaunchParams:
-    grid_x: object = 1
-    grid_y: object = 1
-    grid_z: object = 1
-    block_x: int = 1
-    shared_mem: int = 0
-
-
-@dataclass
-class StandIn:
-    """Records the decorated functions by kind and plugin name."""
-
-    registered: dict = field(default_factory=dict)
-
-    def _decorator(self, kind):
-        def named(name):
-            def deco(fn):
-                self.registered[(kind, name)] = fn
-                return fn
-
-            return deco
-
-        return named
-
-    def module(self) -> SimpleNamespace:
-        return SimpleNamespace(
-            register=self._decorator("register"),
-            autotune=self._decorator("autotune"),
-            aot_impl=self._decorator("aot_impl"),
-            TensorDesc=TensorDesc,
-            KernelLaunchParams=LaunchParams,
-            SymExprs=tuple,
-            AutoTuneCombination=lambda spec: ("combination", spec),
-            from_shape_expr=lambda shape, dtype: TensorDesc(dtype, tuple(shape)),
-            cdiv=lambda a, b: (Sym.of(a) + (b - 1)) // b,
-            SymInt32=Sym.of,
-            SymIntExprs=SimpleNamespace(from_tuple=tuple),
-        )
-
-
-TRT = SimpleNamespace(float16="float16", bfloat16="bfloat16", float32="float32", int32="int32")
-TORCH = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +41,8 @@ def manifest_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plugin(manifest_dir):
-    standin = StandIn()
-    manifest = register(manifest_dir, trt=TRT, trtp=standin.module())
+    standin = Registry()
+    manifest = register(manifest_dir, trt=TRT, trtp=standin.trtp())
     return standin, manifest
 
 
@@ -157,8 +59,8 @@ def test_the_plugin_module_imports_without_tensorrt():
 def test_registration_descriptors_and_type_combinations(plugin):
     standin, manifest = plugin
     assert set(standin.registered) == {("register", PLUGIN_NAME), ("autotune", PLUGIN_NAME), ("aot_impl", PLUGIN_NAME)}
-    q = TensorDesc("float16", (dim("B"), Sym.of(4), dim("LQ"), Sym.of(64)))
-    k = TensorDesc("float16", (dim("B"), Sym.of(2), dim("LK"), Sym.of(64)))
+    q = TensorDesc("float16", (Sym.named("B"), Sym.of(4), Sym.named("LQ"), Sym.of(64)))
+    k = TensorDesc("float16", (Sym.named("B"), Sym.of(2), Sym.named("LK"), Sym.of(64)))
     describe = standin.registered[("register", PLUGIN_NAME)]
     out, ent = describe(q, k, k, None, None, None, "ssa", 1, 0.125, 4, 2, np.zeros(0, np.float32))
     env = {"B": 3, "LQ": 17, "LK": 40}
@@ -172,63 +74,42 @@ def test_registration_descriptors_and_type_combinations(plugin):
             assert manifest.find(norm, "fp16", 64, causal)["kernel"].startswith("trt_")
 
 
-def _tensorrt_form(norm: str, b=2, hq=4, hkv=2, lq=70, lk=100, d=64, seed=0):
-    """Inputs in the TensorRT form (docs/tensorrt.md) and the same problem for `attend`."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, lq, d, generator=g).half()
-    k = torch.randn(b, hkv, lk, d, generator=g).half()
-    v = torch.randn(b, hkv, lk, d, generator=g).half()
-    mask = torch.ones(b, lk, dtype=torch.bool)
-    mask[1, :9] = False  # a left-padded row
-    heads = {
-        "alibi_slopes": torch.tensor([0.5, 0.25, 0.0, 0.0]),
-        "alpha": torch.linspace(1.3, 2.0, hq),
-        "ssa_n": torch.linspace(1.0, 2.0, hq),
-        "ssa_b": torch.linspace(0.5, 1.5, hq),
-        "ssmax_s": torch.linspace(0.5, 1.5, hq),
-    }
-    poly = torch.tensor((-0.037, 0.481, -2.3, 4.917, -1.791))
-    qs = torch.rand(b, hq, lq, generator=g) + 0.5
-    params = torch.cat([*heads.values(), poly]).float().contiguous()
-    inputs = dict(Q=q, K=k, V=v, KMASK=mask.to(torch.int32), PARAMS=params, QSCALE=qs if norm == "asentmax" else
-                  torch.ones(1))  # fmt: skip
-    ref = dict(norm=norm, key_mask=mask, poly=tuple(poly.tolist()), query_scale=qs if norm == "asentmax" else None,
-               **{n: heads[n] for n in heads})  # fmt: skip
-    return inputs, ref, poly
-
-
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_aot_impl_hands_over_a_launch_that_computes_the_op(plugin, norm, causal):
     """The PTX entry and bytes, the grid/block/shared memory and the extras come back as the manifest says, and
     launching the same Triton function with exactly TensorRT's argument order — inputs, extras evaluated for the
     runtime shapes, outputs — gives `attend`'s output and entropy (GQA 4:2, left padding, 2 query blocks)."""
+    from sharp.plugins.tensorrt.launch_check import aot_launch, tensorrt_form_inputs
     from sharp.plugins.triton import kernels
 
     standin, manifest = plugin
-    inputs, ref, poly = _tensorrt_form(norm, seed=len(norm) + causal)
-    env = {"B": 2, "LQ": 70, "LK": 100}
-    q = TensorDesc("float16", (dim("B"), Sym.of(4), dim("LQ"), Sym.of(64)))
-    k = TensorDesc("float16", (dim("B"), Sym.of(2), dim("LK"), Sym.of(64)))
-    aot_impl = standin.registered[("aot_impl", PLUGIN_NAME)]
-    scale = 64**-0.5
-    name, ptx, launch, extras = aot_impl(q, k, k, None, None, None, norm, int(causal), scale, 4, 2,
-                                         poly.numpy().astype(np.float32), (), 0)  # fmt: skip
-    entry = manifest.find(norm, "fp16", 64, causal)
-    assert name == entry["entry"].encode() and f".entry {entry['entry']}(".encode() in ptx
-    assert ptx == (manifest.directory / f"{entry['variant']}.ptx").read_bytes()
-    assert launch.block_x == entry["launch"]["block"][0] and launch.shared_mem == entry["launch"]["shared_bytes"]
-    grid = tuple(Sym.of(g)(env) for g in (launch.grid_x, launch.grid_y, launch.grid_z))
-    assert grid == (2, 8, 1)  # ⌈70/64⌉ query blocks × B·Hq
-    values = [Sym.of(e)(env) for e in extras]
-    assert len(values) == len(EXTRAS) and values[EXTRAS.index("scale_bits")] == float_bits(scale)
-    out = torch.zeros(2, 4, 70, 64, dtype=torch.float16)
-    ent = torch.zeros(2, 4, 70)
-    args = [*inputs.values(), *values, out, ent]  # TensorRT's order: inputs, extras, outputs
-    kernels.KERNELS[entry["kernel"]][grid](*args, **entry["constexprs"])
+    inputs, ref = tensorrt_form_inputs(norm, 2, 4, 2, 70, 100, 64, torch.float16, "cpu", seed=len(norm) + causal)
+    launch = aot_launch(standin, manifest, norm, causal, inputs, kv_heads=2, scale=64**-0.5)
+    entry = launch.entry
+    assert entry is manifest.find(norm, "fp16", 64, causal)
+    assert launch.name == entry["entry"].encode() and f".entry {entry['entry']}(".encode() in launch.ptx
+    assert launch.ptx == (manifest.directory / f"{entry['variant']}.ptx").read_bytes()
+    assert launch.block == entry["launch"]["block"][0] and launch.shared == entry["launch"]["shared_bytes"]
+    assert launch.grid == (2, 8, 1)  # ⌈70/64⌉ query blocks × B·Hq
+    extras = launch.arguments[len(inputs) : len(inputs) + len(EXTRAS)]
+    assert extras[EXTRAS.index("scale_bits")] == float_bits(64**-0.5) and extras[EXTRAS.index("LK")] == 100
+    # TensorRT's order — inputs, extras, outputs — into the same Triton function, in the interpreter
+    kernels.KERNELS[entry["kernel"]][launch.grid](*launch.arguments, **entry["constexprs"])
     o_ref, h_ref = attend(*(inputs[n].float() for n in "QKV"), causal=causal, return_entropy=True, **ref)
-    torch.testing.assert_close(out.float(), o_ref, atol=2e-3, rtol=0)
-    torch.testing.assert_close(ent, h_ref, atol=2e-3, rtol=0)
+    torch.testing.assert_close(launch.out.float(), o_ref, atol=2e-3, rtol=0)
+    torch.testing.assert_close(launch.entropy, h_ref, atol=2e-3, rtol=0)
+
+
+def test_the_gpu_launch_check_needs_a_gpu(manifest_dir, capsys):
+    """What verifies the PTX launch on a GPU (docs/tensorrt.md) says so and exits 2 where there is none."""
+    from sharp.plugins.tensorrt.launch_check import main
+
+    if torch.cuda.is_available():  # pragma: no cover - on a GPU it runs the real check
+        assert main(["--kernels", str(manifest_dir), "--lengths", "300"]) == 0
+    else:
+        assert main(["--kernels", str(manifest_dir)]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_aot_impl_refuses_what_was_not_compiled(plugin):
@@ -236,10 +117,10 @@ def test_aot_impl_refuses_what_was_not_compiled(plugin):
     aot_impl = standin.registered[("aot_impl", PLUGIN_NAME)]
     empty = np.zeros(0, np.float32)
     for dtype, d, why in (("float16", 128, "head_dim=128"), ("float32", 64, "dtype=fp32")):
-        q = TensorDesc(dtype, (dim("B"), Sym.of(4), dim("LQ"), Sym.of(d)))
+        q = TensorDesc(dtype, (Sym.named("B"), Sym.of(4), Sym.named("LQ"), Sym.of(d)))
         with pytest.raises(LookupError, match=why):
             aot_impl(q, q, q, None, None, None, "softmax", 1, 0.1, 4, 4, empty, (), 0)
-    q = TensorDesc("float16", (dim("B"), Sym.of(4), dim("LQ"), dim("D")))
+    q = TensorDesc("float16", (Sym.named("B"), Sym.of(4), Sym.named("LQ"), Sym.named("D")))
     with pytest.raises(ValueError, match=r"head dim .* must be fixed"):
         aot_impl(q, q, q, None, None, None, "softmax", 1, 0.1, 4, 4, empty, (), 0)
 
