@@ -190,27 +190,40 @@ def _softmax_sweep(
             HAS_KMASK,
             DOT_F32,
         )
-        masked = z == float("-inf")
-        zs = tl.where(masked, 0.0, z)
-        if SSA:
-            mag = tl.log(1.0 + ssa_b * tl.abs(zs))
-            t = ssa_n * tl.where(zs >= 0, mag, -mag)
-        else:
-            t = rowf[:, None] * zs
-        t = tl.where(masked, float("-inf"), t)
-        m_new = tl.maximum(m_i, tl.max(t, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        r = tl.exp(m_i - m_safe)
-        e = tl.exp(t - m_safe[:, None])
-        rel = tl.where(e > 0, t - m_safe[:, None], 0.0)
-        dm = tl.where(l_i > 0, m_i - m_safe, 0.0)  # never 0 · (−inf): rows with no key yet have Λ = 0
-        kp_i = r * (kp_i + l_i * dm) + tl.sum(e * rel, 1)
-        l_i = r * l_i + tl.sum(e, 1)
+        t = _transform(z, rowf, ssa_n, ssa_b, SSA)
+        m_i, l_i, kp_i, r, e = _online_step(m_i, l_i, kp_i, t)
         if WITH_V:
             v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
             acc = acc * r[:, None] + _pv(e, v, DOT_F32)
-        m_i = m_new
     return m_i, l_i, kp_i, acc
+
+
+@triton.jit
+def _transform(z, rowf, ssa_n, ssa_b, SSA: tl.constexpr):
+    """t = sgn(z)·n·log(1 + b|z|) (SSA; n, b scalars or (rows, 1) columns) or rowf·z; −inf stays −inf."""
+    masked = z == float("-inf")
+    zs = tl.where(masked, 0.0, z)
+    if SSA:
+        mag = tl.log(1.0 + ssa_b * tl.abs(zs))
+        t = ssa_n * tl.where(zs >= 0, mag, -mag)
+    else:
+        t = rowf[:, None] * zs
+    return tl.where(masked, float("-inf"), t)
+
+
+@triton.jit
+def _online_step(m_i, l_i, kp_i, t):
+    """Fold a tile of transformed logits t (−inf where masked) into the row state (m, Λ, K'); returns the new
+    state, the rescale r of the old accumulator and the tile's weights e = e^{t−m}."""
+    m_new = tl.maximum(m_i, tl.max(t, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    r = tl.exp(m_i - m_safe)
+    e = tl.exp(t - m_safe[:, None])
+    rel = tl.where(e > 0, t - m_safe[:, None], 0.0)
+    dm = tl.where(l_i > 0, m_i - m_safe, 0.0)  # never 0 · (−inf): rows with no key yet have Λ = 0
+    kp_i = r * (kp_i + l_i * dm) + tl.sum(e * rel, 1)
+    l_i = r * l_i + tl.sum(e, 1)
+    return m_new, l_i, kp_i, r, e
 
 
 @triton.jit

@@ -1,0 +1,205 @@
+"""Paged decode: queries of running sequences against a KV cache kept in fixed-size pages (vLLM-style), for the
+softmax family (softmax, ssmax, SSA, adaptive).
+
+K and V live in (pages, Hkv, PAGE, D) pools; sequence b's j-th page of keys is pool page `block_table[b, j]`, and
+it has `seq_lens[b]` keys (its new tokens included; the last page partly filled). A program owns one sequence, one
+KV head and a range of its pages, with the GQA group packed into its rows (group × Lq rows), so each KV page is read
+once per KV head, not once per query head. Each program writes a partial state (m, Λ, K', acc); a second kernel
+merges the splits on the device and finishes the output and the entropy. No host synchronisation: a decode step
+built from these launches can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sharp.models.normalizers import adaptive_beta
+from sharp.models.registry import Family, Transform, get
+from sharp.plugins.triton.kernels import _entropy, _online_step, _pv, _transform
+
+_TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
+
+
+@triton.jit
+def _paged_softmax_kernel(
+    Q, KP, VP, BT, SEQ, ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, M_OUT, L_OUT, KP_OUT, ACC_OUT,
+    sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
+    B, H, GROUP, LQ, HKV, D, scale, pages_per_split,
+    SSA: tl.constexpr, LOGN: tl.constexpr, HAS_ROWF: tl.constexpr, HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr,
+    WITH_V: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Grid (B·Hkv, splits). Rows r < GROUP·Lq: query head hkv·GROUP + r // Lq, query r % Lq at key position
+    seq_len − Lq + r % Lq. Writes each row's partial state over its split's pages."""
+    pid_bk = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_bk // HKV
+    hkv = pid_bk % HKV
+    rows = tl.arange(0, BLOCK_M)
+    keep = rows < GROUP * LQ
+    h = hkv * GROUP + rows // LQ
+    i = rows % LQ
+    offs_n = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, BLOCK_D)
+    lk = tl.load(SEQ + b)
+    qpos = i + lk - LQ
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=keep[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
+    if DOT_F32:
+        q = q.to(tl.float32)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(SLOPES + h, mask=keep, other=0.0)
+    rowf = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    if HAS_ROWF:
+        rowf = tl.load(ROWF + (b * H + h) * LQ + i, mask=keep, other=1.0)
+    if LOGN:  # every key of the sequence is real (no padding): n = the causal limit, or all keys
+        n = (qpos + 1).to(tl.float32) if CAUSAL else tl.zeros([BLOCK_M], dtype=tl.float32) + lk
+        rowf = tl.load(SSMAX_S + h, mask=keep, other=1.0) * tl.log(tl.maximum(n, 1.0))
+    ssa_n = tl.zeros([BLOCK_M, 1], dtype=tl.float32) + 1.0
+    ssa_b = tl.zeros([BLOCK_M, 1], dtype=tl.float32) + 1.0
+    if SSA:
+        ssa_n = tl.load(SSA_N + h, mask=keep, other=1.0)[:, None]
+        ssa_b = tl.load(SSA_B + h, mask=keep, other=1.0)[:, None]
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first = pid_s * pages_per_split
+    last = tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))
+    for page in range(first, last):
+        base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv * sph
+        cols = page * PAGE + offs_n
+        present = cols < lk
+        kt = tl.load(KP + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
+                     mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
+        z = tl.dot(q, kt.to(tl.float32), input_precision="ieee") if DOT_F32 else tl.dot(q, kt)
+        z = z * scale
+        if HAS_ALIBI:
+            z += slope[:, None] * (cols[None, :] - qpos[:, None]).to(tl.float32)
+        visible = present[None, :] & keep[:, None]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= qpos[:, None])
+        t = _transform(tl.where(visible, z, float("-inf")), rowf, ssa_n, ssa_b, SSA)
+        m_i, l_i, kp_i, r, e = _online_step(m_i, l_i, kp_i, t)
+        if WITH_V:
+            v = tl.load(VP + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
+                        mask=present[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
+            if DOT_F32:
+                v = v.to(tl.float32)
+            acc = acc * r[:, None] + _pv(e, v, DOT_F32)
+    out_row = ((pid_s * B + b) * H + h) * LQ + i
+    tl.store(M_OUT + out_row, m_i, mask=keep)
+    tl.store(L_OUT + out_row, l_i, mask=keep)
+    tl.store(KP_OUT + out_row, kp_i, mask=keep)
+    if WITH_V:
+        tl.store(ACC_OUT + out_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+
+
+@triton.jit
+def _merge_softmax_kernel(
+    M, L, KPS, ACC, OUT, ENT_OUT, ROWS, SPLITS,
+    WITH_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Merge per-split states (m, Λ, K', acc) of ROWS rows: rescale to the global max, sum, and finish the output
+    (OUT's dtype) and the entropy H = log Λ − K'/Λ (0 for a row that saw no key)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    keep = rows < ROWS
+    offs_d = tl.arange(0, BLOCK_D)
+    top = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    for s in range(SPLITS):
+        top = tl.maximum(top, tl.load(M + s * ROWS + rows, mask=keep, other=-float("inf")))
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    kp_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s in range(SPLITS):
+        m = tl.load(M + s * ROWS + rows, mask=keep, other=-float("inf"))
+        lam = tl.load(L + s * ROWS + rows, mask=keep, other=0.0)
+        w = tl.where(lam > 0, tl.exp(m - top_safe), 0.0)
+        shift = tl.where(lam > 0, m - top_safe, 0.0)
+        l_sum += w * lam
+        kp_sum += w * (tl.load(KPS + s * ROWS + rows, mask=keep, other=0.0) + lam * shift)
+        if WITH_V:
+            part = tl.load(ACC + (s * ROWS + rows)[:, None] * BLOCK_D + offs_d[None, :], mask=keep[:, None], other=0.0)
+            acc += w[:, None] * part
+    tl.store(ENT_OUT + rows, _entropy(l_sum, kp_sum), mask=keep)
+    if WITH_V:
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(OUT + rows[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
+
+
+def paged_decode(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    *,
+    norm: str,
+    causal: bool = True,
+    scale: float | None = None,
+    alibi_slopes: Tensor | None = None,
+    ssa_n: Tensor | None = None,
+    ssa_b: Tensor | None = None,
+    ssmax_s: Tensor | None = None,
+    poly: tuple[float, ...] = (),
+    splits: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of q (B, Hq, Lq, D) — each sequence's newest Lq tokens — over its paged keys: output (B, Hq, Lq, D)
+    in q's dtype and entropy (B, Hq, Lq) fp32. Per-head parameters are (Hq,) tensors. Softmax family only."""
+    spec = get(norm)
+    if spec.family is Family.ENTMAX:
+        raise ValueError(f"paged decode runs the softmax family; {norm} (entmax family) is not implemented yet")
+    b, hq, lq, d = q.shape
+    _, hkv, page, dk = k_pages.shape
+    if dk != d or v_pages.shape != k_pages.shape or hq % hkv:
+        raise ValueError(f"shapes: q {tuple(q.shape)}, k/v pages {tuple(k_pages.shape)}/{tuple(v_pages.shape)}")
+    if page < 16 or page & (page - 1):
+        raise ValueError(f"the page size must be a power of two >= 16, got {page}")
+    group = hq // hkv
+    block_m = max(16, triton.next_power_of_2(group * lq))
+    block_d = max(16, triton.next_power_of_2(d))
+    dev = q.device
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    max_pages = block_table.shape[1]
+    if splits is None:
+        splits = max(1, min(max_pages, -(-_TARGET_PROGRAMS // (b * hkv))))
+    pages_per_split = -(-max_pages // splits)
+    splits = -(-max_pages // pages_per_split)
+    rows = b * hq * lq
+    transform = spec.transform
+
+    def per_head(t: Tensor | None) -> Tensor:
+        return t.float().contiguous() if t is not None else dummy
+
+    def launch(rowf: Tensor | None, with_v: bool) -> tuple[Tensor, Tensor]:
+        m = torch.empty(splits, rows, dtype=torch.float32, device=dev)
+        lam, kp = torch.empty_like(m), torch.empty_like(m)
+        acc = torch.empty(splits, rows, block_d, dtype=torch.float32, device=dev) if with_v else dummy
+        _paged_softmax_kernel[(b * hkv, splits)](
+            q, k_pages, v_pages, block_table, seq_lens, rowf if rowf is not None else dummy, per_head(ssmax_s),
+            per_head(ssa_n), per_head(ssa_b), per_head(alibi_slopes), m, lam, kp, acc,
+            *q.stride(), *k_pages.stride(), block_table.stride(0),
+            b, hq, group, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split,
+            SSA=transform is Transform.SIGNED_LOG, LOGN=transform is Transform.LOG_N_SCALE, HAS_ROWF=rowf is not None,
+            HAS_ALIBI=alibi_slopes is not None, CAUSAL=causal, WITH_V=with_v,
+            DOT_F32=q.dtype == torch.float32 or dev.type != "cuda", BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
+        )  # fmt: skip
+        out = torch.empty(rows, block_d, dtype=q.dtype, device=dev) if with_v else dummy
+        ent = torch.empty(rows, dtype=torch.float32, device=dev)
+        _merge_softmax_kernel[(triton.cdiv(rows, 16),)](
+            m, lam, kp, acc, out, ent, rows, splits, WITH_V=with_v, BLOCK_R=16, BLOCK_D=block_d
+        )
+        return out, ent
+
+    rowf = None
+    if transform is Transform.ENTROPY_BETA:  # β from each row's softmax entropy: a statistics pass first
+        _, h = launch(None, with_v=False)
+        rowf = adaptive_beta(h, poly).float().contiguous()
+    elif transform not in (Transform.IDENTITY, Transform.NONE, Transform.LOG_N_SCALE, Transform.SIGNED_LOG):
+        raise ValueError(f"no paged kernel for transform {transform}")
+    out, ent = launch(rowf, with_v=True)
+    return out[:, :d].reshape(b, hq, lq, d), ent.reshape(b, hq, lq)
