@@ -398,6 +398,23 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
 
 
 @triton.jit
+def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr):
+    """The threshold sums of one tile, added per row."""
+    p0, p1, p2 = _powers(d, inv, FAST)
+    return s0 + tl.sum(p0, 1), s1 + tl.sum(p1, 1), s2 + tl.sum(p2, 1)
+
+
+@triton.jit
+def _threshold_step(tau, lo, hi, s0, s1, s2, inv, tol, dead, passes, max_passes):
+    """One refinement of every row's τ after a sweep, and whether another sweep is needed (a row not converged,
+    fewer than max_passes sweeps so far)."""
+    tau, lo, hi, conv = _refine(tau, lo, hi, s0, s1, s2, inv, tol)
+    passes += 1
+    todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
+    return tau, lo, hi, passes, todo
+
+
+@triton.jit
 def _bracket(umax, cnt, am1, keep):
     """Row shift (max u, 0 for a row with no key), τ's bracket [−1, −n^{1−α}] relative to it, and the rows that
     need no refinement (no visible key, or past Lq)."""
@@ -453,13 +470,8 @@ def _entmax_program(
             )  # fmt: skip
             d = tl.maximum(am1 * z - (shift + tau)[:, None], 0.0)
             if tl.max(tl.max(d, 1), 0) > 0:
-                p0, p1, p2 = _powers(d, inv, FAST)
-                s0 += tl.sum(p0, 1)
-                s1 += tl.sum(p1, 1)
-                s2 += tl.sum(p2, 1)
-        tau, t_lo, t_hi, conv = _refine(tau, t_lo, t_hi, s0, s1, s2, inv, tol)
-        passes += 1
-        todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
+                s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST)
+        tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
     zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
     plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -578,13 +590,8 @@ def _entmax_threshold_kernel(
                 U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
             )
             d = tl.maximum(u - (shift + tau)[:, None], 0.0)
-            p0, p1, p2 = _powers(d, inv[:, None], FAST)
-            s0 += tl.sum(p0, 1)
-            s1 += tl.sum(p1, 1)
-            s2 += tl.sum(p2, 1)
-        tau, t_lo, t_hi, conv = _refine(tau, t_lo, t_hi, s0, s1, s2, inv, tol)
-        passes += 1
-        todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
+            s0, s1, s2 = _add_powers(s0, s1, s2, d, inv[:, None], FAST)
+        tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
     tl.store(UMAX_OUT + rows, shift, mask=keep)
     tl.store(TAU_OUT + rows, tau, mask=keep)
     if COUNT:
