@@ -332,6 +332,7 @@ def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     assert run(["--smoke", "--norms", "softmax", "entmax"]) == 0
     out = capsys.readouterr().out
     assert "SDPA-flash softmax" in out and "entmax (NAPE)" in out and "Decode (Lq = 1" in out
+    assert "softmax (paged, 16-key pages)" in out
 
 
 def test_entmax_at_large_alpha_converges_through_the_safeguard():

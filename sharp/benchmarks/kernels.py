@@ -3,9 +3,9 @@
 Prefill: forward time and effective TFLOP/s per norm (4·B·H·Lq·Lk·D FLOPs, halved when causal), with the
 SDPA-flash softmax baseline measured on the same inputs; entmax also with NAPE-style ALiBi heads, where
 its support is local and whole key blocks are skipped (block sparsity and threshold passes reported).
-Decode: one query per sequence over a long cache; achieved K+V read bandwidth against a measured device
-copy bandwidth. Medians via triton.testing.do_bench. `--smoke` runs the same pipeline at toy sizes on the
-CPU (Triton interpreter) to check the script, writing nothing.
+Decode: one query per sequence over a long cache, contiguous and (softmax family) paged; achieved K+V read
+bandwidth against a measured device copy bandwidth. Medians via triton.testing.do_bench. `--smoke` runs the
+same pipeline at toy sizes on the CPU (Triton interpreter) to check the script, writing nothing.
 """
 
 from __future__ import annotations
@@ -154,7 +154,32 @@ def _decode_rows(args, device, dtype, gpu: bool) -> tuple[list[list[str]], float
             ms = _median_ms(lambda p=problem: run_problem(p), gpu)
             gbs = kv_bytes / ms / 1e6
             rows.append([f"{lk:,}", norm, str(splits), f"{ms:.3f}", f"{gbs:,.0f}", f"{gbs / copy_gbs:.0%}"])
+            if registry.get(norm).family is not registry.Family.ENTMAX:
+                rows.append(_paged_row(q, k, v, norm, args.page_size, copy_gbs, kv_bytes, gpu))
     return rows, copy_gbs
+
+
+def _paged_row(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gpu: bool) -> list[str]:
+    """The same decode through the paged kernel: the keys scattered over a shuffled page pool."""
+    from sharp.plugins.triton.paged import paged_decode
+
+    hkv, lk, d = k.shape[1:]
+    pages = -(-lk // page)
+    order = torch.randperm(pages, device=q.device)
+    pool_k = torch.zeros(pages, hkv, page, d, device=q.device, dtype=k.dtype)
+    pool_v = torch.zeros_like(pool_k)
+    padded = pages * page - lk
+    pool_k[order] = F.pad(k[0], (0, 0, 0, padded)).view(hkv, pages, page, d).transpose(0, 1)
+    pool_v[order] = F.pad(v[0], (0, 0, 0, padded)).view(hkv, pages, page, d).transpose(0, 1)
+    table = order.to(torch.int32)[None]
+    lengths = torch.tensor([lk], dtype=torch.int32, device=q.device)
+    heads = q.shape[1]
+    kw = dict(ssa_n=torch.full((heads,), 1.5, device=q.device), ssa_b=torch.ones(heads, device=q.device),
+              ssmax_s=torch.ones(heads, device=q.device), poly=PAPER_POLY)  # fmt: skip
+    paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw)
+    ms = _median_ms(lambda: paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw), gpu)
+    gbs = kv_bytes / ms / 1e6
+    return [f"{lk:,}", f"{norm} (paged, {page}-key pages)", "auto", f"{ms:.3f}", f"{gbs:,.0f}", f"{gbs / copy_gbs:.0%}"]
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -168,6 +193,7 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-kv-heads", type=int, default=8)
     ap.add_argument("--decode-head-dim", type=int, default=128)
     ap.add_argument("--copy-bytes", type=int, default=2**31)
+    ap.add_argument("--page-size", type=int, default=64, help="keys per page of the paged decode rows")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU in the Triton interpreter; writes nothing")
     ap.add_argument("--no-write", dest="write", action="store_false")
     args = ap.parse_args(argv)
@@ -177,7 +203,7 @@ def run(argv: list[str] | None = None) -> int:
             ap.error("--smoke needs TRITON_INTERPRET=1 in the environment (set before triton is imported)")
         args.lengths, args.head_dims, args.head_budget = [40], [16], 32
         args.decode_lengths, args.decode_heads, args.decode_kv_heads, args.decode_head_dim = [100], 4, 2, 16
-        args.copy_bytes, args.write = 2**20, False
+        args.copy_bytes, args.write, args.page_size = 2**20, False, 16
     elif not gpu:
         print("sharp-bench kernels: no CUDA GPU here; use --smoke to check the script on CPU", flush=True)
         return 2
