@@ -42,8 +42,12 @@ def _paged(hkv: int, d: int, lengths: list[int], seed: int = 0):
     return k_pages, v_pages, table, torch.tensor(lengths, dtype=torch.int32), ks, vs
 
 
-def _params(norm: str, hq: int) -> dict:
+def _params(norm: str, hq: int, q: torch.Tensor) -> dict:
     kw = {"alibi_slopes": torch.linspace(0.5, 0.0, hq)}
+    if norm in ("entmax", "asentmax"):
+        kw.update(alpha=torch.linspace(1.3, 2.0, hq) if hq > 2 else 1.5)
+    if norm == "asentmax":
+        kw.update(query_scale=torch.rand(q.shape[:3], generator=torch.Generator().manual_seed(3)) + 0.5)
     if norm == "ssa":
         kw.update(ssa_n=torch.linspace(1.0, 2.0, hq), ssa_b=torch.linspace(0.5, 1.5, hq))
     if norm == "ssmax":
@@ -53,7 +57,7 @@ def _params(norm: str, hq: int) -> dict:
     return kw
 
 
-@pytest.mark.parametrize("norm", ["softmax", "ssmax", "ssa", "adaptive"])
+@pytest.mark.parametrize("norm", ["softmax", "ssmax", "ssa", "adaptive", "entmax", "asentmax"])
 @pytest.mark.parametrize(("hq", "hkv", "lq"), [(4, 1, 1), (4, 2, 3), (2, 2, 1)])
 @pytest.mark.parametrize("splits", [None, 2])
 def test_paged_decode_matches_attend_on_gathered_keys(norm, hq, hkv, lq, splits):
@@ -61,10 +65,11 @@ def test_paged_decode_matches_attend_on_gathered_keys(norm, hq, hkv, lq, splits)
     lengths = [max(n, lq) for n in LENGTHS]
     k_pages, v_pages, table, seq_lens, ks, vs = _paged(hkv, d, lengths, seed=hq + lq)
     q = torch.randn(len(lengths), hq, lq, d, generator=torch.Generator().manual_seed(9))
-    kw = _params(norm, hq)
+    kw = _params(norm, hq, q)
     out, ent = paged_decode(q, k_pages, v_pages, table, seq_lens, norm=norm, splits=splits, **kw)
     for b in range(len(lengths)):
-        o_ref, h_ref = attend(q[b : b + 1], ks[b], vs[b], norm=norm, causal=True, return_entropy=True, **kw)
+        one = {**kw, "query_scale": kw["query_scale"][b : b + 1]} if "query_scale" in kw else kw
+        o_ref, h_ref = attend(q[b : b + 1], ks[b], vs[b], norm=norm, causal=True, return_entropy=True, **one)
         torch.testing.assert_close(out[b : b + 1], o_ref, atol=1e-5, rtol=0, msg=f"sequence {b}")
         torch.testing.assert_close(ent[b : b + 1], h_ref, atol=1e-5, rtol=0, msg=f"sequence {b}")
 
@@ -72,8 +77,6 @@ def test_paged_decode_matches_attend_on_gathered_keys(norm, hq, hkv, lq, splits)
 def test_paged_decode_refuses_what_it_does_not_run():
     k_pages, v_pages, table, seq_lens, _, _ = _paged(1, 16, [20])
     q = torch.randn(1, 2, 1, 16)
-    with pytest.raises(ValueError, match="entmax family"):
-        paged_decode(q, k_pages, v_pages, table, seq_lens, norm="entmax")
     with pytest.raises(ValueError, match="power of two"):
         paged_decode(q, k_pages[:, :, :12], v_pages[:, :, :12], table, seq_lens, norm="softmax")
 
@@ -85,7 +88,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from sharp.plugins.triton import kernels, paged
 
-SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "NPOLY", "B", "HKV", "ROWS", "SPLITS"}
+SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "NPOLY", "B", "HKV", "ROWS", "SPLITS", "WIDTH"}
 FLOATS = {"scale", "beta_threshold", "tol"}
 
 
@@ -120,6 +123,9 @@ cases = [
     (paged._paged_softmax_kernel, dict(SSA=True, LOGN=False, HAS_ROWF=True, HAS_ALIBI=True, CAUSAL=True,
                                        WITH_V=True, DOT_F32=False, BLOCK_M=16, PAGE=16, BLOCK_D=128)),
     (paged._merge_softmax_kernel, dict(WITH_V=True, BLOCK_R=16, BLOCK_D=128)),
+    (paged._paged_entmax_logits_kernel, dict(HAS_ALIBI=True, HAS_LAMBDA=True, CAUSAL=True, DOT_F32=False,
+                                             BLOCK_M=16, PAGE=64, BLOCK_D=128)),
+    (paged._paged_entmax_output_kernel, dict(FAST=2, DOT_F32=False, BLOCK_M=16, PAGE=64, BLOCK_D=128)),
 ]
 for fn, constexprs in cases:
     src = ASTSource(fn=fn, signature=signature(fn, constexprs, half), constexprs=constexprs)
@@ -130,8 +136,8 @@ for fn, constexprs in cases:
 
 def test_every_torch_path_kernel_compiles_for_sm90():
     """The interpreter accepts code the GPU compiler rejects (and the reverse): the torch path's kernels — the
-    one-launch entmax with its on-chip loop, split-K entmax, paged decode and its merge — compile for sm_90 in bf16
-    at head dim 128 (the TensorRT entry points are compiled by the AOT tests)."""
+    one-launch entmax with its on-chip loop, split-K entmax, paged decode (both families) and its merge — compile
+    for sm_90 in bf16 at head dim 128 (the TensorRT entry points are compiled by the AOT tests)."""
     import os
     import subprocess
     import sys
@@ -140,4 +146,4 @@ def test_every_torch_path_kernel_compiles_for_sm90():
     proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL], capture_output=True, text=True, env=env,
                           timeout=600, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("compiled") == 9
+    assert proc.stdout.count("compiled") == 11

@@ -1,12 +1,13 @@
-"""Paged decode: queries of running sequences against a KV cache kept in fixed-size pages (vLLM-style), for the
-softmax family (softmax, ssmax, SSA, adaptive).
+"""Paged decode: queries of running sequences against a KV cache kept in fixed-size pages (vLLM-style), for every
+norm: the softmax family (softmax, ssmax, SSA, adaptive) and the entmax family (entmax, asentmax).
 
 K and V live in (pages, Hkv, PAGE, D) pools; sequence b's j-th page of keys is pool page `block_table[b, j]`, and
 it has `seq_lens[b]` keys (its new tokens included; the last page partly filled). A program owns one sequence, one
 KV head and a range of its pages, with the GQA group packed into its rows (group × Lq rows), so each KV page is read
 once per KV head, not once per query head. Each program writes a partial state (m, Λ, K', acc); a second kernel
-merges the splits on the device and finishes the output and the entropy. No host synchronisation: a decode step
-built from these launches can be captured in a CUDA graph.
+merges the splits on the device and finishes the output and the entropy. Entmax: every page's logits into a
+buffer, τ per row refined on chip, then the partial outputs over support tiles only. No host synchronisation: a
+decode step built from these launches can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from torch import Tensor
 
 from sharp.models.normalizers import adaptive_beta
 from sharp.models.registry import Family, Transform, get
-from sharp.plugins.triton.kernels import _entropy, _online_step, _pv, _transform
+from sharp.plugins.triton.attention import MAX_THRESHOLD_PASSES, _alpha_fast_path
+from sharp.plugins.triton.kernels import _entmax_threshold_kernel, _entropy, _online_step, _pv, _transform, _weights
 
 _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
 
@@ -131,6 +133,92 @@ def _merge_softmax_kernel(
         tl.store(OUT + rows[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
 
 
+@triton.jit
+def _paged_rows(pid_bk, HKV, GROUP, LQ, SEQ, BLOCK_M: tl.constexpr):
+    """A paged program's sequence, KV head and rows: the GQA group × Lq queries, each at key position
+    seq_len − Lq + i."""
+    b = pid_bk // HKV
+    hkv = pid_bk % HKV
+    rows = tl.arange(0, BLOCK_M)
+    h = hkv * GROUP + rows // LQ
+    i = rows % LQ
+    lk = tl.load(SEQ + b)
+    return b, hkv, rows < GROUP * LQ, h, i, lk, i + lk - LQ
+
+
+@triton.jit
+def _paged_entmax_logits_kernel(
+    Q, KP, BT, SEQ, ALPHA, SLOPES, LAMBDA, U_OUT,
+    sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
+    H, GROUP, LQ, HKV, D, scale, pages_per_split, WIDTH,
+    HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Paged entmax, step 1: u = (α−1)·λ·z of the split's pages into U (B·Hq·Lq rows × WIDTH keys, prefilled −inf)."""
+    b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
+    offs_n = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=keep[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
+    if DOT_F32:
+        q = q.to(tl.float32)
+    am1 = tl.load(ALPHA + h, mask=keep, other=2.0) - 1.0
+    slope = tl.load(SLOPES + h, mask=keep, other=0.0) if HAS_ALIBI else tl.zeros([BLOCK_M], dtype=tl.float32)
+    lam = tl.load(LAMBDA + (b * H + h) * LQ + i, mask=keep, other=1.0) if HAS_LAMBDA else am1 * 0 + 1.0
+    row = (b * H + h) * LQ + i
+    first = tl.program_id(1) * pages_per_split
+    for page in range(first, tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))):
+        base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv * sph
+        cols = page * PAGE + offs_n
+        present = cols < lk
+        kt = tl.load(KP + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
+                     mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
+        z = tl.dot(q, kt.to(tl.float32), input_precision="ieee") if DOT_F32 else tl.dot(q, kt)
+        z = z * scale + slope[:, None] * (cols[None, :] - qpos[:, None]).to(tl.float32)
+        visible = present[None, :] & keep[:, None]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= qpos[:, None])
+        u = tl.where(visible, (am1 * lam)[:, None] * z, float("-inf"))
+        tl.store(U_OUT + row[:, None].to(tl.int64) * WIDTH + cols[None, :], u, mask=keep[:, None])
+
+
+@triton.jit
+def _paged_entmax_output_kernel(
+    U, VP, BT, SEQ, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT,
+    spp, sph, spn, spd, sbt, B, H, GROUP, LQ, HKV, D, pages_per_split, WIDTH,
+    FAST: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Paged entmax, step 3: w = [u − max u − τ]_+^{1/(α−1)} from the logit buffer; partial Σw, Σw log w, Σw·v of
+    the split's pages (the V load and P·V skipped where no w > 0)."""
+    b, hkv, keep, h, i, lk, _ = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
+    pid_s = tl.program_id(1)
+    offs_n = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, BLOCK_D)
+    inv = 1.0 / (tl.load(ALPHA + h, mask=keep, other=2.0) - 1.0)
+    row = (b * H + h) * LQ + i
+    shift = tl.load(UMAX + row, mask=keep, other=0.0) + tl.load(TAU + row, mask=keep, other=0.0)
+    zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    first = pid_s * pages_per_split
+    for page in range(first, tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))):
+        cols = page * PAGE + offs_n
+        u = tl.load(U + row[:, None].to(tl.int64) * WIDTH + cols[None, :], mask=keep[:, None], other=-float("inf"))
+        d = tl.maximum(u - shift[:, None], 0.0)
+        if tl.max(tl.max(d, 1), 0) > 0:
+            w, logw = _weights(d, inv[:, None], FAST)
+            zsum += tl.sum(w, 1)
+            plogp += tl.sum(w * logw, 1)
+            base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv * sph
+            v = tl.load(VP + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
+                        mask=(cols[:, None] < lk) & (offs_d[None, :] < D), other=0.0)  # fmt: skip
+            acc += _pv(w, v.to(tl.float32) if DOT_F32 else v, DOT_F32)
+    out_row = pid_s * (B * H * LQ) + row
+    tl.store(Z_OUT + out_row, zsum, mask=keep)
+    tl.store(PLOGP_OUT + out_row, plogp, mask=keep)
+    tl.store(ACC_OUT + out_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+
+
 def paged_decode(
     q: Tensor,
     k_pages: Tensor,
@@ -145,14 +233,15 @@ def paged_decode(
     ssa_n: Tensor | None = None,
     ssa_b: Tensor | None = None,
     ssmax_s: Tensor | None = None,
+    alpha: Tensor | float = 1.5,
+    query_scale: Tensor | None = None,
     poly: tuple[float, ...] = (),
     splits: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of q (B, Hq, Lq, D) — each sequence's newest Lq tokens — over its paged keys: output (B, Hq, Lq, D)
-    in q's dtype and entropy (B, Hq, Lq) fp32. Per-head parameters are (Hq,) tensors. Softmax family only."""
+    in q's dtype and entropy (B, Hq, Lq) fp32. Per-head parameters are (Hq,) tensors; `alpha` (a float or (Hq,))
+    and `query_scale` (B, Hq, Lq) for the entmax family."""
     spec = get(norm)
-    if spec.family is Family.ENTMAX:
-        raise ValueError(f"paged decode runs the softmax family; {norm} (entmax family) is not implemented yet")
     b, hq, lq, d = q.shape
     _, hkv, page, dk = k_pages.shape
     if dk != d or v_pages.shape != k_pages.shape or hq % hkv:
@@ -195,6 +284,10 @@ def paged_decode(
         )
         return out, ent
 
+    if spec.family is Family.ENTMAX:
+        common = (b, hq, lq, hkv, d, pages_per_split, max_pages * page)
+        return _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slopes, query_scale, scale,
+                             causal, splits, block_m, block_d, common)  # fmt: skip
     rowf = None
     if transform is Transform.ENTROPY_BETA:  # β from each row's softmax entropy: a statistics pass first
         _, h = launch(None, with_v=False)
@@ -203,3 +296,47 @@ def paged_decode(
         raise ValueError(f"no paged kernel for transform {transform}")
     out, ent = launch(rowf, with_v=True)
     return out[:, :d].reshape(b, hq, lq, d), ent.reshape(b, hq, lq)
+
+
+def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slopes, query_scale, scale, causal, splits,
+                  block_m, block_d, common) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Logits of every page into a −inf-filled buffer, τ per row on chip (the split-K threshold kernel), then the
+    partial outputs per split and device-side sums — three launches, no host synchronisation."""
+    b, hq, lq, hkv, d, pages_per_split, width = common
+    dev, page = q.device, k_pages.shape[2]
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    alpha_h = torch.as_tensor(alpha, dtype=torch.float32, device=dev).expand(hq).contiguous()
+    rows = b * hq * lq
+    u = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=dev)
+    dot_f32 = q.dtype == torch.float32 or dev.type != "cuda"
+    grid = (b * hkv, splits)
+    _paged_entmax_logits_kernel[grid](
+        q, k_pages, block_table, seq_lens, alpha_h,
+        alibi_slopes.float().contiguous() if alibi_slopes is not None else dummy,
+        query_scale.float().contiguous() if query_scale is not None else dummy, u,
+        *q.stride(), *k_pages.stride(), block_table.stride(0),
+        hq, hq // hkv, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split, width,
+        HAS_ALIBI=alibi_slopes is not None, HAS_LAMBDA=query_scale is not None, CAUSAL=causal, DOT_F32=dot_f32,
+        BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
+    )  # fmt: skip
+    umax = torch.empty(rows, dtype=torch.float32, device=dev)
+    tau = torch.empty_like(umax)
+    fast = _alpha_fast_path(alpha)
+    _entmax_threshold_kernel[(triton.cdiv(rows, 16),)](
+        u, alpha_h, umax, tau, dummy, hq, lq, width, rows, MAX_THRESHOLD_PASSES, 4 * torch.finfo(torch.float32).eps,
+        FAST=fast, COUNT=False, BLOCK_R=16, BLOCK_N=64,
+    )  # fmt: skip
+    zsum = torch.empty(splits, rows, dtype=torch.float32, device=dev)
+    plogp = torch.empty_like(zsum)
+    acc = torch.empty(splits, rows, block_d, dtype=torch.float32, device=dev)
+    _paged_entmax_output_kernel[grid](
+        u, v_pages, block_table, seq_lens, alpha_h, umax, tau, zsum, plogp, acc,
+        *v_pages.stride(), block_table.stride(0), b, hq, hq // hkv, lq, hkv, d, pages_per_split, width,
+        FAST=fast, DOT_F32=dot_f32, BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
+    )  # fmt: skip
+    zsum, plogp, acc = zsum.sum(0), plogp.sum(0), acc.sum(0)
+    live = zsum > 0
+    safe = torch.where(live, zsum, 1.0)
+    out = (acc[:, :d] / safe[:, None]).to(q.dtype)
+    ent = torch.where(live, torch.log(safe) - plogp / safe, 0.0)
+    return out.reshape(b, hq, lq, d), ent.reshape(b, hq, lq)
