@@ -249,7 +249,7 @@ class TensorRTBackend(Backend):
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):
         from sharp.plugins.tensorrt.engine import profile_for
 
-        context = self.contexts[profile_for(past[0].shape[2] if past else 0)]
+        context = self.contexts[profile_for(input_ids.shape[1], past[0].shape[2] if past else 0)]
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         feeds.update(zip(self.past_names, past, strict=True))
         with torch.cuda.stream(self.stream):

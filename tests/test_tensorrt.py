@@ -335,7 +335,8 @@ def test_optimization_profiles_cover_the_generation_graph(trt_file):
     proto = onnx.load(trt_file)
     meta = metadata.read(proto)
     ranges = profiles(meta, max_batch=8, max_context=128)
-    assert list(ranges) == list(PROFILES) and profile_for(0) == 0 and profile_for(17) == 1
+    assert list(ranges) == list(PROFILES)
+    assert profile_for(37, 0) == 0 and profile_for(1, 17) == 1 and profile_for(5, 40) == 0  # a later prefill chunk
     for graph_input in proto.graph.input:
         rank = len(graph_input.type.tensor_type.shape.dim)
         for dims in ranges.values():
@@ -343,7 +344,7 @@ def test_optimization_profiles_cover_the_generation_graph(trt_file):
             assert len(d.min) == len(d.opt) == len(d.max) == rank
             assert all(a <= b <= c for a, b, c in zip(d.min, d.opt, d.max, strict=True))
     prefill, decode = ranges["prefill"], ranges["decode"]
-    assert prefill["past"].max[2] == 0 and prefill["input_ids"].max == (8, 128)
+    assert prefill["past"].min[2] == 0 and prefill["past"].max[2] == 127 and prefill["input_ids"].max == (8, 128)
     assert decode["input_ids"].max == (8, 1) and decode["past"].max[2] == 127
     assert decode["attention_mask"].min[1] == decode["past"].min[2] + 1  # mask covers past + the new token
     assert decode["attention_mask"].max[1] == decode["past"].max[2] + 1

@@ -57,8 +57,9 @@ class Dims:
 
 
 def profiles(meta: ModelMetadata, max_batch: int, max_context: int) -> dict[str, dict[str, Dims]]:
-    """Shape ranges of the generation graph's inputs per profile. Prefill: B rows of 1..max_context tokens, no past.
-    Decode: one token per row over a past of 1..max_context − 1 tokens."""
+    """Shape ranges of the generation graph's inputs per profile. Prefill: chunks of 1..max_context tokens over a
+    past of 0..max_context − 1 (the engine prefills long prompts in chunks). Decode: one token per row over a past
+    of 1..max_context − 1. A profile bounds each axis on its own: past + chunk ≤ max_context is the engine's to keep."""
     s = meta.shape
 
     def kv(batch: int, past: int) -> tuple[int, ...]:
@@ -71,7 +72,7 @@ def profiles(meta: ModelMetadata, max_batch: int, max_context: int) -> dict[str,
         "input_ids": Dims((1, 1), (opt_b, opt_l), (max_batch, max_context)),
         "position_ids": Dims((1, 1), (opt_b, opt_l), (max_batch, max_context)),
         "attention_mask": Dims((1, 1), (opt_b, opt_l), (max_batch, max_context)),
-        "past": Dims(kv(1, 0), kv(opt_b, 0), kv(max_batch, 0)),
+        "past": Dims(kv(1, 0), kv(opt_b, 0), kv(max_batch, max_context - 1)),
     }
     decode = {
         "input_ids": Dims((1, 1), (opt_b, 1), (max_batch, 1)),
@@ -82,9 +83,10 @@ def profiles(meta: ModelMetadata, max_batch: int, max_context: int) -> dict[str,
     return {"prefill": prefill, "decode": decode}
 
 
-def profile_for(past_length: int) -> int:
-    """The profile index a step runs under: prefill without a past, decode with one."""
-    return PROFILES.index("prefill" if past_length == 0 else "decode")
+def profile_for(new_tokens: int, past_length: int) -> int:
+    """The profile index a step runs under: decode for one new token per row over a past, prefill otherwise
+    (a prompt, or a chunk of one over its earlier chunks)."""
+    return PROFILES.index("decode" if new_tokens == 1 and past_length > 0 else "prefill")
 
 
 def check_model(path: Path) -> tuple[onnx.ModelProto, ModelMetadata]:
