@@ -5,8 +5,7 @@ returns are launched (as the same Triton function, in the interpreter) on real i
 What only TensorRT can show — that it accepts the registration and loads the PTX — is not verified here
 (docs/tensorrt.md)."""
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: the stand-in reads annotation objects, as TensorRT's module does.
 import json
 import os
 import subprocess
@@ -67,11 +66,47 @@ def test_registration_descriptors_and_type_combinations(plugin):
     assert out.dtype == "float16" and [s(env) for s in out.shape_expr] == [3, 4, 17, 64]
     assert ent.dtype == "float32" and [s(env) for s in ent.shape_expr] == [3, 4, 17]  # docs/op.md output 1
     combos = standin.registered[("autotune", PLUGIN_NAME)](q, k, k, None, None, None, (out, ent))
-    assert combos == [("combination", "FP16, FP16, FP16, INT32, FP32, FP32, FP16, FP32")]
+    assert [c.spec for c in combos] == ["FP16, FP16, FP16, INT32, FP32, FP32, FP16, FP32"]
     # every norm of the registry has a compiled variant, causal or not
     for norm in NORMS:
         for causal in (False, True):
             assert manifest.find(norm, "fp16", 64, causal)["kernel"].startswith("trt_")
+
+
+def test_the_stand_in_refuses_signatures_tensorrt_refuses():
+    """The stand-in is the instrument the plugin is tested with, so its signature checks must bite: an autotune
+    returning a bare `list`, an aot_impl without a return annotation or with its arguments out of order, an
+    attribute annotated differently, attributes before tensors."""
+    from sharp.plugins.tensorrt.standin import LaunchParams, SignatureError, SymExprs
+
+    trtp = Registry().trtp()
+
+    @trtp.register("t::ok")
+    def describe(x: TensorDesc, n: int) -> tuple[TensorDesc]:
+        return (x.like(),)
+
+    def autotune_bare(x, n, outputs) -> list:
+        return []
+
+    def aot_unannotated(x, n, outputs, tactic):
+        return b"", b"", LaunchParams(), SymExprs()
+
+    def aot_misordered(x, outputs, n, tactic) -> tuple[bytes, bytes, LaunchParams, SymExprs]:
+        return b"", b"", LaunchParams(), SymExprs()
+
+    def aot_float_attr(x, n: float, outputs, tactic) -> tuple[bytes, bytes, LaunchParams, SymExprs]:
+        return b"", b"", LaunchParams(), SymExprs()
+
+    for decorator, fn in ((trtp.autotune, autotune_bare), (trtp.aot_impl, aot_unannotated),
+                          (trtp.aot_impl, aot_misordered), (trtp.aot_impl, aot_float_attr)):  # fmt: skip
+        with pytest.raises(SignatureError):
+            decorator("t::ok")(fn)
+
+    def attrs_first(n: int, x: TensorDesc) -> TensorDesc:
+        return x
+
+    with pytest.raises(SignatureError, match="before the attributes"):
+        trtp.register("t::bad")(attrs_first)
 
 
 @pytest.mark.parametrize("norm", NORMS)

@@ -169,7 +169,7 @@ def register(manifest_dir: str | Path, trt: ModuleType | None = None, trtp: Modu
         return q.like(), trtp.from_shape_expr((shape[0], shape[1], shape[2]), dtype=trt.float32)
 
     @trtp.autotune(PLUGIN_NAME)
-    def combinations(q, k, v, key_mask, params, query_scale, outputs) -> list:
+    def combinations(q, k, v, key_mask, params, query_scale, outputs) -> list[trtp.AutoTuneCombination]:
         """Q, K, V and O share one of the compiled dtypes; the mask is int32, parameters and entropy fp32."""
         t = "|".join(_TRT_TYPES[d][1] for d in manifest.dtypes())
         return [trtp.AutoTuneCombination(f"{t}, {t}, {t}, INT32, FP32, FP32, {t}, FP32")]
