@@ -332,7 +332,18 @@ def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     assert run(["--smoke", "--norms", "softmax", "entmax"]) == 0
     out = capsys.readouterr().out
     assert "SDPA-flash softmax" in out and "entmax (NAPE)" in out and "Decode (Lq = 1" in out
-    assert "softmax (paged, 16-key pages)" in out
+    assert "softmax (paged, 16-key pages)" in out and "FlexAttention softmax" in out
+
+
+@pytest.mark.parametrize("norm", ["softmax", "ssmax", "ssa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_attention_baseline_computes_the_same_norm(norm, causal):
+    """The benchmark's FlexAttention baseline is the same function as sharp's norm (default parameters)."""
+    from sharp.benchmarks.kernels import _flex_runner
+
+    q, k, v, _ = _qkv(hq=2, hkv=2, lq=40, lk=40)
+    torch.testing.assert_close(_flex_runner(q, k, v, norm, causal, gpu=False)(), attend(q, k, v, norm=norm,
+                               causal=causal, ssa_n=1.5, ssa_b=1.0, ssmax_s=1.0), atol=1e-5, rtol=0)  # fmt: skip
 
 
 def test_entmax_at_large_alpha_converges_through_the_safeguard():

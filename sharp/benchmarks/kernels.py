@@ -1,7 +1,8 @@
 """`sharp-bench kernels`: the Triton kernels against PyTorch SDPA (flash backend) in the same run, on a GPU.
 
 Prefill: forward time and effective TFLOP/s per norm (4·B·H·Lq·Lk·D FLOPs, halved when causal), with the
-SDPA-flash softmax baseline measured on the same inputs; entmax also with NAPE-style ALiBi heads, where
+SDPA-flash softmax baseline and FlexAttention (compiled; softmax, ssmax and SSA as score_mods, output only — no
+entropy) measured on the same inputs; entmax also with NAPE-style ALiBi heads, where
 its support is local and whole key blocks are skipped (block sparsity and threshold passes reported).
 Decode: one query per sequence over a long cache, contiguous and paged; achieved K+V read
 bandwidth against a measured device copy bandwidth. Medians via triton.testing.do_bench. `--smoke` runs the
@@ -30,10 +31,12 @@ from sharp.models.streamed import StreamStats
 
 NOT_MEASURED = """## Triton kernels on GPU
 
-Not measured on GPU yet: no GPU was available to the session that wrote the kernels. Correctness is
+Not measured on GPU yet: no GPU was available to the sessions that wrote the kernels. Correctness is
 verified on CPU in the Triton interpreter (`make test`), and the kernels compile ahead of time to sm_90
-PTX/CUBIN on CPU (`python -m sharp.plugins.triton.aot --arch 90 --out build/ptx`).
-To measure on an H100/H200 (writes this section): `sharp-bench kernels`
+PTX/CUBIN on CPU (`python -m sharp.plugins.triton.aot --arch 90 --out build/trt-kernels`).
+To measure on an H100/H200 (writes this section): `sharp-bench kernels` — prefill of every norm against
+SDPA-flash and FlexAttention (softmax, ssmax, SSA) at 4K–128K keys, D = 64/128; decode, contiguous and paged, at
+32K–128K keys against the device copy bandwidth.
 """
 
 
@@ -93,6 +96,12 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
                 "—",
             ]
         )
+        for norm in (n for n in FLEX_NORMS if n in args.norms):
+            run_flex = _flex_runner(q, k, v, norm, causal, gpu)
+            run_flex()  # compile
+            ms = _median_ms(run_flex, gpu)
+            rows.append([f"{length:,}", str(d), "causal" if causal else "full", f"FlexAttention {norm}", f"{ms:.2f}",
+                         f"{flops / ms / 1e9:.0f}", f"{base_ms / ms:.2f}×", "—", "—"])  # fmt: skip
         variants = [(n, False) for n in args.norms] + [("entmax", True)] * ("entmax" in args.norms)
         for norm, nape in variants:
             lam = torch.rand(1, heads, length, device=device, generator=g) + 1.0
@@ -118,6 +127,38 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
                 ]
             )
     return rows
+
+
+FLEX_NORMS = ("softmax", "ssmax", "ssa")  # what FlexAttention can express as a score_mod (no entropy output)
+
+
+def flex_score_mod(norm: str, length: int, causal: bool):
+    """The score_mod that makes FlexAttention compute `norm` with its default parameters (ssmax s = 1: logits ×
+    log n, n = the keys a query sees; SSA n = 1.5, b = 1), or None for softmax."""
+    if norm == "softmax":
+        return None
+    if norm == "ssmax":
+        if causal:
+            return lambda score, b, h, q_idx, kv_idx: score * torch.log((q_idx + 1).to(score.dtype))
+        log_n = float(torch.log(torch.tensor(float(length))))
+        return lambda score, b, h, q_idx, kv_idx: score * log_n
+    if norm == "ssa":
+        return lambda score, b, h, q_idx, kv_idx: 1.5 * torch.sign(score) * torch.log1p(score.abs())
+    raise ValueError(f"FlexAttention baseline for {norm!r}: only {', '.join(FLEX_NORMS)}")
+
+
+def _flex_runner(q, k, v, norm: str, causal: bool, gpu: bool):
+    """A closure running FlexAttention for `norm` (compiled on GPU, eager on CPU)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    length = q.shape[2]
+    mask = None
+    if causal:
+        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, length, length,
+                                 device=q.device)  # fmt: skip
+    flex = torch.compile(flex_attention, dynamic=False) if gpu else flex_attention
+    mod = flex_score_mod(norm, length, causal)
+    return lambda: flex(q, k, v, score_mod=mod, block_mask=mask)
 
 
 def _sdpa(q, k, v, causal: bool, gpu: bool):
@@ -220,7 +261,8 @@ def run(argv: list[str] | None = None) -> int:
             f"Measured {today()} on {name}, torch {torch.__version__}. Command: `sharp-bench kernels`.",
             "bf16, one sequence, heads = 1024 / D; median of triton.testing.do_bench. TFLOP/s counts 4·H·L²·D"
             " (half of it when causal) for every norm, so it is comparable across rows; × SDPA = SDPA time / ours."
-            " Entmax block sparsity = key tiles skipped in the output pass; passes = threshold passes.",
+            " Entmax block sparsity = key tiles skipped in the output pass; passes = threshold passes."
+            " FlexAttention rows compute the output only (sharp's kernels also return the per-head entropy).",
             "",
             markdown_table(
                 ["L", "D", "mask", "kernel", "ms", "TFLOP/s", "× SDPA", "block sparsity", "passes"], prefill
