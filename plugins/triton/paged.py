@@ -26,6 +26,47 @@ _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
 
 
 @triton.jit
+def _paged_rows(pid_bk, HKV, GROUP, LQ, SEQ, BLOCK_M: tl.constexpr):
+    """A paged program's sequence, KV head and rows: the GQA group × Lq queries, each at key position
+    seq_len − Lq + i."""
+    b = pid_bk // HKV
+    hkv = pid_bk % HKV
+    rows = tl.arange(0, BLOCK_M)
+    h = hkv * GROUP + rows // LQ
+    i = rows % LQ
+    lk = tl.load(SEQ + b)
+    return b, hkv, rows < GROUP * LQ, h, i, lk, i + lk - LQ
+
+
+@triton.jit
+def _load_packed_q(Q, b, h, i, keep, offs_d, sqb, sqh, sqm, sqd, D, DOT_F32: tl.constexpr):
+    """The packed rows' queries (each row its own head)."""
+    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
+                mask=keep[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
+    return q.to(tl.float32) if DOT_F32 else q
+
+
+@triton.jit
+def _page_logits(q, KP, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+                 HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
+    """z of the packed rows against one page of keys (−inf where masked), the page's pool offset, and which of
+    its slots hold keys."""
+    base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv * sph
+    cols = page * PAGE + offs_n
+    present = cols < lk
+    kt = tl.load(KP + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
+                 mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
+    z = tl.dot(q, kt.to(tl.float32), input_precision="ieee") if DOT_F32 else tl.dot(q, kt)
+    z = z * scale
+    if HAS_ALIBI:
+        z += slope[:, None] * (cols[None, :] - qpos[:, None]).to(tl.float32)
+    visible = present[None, :] & keep[:, None]
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= qpos[:, None])
+    return tl.where(visible, z, float("-inf")), base, present
+
+
+@triton.jit
 def _paged_softmax_kernel(
     Q, KP, VP, BT, SEQ, ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, M_OUT, L_OUT, KP_OUT, ACC_OUT,
     sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
@@ -35,22 +76,11 @@ def _paged_softmax_kernel(
 ):  # fmt: skip
     """Grid (B·Hkv, splits). Rows r < GROUP·Lq: query head hkv·GROUP + r // Lq, query r % Lq at key position
     seq_len − Lq + r % Lq. Writes each row's partial state over its split's pages."""
-    pid_bk = tl.program_id(0)
     pid_s = tl.program_id(1)
-    b = pid_bk // HKV
-    hkv = pid_bk % HKV
-    rows = tl.arange(0, BLOCK_M)
-    keep = rows < GROUP * LQ
-    h = hkv * GROUP + rows // LQ
-    i = rows % LQ
+    b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
     offs_n = tl.arange(0, PAGE)
     offs_d = tl.arange(0, BLOCK_D)
-    lk = tl.load(SEQ + b)
-    qpos = i + lk - LQ
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=keep[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _load_packed_q(Q, b, h, i, keep, offs_d, sqb, sqh, sqm, sqd, D, DOT_F32)
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h, mask=keep, other=0.0)
@@ -72,19 +102,11 @@ def _paged_softmax_kernel(
     first = pid_s * pages_per_split
     last = tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))
     for page in range(first, last):
-        base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv * sph
-        cols = page * PAGE + offs_n
-        present = cols < lk
-        kt = tl.load(KP + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
-                     mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
-        z = tl.dot(q, kt.to(tl.float32), input_precision="ieee") if DOT_F32 else tl.dot(q, kt)
-        z = z * scale
-        if HAS_ALIBI:
-            z += slope[:, None] * (cols[None, :] - qpos[:, None]).to(tl.float32)
-        visible = present[None, :] & keep[:, None]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= qpos[:, None])
-        t = _transform(tl.where(visible, z, float("-inf")), rowf, ssa_n, ssa_b, SSA)
+        z, base, present = _page_logits(
+            q, KP, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+            HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
+        )  # fmt: skip
+        t = _transform(z, rowf, ssa_n, ssa_b, SSA)
         m_i, l_i, kp_i, r, e = _online_step(m_i, l_i, kp_i, t)
         if WITH_V:
             v = tl.load(VP + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
@@ -134,19 +156,6 @@ def _merge_softmax_kernel(
 
 
 @triton.jit
-def _paged_rows(pid_bk, HKV, GROUP, LQ, SEQ, BLOCK_M: tl.constexpr):
-    """A paged program's sequence, KV head and rows: the GQA group × Lq queries, each at key position
-    seq_len − Lq + i."""
-    b = pid_bk // HKV
-    hkv = pid_bk % HKV
-    rows = tl.arange(0, BLOCK_M)
-    h = hkv * GROUP + rows // LQ
-    i = rows % LQ
-    lk = tl.load(SEQ + b)
-    return b, hkv, rows < GROUP * LQ, h, i, lk, i + lk - LQ
-
-
-@triton.jit
 def _paged_entmax_logits_kernel(
     Q, KP, BT, SEQ, ALPHA, SLOPES, LAMBDA, U_OUT,
     sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
@@ -158,27 +167,19 @@ def _paged_entmax_logits_kernel(
     b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
     offs_n = tl.arange(0, PAGE)
     offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=keep[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _load_packed_q(Q, b, h, i, keep, offs_d, sqb, sqh, sqm, sqd, D, DOT_F32)
     am1 = tl.load(ALPHA + h, mask=keep, other=2.0) - 1.0
     slope = tl.load(SLOPES + h, mask=keep, other=0.0) if HAS_ALIBI else tl.zeros([BLOCK_M], dtype=tl.float32)
     lam = tl.load(LAMBDA + (b * H + h) * LQ + i, mask=keep, other=1.0) if HAS_LAMBDA else am1 * 0 + 1.0
     row = (b * H + h) * LQ + i
     first = tl.program_id(1) * pages_per_split
     for page in range(first, tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))):
-        base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv * sph
+        z, _, _ = _page_logits(
+            q, KP, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+            HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
+        )  # fmt: skip
+        u = (am1 * lam)[:, None] * z  # −inf stays −inf: α − 1 > 0, λ > 0
         cols = page * PAGE + offs_n
-        present = cols < lk
-        kt = tl.load(KP + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
-                     mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
-        z = tl.dot(q, kt.to(tl.float32), input_precision="ieee") if DOT_F32 else tl.dot(q, kt)
-        z = z * scale + slope[:, None] * (cols[None, :] - qpos[:, None]).to(tl.float32)
-        visible = present[None, :] & keep[:, None]
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= qpos[:, None])
-        u = tl.where(visible, (am1 * lam)[:, None] * z, float("-inf"))
         tl.store(U_OUT + row[:, None].to(tl.int64) * WIDTH + cols[None, :], u, mask=keep[:, None])
 
 
