@@ -85,6 +85,22 @@ def merge_softmax_states(
     return top.squeeze(dim), (w * lam).sum(dim), (w * shifted).sum(dim), merged_acc
 
 
+MAX_THRESHOLD_PASSES = 30  # cap on entmax's threshold refinements (they stop at convergence, 5–9 in practice)
+
+
+def threshold_tol(dtype: torch.dtype) -> float:
+    """Convergence of τ: a step of at most 4 ulp of the compute dtype."""
+    return 4 * torch.finfo(dtype).eps
+
+
+def finish_entmax_state(zsum: Tensor, plogp: Tensor, acc: Tensor) -> tuple[Tensor, Tensor]:
+    """Output acc / Σw and entropy log Σw − Σ w log w / Σw from the summed unnormalised weights (zsum and plogp
+    shaped acc.shape[:-1]); a row with no weight gets zeros."""
+    live = zsum > 0
+    safe = torch.where(live, zsum, 1.0)
+    return acc / safe.unsqueeze(-1), torch.where(live, torch.log(safe) - plogp / safe, 0.0)
+
+
 def finish_softmax_state(lam: Tensor, kp: Tensor, acc: Tensor | None) -> tuple[Tensor | None, Tensor]:
     """Output acc / Λ and entropy log Λ − K'/Λ; rows that saw no key give zeros."""
     live = lam > 0
@@ -189,7 +205,6 @@ def _entmax(chunk: _Chunk, stats: StreamStats, max_passes: int) -> tuple[Tensor,
     lo = torch.full_like(shift, -1.0)
     hi = (-torch.pow(n, -am1)).expand_as(lo).clone()
     tau = lo.clone()
-    eps = torch.finfo(p.dtype).eps
     passes = 0
     for _ in range(max_passes):
         s = torch.zeros_like(tau)
@@ -203,7 +218,7 @@ def _entmax(chunk: _Chunk, stats: StreamStats, max_passes: int) -> tuple[Tensor,
             s1 = s1 + torch.where(live, dl.pow(inv - 1.0), 0.0).sum(dim=-1, keepdim=True)
             s2 = s2 + torch.where(live, dl.pow(inv - 2.0), 0.0).sum(dim=-1, keepdim=True)
         passes += 1
-        tau, lo, hi, conv = refine_threshold(tau, lo, hi, s, s1, s2, inv, tol=4 * eps)
+        tau, lo, hi, conv = refine_threshold(tau, lo, hi, s, s1, s2, inv, tol=threshold_tol(p.dtype))
         if bool((conv | all_masked).all()):
             break
     stats.key_passes += passes
@@ -222,14 +237,14 @@ def _entmax(chunk: _Chunk, stats: StreamStats, max_passes: int) -> tuple[Tensor,
     stats.key_passes += 1
     stats.tiles_total += len(chunk.blocks)
     stats.tiles_skipped += sum(bool((bm <= tau).all()) for bm in rel_block_max)
-    live = zsum > 0
-    safe = torch.where(live, zsum, 1.0)
-    ent = torch.where(live, torch.log(safe) - plogp / safe, 0.0).squeeze(-1)
-    return acc / safe, ent
+    return finish_entmax_state(zsum.squeeze(-1), plogp.squeeze(-1), acc)
 
 
 def streamed_attention(
-    problem: AttentionProblem, block_size: int = 128, stats: StreamStats | None = None, max_passes: int = 30
+    problem: AttentionProblem,
+    block_size: int = 128,
+    stats: StreamStats | None = None,
+    max_passes: int = MAX_THRESHOLD_PASSES,
 ) -> tuple[Tensor, Tensor]:
     """Output (B, Hq, Lq, Dv) in the compute dtype and entropy (B, Hq, Lq), never materialising Lq × Lk."""
     if block_size < 1:

@@ -15,6 +15,10 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import torch
+
+from sharp.models.normalizers import ADAPTIVE_THRESHOLD
+from sharp.models.streamed import MAX_THRESHOLD_PASSES, threshold_tol
 
 PLUGIN_NAME = "sharp::SharpAttention"
 # The TensorRT form of the op (docs/tensorrt.md): inputs, then the int32 extras, then outputs — TensorRT's order.
@@ -24,9 +28,7 @@ OUTPUTS = ("OUT", "ENT_OUT")
 HIDDEN = ("global_scratch", "profile_scratch")  # Triton's; TensorRT passes null, so the kernels must need none
 # PARAMS: these per-head vectors (H each) in this order, then the adaptive polynomial (highest power first).
 PACKED_HEAD_PARAMS = ("alibi_slopes", "alpha", "ssa_n", "ssa_b", "ssmax_s")
-BETA_THRESHOLD = 0.5  # adaptive: the op's default `threshold`
-MAX_THRESHOLD_PASSES = 30
-THRESHOLD_TOL = 4 * float(np.finfo(np.float32).eps)
+THRESHOLD_TOL = threshold_tol(torch.float32)  # the kernels work in fp32
 _TRT_TYPES = {"fp16": ("float16", "FP16"), "bf16": ("bfloat16", "BF16"), "fp32": ("float32", "FP32")}
 
 
@@ -77,7 +79,7 @@ def extra_arguments(q_shape, k_shape, q_heads: int, kv_heads: int, scale: float,
         "BH": q_shape[0] * q_shape[1],
         "scale_bits": float_bits(scale),
         "NPOLY": npoly,
-        "threshold_bits": float_bits(BETA_THRESHOLD),
+        "threshold_bits": float_bits(ADAPTIVE_THRESHOLD),  # the op's default `threshold`
         "max_passes": MAX_THRESHOLD_PASSES,
         "tol_bits": float_bits(THRESHOLD_TOL),
     }

@@ -16,7 +16,14 @@ from sharp.models.attention import attend
 from sharp.models.normalizers import ADAPTIVE_THRESHOLD, Param, adaptive_beta
 from sharp.models.problem import AttentionProblem
 from sharp.models.registry import Family, Transform
-from sharp.models.streamed import StreamStats, finish_softmax_state, merge_softmax_states
+from sharp.models.streamed import (
+    MAX_THRESHOLD_PASSES,
+    StreamStats,
+    finish_entmax_state,
+    finish_softmax_state,
+    merge_softmax_states,
+    threshold_tol,
+)
 from sharp.plugins.triton.kernels import (
     _entmax_kernel,
     _entmax_logits_kernel,
@@ -26,7 +33,6 @@ from sharp.plugins.triton.kernels import (
 )
 
 _NEG_INF = float("-inf")
-MAX_THRESHOLD_PASSES = 30
 # Enough programs to fill an H100/H200 (132 SMs) about twice when a single sequence decodes.
 _TARGET_PROGRAMS = 264
 
@@ -197,8 +203,8 @@ def _alpha_fast_path(alpha: Param) -> int:
     return 0
 
 
-_THRESHOLD_TOL = 4 * torch.finfo(torch.float32).eps
-_THRESHOLD_ROWS = 16  # rows per program of the split-K threshold kernel
+THRESHOLD_TOL = threshold_tol(torch.float32)  # the kernels work in fp32
+THRESHOLD_ROWS = 16  # rows per program of the split-K threshold kernel
 
 
 def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
@@ -214,7 +220,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
         counts = torch.zeros(run.bh, run.grid[0], 2, dtype=torch.int32, device=p.q.device) if count else run.dummy
         _entmax_kernel[run.grid[:2]](
             p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
-            p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, _THRESHOLD_TOL,
+            p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
             FAST=fast, COUNT=count, **run.flags,
         )  # fmt: skip
         if count:
@@ -231,11 +237,11 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     rows = run.bh * p.lq
     umax = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
     tau = torch.empty_like(umax)
-    programs = -(-rows // _THRESHOLD_ROWS)
+    programs = -(-rows // THRESHOLD_ROWS)
     counts = torch.zeros(programs, dtype=torch.int32, device=p.q.device) if count else run.dummy
     _entmax_threshold_kernel[(programs,)](
-        u, alpha, umax, tau, counts, p.heads, p.lq, p.lk, rows, MAX_THRESHOLD_PASSES, _THRESHOLD_TOL,
-        FAST=fast, COUNT=count, BLOCK_R=_THRESHOLD_ROWS, BLOCK_N=cfg.block_n,
+        u, alpha, umax, tau, counts, p.heads, p.lq, p.lk, rows, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
+        FAST=fast, COUNT=count, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=cfg.block_n,
     )  # fmt: skip
     zsum, plogp, acc = run.rows(), run.rows(), run.rows(cfg.block_d)
     skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)
@@ -245,12 +251,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     )  # fmt: skip
     if count:
         _count(stats, p, cfg, int(counts.max()), int(skipped.sum()))
-    zsum, plogp, acc = zsum.sum(0), plogp.sum(0), acc.sum(0)
-    live = zsum > 0
-    safe = torch.where(live, zsum, 1.0)
-    out = acc[..., : p.v.shape[-1]] / safe.unsqueeze(-1)
-    ent = torch.where(live, torch.log(safe) - plogp / safe, 0.0)
-    return out, ent
+    return finish_entmax_state(zsum.sum(0), plogp.sum(0), acc.sum(0)[..., : p.v.shape[-1]])
 
 
 def _count(stats: StreamStats, p: AttentionProblem, cfg: LaunchConfig, passes: int, skipped: int) -> None:

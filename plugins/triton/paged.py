@@ -19,7 +19,8 @@ from torch import Tensor
 
 from sharp.models.normalizers import adaptive_beta
 from sharp.models.registry import Family, Transform, get
-from sharp.plugins.triton.attention import MAX_THRESHOLD_PASSES, _alpha_fast_path
+from sharp.models.streamed import MAX_THRESHOLD_PASSES, finish_entmax_state
+from sharp.plugins.triton.attention import THRESHOLD_ROWS, THRESHOLD_TOL, _alpha_fast_path
 from sharp.plugins.triton.kernels import _entmax_threshold_kernel, _entropy, _online_step, _pv, _transform, _weights
 
 _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
@@ -323,9 +324,9 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     umax = torch.empty(rows, dtype=torch.float32, device=dev)
     tau = torch.empty_like(umax)
     fast = _alpha_fast_path(alpha)
-    _entmax_threshold_kernel[(triton.cdiv(rows, 16),)](
-        u, alpha_h, umax, tau, dummy, hq, lq, width, rows, MAX_THRESHOLD_PASSES, 4 * torch.finfo(torch.float32).eps,
-        FAST=fast, COUNT=False, BLOCK_R=16, BLOCK_N=64,
+    _entmax_threshold_kernel[(triton.cdiv(rows, THRESHOLD_ROWS),)](
+        u, alpha_h, umax, tau, dummy, hq, lq, width, rows, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
+        FAST=fast, COUNT=False, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=64,
     )  # fmt: skip
     zsum = torch.empty(splits, rows, dtype=torch.float32, device=dev)
     plogp = torch.empty_like(zsum)
@@ -335,9 +336,5 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
         *v_pages.stride(), block_table.stride(0), b, hq, hq // hkv, lq, hkv, d, pages_per_split, width,
         FAST=fast, DOT_F32=dot_f32, BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
     )  # fmt: skip
-    zsum, plogp, acc = zsum.sum(0), plogp.sum(0), acc.sum(0)
-    live = zsum > 0
-    safe = torch.where(live, zsum, 1.0)
-    out = (acc[:, :d] / safe[:, None]).to(q.dtype)
-    ent = torch.where(live, torch.log(safe) - plogp / safe, 0.0)
-    return out.reshape(b, hq, lq, d), ent.reshape(b, hq, lq)
+    out, ent = finish_entmax_state(zsum.sum(0), plogp.sum(0), acc.sum(0)[:, :d])
+    return out.to(q.dtype).reshape(b, hq, lq, d), ent.reshape(b, hq, lq)
