@@ -114,8 +114,7 @@ def check_kernels(directory: Path, meta: ModelMetadata, dtype: str) -> KernelMan
     try:
         manifest = KernelManifest.load(directory)
         for layer in meta.layers:
-            for causal in (True,):  # generation graphs are causal
-                manifest.find(layer.norm, dtype, meta.shape.head_dim, causal)
+            manifest.find(layer.norm, dtype, meta.shape.head_dim, causal=True)  # generation graphs are causal
     except (FileNotFoundError, ValueError, LookupError) as e:
         raise UsageError(f"--kernels {directory}: {e}") from None
     return manifest
