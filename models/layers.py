@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from sharp.models import registry
 from sharp.models.attention import attend
 from sharp.models.config import ModelConfig
+from sharp.models.kvcache import PagedLayer
 from sharp.models.op import attend_op
 from sharp.models.positional import apply_rope, rope_angles, slopes_for
 
@@ -95,11 +96,14 @@ class SharpAttention(nn.Module):
         self,
         x: Tensor,
         positions: Tensor,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedLayer | None = None,
         key_mask: Tensor | None = None,
         impl: str = "reference",
-    ) -> tuple[Tensor, KVCache, Tensor]:
-        """x (B, L, dim), positions (B, L) → output (B, L, dim), the new cache, entropy (B, Hq, L)."""
+    ) -> tuple[Tensor, KVCache | PagedLayer, Tensor]:
+        """x (B, L, dim), positions (B, L) → output (B, L, dim), the new cache, entropy (B, Hq, L).
+
+        With a dense cache the new keys are concatenated to it (and returned); with a paged cache they are written
+        into the sequences' pages (key_mask unused: a paged sequence has no padding)."""
         b, length, _ = x.shape
         cfg = self.cfg
         q = self.q_proj(x).view(b, length, cfg.heads, cfg.head_dim).transpose(1, 2)
@@ -108,7 +112,9 @@ class SharpAttention(nn.Module):
         if cfg.pos == "rope":
             cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
+        if isinstance(cache, PagedLayer):
+            cache.write(k, v)
+        elif cache is not None:
             k = torch.cat((cache[0], k), dim=2)
             v = torch.cat((cache[1], v), dim=2)
         kwargs = dict(
@@ -118,14 +124,16 @@ class SharpAttention(nn.Module):
             alibi_slopes=self.alibi_slopes,
             **self.head_params(),
         )
-        if self.as_op:  # one opaque node per layer for graph capture (the exporter lowers it to sharp::SharpAttention)
+        if isinstance(cache, PagedLayer):
+            out, ent = cache.attend(q, impl, **kwargs)
+        elif self.as_op:  # one opaque node per layer for graph capture (the exporter lowers it to SharpAttention)
             if key_mask is None:
                 key_mask = torch.ones(b, k.shape[2], dtype=torch.bool, device=x.device)
             out, ent = attend_op(q, k, v, key_mask=key_mask, scale=cfg.head_dim**-0.5, **kwargs)
         else:
             out, ent = attend(q, k, v, causal=True, key_mask=key_mask, impl=impl, return_entropy=True, **kwargs)
         out = out.transpose(1, 2).reshape(b, length, cfg.heads * cfg.head_dim)
-        return self.o_proj(out), (k, v), ent
+        return self.o_proj(out), cache if isinstance(cache, PagedLayer) else (k, v), ent
 
 
 def use_custom_op(model: nn.Module, on: bool = True) -> nn.Module:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from sharp.models.config import ModelConfig
+from sharp.models.kvcache import PagedLayer, PagedStep
 from sharp.models.layers import MLP, KVCache, SharpAttention, make_layer_norm
 from sharp.models.sampling import SamplingParams, sample
 from sharp.models.tokenizer import BYTES
@@ -17,7 +18,7 @@ from sharp.models.tokenizer import BYTES
 @dataclass
 class LMOutput:
     logits: Tensor  # (B, L, V)
-    cache: list[KVCache]
+    cache: list[KVCache] | list[PagedLayer]
     entropy: Tensor | None  # (B, layers, heads, L) nats, when asked
 
 
@@ -58,7 +59,7 @@ class SharpLM(nn.Module):
     def step(
         self,
         input_ids: Tensor,
-        cache: list[KVCache] | None = None,
+        cache: list[KVCache] | PagedStep | None = None,
         positions: Tensor | None = None,
         key_mask: Tensor | None = None,
         return_entropy: bool = False,
@@ -66,16 +67,22 @@ class SharpLM(nn.Module):
     ) -> LMOutput:
         """One forward over new tokens after an optional cache (prefill when cache is None, else decode).
 
-        positions (B, L) default to past_length + arange(L); key_mask (B, past + L) marks real keys.
+        positions (B, L) default to past_length + arange(L); key_mask (B, past + L) marks real keys. With a
+        `PagedStep` (a paged KV cache; positions required) each layer writes its new keys into the sequences' pages;
+        the caller commits the step once it succeeded.
         """
         b, length = input_ids.shape
-        past = cache[0][0].shape[2] if cache else 0
+        paged = isinstance(cache, PagedStep)
         if positions is None:
+            if paged:
+                raise ValueError("a paged step needs the tokens' positions")
+            past = cache[0][0].shape[2] if cache else 0
             positions = (torch.arange(length, device=input_ids.device) + past).expand(b, length)
         x = self.embed(input_ids)
         new_cache, entropies = [], []
         for i, block in enumerate(self.blocks):
-            x, c, ent = block(x, positions, cache[i] if cache else None, key_mask, impl)
+            layer_cache = cache.layer(i) if paged else cache[i] if cache else None
+            x, c, ent = block(x, positions, layer_cache, key_mask, impl)
             new_cache.append(c)
             entropies.append(ent)
         logits = self.head(self.ln_f(x))

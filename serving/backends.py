@@ -1,15 +1,23 @@
-"""Model backends behind one interface: the engine batches, samples and streams; a backend runs one forward.
+"""Model backends behind one interface: the engine batches, samples and streams; a backend runs the model over the
+sequences it is given and owns their KV cache.
 
-Both take the flat tensors of the exported generation graph (exporter/export.py, Optimum names): left-padded
-`input_ids` (B, L), `attention_mask` (B, past + L), `position_ids` (B, L) and per-layer past keys/values
-(B, kv_heads, past, head_dim); they return the last position's logits, the presents and the per-head
-attention entropy (B, layers, heads, L) from the attention itself.
+The engine speaks in sequences: `reserve` room for one (or hear that it does not fit now), `prefill` a chunk of its
+prompt, `join` it to the decode batch, `decode` one token for every running sequence, `release` it. How keys and
+values are kept is the backend's business:
+- `GraphBackend` (onnxruntime, TensorRT) runs the exported generation graph, whose flat tensors are left-padded
+  `input_ids` (B, L), `attention_mask` (B, past + L), `position_ids` (B, L) and per-layer past keys/values
+  (B, kv_heads, past, head_dim) (exporter/export.py, Optimum names): the running batch shares one left-padded
+  cache (serving/cache.py), so its memory follows the longest sequence;
+- `TorchBackend` runs a SharpLM on a paged KV cache (models/kvcache.py): each sequence holds only its own pages, a
+  sequence joins and leaves without moving data, and on CUDA the attention reads the pages with the Triton kernels.
+A row the model fails on in a batched decode ends alone: the rows are run one by one and only failing ones end.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +28,10 @@ from torch import Tensor
 from sharp.exporter import metadata
 from sharp.exporter.metadata import LayerAttention, ModelMetadata
 from sharp.models.config import ModelShape
+from sharp.models.kvcache import OutOfPages, PagedKVCache
 from sharp.models.tokenizer import Tokenizer
 from sharp.plugins.onnxruntime import choose_library
+from sharp.serving.cache import BatchCache
 
 log = logging.getLogger("sharp.serving")
 
@@ -29,6 +39,8 @@ BACKENDS = ("onnxruntime", "torch", "tensorrt")
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
 # reference, whose (queries × keys) logits grow quadratically with the prompt.
 STREAMED_FROM_KEYS = 1024
+PAGE_SIZE = 16  # tokens per KV page of the torch backend (a kernel tile: decode reads whole pages)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class BackendError(Exception):
@@ -83,21 +95,107 @@ class ModelSpec:
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * 4
+    def kv_bytes_per_token(self, element_bytes: int = 4) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * element_bytes
 
 
 @dataclass
 class StepOutput:
+    """What a forward of the generation graph returns."""
+
     logits: Tensor  # (B, V) at each row's last position
     presents: list[Tensor]  # 2 × layers of (B, kv_heads, past + L, head_dim)
     entropy: Tensor | None  # (B, layers, heads, L) nats, when asked
 
 
+@dataclass
+class StepResult:
+    """What the engine receives from a prefill chunk or a decode step: the last position's logits (B, V) and the
+    per-head entropy (B, layers, heads, L) of the rows that ran, in order, and the sequences the model failed on
+    (left out of both)."""
+
+    logits: Tensor
+    entropy: Tensor | None
+    failed: list[Hashable] = field(default_factory=list)
+
+
 class Backend(ABC):
     spec: ModelSpec
     device: torch.device
+    kv_bytes_per_token: int  # what one token of one sequence costs in the KV cache
+
+    @abstractmethod
+    def allocate(self, budget_bytes: int) -> int:
+        """Set up the KV cache within `budget_bytes`; returns the bytes it can hold (what requests are checked
+        against). Raises BackendError if not even one token fits."""
+
+    @abstractmethod
+    def reserve(self, seq: Hashable, tokens: int) -> bool:
+        """Room for `seq` to hold `tokens` tokens, or False (nothing reserved) when that does not fit now."""
+
+    @abstractmethod
+    def prefill(self, seq: Hashable, ids: Tensor, start: int, entropy: bool) -> StepResult:
+        """ids (1, n): the reserved sequence's prompt tokens start..start+n−1, after its first `start`."""
+
+    def join(self, seq: Hashable) -> None:  # noqa: B027  (a no-op unless the running batch has its own cache)
+        """The sequence's prompt is in: it decodes with the others from now on."""
+
+    @abstractmethod
+    def release(self, seq: Hashable) -> None:
+        """The sequence left (finished, cancelled, failed); unknown sequences are ignored."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every sequence (after a failure the engine could not attribute)."""
+
+    @abstractmethod
+    def kv_usage(self) -> float:
+        """The fraction of the KV cache in use (the metrics' gauge)."""
+
+    @abstractmethod
+    def _forward(self, seqs: list[Hashable], tokens: Tensor, entropy: bool) -> StepResult:
+        """One batched decode step: tokens (B, 1) the sequences' last sampled tokens."""
+
+    def _unbatch(self, seqs: list[Hashable]) -> None:  # noqa: B027
+        """Before running the rows alone: give each row what `_forward([seq])` needs."""
+
+    def _rebatch(self, seqs: list[Hashable]) -> None:  # noqa: B027
+        """After running the rows alone: the survivors form the batch again, in order."""
+
+    def decode(self, seqs: list[Hashable], tokens: Tensor, entropy: bool) -> StepResult:
+        """One token for each of `seqs` (the running batch, in order). If the batched step raises, each row runs
+        alone and only the rows that raise again are reported failed."""
+        try:
+            return self._forward(seqs, tokens, entropy)
+        except Exception:
+            log.warning("a batched decode step of %d rows failed; running them one by one", len(seqs))
+        self._unbatch(seqs)
+        kept, results, failed = [], [], []
+        for i, seq in enumerate(seqs):
+            try:
+                results.append(self._forward([seq], tokens[i : i + 1], entropy))
+                kept.append(seq)
+            except Exception:
+                log.exception("decode failed for one row")
+                failed.append(seq)
+        self._rebatch(kept)
+        if not kept:
+            return StepResult(torch.empty(0, self.spec.vocab_size), None, failed)
+        ent = None if results[0].entropy is None else torch.cat([r.entropy for r in results])
+        return StepResult(torch.cat([r.logits for r in results]), ent, failed)
+
+
+class GraphBackend(Backend):
+    """A backend that runs the exported generation graph (flat tensors in, presents out): prefilling sequences
+    keep their own cache, running ones share one left-padded `BatchCache` whose memory is rows × the longest."""
+
+    def __init__(self) -> None:
+        self.kv_bytes_per_token = self.spec.kv_bytes_per_token()
+        self.budget_bytes = 0
+        self._batch = BatchCache()
+        self._rows: list[Hashable] = []  # the batch cache's rows, in order
+        self._own: dict[Hashable, list[Tensor]] = {}  # caches of sequences prefilling (or run alone)
+        self._reserved: dict[Hashable, int] = {}
 
     @abstractmethod
     def forward(
@@ -108,8 +206,74 @@ class Backend(ABC):
         s = self.spec
         return [torch.zeros(batch, s.kv_heads, 0, s.head_dim, device=self.device) for _ in range(2 * s.layers)]
 
+    def allocate(self, budget_bytes: int) -> int:
+        if budget_bytes < self.kv_bytes_per_token:
+            raise BackendError(f"a KV budget of {budget_bytes} bytes holds no token ({self.kv_bytes_per_token} each)")
+        self.budget_bytes = budget_bytes
+        return budget_bytes
 
-class OnnxRuntimeBackend(Backend):
+    def reserve(self, seq, tokens):
+        wanted = {**self._reserved, seq: tokens}
+        if len(wanted) * max(wanted.values()) * self.kv_bytes_per_token > self.budget_bytes:
+            return False  # the batch cache pads every row to the longest one
+        self._reserved = wanted
+        return True
+
+    def prefill(self, seq, ids, start, entropy):
+        n = ids.shape[1]
+        past = self._own.get(seq) or self.empty_past(1)
+        out = self.forward(
+            ids, torch.ones(1, start + n, dtype=torch.int64), torch.arange(start, start + n)[None], past, entropy
+        )
+        self._own[seq] = out.presents
+        return StepResult(out.logits, out.entropy)
+
+    def join(self, seq):
+        cache = self._own.pop(seq)
+        self._batch.join(cache, cache[0].shape[2])
+        self._rows.append(seq)
+
+    def release(self, seq):
+        self._own.pop(seq, None)
+        self._reserved.pop(seq, None)
+        if seq in self._rows:
+            row = self._rows.index(seq)
+            self._rows.pop(row)
+            self._batch.leave([row])
+
+    def clear(self):
+        self._batch, self._rows, self._own, self._reserved = BatchCache(), [], {}, {}
+
+    def kv_usage(self):
+        used = self._batch.slots() + sum(c[0].shape[2] for c in self._own.values())
+        return used * self.kv_bytes_per_token / self.budget_bytes
+
+    def _forward(self, seqs, tokens, entropy):
+        if seqs == self._rows:
+            cache = self._batch
+            out = self.forward(
+                tokens, cache.attention_mask(), torch.tensor(cache.lengths)[:, None], cache.tensors, entropy
+            )
+            cache.advance(out.presents)
+        else:  # a row run alone (after _unbatch)
+            (seq,) = seqs
+            past = self._own[seq]
+            n = past[0].shape[2]
+            out = self.forward(tokens, torch.ones(1, n + 1, dtype=torch.int64), torch.tensor([[n]]), past, entropy)
+            self._own[seq] = out.presents
+        return StepResult(out.logits, out.entropy)
+
+    def _unbatch(self, seqs):
+        for i, seq in enumerate(self._rows):
+            self._own[seq] = self._batch.row(i)
+        self._batch, self._rows = BatchCache(), []
+
+    def _rebatch(self, seqs):
+        for seq in seqs:  # rows that failed keep their own cache until the engine releases them
+            self.join(seq)
+
+
+class OnnxRuntimeBackend(GraphBackend):
     """A file written by `sharp-export` with a KV cache, run by onnxruntime (CPU; CUDA when available)."""
 
     def __init__(
@@ -148,6 +312,7 @@ class OnnxRuntimeBackend(Backend):
             raise BackendError(f"{path}: onnxruntime cannot load it ({self.attention}): {e}") from None
         self.device = torch.device("cpu")  # inputs and outputs travel as host arrays
         self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
+        GraphBackend.__init__(self)
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
@@ -169,10 +334,13 @@ class OnnxRuntimeBackend(Backend):
 
 
 class TorchBackend(Backend):
-    """A sharp `model.pt` (SharpLM) in PyTorch; on CUDA the attention runs the Triton kernels, on CPU the reference
-    or, for long contexts, the streamed attention."""
+    """A sharp `model.pt` (SharpLM) in PyTorch on a paged KV cache. On CUDA the attention runs the Triton kernels
+    (decode steps and short chunks read the pages directly; long prefill chunks a dense copy of the sequence's keys);
+    on CPU the reference or, from STREAMED_FROM_KEYS keys, the streamed attention over the gathered keys.
+    `impl` overrides that choice (e.g. "triton" in the CPU interpreter); `dtype` is the weights' and the cache's
+    (default fp32 on CPU, bf16 on CUDA)."""
 
-    def __init__(self, path: Path, device: str = "cpu"):
+    def __init__(self, path: Path, device: str = "cpu", impl: str | None = None, dtype: str | None = None):
         from sharp.models import CheckpointError, SharpLM, load
 
         try:
@@ -183,31 +351,73 @@ class TorchBackend(Backend):
             raise BackendError(f"{path}: a {type(model).__name__} checkpoint; only SharpLM language models generate")
         if device == "cuda" and not torch.cuda.is_available():
             raise BackendError("--device cuda: no CUDA device is visible to torch")
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        self.impl = "triton" if self.device.type == "cuda" else "reference"
+        dtype = dtype or ("bf16" if device == "cuda" else "fp32")
+        if dtype not in DTYPES:
+            raise BackendError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        self.model = model.to(self.device, self.dtype).eval()
+        self.impl = impl
         self.spec = ModelSpec(Path(path).stem, "torch", metadata.ModelMetadata.from_model(model))
+        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
+        self.cache: PagedKVCache | None = None
+
+    def allocate(self, budget_bytes):
+        pages = budget_bytes // (PAGE_SIZE * self.kv_bytes_per_token)
+        if pages < 1:
+            raise BackendError(
+                f"a KV budget of {budget_bytes} bytes holds no page of {PAGE_SIZE} tokens"
+                f" ({PAGE_SIZE * self.kv_bytes_per_token} bytes)"
+            )
+        s = self.spec
+        self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, pages, PAGE_SIZE, self.device, self.dtype)
+        return pages * PAGE_SIZE * self.kv_bytes_per_token
+
+    def reserve(self, seq, tokens):
+        try:
+            self.cache.reserve(seq, tokens)
+        except OutOfPages:
+            return False
+        return True
+
+    def release(self, seq):
+        self.cache.free(seq)
+
+    def clear(self):
+        self.cache.clear()
+
+    def kv_usage(self):
+        return self.cache.allocator.usage()
+
+    def _attention(self, keys: int) -> str:
+        if self.impl is not None:
+            return self.impl
+        if self.device.type == "cuda":
+            return "triton"
+        return "streamed" if keys >= STREAMED_FROM_KEYS else "reference"
 
     @torch.inference_mode()
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
-        cache = [(past[2 * i], past[2 * i + 1]) for i in range(self.spec.layers)]
-        impl = self.impl
-        if impl == "reference" and attention_mask.shape[1] >= STREAMED_FROM_KEYS:
-            impl = "streamed"
+    def _run(self, seqs: list[Hashable], ids: Tensor, positions: Tensor, entropy: bool) -> StepResult:
+        step = self.cache.step(seqs, ids.shape[1])
         out = self.model.step(
-            input_ids.to(self.device),
-            cache=cache,
-            positions=position_ids.to(self.device),
-            key_mask=attention_mask.to(self.device, torch.bool),
+            ids.to(self.device),
+            cache=step,
+            positions=positions.to(self.device),
             return_entropy=entropy,
-            impl=impl,
+            impl=self._attention(step.longest),
         )
-        presents = [t for kv in out.cache for t in kv]
+        step.commit()  # only a step that ran through every layer counts; a failed one can run again
         ent = out.entropy.float().cpu() if entropy else None
-        return StepOutput(out.logits[:, -1].float().cpu(), presents, ent)
+        return StepResult(out.logits[:, -1].float().cpu(), ent)
+
+    def prefill(self, seq, ids, start, entropy):
+        return self._run([seq], ids, torch.arange(start, start + ids.shape[1])[None], entropy)
+
+    def _forward(self, seqs, tokens, entropy):
+        positions = torch.tensor([[self.cache.lengths[s]] for s in seqs])
+        return self._run(seqs, tokens, positions, entropy)
 
 
-class TensorRTBackend(Backend):
+class TensorRTBackend(GraphBackend):
     """An engine built by sharp-build-engine, on CUDA: one execution context per optimization profile (prefill
     without a past, decode with one), the steps on a dedicated CUDA stream, I/O as torch CUDA tensors.
 
@@ -244,6 +454,7 @@ class TensorRTBackend(Backend):
         self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         self.past_names = sorted((n for n in names if n.startswith("past_key_values.")), key=names.index)
         self.spec = ModelSpec(Path(path).stem, "tensorrt", meta)
+        GraphBackend.__init__(self)
 
     @torch.inference_mode()
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):
@@ -293,4 +504,4 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
         if path.suffix == ".pt":
             raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")
         return OnnxRuntimeBackend(path, device, **kw)
-    return TorchBackend(path, device)
+    return TorchBackend(path, device, **kw)

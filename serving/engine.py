@@ -2,8 +2,9 @@
 
 One engine thread runs steps. Each step drops cancelled sequences, admits queued requests whose KV cache fits
 the budget, prefills at most `prefill_chunk` prompt tokens (so a long prompt never stalls running streams for
-more than one chunk), then runs one batched decode step over every running sequence on the shared
-`BatchCache`. What a step did is recorded in a `StepStats` and handed to the metrics.
+more than one chunk), then runs one batched decode step over every running sequence. The backend owns the KV
+cache (serving/backends.py): the engine reserves each admitted sequence's room up front (prompt + max_new_tokens)
+and releases it on every way out. What a step did is recorded in a `StepStats` and handed to the metrics.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import torch
 
 from sharp.models.sampling import sample
 from sharp.models.tokenizer import TextStream
-from sharp.serving.backends import Backend, StepOutput
-from sharp.serving.cache import BatchCache
+from sharp.serving.backends import Backend
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import GenerationRequest, Limits, RequestError
 from sharp.serving.stats import RequestOutcome, StepStats
@@ -40,7 +40,7 @@ PROMPT_BYTES_PER_TOKEN = 16  # the default prompt limit: more bytes than this pe
 class EngineConfig:
     max_batch: int = 32  # sequences decoded together
     max_queue: int = 256  # requests waiting for admission; more are refused
-    kv_cache_mb: float = 256.0  # budget for every sequence's keys and values, padding included
+    kv_cache_mb: float = 256.0  # budget for every sequence's keys and values (padding or page rounding included)
     prefill_chunk: int = 256  # prompt tokens processed per engine step
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 64
@@ -131,7 +131,6 @@ class Sequence:
     text: StopText
     stats: HeadStats | None
     detokenizer: TextStream
-    cache: list[torch.Tensor] | None = None  # own cache while prefilling
     length: int = 0  # prompt tokens prefilled so far
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
@@ -141,6 +140,11 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the cache once prefilled: the prompt and every generated token but the newest."""
+        return self.prompt_len + len(self.generated) - 1
 
     @property
     def reserved(self) -> int:
@@ -158,11 +162,11 @@ class Engine:
         self.metrics = metrics or ServingMetrics(self.spec, entropy="off")
         self.metrics.queue_capacity.set(config.max_queue)
         self.metrics.max_batch.set(config.max_batch)
-        self.budget_bytes = int(config.kv_cache_mb * 2**20)
+        self.budget_bytes = backend.allocate(int(config.kv_cache_mb * 2**20))
         self.limits = Limits(
             vocab_size=self.spec.vocab_size,
             context_length=self.spec.context_length,
-            kv_bytes_per_token=self.spec.kv_bytes_per_token,
+            kv_bytes_per_token=backend.kv_bytes_per_token,
             kv_budget_bytes=self.budget_bytes,
             max_new_tokens_limit=config.max_new_tokens_limit,
             default_max_new_tokens=config.default_max_new_tokens,
@@ -172,8 +176,7 @@ class Engine:
         )
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
-        self._running: list[Sequence] = []  # rows of the batch cache, in order
-        self._cache = BatchCache()
+        self._running: list[Sequence] = []  # the decode batch, in order
         self._stats = StepStats()
         self._outbox: list[tuple[Sequence, Event]] = []  # events of this step, sent at its end
         self._cond = threading.Condition()
@@ -260,10 +263,6 @@ class Engine:
         with self._cond:
             return not (self._waiting or self._prefilling or self._running)
 
-    def kv_usage_bytes(self) -> int:
-        used = self._cache.slots() + sum(s.length for s in self._prefilling)
-        return used * self.spec.kv_bytes_per_token
-
     # ---- engine thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
@@ -290,7 +289,7 @@ class Engine:
         st, self._stats = self._stats, StepStats()
         st.queue_size = len(self._waiting)
         st.running = len(self._prefilling) + len(self._running)
-        st.kv_usage = self.kv_usage_bytes() / self.budget_bytes
+        st.kv_usage = self.backend.kv_usage()
         self.metrics.log_step(st)
         outbox, self._outbox = self._outbox, []
         for seq, event in outbox:
@@ -303,21 +302,17 @@ class Engine:
                 return
             self._waiting = deque(s for s in self._waiting if not s.cancelled)
         self._prefilling = [s for s in self._prefilling if not s.cancelled]
-        self._leave([i for i, s in enumerate(self._running) if s.cancelled])
+        self._running = [s for s in self._running if not s.cancelled]
         for s in gone:
-            s.done, s.cache = True, None
+            s.done = True
+            self.backend.release(s)
             self._stats.outcomes.append(RequestOutcome("cancelled", time.perf_counter() - s.arrival))
-
-    def _fits(self, seq: Sequence) -> bool:
-        active = [*self._prefilling, *self._running, seq]
-        longest = max(s.reserved for s in active)  # the batch cache pads every row to the longest one
-        return len(active) * longest * self.spec.kv_bytes_per_token <= self.budget_bytes
 
     def _admit(self) -> None:
         with self._cond:
             while self._waiting and len(self._prefilling) + len(self._running) < self.config.max_batch:
-                if not self._fits(self._waiting[0]):
-                    break
+                if not self.backend.reserve(self._waiting[0], self._waiting[0].reserved):
+                    break  # it waits until running sequences leave
                 seq = self._waiting.popleft()
                 self._stats.queue_time.append(time.perf_counter() - seq.arrival)
                 self._prefilling.append(seq)
@@ -345,87 +340,50 @@ class Engine:
             start = seq.length
             n = min(budget, seq.prompt_len - start)
             ids = torch.tensor([seq.request.prompt_ids[start : start + n]], dtype=torch.int64)
-            past = seq.cache if seq.cache is not None else self.backend.empty_past(1)
             try:
-                out = self.backend.forward(
-                    ids,
-                    torch.ones(1, start + n, dtype=torch.int64),
-                    torch.arange(start, start + n, dtype=torch.int64)[None],
-                    past,
-                    self._want_entropy([seq]),
-                )
+                out = self.backend.prefill(seq, ids, start, self._want_entropy([seq]))
             except Exception:  # the model failed on this prompt: it ends alone
+                log.exception("prefill failed")
                 self._prefilling.remove(seq)
-                seq.cache = None
                 self._fail_forward(seq, f"prefill at prompt token {start}")
                 continue
-            seq.cache, seq.length = out.presents, start + n
+            seq.length = start + n
             budget -= n
             self._stats.prompt_tokens += n
             self._record_entropy([seq], out.entropy, [start])
             if seq.length == seq.prompt_len:
                 self._prefilling.remove(seq)
                 self._emit(seq, out.logits[0:1])
-                if not seq.done:
-                    cache, seq.cache = seq.cache, None
-                    self._cache.join(cache, seq.length)
+                if seq.done:
+                    self.backend.release(seq)
+                else:
+                    self.backend.join(seq)
                     self._running.append(seq)
 
-    def _leave(self, rows: list[int]) -> None:
-        gone = set(rows)
-        self._running = [s for i, s in enumerate(self._running) if i not in gone]
-        self._cache.leave(rows)
+    def _leave(self, seqs: list[Sequence]) -> None:
+        gone = set(seqs)
+        self._running = [s for s in self._running if s not in gone]
+        for s in seqs:
+            self.backend.release(s)
 
     def _decode(self) -> None:
         if not self._running:
             return
-        lengths = list(self._cache.lengths)  # each row's first new position
-        try:
-            out = self._decode_forward(self._running, self._cache)
-            self._cache.advance(out.presents)
-        except Exception:  # some row breaks the model: run the rows alone, so only the failing ones end
-            out = self._decode_rows_alone()
-            if out is None:
-                return
-            lengths = [n - 1 for n in self._cache.lengths]
         seqs = self._running
+        tokens = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.int64)
+        out = self.backend.decode(seqs, tokens, self._want_entropy(seqs))
+        for s in out.failed:
+            self._fail_forward(s, f"decode at token {len(s.generated)}")
+        failed = set(out.failed)
+        kept = [s for s in seqs if s not in failed]
         self._stats.decode_batch = len(seqs)
-        self._record_entropy(seqs, out.entropy, lengths)
-        finished = []
-        for i, s in enumerate(seqs):
+        self._record_entropy(kept, out.entropy, [s.cached for s in kept])
+        for i, s in enumerate(kept):
             self._emit(s, out.logits[i : i + 1])
-            if s.done:
-                finished.append(i)
-        self._leave(finished)
-
-    def _decode_forward(self, seqs: list[Sequence], cache: BatchCache) -> StepOutput:
-        ids = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.int64)
-        positions = torch.tensor(cache.lengths, dtype=torch.int64)[:, None]
-        return self.backend.forward(ids, cache.attention_mask(), positions, cache.tensors, self._want_entropy(seqs))
-
-    def _decode_rows_alone(self) -> StepOutput | None:
-        """Decode each running row on its own; fail the rows whose forward raises and rebuild the batch cache
-        from the others. Returns the survivors' outputs in their order (None when none survived)."""
-        kept, outs, cache = [], [], BatchCache()
-        for i, seq in enumerate(self._running):
-            alone = BatchCache()
-            alone.join(self._cache.row(i), self._cache.lengths[i])
-            try:
-                out = self._decode_forward([seq], alone)
-            except Exception:
-                self._fail_forward(seq, f"decode at token {len(seq.generated)}")
-                continue
-            cache.join(out.presents, alone.lengths[0] + 1)
-            kept.append(seq)
-            outs.append(out)
-        self._running, self._cache = kept, cache
-        if not kept:
-            return None
-        entropy = None if outs[0].entropy is None else torch.cat([o.entropy for o in outs])
-        return StepOutput(torch.cat([o.logits for o in outs]), cache.tensors, entropy)
+        self._leave([s for s in seqs if s.done])
 
     def _fail_forward(self, seq: Sequence, where: str) -> None:
-        log.exception("model forward failed for request %r (%s)", seq.request.request_id, where)
+        log.error("model forward failed for request %r (%s)", seq.request.request_id, where)
         self._fail(seq, grpc.StatusCode.INTERNAL, f"the model failed on this request ({where}); see the server log")
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -485,7 +443,8 @@ class Engine:
             self._waiting.clear()
             for s in seqs:
                 s.done = True
-        self._prefilling, self._running, self._cache = [], [], BatchCache()
+        self._prefilling, self._running = [], []
+        self.backend.clear()
         failing = set(seqs)
         self._outbox = [(q, ev) for q, ev in self._outbox if q not in failing]
         for s in seqs:

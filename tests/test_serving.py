@@ -356,7 +356,7 @@ def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference
 
 def test_kv_budget_admits_only_what_fits(model_files):
     be = load_backend(model_files["onnxruntime"])
-    per_seq = 200 * be.spec.kv_bytes_per_token  # prompt 100 + 100 new tokens
+    per_seq = 200 * be.kv_bytes_per_token  # prompt 100 + 100 new tokens
     eng = Engine(be, EngineConfig(kv_cache_mb=2.5 * per_seq / 2**20))
     done = []
     for i in range(4):

@@ -14,6 +14,7 @@ COMMANDS = {
     "export": "sharp.benchmarks.export",
     "serve": "sharp.benchmarks.serve",
     "genai": "sharp.benchmarks.genai",
+    "long-context": "sharp.benchmarks.longctx",
 }
 
 

@@ -1,0 +1,213 @@
+"""A paged KV cache (vLLM-style): the keys and values of every running sequence in fixed-size pages of one
+preallocated pool per layer, found through a per-sequence block table — the layout the paged attention kernels
+read (`sharp.paged_attention_impls`; the Triton one is `sharp.plugins.triton.paged.paged_decode`).
+
+A sequence holds only the pages its own tokens need, so memory does not grow with the longest sequence in a batch,
+and a sequence joining or leaving a batch moves no data: it edits block tables. A forward over some sequences is a
+`PagedStep`: each layer writes the step's new keys and values into their slots and attends over the pages; the
+sequences' lengths advance only when the whole step succeeded (`commit`), so a failed step can be run again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+
+import torch
+from torch import Tensor
+
+from sharp.models.attention import attend
+
+# Queries (GQA group × new tokens per sequence) up to which a step runs the paged kernel directly; longer chunks
+# (prefill) attend over a dense copy of the sequence's keys with the prefill kernels.
+PAGED_KERNEL_ROWS = 64
+
+
+class OutOfPages(Exception):
+    """The pool cannot hold the request; nothing was allocated."""
+
+
+class PageAllocator:
+    """Page ids 0..n−1 on a free list. Pages are never moved; any free page serves any sequence, so freeing in any
+    order leaves no unusable fragments."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids go first
+        self._used: set[int] = set()
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def usage(self) -> float:
+        return len(self._used) / self.num_pages
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"{n} pages requested, {len(self._free)} of {self.num_pages} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def release(self, pages: Sequence[int]) -> None:
+        stray = [p for p in pages if p not in self._used]
+        if stray or len(set(pages)) != len(pages):
+            raise ValueError(f"pages {stray or list(pages)} are not allocated (double free?)")
+        self._used.difference_update(pages)
+        self._free.extend(reversed(pages))
+
+
+class PagedKVCache:
+    """Per-layer pools (pages, kv_heads, page_size, head_dim) of keys and values, and each sequence's pages."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int = 16,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        if page_size < 16 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two >= 16 (a kernel tile), got {page_size}")
+        self.page_size = page_size
+        shape = (num_pages, kv_heads, page_size, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.allocator = PageAllocator(num_pages)
+        self.tables: dict[Hashable, list[int]] = {}
+        self.lengths: dict[Hashable, int] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys[0].device
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def reserve(self, seq: Hashable, tokens: int) -> None:
+        """Make room for `seq` to hold `tokens` tokens in all (allocating its missing pages), or raise OutOfPages
+        and change nothing."""
+        table = self.tables.get(seq, [])
+        missing = self.pages_for(tokens) - len(table)
+        if missing > 0:
+            self.tables[seq] = table + self.allocator.allocate(missing)
+        self.lengths.setdefault(seq, 0)
+
+    def free(self, seq: Hashable) -> None:
+        """The sequence left (finished, cancelled, failed): its pages return to the pool. Unknown sequences are
+        ignored, so every way out may call it."""
+        self.allocator.release(self.tables.pop(seq, []))
+        self.lengths.pop(seq, None)
+
+    def clear(self) -> None:
+        for seq in list(self.tables):
+            self.free(seq)
+
+    def step(self, seqs: Sequence[Hashable], new: int) -> PagedStep:
+        """The view of one forward that appends `new` tokens to each of `seqs` (reserved beforehand)."""
+        past = [self.lengths[s] for s in seqs]
+        short = [s for s, n in zip(seqs, past, strict=True) if self.pages_for(n + new) > len(self.tables[s])]
+        if short:
+            raise ValueError(f"sequences {short!r} have too few pages for {new} more tokens; reserve first")
+        width = max(len(self.tables[s]) for s in seqs)
+        table = torch.zeros(len(seqs), width, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            table[i, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
+        positions = torch.tensor(past)[:, None] + torch.arange(new)[None]  # (B, new) positions being written
+        pages = table.gather(1, positions // self.page_size).long()
+        dev = self.device
+        lengths = torch.tensor(past, dtype=torch.int32) + new
+        slots = positions % self.page_size
+        return PagedStep(
+            self, list(seqs), new, max(past) + new, table.to(dev), lengths.to(dev), pages.to(dev), slots.to(dev)
+        )
+
+    def gather(self, seq: Hashable, layer: int) -> tuple[Tensor, Tensor]:
+        """The sequence's keys and values as dense (1, kv_heads, length, head_dim) tensors."""
+        view = self.step([seq], 0).layer(layer)
+        k, v, _ = view.dense()
+        return k, v
+
+
+@dataclass
+class PagedStep:
+    """One forward over `seqs`, each appending `new` tokens: the longest length after the step (on the host), the
+    block table (B, pages) int32, the lengths after the step (B,) int32, and where each new token goes (pool page
+    and slot, (B, new))."""
+
+    cache: PagedKVCache
+    seqs: list[Hashable]
+    new: int
+    longest: int
+    block_table: Tensor
+    seq_lens: Tensor
+    write_pages: Tensor
+    write_slots: Tensor
+
+    def layer(self, index: int) -> PagedLayer:
+        return PagedLayer(self, index)
+
+    def commit(self) -> None:
+        """Every layer has written: the sequences now hold their new tokens."""
+        for s in self.seqs:
+            self.cache.lengths[s] += self.new
+
+
+@dataclass
+class PagedLayer:
+    """One layer's share of a PagedStep: what SharpAttention receives as its cache."""
+
+    step: PagedStep
+    index: int
+
+    @property
+    def pools(self) -> tuple[Tensor, Tensor]:
+        return self.step.cache.keys[self.index], self.step.cache.values[self.index]
+
+    def write(self, k: Tensor, v: Tensor) -> None:
+        """k, v (B, kv_heads, new, head_dim): the step's new keys and values into their slots."""
+        kp, vp = self.pools
+        s = self.step
+        kp[s.write_pages, :, s.write_slots] = k.transpose(1, 2).to(kp.dtype)
+        vp[s.write_pages, :, s.write_slots] = v.transpose(1, 2).to(vp.dtype)
+
+    def dense(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Keys and values of every sequence as left-padded (B, kv_heads, longest, head_dim) tensors — each row's keys
+        at the right end, its new tokens last — and the (B, longest) mask of real keys."""
+        kp, vp = self.pools
+        s = self.step
+        width = s.longest
+        token = torch.arange(width, device=kp.device)[None] - (width - s.seq_lens.long())[:, None]
+        real = token >= 0
+        token = token.clamp(min=0)
+        pages = s.block_table.long().gather(1, token // kp.shape[2])[:, None]
+        slots = (token % kp.shape[2])[:, None]
+        heads = torch.arange(kp.shape[1], device=kp.device)[None, :, None]
+        return kp[pages, heads, slots], vp[pages, heads, slots], real  # (B, kv_heads, longest, D), contiguous
+
+    def attend(self, q: Tensor, impl: str, **norm: object) -> tuple[Tensor, Tensor]:
+        """Attention of q (B, Hq, new, D) — the step's new tokens, causal — over the sequences' keys (written
+        first): output and entropy (B, Hq, new) as `attend` returns them."""
+        kp, vp = self.pools
+        group_rows = q.shape[1] // kp.shape[1] * q.shape[2]
+        if impl == "triton" and group_rows <= PAGED_KERNEL_ROWS:
+            return _paged_impl("triton")(q, kp, vp, self.step.block_table, self.step.seq_lens, causal=True, **norm)
+        k, v, real = self.dense()
+        mask = None if len(self.step.seqs) == 1 else real  # one sequence has no padding
+        out, ent = attend(q, k, v, causal=True, key_mask=mask, impl=impl, return_entropy=True, **norm)
+        return out, ent
+
+
+def _paged_impl(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
+    """A paged attention kernel registered by a higher layer (sharp.plugins.triton) by entry point."""
+    found = [ep for ep in entry_points(group="sharp.paged_attention_impls") if ep.name == name]
+    if not found:
+        raise ValueError(f"no paged attention {name!r} is installed here (pip install 'sharp-attention[kernels]')")
+    return found[0].load()

@@ -1,0 +1,188 @@
+"""The torch backend serves from a paged KV cache: continuous batching with copy-free join and leave, a budget
+counted in pages, every page back in the pool after finishing, cancelling or failing, a failed batched step run
+again row by row without disturbing the others, and the Triton paged kernels (CPU interpreter) in the engine.
+
+The engine is stepped by hand over the real torch backend and checked token for token against `SharpLM.generate`;
+the only stand-in is a wrapper that makes the model raise on one marked request (a broken model cannot be trained
+on purpose here).
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from test_serving import _req, model_files, reference  # noqa: F401  (fixtures and helpers)
+
+from sharp.models import ModelConfig, SharpLM
+from sharp.serving import Engine, EngineConfig, RequestError, load_backend
+from sharp.serving.backends import PAGE_SIZE
+from sharp.serving.engine import Delta, Failed, Finished
+
+MARK = 250  # a prompt holding this id makes the wrapped model raise in every decode step it is part of
+
+
+def _collect(eng: Engine, prompts: dict[str, tuple[list[int], int]]) -> tuple[dict, dict, dict]:
+    tokens = {name: [] for name in prompts}
+    ends = {}
+
+    def sink(name):
+        def put(ev):
+            if isinstance(ev, Delta):
+                tokens[name].extend(ev.token_ids)
+            else:
+                ends[name] = ev
+
+        return put
+
+    seqs = {name: eng.submit(_req(eng, ids, n), sink(name)) for name, (ids, n) in prompts.items()}
+    return tokens, ends, seqs
+
+
+def _run(eng: Engine, steps: int = 500) -> None:
+    for _ in range(steps):
+        if eng.idle():
+            return
+        eng.step()
+    raise AssertionError(f"the engine is still busy after {steps} steps")
+
+
+def _pages(be) -> int:
+    return be.cache.allocator.num_pages - be.cache.allocator.free_pages
+
+
+def test_continuous_batching_on_pages_is_copy_free_and_returns_every_page(model_files, reference):  # noqa: F811
+    be = load_backend(model_files["torch"], "torch")
+    eng = Engine(be, EngineConfig(prefill_chunk=48, kv_cache_mb=1))
+    pools = [t.data_ptr() for t in (*be.cache.keys, *be.cache.values)]
+    prompts = {
+        "long": ([256, *range(30, 130)], 30),  # 101 prompt tokens: three prefill chunks, pages 7
+        "short": ([256, 5, 6], 4),  # finishes while the others run
+        "mid": ([256, *range(60, 80)], 20),
+        "gone": ([256, 9, 9, 9], 100),  # cancelled after a few steps
+        "one": ([256, 4], 1),  # done at its prefill's token: it never joins the batch
+    }
+    tokens, ends, seqs = _collect(eng, prompts)
+    tables_seen = {}
+    for step in range(200):
+        if eng.idle():
+            break
+        eng.step()
+        for seq in eng._running:  # a running sequence's pages never move while others join and leave
+            table = list(be.cache.tables[seq])
+            before = tables_seen.setdefault(id(seq), table)
+            assert table == before
+        if step == 6:
+            eng.cancel(seqs["gone"])
+        want = sum(be.cache.pages_for(s.reserved) for s in (*eng._prefilling, *eng._running))
+        assert _pages(be) == want  # each admitted sequence holds the pages of prompt + max_new_tokens
+        assert eng.metrics.kv_usage._value.get() == pytest.approx(want / be.cache.allocator.num_pages)
+    assert eng.idle() and _pages(be) == 0 and not be.cache.tables
+    assert [t.data_ptr() for t in (*be.cache.keys, *be.cache.values)] == pools  # no pool was reallocated
+    for name in ("long", "short", "mid", "one"):
+        ids, n = prompts[name]
+        assert isinstance(ends[name], Finished)
+        assert tokens[name] == reference(ids, n)[: len(tokens[name])] and len(tokens[name]) > 0
+    assert "gone" not in ends and 0 < len(tokens["gone"]) < 100
+
+
+def test_the_budget_is_counted_in_pages(model_files):  # noqa: F811
+    be = load_backend(model_files["torch"], "torch")
+    per_page = PAGE_SIZE * be.kv_bytes_per_token
+    eng = Engine(be, EngineConfig(kv_cache_mb=10.5 * per_page / 2**20))  # 10 pages (the half page is not usable)
+    assert be.cache.allocator.num_pages == 10 and eng.limits.kv_budget_bytes == 10 * per_page
+    # 4 + 60 = 64 tokens = 4 pages each: two fit together, the third waits for pages
+    tokens, ends, _ = _collect(eng, {k: ([256, 1, 2, 3], 60) for k in "abc"})
+    eng.step()
+    assert len(eng._prefilling) + len(eng._running) == 2 and len(eng._waiting) == 1 and _pages(be) == 8
+    for _ in range(500):
+        if eng.idle():
+            break
+        eng.step()
+        assert _pages(be) <= 10
+    assert sorted(ends) == ["a", "b", "c"] and _pages(be) == 0
+    assert tokens["a"] == tokens["b"] == tokens["c"]  # same greedy request, alone or beside others
+    _req(eng, [256] * 100, 60)  # 160 tokens = the whole pool: accepted
+    with pytest.raises(RequestError) as err:
+        _req(eng, [256] * 100, 61)  # 161 tokens need an 11th page
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(model_files, reference, backend):  # noqa: F811
+    """Two bystanders decode beside a row the model fails on. On the paged cache the stand-in raises after the model
+    ran (every layer wrote its keys into the pages): the rows run again alone, writing the same slots. On the graph
+    backends' shared cache it raises before, as a failing forward does. Either way the bystanders' tokens stay
+    exactly the model's own, in their order, and every reservation is returned."""
+    be = load_backend(model_files[backend], backend)
+    batches, decode_rows = [], []
+
+    def marked(seqs) -> bool:
+        decode_rows.append(len(seqs))
+        if any(MARK in s.request.prompt_ids for s in seqs):
+            batches.append(len(seqs))
+            return True
+        return False
+
+    if backend == "torch":
+        real_step = be.model.step
+
+        def breaks_after_writing(ids, cache=None, **kw):
+            out = real_step(ids, cache=cache, **kw)
+            if ids.shape[1] == 1 and marked(cache.seqs):
+                raise RuntimeError("non-finite keys")
+            return out
+
+        be.model.step = breaks_after_writing
+    else:
+        real_forward = be._forward
+
+        def breaks(seqs, tokens, entropy):
+            if marked(seqs):
+                raise RuntimeError("non-finite keys")
+            return real_forward(seqs, tokens, entropy)
+
+        be._forward = breaks
+    eng = Engine(be, EngineConfig())
+    prompts = {"first": ([256, 7, 8, 9], 12), "broken": ([256, MARK, 1], 12), "last": ([256, 40, 41], 12)}
+    tokens, ends, _ = _collect(eng, prompts)
+    _run(eng)
+    assert batches[0] == 3 and 1 in batches  # batched beside the bystanders first, then alone
+    assert decode_rows.count(1) == 3 and decode_rows[-1] == 2  # one round alone, then the survivors batch again
+    assert isinstance(ends["broken"], Failed) and ends["broken"].code == grpc.StatusCode.INTERNAL
+    assert "decode" in ends["broken"].message
+    for name in ("first", "last"):
+        assert isinstance(ends[name], Finished)
+        assert tokens[name] == reference(prompts[name][0], 12)
+    assert be.kv_usage() == 0
+
+
+def test_triton_paged_kernels_in_the_engine(model_files, reference):  # noqa: F811
+    """The torch backend with impl='triton' (the CPU interpreter): prefill chunks and batched decode steps of
+    sequences with different lengths run the paged kernel and generate the model's own tokens."""
+    pytest.importorskip("triton")
+    be = load_backend(model_files["torch"], "torch", impl="triton")
+    eng = Engine(be, EngineConfig(prefill_chunk=16))
+    prompts = {"a": ([256, *range(70, 90)], 6), "b": ([256, 3, 4], 6)}
+    tokens, ends, _ = _collect(eng, prompts)
+    _run(eng)
+    for name, (ids, n) in prompts.items():
+        assert isinstance(ends[name], Finished)
+        assert tokens[name] == reference(ids, n)[: len(tokens[name])] and len(tokens[name]) > 0
+
+
+def test_long_context_benchmark_runs_end_to_end_in_smoke_mode(capsys):
+    """`sharp-bench long-context` serves through the real backend and engine (numbers meaningless on CPU; nothing
+    written); softmax joins the norms asked for as the baseline, and without a GPU the full run refuses (exit 2)."""
+    from sharp.benchmarks.longctx import SHAPES, run
+
+    assert run(["--smoke", "--norms", "ssa"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| demo |")]
+    assert [r.split(" | ")[2] for r in rows] == ["softmax", "ssa"]
+    assert all(r.split(" | ")[8] == "4" for r in rows)  # every run generated its 4 tokens
+    assert run([]) == 2 and "no CUDA GPU" in capsys.readouterr().out
+    cfg = ModelConfig(**SHAPES["llama-1b"])
+    with torch.device("meta"):
+        params = SharpLM(cfg).num_params()
+    assert 1.2e9 < params < 1.3e9 and cfg.head_dim == 64  # Llama-3.2-1B's shape
