@@ -20,22 +20,23 @@ from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S
 from sharp.models.streamed import streamed_attention
 
 ImplFn = Callable[..., tuple[Tensor, Tensor]]
+STREAMED_BLOCK = 128  # keys per block of impl="streamed" when block_size is not given
 IMPLS: tuple[str, ...] = ("reference", "streamed", "triton")
 
 
-def _reference(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
+def _reference(problem: AttentionProblem, block_size: int | None) -> tuple[Tensor, Tensor]:
     p = problem
     z = p.logits(0, p.lq, 0, p.lk)
     probs = p.norm.probs(z, -1, poly=p.poly, **p.params)
     return torch.matmul(probs, p.values(0, p.lk)), entropy(probs)
 
 
-def _streamed(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
+def _streamed(problem: AttentionProblem, block_size: int | None) -> tuple[Tensor, Tensor]:
     if torch.is_grad_enabled() and any(
         t.requires_grad for t in (problem.q, problem.k, problem.v) if isinstance(t, Tensor)
     ):
         raise ValueError("impl='streamed' is forward-only (inference); train with impl='reference'")
-    return streamed_attention(problem, block_size)
+    return streamed_attention(problem, block_size or STREAMED_BLOCK)
 
 
 def _plugin(name: str) -> ImplFn:
@@ -63,7 +64,7 @@ def attend(
     alibi_slopes: Tensor | None = None,
     key_mask: Tensor | None = None,
     impl: str = "reference",
-    block_size: int = 128,
+    block_size: int | None = None,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention O = P V with P = norm(logits) (docs/attention.md).
@@ -71,7 +72,8 @@ def attend(
     q (B, Hq, Lq, D); k, v (B, Hkv, Lk, D), Hq % Hkv == 0 (GQA). With Lq ≤ Lk, query i sits at position
     Lk − Lq + i. Parameters are floats or per-head (Hq,) tensors. `query_scale` (B, Hq, Lq) multiplies the
     final logits (ASEntmax's λ; norm="asentmax" requires it); `alibi_slopes` (Hq,) adds slope·(j − i);
-    `key_mask` (B, Lk) bool hides padding keys (False) from every query.
+    `key_mask` (B, Lk) bool hides padding keys (False) from every query. `block_size` is the key tile of the
+    streamed (default 128) and Triton (default: its own choice, tuned on CUDA) implementations.
     Returns the output (B, Hq, Lq, D) in q's dtype, and with `return_entropy` the entropy (B, Hq, Lq) in
     nats of each attention row, in the compute dtype (fp32 for half inputs).
     """

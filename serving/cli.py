@@ -71,7 +71,7 @@ def _tls(cert_path: Path | None, key_path: Path | None) -> tuple[bytes | None, b
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from sharp.serving.backends import BACKENDS  # the serving side only: the client never loads torch
+    from sharp.serving.backends import BACKENDS, DTYPES  # the serving side only: the client never loads torch
 
     ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path, help="an .onnx file from sharp-export (onnxruntime) or a model.pt (torch)")
@@ -89,7 +89,13 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-name", help="the model's name in metrics and GetModelInfo (default: the file's stem)")
     ap.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
     ap.add_argument("--max-queue", type=int, default=256, help="waiting requests; more get RESOURCE_EXHAUSTED")
-    ap.add_argument("--kv-cache-mb", type=float, default=256.0, help="KV-cache budget (padding included)")
+    ap.add_argument(
+        "--kv-cache-mb",
+        type=float,
+        default=256.0,
+        help="KV-cache budget (torch: a pool of 16-token pages allocated at start; onnxruntime/tensorrt: padding"
+        " included)",
+    )
     ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per engine step")
     ap.add_argument("--max-new-tokens-limit", type=int, default=4096)
     ap.add_argument("--default-max-new-tokens", type=int, default=64)
@@ -117,6 +123,11 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--ort-op-library", help="another sharp::SharpAttention library for onnxruntime (overrides)")
     ap.add_argument("--threads", type=int, default=0, help="onnxruntime intra-op threads (0: all cores)")
+    ap.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="torch backend: weights and KV cache (default: bf16 on cuda, fp32 on cpu)",
+    )
     return ap
 
 
@@ -166,11 +177,12 @@ def build_server(args):
         config.check()
     except ValueError as e:
         raise UsageError(f"--{str(e).replace('_', '-')}") from None
-    kw = (
-        {"op_library": args.ort_op_library, "threads": args.threads, "native": args.native}
-        if args.backend == "onnxruntime"
-        else {}
-    )
+    if args.dtype is not None and args.backend != "torch":
+        raise UsageError(f"--dtype applies to --backend torch (the {args.backend} file fixes its own precision)")
+    kw = {
+        "onnxruntime": {"op_library": args.ort_op_library, "threads": args.threads, "native": args.native},
+        "torch": {"dtype": args.dtype},
+    }.get(args.backend, {})
     backend = load_backend(args.model, args.backend, args.device, **kw)
     if args.model_name is not None:
         backend.spec = dataclasses.replace(backend.spec, name=args.model_name)

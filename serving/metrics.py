@@ -131,7 +131,7 @@ class ServingMetrics:
         self.max_batch = per_model(Gauge, "sharp_max_batch", "Sequences decoded together at most (--max-batch).")
         self.running = per_model(Gauge, "sharp_running_requests", "Requests prefilling or decoding.")
         self.kv_usage = per_model(
-            Gauge, "sharp_kv_cache_usage_ratio", "KV cache in use (padding included) / --kv-cache-mb."
+            Gauge, "sharp_kv_cache_usage_ratio", "KV cache in use (pages, or padded rows) / --kv-cache-mb."
         )
         self.attention: list[AttentionHistogram] = []
         if entropy != "off":

@@ -492,6 +492,9 @@ def test_a_second_signal_stops_the_drain(model_files):
         (["MODEL", "--model-name", "has space"], "--model-name 'has space': 1-128 characters"),
         (["MODEL", "--health-port", "70000"], "--health-port must be in [0, 65535]"),
         (["MODEL", "--port", "5000", "--health-port", "5000"], "--health-port 5000 is taken"),
+        (["MODEL", "--dtype", "bf16"], "--dtype applies to --backend torch"),
+        (["MODEL.pt", "--backend", "torch", "--dtype", "fp8"], "invalid choice"),
+        (["MODEL.pt", "--backend", "torch", "--kv-cache-mb", "0.0001"], "holds no page of 16 tokens"),
     ],
 )
 def test_sharp_serve_usage_errors_exit_2_with_one_line(model_files, args, says):

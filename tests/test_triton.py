@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
@@ -18,6 +19,10 @@ from sharp.models.problem import build_problem
 from sharp.models.streamed import StreamStats
 from sharp.plugins.triton import attention
 from sharp.plugins.triton.attention import launch_config, run_problem
+
+host = importlib.import_module(
+    "sharp.plugins.triton.attention"
+)  # the module (the package exports a function of that name)
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy warnings inside the interpreter
 
@@ -357,3 +362,71 @@ def test_entmax_at_large_alpha_converges_through_the_safeguard():
     o_tri, h_tri = attend(q, k, v, impl="triton", block_size=16, **kw)
     torch.testing.assert_close(o_tri.double(), o_ref, atol=5e-5, rtol=0)
     torch.testing.assert_close(h_tri.double(), h_ref, atol=5e-5, rtol=0)
+
+
+@pytest.mark.parametrize("norm", ["ssa", "adaptive", "entmax"])
+def test_every_prefill_tile_computes_the_same_attention(norm):
+    """Each tile the tuner may pick (up to 128 × 128) over several key tiles: causal, a padding mask, GQA."""
+    q, k, v, qs = _qkv(b=2, hq=4, hkv=2, lq=150, lk=150, d=16, seed=4)
+    mask = torch.ones(2, 150, dtype=torch.bool)
+    mask[1, :37] = False  # a left-padded row
+    kw = dict(_norm_kwargs(norm, 4, qs, per_head=True), causal=True, key_mask=mask)
+    o_ref, h_ref = attend(q, k, v, return_entropy=True, **kw)
+    p = _problem(q, k, v, **kw)
+    for tile in host.PREFILL_TILES:
+        cfg = launch_config(p, tile=tile)
+        assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.splits) == (tile.block_m, tile.block_n, tile.num_warps, 1)
+        o, h = host._run(p, cfg, None)
+        torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=0, msg=str(tile))
+        torch.testing.assert_close(h, h_ref, atol=2e-5, rtol=0, msg=str(tile))
+
+
+def test_prefill_tiles_are_tuned_once_per_problem_class(monkeypatch):
+    """With tuning on (forced in the interpreter) the first prefill of a class times every candidate, later ones of
+    the class reuse the choice, a new length class tunes again, and decode (split keys) is never tuned."""
+    from sharp.plugins.triton.attention import Tile
+
+    monkeypatch.setenv("SHARP_TRITON_AUTOTUNE", "1")
+    monkeypatch.setattr(host, "PREFILL_TILES", (Tile(16, 16), Tile(32, 32, 8)))
+    monkeypatch.setattr(host, "_TUNED", {})
+    timed = []
+    time_ms = host._time_ms
+    monkeypatch.setattr(host, "_time_ms", lambda fn, dev: timed.append(1) or time_ms(fn, dev))
+    for lq in (40, 50, 100):  # 40 and 50 share a length class (33–64); 100 does not
+        q, k, v, _ = _qkv(lq=lq, lk=lq, seed=lq)
+        o, h = attend(q, k, v, norm="ssa", causal=True, impl="triton", return_entropy=True)
+        o_ref, h_ref = attend(q, k, v, norm="ssa", causal=True, return_entropy=True)
+        torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=0)
+        torch.testing.assert_close(h, h_ref, atol=2e-5, rtol=0)
+    assert len(timed) == 4 and len(host._TUNED) == 2
+    assert set(host._TUNED.values()) <= set(host.PREFILL_TILES)
+    q, k, v, _ = _qkv(lq=1, lk=300)
+    attend(q, k, v, norm="ssa", impl="triton")
+    assert len(timed) == 4  # decode: split-K, not tuned
+
+
+def test_the_tuner_skips_tiles_that_do_not_fit_and_keeps_the_fastest(monkeypatch):
+    """Which tile wins is the timer's call; a tile the device cannot hold (OutOfResources at compile) is skipped.
+    The runs here are a stand-in for kernel launches: the real ones are timed only on a GPU."""
+    from triton.runtime.errors import OutOfResources
+
+    from sharp.plugins.triton.attention import Tile, tuned_tile
+
+    tiles = (Tile(64, 64), Tile(128, 128, 8), Tile(128, 64, 8))
+    monkeypatch.setattr(host, "PREFILL_TILES", tiles)
+    monkeypatch.setattr(host, "_TUNED", {})
+    cost = {tiles[0]: 3.0, tiles[2]: 1.0}
+    monkeypatch.setattr(host, "_time_ms", lambda fn, dev: fn() or cost[current[0]])
+    current = [None]
+
+    def run_with(tile):
+        current[0] = tile
+        if tile == tiles[1]:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+
+    q, k, v, _ = _qkv(lq=40, lk=40)
+    assert tuned_tile(_problem(q, k, v), run_with) == tiles[2]
+    monkeypatch.setattr(host, "PREFILL_TILES", (tiles[1],))
+    monkeypatch.setattr(host, "_TUNED", {})
+    with pytest.raises(RuntimeError, match="no prefill tile"):
+        tuned_tile(_problem(q, k, v), run_with)

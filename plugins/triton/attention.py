@@ -1,4 +1,5 @@
-"""Host side of the Triton kernels: launch configuration, split-K merging, adaptive's β and entmax's τ loop.
+"""Host side of the Triton kernels: launch configuration (prefill tiles tuned on first use), split-K merging,
+adaptive's β and entmax's τ loop.
 
 Semantics are exactly `attend`'s (the problem comes from `sharp.models.problem`); the per-row state algebra
 (`merge_softmax_states`) and the threshold step (`refine_threshold`) are the streamed PyTorch oracle's own.
@@ -6,11 +7,16 @@ Semantics are exactly `attend`'s (the problem comes from `sharp.models.problem`)
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
+import triton
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
 from sharp.models.attention import attend
 from sharp.models.normalizers import ADAPTIVE_THRESHOLD, Param, adaptive_beta
@@ -32,6 +38,7 @@ from sharp.plugins.triton.kernels import (
     _softmax_family_kernel,
 )
 
+log = logging.getLogger("sharp.triton")
 _NEG_INF = float("-inf")
 # Enough programs to fill an H100/H200 (132 SMs) about twice when a single sequence decodes.
 _TARGET_PROGRAMS = 264
@@ -42,8 +49,31 @@ def interpreting() -> bool:
 
 
 @dataclass(frozen=True)
+class Tile:
+    """A prefill program's shape and schedule: block_m queries against block_n keys per step."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# Prefill tiles measured on first use per problem class on CUDA (`tuned_tile`); FlashAttention-2-sized. A tile that
+# does not fit the GPU's shared memory or registers at a head dim is skipped there.
+PREFILL_TILES: tuple[Tile, ...] = (
+    Tile(64, 64, 4, 3),
+    Tile(128, 64, 8, 3),
+    Tile(128, 32, 4, 3),
+    Tile(64, 32, 4, 2),
+    Tile(128, 128, 8, 2),
+    Tile(64, 128, 4, 2),
+)
+_TUNED: dict[tuple, Tile] = {}
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes and the key split; `splits > 1` is flash-decoding (partial states merged on the host)."""
+    """Tile sizes, schedule and the key split; `splits > 1` is flash-decoding (partial states merged on the host)."""
 
     block_m: int
     block_n: int
@@ -51,13 +81,20 @@ class LaunchConfig:
     splits: int
     keys_per_split: int
     dot_f32: bool  # upcast to fp32 and use IEEE dots: fp32 inputs, and always in the CPU interpreter
+    num_warps: int = 4
+    num_stages: int = 2
 
 
-def launch_config(p: AttentionProblem, block_size: int | None = None, splits: int | None = None) -> LaunchConfig:
-    """Prefill: 64×64 tiles, one split. Decode (Lq ≤ 16): 16-row tiles and enough key splits to fill the GPU."""
+def launch_config(
+    p: AttentionProblem, block_size: int | None = None, splits: int | None = None, tile: Tile | None = None
+) -> LaunchConfig:
+    """Prefill: 64×64 tiles (or `tile`), one split. Decode (Lq ≤ 16): 16-row tiles and enough key splits to fill the
+    GPU."""
     small = p.lq <= 16
     block_m = 16 if small or interpreting() else 64
     block_n = block_size or (16 if interpreting() else 64)
+    if tile is not None:
+        block_m, block_n = tile.block_m, tile.block_n
     block_n = max(16, 1 << (block_n - 1).bit_length())
     block_d = max(16, 1 << (p.q.shape[-1] - 1).bit_length())
     n_kblocks = -(-p.lk // block_n)
@@ -68,7 +105,52 @@ def launch_config(p: AttentionProblem, block_size: int | None = None, splits: in
     keys_per_split = -(-n_kblocks // splits) * block_n
     splits = -(-p.lk // keys_per_split)
     dot_f32 = p.q.dtype == torch.float32 or p.q.device.type != "cuda"
-    return LaunchConfig(block_m, block_n, block_d, splits, keys_per_split, dot_f32)
+    cfg = LaunchConfig(block_m, block_n, block_d, splits, keys_per_split, dot_f32)
+    return replace(cfg, num_warps=tile.num_warps, num_stages=tile.num_stages) if tile is not None else cfg
+
+
+def autotuning(device: torch.device) -> bool:
+    """Whether prefill tiles are tuned: on CUDA unless SHARP_TRITON_AUTOTUNE=0; SHARP_TRITON_AUTOTUNE=1 forces it
+    (in the CPU interpreter it then times wall clock — for tests of the tuner, not for choosing tiles)."""
+    setting = os.environ.get("SHARP_TRITON_AUTOTUNE", "")
+    if setting in ("0", "1"):
+        return setting == "1"
+    return device.type == "cuda" and not interpreting()
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=5, rep=20)
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def _length_class(n: int) -> int:
+    return max(0, (n - 1).bit_length())  # a power-of-two bucket: tiles are retuned per doubling, not per length
+
+
+def tuned_tile(p: AttentionProblem, run_with: Callable[[Tile], object]) -> Tile:
+    """The fastest of PREFILL_TILES for problems like `p` (norm, dtype, head dim, masks, length classes), measured by
+    running `run_with(tile)` on first use and remembered for the process."""
+    fast = _alpha_fast_path(p.alpha) if p.family is Family.ENTMAX else 0
+    key = (
+        p.norm.name, p.q.dtype, p.q.shape[-1], p.causal, fast, p.alibi_slopes is not None,
+        p.query_scale is not None, p.key_mask is not None, _length_class(p.lq), _length_class(p.lk),
+    )  # fmt: skip
+    if key not in _TUNED:
+        timings = {}
+        for tile in PREFILL_TILES:
+            try:
+                run_with(tile)  # compile outside the timing
+                timings[tile] = _time_ms(lambda t=tile: run_with(t), p.q.device)
+            except OutOfResources:  # too much shared memory or too many registers for this GPU at this head dim
+                continue
+        if not timings:
+            raise RuntimeError(f"no prefill tile of {PREFILL_TILES} fits this device for {key}")
+        _TUNED[key] = min(timings, key=timings.get)
+        log.info("prefill tile for %s: %s (%.3f ms)", key, _TUNED[key], timings[_TUNED[key]])
+    return _TUNED[key]
 
 
 class _Launcher:
@@ -93,6 +175,8 @@ class _Launcher:
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_D=cfg.block_d,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         self.qk_strides = (*p.q.stride(), *p.k.stride())
         self.v_strides = p.v.stride()
@@ -290,6 +374,12 @@ def run_problem(
     if not 1 <= p.q.shape[-1] <= 256:
         raise ValueError(f"impl='triton' supports head dims up to 256, got {p.q.shape[-1]}")
     cfg = launch_config(p, block_size, splits)
+    if cfg.splits == 1 and block_size is None and autotuning(p.q.device):  # prefill: the measured tile
+        cfg = launch_config(p, tile=tuned_tile(p, lambda tile: _run(p, launch_config(p, tile=tile), None)))
+    return _run(p, cfg, stats)
+
+
+def _run(p: AttentionProblem, cfg: LaunchConfig, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     run = _Launcher(p, cfg)
     if p.family is Family.ENTMAX:
         out, ent = _entmax(run, stats)
