@@ -118,78 +118,49 @@ def _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI: tl.constexpr, 
 
 @triton.jit
 def _softmax_sweep(
-    q,
-    K,
-    V,
-    b,
-    hkv,
-    lo,
-    hi,
-    offs_n,
-    offs_d,
-    qpos,
-    skb,
-    skh,
-    skn,
-    skd,
-    svb,
-    svh,
-    svn,
-    svd,
-    LK,
-    D,
-    scale,
-    slope,
-    lam,
-    KMASK,
-    smb,
-    rowf,
-    ssa_n,
-    ssa_b,
-    SSA: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    HAS_LAMBDA: tl.constexpr,
-    HAS_KMASK: tl.constexpr,
-    WITH_V: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    q, K, V, b, hkv, lo, hi, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd, LK, D, scale, slope, lam,
+    KMASK, smb, rowf, ssa_n, ssa_b, SSA: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     """One online-softmax walk over keys [lo, hi): m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m),
-    acc = Σ e^{t−m} v."""
+    acc = Σ e^{t−m} v. Causal: the off-diagonal tiles — every key at or before the block's first query — run
+    without the causal test, the diagonal tiles after them with it."""
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
+    mid = hi
+    if CAUSAL:
+        full_tiles = tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N
+        mid = tl.minimum(hi, lo + full_tiles * BLOCK_N)
+    m_i, l_i, kp_i, acc = _sweep_range(
+        m_i, l_i, kp_i, acc, lo, mid, q, K, V, b, hkv, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd,
+        LK, D, scale, slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, SSA, False, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V,
+        DOT_F32, BLOCK_N,
+    )  # fmt: skip
+    if CAUSAL:
+        m_i, l_i, kp_i, acc = _sweep_range(
+            m_i, l_i, kp_i, acc, mid, hi, q, K, V, b, hkv, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn,
+            svd, LK, D, scale, slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, SSA, True, HAS_ALIBI, HAS_LAMBDA,
+            HAS_KMASK, WITH_V, DOT_F32, BLOCK_N,
+        )  # fmt: skip
+    return m_i, l_i, kp_i, acc
+
+
+@triton.jit
+def _sweep_range(
+    m_i, l_i, kp_i, acc, start, end, q, K, V, b, hkv, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd,
+    LK, D, scale, slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, SSA: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr,
+    DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Fold the key tiles of [start, end) into the row state (CAUSAL: with the causal test)."""
+    for start_n in range(start, end, BLOCK_N):
         z = _logits(
-            q,
-            K,
-            b,
-            hkv,
-            start_n,
-            offs_n,
-            offs_d,
-            qpos,
-            skb,
-            skh,
-            skn,
-            skd,
-            LK,
-            D,
-            scale,
-            slope,
-            lam,
-            KMASK,
-            smb,
-            CAUSAL,
-            HAS_ALIBI,
-            HAS_LAMBDA,
-            HAS_KMASK,
-            DOT_F32,
-        )
+            q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
+            CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
+        )  # fmt: skip
         t = _transform(z, rowf, ssa_n, ssa_b, SSA)
         m_i, l_i, kp_i, r, e = _online_step(m_i, l_i, kp_i, t)
         if WITH_V:
