@@ -345,6 +345,7 @@ class Engine:
             except Exception:  # the model failed on this prompt: it ends alone
                 log.exception("prefill failed")
                 self._prefilling.remove(seq)
+                self.backend.release(seq)
                 self._fail_forward(seq, f"prefill at prompt token {start}")
                 continue
             seq.length = start + n

@@ -20,6 +20,7 @@ from sharp.serving.backends import PAGE_SIZE
 from sharp.serving.engine import Delta, Failed, Finished
 
 MARK = 250  # a prompt holding this id makes the wrapped model raise in every decode step it is part of
+REFUSED = 249  # ... makes its prefill raise
 
 
 def _collect(eng: Engine, prompts: dict[str, tuple[list[int], int]]) -> tuple[dict, dict, dict]:
@@ -143,10 +144,25 @@ def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(m
             return real_forward(seqs, tokens, entropy)
 
         be._forward = breaks
+    real_prefill = be.prefill
+
+    def refuses_prompt(seq, ids, start, entropy):
+        out = real_prefill(seq, ids, start, entropy)
+        if REFUSED in ids:
+            raise RuntimeError("prefill refused")
+        return out
+
+    be.prefill = refuses_prompt
     eng = Engine(be, EngineConfig())
-    prompts = {"first": ([256, 7, 8, 9], 12), "broken": ([256, MARK, 1], 12), "last": ([256, 40, 41], 12)}
+    prompts = {
+        "first": ([256, 7, 8, 9], 12),
+        "broken": ([256, MARK, 1], 12),
+        "last": ([256, 40, 41], 12),
+        "refused": ([256, REFUSED, 2], 12),  # its prefill raises after the model ran: its room must come back
+    }
     tokens, ends, _ = _collect(eng, prompts)
     _run(eng)
+    assert isinstance(ends["refused"], Failed) and "prefill" in ends["refused"].message
     assert batches[0] == 3 and 1 in batches  # batched beside the bystanders first, then alone
     assert decode_rows.count(1) == 3 and decode_rows[-1] == 2  # one round alone, then the survivors batch again
     assert isinstance(ends["broken"], Failed) and ends["broken"].code == grpc.StatusCode.INTERNAL
@@ -155,6 +171,7 @@ def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(m
         assert isinstance(ends[name], Finished)
         assert tokens[name] == reference(prompts[name][0], 12)
     assert be.kv_usage() == 0
+    assert not (be.cache.tables if backend == "torch" else be._reserved)  # every reservation returned
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
