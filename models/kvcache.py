@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 
 import torch
 from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
 
 from sharp.models.attention import attend
 
@@ -82,6 +83,7 @@ class PagedKVCache:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.allocator = PageAllocator(num_pages)
         self.tables: dict[Hashable, list[int]] = {}
+        self._table_rows: dict[Hashable, Tensor] = {}  # the same as int32 rows: a step's table is one padded stack
         self.lengths: dict[Hashable, int] = {}
 
     @property
@@ -98,12 +100,14 @@ class PagedKVCache:
         missing = self.pages_for(tokens) - len(table)
         if missing > 0:
             self.tables[seq] = table + self.allocator.allocate(missing)
+            self._table_rows[seq] = torch.tensor(self.tables[seq], dtype=torch.int32)
         self.lengths.setdefault(seq, 0)
 
     def free(self, seq: Hashable) -> None:
         """The sequence left (finished, cancelled, failed): its pages return to the pool. Unknown sequences are
         ignored, so every way out may call it."""
         self.allocator.release(self.tables.pop(seq, []))
+        self._table_rows.pop(seq, None)
         self.lengths.pop(seq, None)
 
     def clear(self) -> None:
@@ -116,10 +120,7 @@ class PagedKVCache:
         short = [s for s, n in zip(seqs, past, strict=True) if self.pages_for(n + new) > len(self.tables[s])]
         if short:
             raise ValueError(f"sequences {short!r} have too few pages for {new} more tokens; reserve first")
-        width = max(len(self.tables[s]) for s in seqs)
-        table = torch.zeros(len(seqs), width, dtype=torch.int32)
-        for i, s in enumerate(seqs):
-            table[i, : len(self.tables[s])] = torch.tensor(self.tables[s], dtype=torch.int32)
+        table = pad_sequence([self._table_rows[s] for s in seqs], batch_first=True)  # unused entries 0, never read
         positions = torch.tensor(past)[:, None] + torch.arange(new)[None]  # (B, new) positions being written
         pages = table.gather(1, positions // self.page_size).long()
         dev = self.device
