@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
@@ -30,40 +31,49 @@ class OutOfPages(Exception):
 
 
 class PageAllocator:
-    """Page ids 0..n−1 on a free list. Pages are never moved; any free page serves any sequence, so freeing in any
-    order leaves no unusable fragments."""
+    """Page ids 0..n−1. A request gets the lowest run of n consecutive free pages when there is one (a sequence
+    whose pages are consecutive is read in place by the prefill kernels), else the lowest free pages: pages are
+    never moved and any free page serves any sequence, so freeing in any order leaves no unusable fragments."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids go first
-        self._used: set[int] = set()
+        self._free = np.ones(num_pages, dtype=bool)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return int(self._free.sum())
 
     def usage(self) -> float:
-        return len(self._used) / self.num_pages
+        return 1.0 - self.free_pages / self.num_pages
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"{n} pages requested, {len(self._free)} of {self.num_pages} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
-        return pages
+        free = self.free_pages
+        if n > free:
+            raise OutOfPages(f"{n} pages requested, {free} of {self.num_pages} free")
+        edges = np.diff(np.concatenate(([0], self._free.view(np.int8), [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)  # runs of free pages [start, end)
+        long_enough = np.flatnonzero(ends - starts >= n)
+        if long_enough.size:
+            pages = np.arange(starts[long_enough[0]], starts[long_enough[0]] + n)
+        else:
+            pages = np.flatnonzero(self._free)[:n]
+        self._free[pages] = False
+        return pages.tolist()
 
     def release(self, pages: Sequence[int]) -> None:
-        stray = [p for p in pages if p not in self._used]
-        if stray or len(set(pages)) != len(pages):
-            raise ValueError(f"pages {stray or list(pages)} are not allocated (double free?)")
-        self._used.difference_update(pages)
-        self._free.extend(reversed(pages))
+        index = np.asarray(pages, dtype=np.int64)
+        bad = (index < 0) | (index >= self.num_pages)
+        if bad.any() or len(set(pages)) != len(pages) or self._free[index[~bad]].any():
+            raise ValueError(f"pages {list(pages)} are not allocated (double free?)")
+        self._free[index] = True
 
 
 class PagedKVCache:
-    """Per-layer pools (pages, kv_heads, page_size, head_dim) of keys and values, and each sequence's pages."""
+    """Per-layer pools of keys and values, stored (kv_heads, pages, page_size, head_dim) so that a sequence's
+    consecutive pages are one strided (kv_heads, tokens, head_dim) view; `pages(layer)` gives the kernels'
+    (pages, kv_heads, page_size, head_dim) view of the same storage. And each sequence's pages."""
 
     def __init__(
         self,
@@ -78,7 +88,7 @@ class PagedKVCache:
         if page_size < 16 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 16 (a kernel tile), got {page_size}")
         self.page_size = page_size
-        shape = (num_pages, kv_heads, page_size, head_dim)
+        shape = (kv_heads, num_pages, page_size, head_dim)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.allocator = PageAllocator(num_pages)
@@ -89,6 +99,10 @@ class PagedKVCache:
     @property
     def device(self) -> torch.device:
         return self.keys[0].device
+
+    def pages(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The layer's key and value pools as (pages, kv_heads, page_size, head_dim) views (no copy)."""
+        return self.keys[layer].transpose(0, 1), self.values[layer].transpose(0, 1)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -126,9 +140,15 @@ class PagedKVCache:
         dev = self.device
         lengths = torch.tensor(past, dtype=torch.int32) + new
         slots = positions % self.page_size
+        run_start = None  # one sequence whose pages are consecutive: its keys are one strided view of the pools
+        if len(seqs) == 1:
+            row = self._table_rows[seqs[0]]
+            if bool((row[1:] - row[:-1] == 1).all()):
+                run_start = int(row[0])
         return PagedStep(
-            self, list(seqs), new, max(past) + new, table.to(dev), lengths.to(dev), pages.to(dev), slots.to(dev)
-        )
+            self, list(seqs), new, max(past) + new, table.to(dev), lengths.to(dev), pages.to(dev), slots.to(dev),
+            run_start,
+        )  # fmt: skip
 
     def gather(self, seq: Hashable, layer: int) -> tuple[Tensor, Tensor]:
         """The sequence's keys and values as dense (1, kv_heads, length, head_dim) tensors."""
@@ -140,8 +160,8 @@ class PagedKVCache:
 @dataclass
 class PagedStep:
     """One forward over `seqs`, each appending `new` tokens: the longest length after the step (on the host), the
-    block table (B, pages) int32, the lengths after the step (B,) int32, and where each new token goes (pool page
-    and slot, (B, new))."""
+    block table (B, pages) int32, the lengths after the step (B,) int32, where each new token goes (pool page and
+    slot, (B, new)), and for a single sequence on consecutive pages the first of them."""
 
     cache: PagedKVCache
     seqs: list[Hashable]
@@ -151,6 +171,7 @@ class PagedStep:
     seq_lens: Tensor
     write_pages: Tensor
     write_slots: Tensor
+    run_start: int | None = None
 
     def layer(self, index: int) -> PagedLayer:
         return PagedLayer(self, index)
@@ -170,33 +191,42 @@ class PagedLayer:
 
     @property
     def pools(self) -> tuple[Tensor, Tensor]:
+        """The layer's storage, (kv_heads, pages, page_size, head_dim)."""
         return self.step.cache.keys[self.index], self.step.cache.values[self.index]
 
     def write(self, k: Tensor, v: Tensor) -> None:
         """k, v (B, kv_heads, new, head_dim): the step's new keys and values into their slots."""
         kp, vp = self.pools
         s = self.step
-        kp[s.write_pages, :, s.write_slots] = k.transpose(1, 2).to(kp.dtype)
-        vp[s.write_pages, :, s.write_slots] = v.transpose(1, 2).to(vp.dtype)
+        kp[:, s.write_pages, s.write_slots] = k.transpose(0, 1).to(kp.dtype)
+        vp[:, s.write_pages, s.write_slots] = v.transpose(0, 1).to(vp.dtype)
 
     def dense(self) -> tuple[Tensor, Tensor, Tensor]:
         """Keys and values of every sequence as left-padded (B, kv_heads, longest, head_dim) tensors — each row's keys
-        at the right end, its new tokens last — and the (B, longest) mask of real keys."""
+        at the right end, its new tokens last — and the (B, longest) mask of real keys. A single sequence on
+        consecutive pages is a view of the pools (no copy); otherwise the keys are gathered."""
         kp, vp = self.pools
         s = self.step
         width = s.longest
+        if s.run_start is not None:
+            hkv, _, page, d = kp.shape
+            n = -(-width // page)
+            run = slice(s.run_start, s.run_start + n)
+            k = kp[:, run].reshape(hkv, n * page, d)[None, :, :width]
+            v = vp[:, run].reshape(hkv, n * page, d)[None, :, :width]
+            return k, v, torch.ones(1, width, dtype=torch.bool, device=kp.device)
         token = torch.arange(width, device=kp.device)[None] - (width - s.seq_lens.long())[:, None]
         real = token >= 0
         token = token.clamp(min=0)
         pages = s.block_table.long().gather(1, token // kp.shape[2])[:, None]
         slots = (token % kp.shape[2])[:, None]
-        heads = torch.arange(kp.shape[1], device=kp.device)[None, :, None]
-        return kp[pages, heads, slots], vp[pages, heads, slots], real  # (B, kv_heads, longest, D), contiguous
+        heads = torch.arange(kp.shape[0], device=kp.device)[None, :, None]
+        return kp[heads, pages, slots], vp[heads, pages, slots], real  # (B, kv_heads, longest, D), contiguous
 
     def attend(self, q: Tensor, impl: str, **norm: object) -> tuple[Tensor, Tensor]:
         """Attention of q (B, Hq, new, D) — the step's new tokens, causal — over the sequences' keys (written
         first): output and entropy (B, Hq, new) as `attend` returns them."""
-        kp, vp = self.pools
+        kp, vp = self.step.cache.pages(self.index)
         group_rows = q.shape[1] // kp.shape[1] * q.shape[2]
         if impl == "triton" and group_rows <= PAGED_KERNEL_ROWS:
             return _paged_impl("triton")(q, kp, vp, self.step.block_table, self.step.seq_lens, causal=True, **norm)

@@ -30,6 +30,38 @@ def test_allocator_budget_fragmentation_and_double_free():
         pool.release(a)
 
 
+def test_allocator_prefers_a_run_of_consecutive_pages():
+    pool = PageAllocator(12)
+    a, b, c = pool.allocate(3), pool.allocate(2), pool.allocate(3)
+    assert (a, b, c) == ([0, 1, 2], [3, 4], [5, 6, 7])
+    pool.release(a)
+    pool.release(c)  # free runs: 0–2 and 5–11
+    assert pool.allocate(4) == [5, 6, 7, 8]  # the lowest run long enough, not the lowest pages
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) == [9, 10, 11]
+    assert pool.allocate(1) == [2] and pool.free_pages == 0 and pool.usage() == 1.0
+
+
+def test_consecutive_pages_are_read_in_place_and_scattered_ones_gathered():
+    g = torch.Generator().manual_seed(3)
+    cache = PagedKVCache(layers=1, kv_heads=2, head_dim=8, num_pages=16, page_size=16)
+    cache.reserve("hole", 16)
+    cache.reserve("run", 40)  # pages 1–3
+    cache.free("hole")
+    cache.reserve("filler", 16 * 8)  # pages 4–11
+    cache.reserve("scattered", 70)  # 5 pages; free are 0 and 12–15: no run of 5, so the lowest free pages
+    assert cache.tables["run"] == [1, 2, 3] and cache.tables["scattered"] == [0, 12, 13, 14, 15]
+    for seq, n in (("run", 37), ("scattered", 66)):
+        k, v = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+        _append(cache, [seq], k, v)
+        step = cache.step([seq], 0)
+        dk, dv, _ = step.layer(0).dense()
+        torch.testing.assert_close(dk, k, rtol=0, atol=0)
+        torch.testing.assert_close(dv, v, rtol=0, atol=0)
+        in_place = dk.untyped_storage().data_ptr() == cache.keys[0].untyped_storage().data_ptr()
+        assert in_place == (seq == "run") and (step.run_start is not None) == (seq == "run")
+
+
 def _append(cache: PagedKVCache, seqs: list[str], k: torch.Tensor, v: torch.Tensor) -> None:
     """One step appending k, v (B, kv_heads, new, D) to `seqs` at every layer (layer l writes (l + 1)·k)."""
     step = cache.step(seqs, k.shape[2])
@@ -94,7 +126,7 @@ def test_paged_decode_reads_the_cache_pools():
     seqs = ["z", "x"]
     step = cache.step(seqs, 0)
     q = torch.randn(2, 4, 1, 16, generator=g)
-    out, ent = paged_decode(q, cache.keys[0], cache.values[0], step.block_table, step.seq_lens, norm="ssa",
+    out, ent = paged_decode(q, *cache.pages(0), step.block_table, step.seq_lens, norm="ssa",
                             ssa_n=torch.full((4,), 1.5), ssa_b=torch.full((4,), 1.0))  # fmt: skip
     for i, seq in enumerate(seqs):
         k, v = cache.gather(seq, 0)
@@ -103,10 +135,18 @@ def test_paged_decode_reads_the_cache_pools():
         torch.testing.assert_close(ent[i : i + 1], h_ref, atol=1e-5, rtol=0)
 
 
-def _paged_generation(model: SharpLM, prompts: dict[str, torch.Tensor], chunk: int, impl: str, decode: int):
+def _paged_generation(
+    model: SharpLM, prompts: dict[str, torch.Tensor], chunk: int, impl: str, decode: int, scattered: bool
+):
     """Chunked prefill of each prompt, then `decode` batched greedy steps over all of them, on a paged cache:
-    (logits, entropy) per sequence and step."""
+    (logits, entropy) per sequence and step. `scattered`: the pool is fragmented first (every other page held), so
+    no sequence gets two consecutive pages and prefill gathers its keys instead of viewing them in place."""
     cache = PagedKVCache(model.cfg.layers, model.cfg.kv_heads, model.cfg.head_dim, num_pages=64, page_size=16)
+    if scattered:
+        for page in range(64):
+            cache.reserve(("filler", page), 1)
+        for page in range(0, 64, 2):
+            cache.free(("filler", page))
     seen = {s: [] for s in prompts}
     last = {}
     for s, p in prompts.items():
@@ -114,6 +154,7 @@ def _paged_generation(model: SharpLM, prompts: dict[str, torch.Tensor], chunk: i
         for start in range(0, p.shape[1], chunk):
             ids = p[:, start : start + chunk]
             step = cache.step([s], ids.shape[1])
+            assert (step.run_start is None) == (scattered and len(cache.tables[s]) > 1)
             pos = torch.arange(start, start + ids.shape[1])[None]
             out = model.step(ids, cache=step, positions=pos, return_entropy=True, impl=impl)
             step.commit()
@@ -152,7 +193,9 @@ def _dense_generation(model: SharpLM, prompts: dict[str, torch.Tensor], chunk: i
 def test_sharp_lm_on_a_paged_cache_matches_its_dense_cache(norm, impl, monkeypatch):
     """Sequences of different lengths (one page, several, partly filled) prefill in chunks and decode together;
     GQA 4:2 with RoPE. With impl='triton' the chunks of ≤ PAGED_KERNEL_ROWS query rows and the decode steps run the
-    paged kernel, the 40-token chunk (80 rows) the dense prefill kernel over the gathered keys."""
+    paged kernel, the 40-token chunk (80 rows) the dense prefill kernel over the sequence's keys — viewed in place
+    (consecutive pages) for half the norms, gathered from a fragmented pool for the other half."""
+    scattered = norm in NORMS[::2]
     if impl == "triton":
         pytest.importorskip("triton")
     paged_rows = []
@@ -171,10 +214,10 @@ def test_sharp_lm_on_a_paged_cache_matches_its_dense_cache(norm, impl, monkeypat
     assert 40 * 2 > PAGED_KERNEL_ROWS >= 30 * 2
     with torch.inference_mode():
         want = _dense_generation(model, prompts, 40, decode=3)
-        got = _paged_generation(model, prompts, 40, impl, decode=3)
+        got = _paged_generation(model, prompts, 40, impl, decode=3, scattered=scattered)
         if impl == "triton":  # the 70-token prompt again in chunks that all fit the paged kernel
             want_small = _dense_generation(model, {"long": prompts["long"]}, 30, decode=1)
-            got_small = _paged_generation(model, {"long": prompts["long"]}, 30, impl, decode=1)
+            got_small = _paged_generation(model, {"long": prompts["long"]}, 30, impl, decode=1, scattered=scattered)
             want, got = {**want, "small": want_small["long"]}, {**got, "small": got_small["long"]}
     # the paged kernel ran for every layer of the 30-token chunks, the 5-token prompt and each decode step
     assert sorted(set(paged_rows)) == ([] if impl == "reference" else [1, 5, 10, 30])
