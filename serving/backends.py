@@ -153,11 +153,11 @@ class Backend(ABC):
         """The fraction of the KV cache in use (the metrics' gauge)."""
 
     @abstractmethod
-    def _forward(self, seqs: list[Hashable], tokens: Tensor, entropy: bool) -> StepResult:
+    def _decode_step(self, seqs: list[Hashable], tokens: Tensor, entropy: bool) -> StepResult:
         """One batched decode step: tokens (B, 1) the sequences' last sampled tokens."""
 
     def _unbatch(self, seqs: list[Hashable]) -> None:  # noqa: B027
-        """Before running the rows alone: give each row what `_forward([seq])` needs."""
+        """Before running the rows alone: give each row what `_decode_step([seq])` needs."""
 
     def _rebatch(self, seqs: list[Hashable]) -> None:  # noqa: B027
         """After running the rows alone: the survivors form the batch again, in order."""
@@ -166,14 +166,14 @@ class Backend(ABC):
         """One token for each of `seqs` (the running batch, in order). If the batched step raises, each row runs
         alone and only the rows that raise again are reported failed."""
         try:
-            return self._forward(seqs, tokens, entropy)
+            return self._decode_step(seqs, tokens, entropy)
         except Exception:
             log.warning("a batched decode step of %d rows failed; running them one by one", len(seqs))
         self._unbatch(seqs)
         kept, results, failed = [], [], []
         for i, seq in enumerate(seqs):
             try:
-                results.append(self._forward([seq], tokens[i : i + 1], entropy))
+                results.append(self._decode_step([seq], tokens[i : i + 1], entropy))
                 kept.append(seq)
             except Exception:
                 log.exception("decode failed for one row")
@@ -248,7 +248,7 @@ class GraphBackend(Backend):
         used = self._batch.slots() + sum(c[0].shape[2] for c in self._own.values())
         return used * self.kv_bytes_per_token / self.budget_bytes
 
-    def _forward(self, seqs, tokens, entropy):
+    def _decode_step(self, seqs, tokens, entropy):
         if seqs == self._rows:
             cache = self._batch
             out = self.forward(
@@ -412,7 +412,7 @@ class TorchBackend(Backend):
     def prefill(self, seq, ids, start, entropy):
         return self._run([seq], ids, torch.arange(start, start + ids.shape[1])[None], entropy)
 
-    def _forward(self, seqs, tokens, entropy):
+    def _decode_step(self, seqs, tokens, entropy):
         positions = torch.tensor([[self.cache.lengths[s]] for s in seqs])
         return self._run(seqs, tokens, positions, entropy)
 

@@ -136,14 +136,14 @@ def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(m
 
         be.model.step = breaks_after_writing
     else:
-        real_forward = be._forward
+        real_step = be._decode_step
 
         def breaks(seqs, tokens, entropy):
             if marked(seqs):
                 raise RuntimeError("non-finite keys")
-            return real_forward(seqs, tokens, entropy)
+            return real_step(seqs, tokens, entropy)
 
-        be._forward = breaks
+        be._decode_step = breaks
     real_prefill = be.prefill
 
     def refuses_prompt(seq, ids, start, entropy):
