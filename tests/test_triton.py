@@ -334,10 +334,18 @@ def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     """The GPU benchmark's whole pipeline at toy sizes (numbers meaningless; nothing written)."""
     from sharp.benchmarks.kernels import run
 
-    assert run(["--smoke", "--norms", "softmax", "entmax"]) == 0
+    assert run(["--smoke", "--check", "--norms", "softmax", "entmax"]) == 0
     out = capsys.readouterr().out
     assert "SDPA-flash softmax" in out and "entmax (NAPE)" in out and "Decode (Lq = 1" in out
     assert "softmax (paged, 16-key pages)" in out and "FlexAttention softmax" in out
+    # --check: each sharp kernel row carries its error against the fp32 streamed reference — the entropy (fp32 on
+    # chip) to float error, the bf16 output to bf16 rounding (half an ulp of values up to ~4 is 0.016)
+    checked = [line.split(" | ")[-1].rstrip(" |") for line in out.splitlines()
+               if line.startswith("| 40 |") and ("| softmax |" in line or "| entmax" in line)]  # fmt: skip
+    assert len(checked) == 6
+    for cell in checked:
+        d_out, d_h = (float(x) for x in cell.split(" / "))
+        assert d_out < 3e-2 and d_h < 1e-5, cell
 
 
 @pytest.mark.parametrize("norm", ["softmax", "ssmax", "ssa"])

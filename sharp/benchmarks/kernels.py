@@ -5,8 +5,9 @@ SDPA-flash softmax baseline and FlexAttention (compiled; softmax, ssmax and SSA 
 entropy) measured on the same inputs; entmax also with NAPE-style ALiBi heads, where
 its support is local and whole key blocks are skipped (block sparsity and threshold passes reported).
 Decode: one query per sequence over a long cache, contiguous and paged; achieved K+V read
-bandwidth against a measured device copy bandwidth. Medians via triton.testing.do_bench. `--smoke` runs the
-same pipeline at toy sizes on the CPU (Triton interpreter) to check the script, writing nothing.
+bandwidth against a measured device copy bandwidth. Medians via triton.testing.do_bench. `--check` adds each
+prefill kernel's largest output and entropy error against the fp32 streamed reference on the same inputs.
+`--smoke` runs the same pipeline at toy sizes on the CPU (Triton interpreter) to check the script, writing nothing.
 """
 
 from __future__ import annotations
@@ -28,16 +29,6 @@ from sharp.models.positional import nape_slopes
 from sharp.models.problem import build_problem
 from sharp.models.registry import NORMS
 from sharp.models.streamed import StreamStats
-
-NOT_MEASURED = """## Triton kernels on GPU
-
-Not measured on GPU yet: no GPU was available to the sessions that wrote the kernels. Correctness is
-verified on CPU in the Triton interpreter (`make test`), and the kernels compile ahead of time to sm_90
-PTX/CUBIN on CPU (`python -m sharp.plugins.triton.aot --arch 90 --out build/trt-kernels`).
-To measure on an H100/H200 (writes this section): `sharp-bench kernels` — prefill of every norm against
-SDPA-flash and FlexAttention (softmax, ssmax, SSA) at 4K–128K keys, D = 64/128; decode, contiguous and paged, at
-32K–128K keys against the device copy bandwidth.
-"""
 
 
 def _median_ms(fn: Callable[[], object], gpu: bool, cpu_repeats: int = 3) -> float:
@@ -72,6 +63,19 @@ def _problem(q, k, v, norm: str, causal: bool, query_scale=None, alibi_slopes=No
     )
 
 
+def _reference_error(problem, out: torch.Tensor, ent: torch.Tensor) -> str:
+    """max |Δ output| / max |Δ entropy| of a kernel's result against the fp32 streamed reference."""
+    from sharp.models import attend
+
+    p = problem
+    ref_out, ref_ent = attend(
+        p.q.float(), p.k.float(), p.v.float(), norm=p.norm.name, causal=p.causal, alpha=1.5, ssa_n=1.5, ssa_b=1.0,
+        ssmax_s=1.0, poly=PAPER_POLY, query_scale=p.query_scale, alibi_slopes=p.alibi_slopes, impl="streamed",
+        block_size=min(4096, p.lk), return_entropy=True,
+    )  # fmt: skip
+    return f"{(out.float() - ref_out).abs().max():.1e} / {(ent.float() - ref_ent).abs().max():.1e}"
+
+
 def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
     from sharp.plugins.triton.attention import run_problem
 
@@ -94,6 +98,7 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
                 "1.00×",
                 "—",
                 "—",
+                "—",
             ]
         )
         for norm in (n for n in FLEX_NORMS if n in args.norms):
@@ -101,13 +106,14 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
             run_flex()  # compile
             ms = _median_ms(run_flex, gpu)
             rows.append([f"{length:,}", str(d), "causal" if causal else "full", f"FlexAttention {norm}", f"{ms:.2f}",
-                         f"{flops / ms / 1e9:.0f}", f"{base_ms / ms:.2f}×", "—", "—"])  # fmt: skip
+                         f"{flops / ms / 1e9:.0f}", f"{base_ms / ms:.2f}×", "—", "—", "—"])  # fmt: skip
         variants = [(n, False) for n in args.norms] + [("entmax", True)] * ("entmax" in args.norms)
         for norm, nape in variants:
             lam = torch.rand(1, heads, length, device=device, generator=g) + 1.0
             problem = _problem(q, k, v, norm, causal, lam, nape_slopes(heads).to(device) if nape else None)
             stats = StreamStats()
-            run_problem(problem, stats=stats)  # warm-up compile + one measured set of stats
+            out, ent = run_problem(problem, stats=stats)  # warm-up compile + one measured set of stats
+            error = _reference_error(problem, out, ent) if args.check else "—"
             ms = _median_ms(lambda p=problem: run_problem(p), gpu)
             is_entmax = registry.get(norm).family is registry.Family.ENTMAX
             sparse = f"{stats.block_sparsity:.0%}" if is_entmax else "—"
@@ -124,6 +130,7 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
                     f"{base_ms / ms:.2f}×",
                     sparse,
                     passes,
+                    error,
                 ]
             )
     return rows
@@ -237,6 +244,7 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-bytes", type=int, default=2**31)
     ap.add_argument("--page-size", type=int, default=64, help="keys per page of the paged decode rows")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU in the Triton interpreter; writes nothing")
+    ap.add_argument("--check", action="store_true", help="prefill errors against the fp32 streamed reference")
     ap.add_argument("--no-write", dest="write", action="store_false")
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available() and not args.smoke
@@ -265,7 +273,8 @@ def run(argv: list[str] | None = None) -> int:
             " FlexAttention rows compute the output only (sharp's kernels also return the per-head entropy).",
             "",
             markdown_table(
-                ["L", "D", "mask", "kernel", "ms", "TFLOP/s", "× SDPA", "block sparsity", "passes"], prefill
+                ["L", "D", "mask", "kernel", "ms", "TFLOP/s", "× SDPA", "block sparsity", "passes", "max Δ out / H"],
+                prefill,
             ),
             "",
             f"Decode (Lq = 1, Hq = {args.decode_heads}, Hkv = {args.decode_kv_heads}, D = {args.decode_head_dim}):"
