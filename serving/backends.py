@@ -335,8 +335,9 @@ class OnnxRuntimeBackend(GraphBackend):
 
 class TorchBackend(Backend):
     """A sharp `model.pt` (SharpLM) in PyTorch on a paged KV cache. On CUDA the attention runs the Triton kernels
-    (decode steps and short chunks read the pages directly; long prefill chunks a dense copy of the sequence's keys);
-    on CPU the reference or, from STREAMED_FROM_KEYS keys, the streamed attention over the gathered keys.
+    (decode steps and short chunks read the pages directly; long prefill chunks run the prefill kernels over the
+    sequence's keys, a view of the pool when its pages are consecutive); on CPU the reference or, from
+    STREAMED_FROM_KEYS keys, the streamed attention over the same keys.
     `impl` overrides that choice (e.g. "triton" in the CPU interpreter); `dtype` is the weights' and the cache's
     (default fp32 on CPU, bf16 on CUDA)."""
 
