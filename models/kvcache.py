@@ -24,6 +24,9 @@ from sharp.models.attention import attend
 # Queries (GQA group × new tokens per sequence) up to which a step runs the paged kernel directly; longer chunks
 # (prefill) attend over a dense copy of the sequence's keys with the prefill kernels.
 PAGED_KERNEL_ROWS = 64
+# Pools up to this many elements per layer are read in place by the prefill kernels (their offsets into a strided
+# view are int32); a larger pool is gathered.
+VIEW_MAX_ELEMENTS = 2**31
 
 
 class OutOfPages(Exception):
@@ -208,7 +211,7 @@ class PagedLayer:
         kp, vp = self.pools
         s = self.step
         width = s.longest
-        if s.run_start is not None:
+        if s.run_start is not None and kp.numel() < VIEW_MAX_ELEMENTS:
             hkv, _, page, d = kp.shape
             n = -(-width // page)
             run = slice(s.run_start, s.run_start + n)

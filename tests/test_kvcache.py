@@ -42,7 +42,7 @@ def test_allocator_prefers_a_run_of_consecutive_pages():
     assert pool.allocate(1) == [2] and pool.free_pages == 0 and pool.usage() == 1.0
 
 
-def test_consecutive_pages_are_read_in_place_and_scattered_ones_gathered():
+def test_consecutive_pages_are_read_in_place_and_scattered_ones_gathered(monkeypatch):
     g = torch.Generator().manual_seed(3)
     cache = PagedKVCache(layers=1, kv_heads=2, head_dim=8, num_pages=16, page_size=16)
     cache.reserve("hole", 16)
@@ -51,8 +51,10 @@ def test_consecutive_pages_are_read_in_place_and_scattered_ones_gathered():
     cache.reserve("filler", 16 * 8)  # pages 4–11
     cache.reserve("scattered", 70)  # 5 pages; free are 0 and 12–15: no run of 5, so the lowest free pages
     assert cache.tables["run"] == [1, 2, 3] and cache.tables["scattered"] == [0, 12, 13, 14, 15]
+    written = {}
     for seq, n in (("run", 37), ("scattered", 66)):
         k, v = torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+        written[seq] = k
         _append(cache, [seq], k, v)
         step = cache.step([seq], 0)
         dk, dv, _ = step.layer(0).dense()
@@ -60,6 +62,10 @@ def test_consecutive_pages_are_read_in_place_and_scattered_ones_gathered():
         torch.testing.assert_close(dv, v, rtol=0, atol=0)
         in_place = dk.untyped_storage().data_ptr() == cache.keys[0].untyped_storage().data_ptr()
         assert in_place == (seq == "run") and (step.run_start is not None) == (seq == "run")
+    monkeypatch.setattr(kvcache, "VIEW_MAX_ELEMENTS", cache.keys[0].numel())  # a pool too large for int32 offsets
+    dk, _, _ = cache.step(["run"], 0).layer(0).dense()
+    assert dk.untyped_storage().data_ptr() != cache.keys[0].untyped_storage().data_ptr()  # gathered instead
+    torch.testing.assert_close(dk, written["run"], rtol=0, atol=0)
 
 
 def _append(cache: PagedKVCache, seqs: list[str], k: torch.Tensor, v: torch.Tensor) -> None:

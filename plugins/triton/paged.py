@@ -52,7 +52,7 @@ def _page_logits(q, KP, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_
                  HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
     """z of the packed rows against one page of keys (−inf where masked), the page's pool offset, and which of
     its slots hold keys."""
-    base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv * sph
+    base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv.to(tl.int64) * sph
     cols = page * PAGE + offs_n
     present = cols < lk
     kt = tl.load(KP + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
@@ -211,7 +211,7 @@ def _paged_entmax_output_kernel(
             w, logw = _weights(d, inv[:, None], FAST)
             zsum += tl.sum(w, 1)
             plogp += tl.sum(w * logw, 1)
-            base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv * sph
+            base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv.to(tl.int64) * sph
             v = tl.load(VP + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
                         mask=(cols[:, None] < lk) & (offs_d[None, :] < D), other=0.0)  # fmt: skip
             acc += _pv(w, v.to(tl.float32) if DOT_F32 else v, DOT_F32)
