@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools test lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest test lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,14 @@ $(DEPLOY_TOOLS)/root/usr/bin/promtool:
 	cd $(DEPLOY_TOOLS) && (apt-get download prometheus || (apt-get update -qq && apt-get download prometheus))
 	dpkg-deb -x $(DEPLOY_TOOLS)/prometheus_*.deb $(DEPLOY_TOOLS)/root
 	$@ --version
+
+# The oldest Triton we support (pyproject's kernels extra; Triton 3.6 is torch 2.11's), unpacked beside the venv's
+# newest one: the kernels' sm_90 compile check runs under both (tests/test_triton.py). No GPU needed.
+TRITON_OLDEST := 3.6.0
+triton-oldest: build/triton-oldest/triton/__init__.py
+
+build/triton-oldest/triton/__init__.py: | $(BIN)/python
+	$(BIN)/pip install -q --no-deps --target build/triton-oldest triton==$(TRITON_OLDEST)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q

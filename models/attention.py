@@ -8,6 +8,7 @@ this layer never imports the layers above it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
@@ -39,11 +40,18 @@ def _streamed(problem: AttentionProblem, block_size: int | None) -> tuple[Tensor
     return streamed_attention(problem, block_size or STREAMED_BLOCK)
 
 
-def _plugin(name: str) -> ImplFn:
-    """Load an implementation registered by a higher layer (e.g. sharp.plugins.triton) by entry point."""
-    found = [ep for ep in entry_points(group="sharp.attention_impls") if ep.name == name]
+IMPL_GROUP = "sharp.attention_impls"  # attend(impl=NAME)
+PAGED_IMPL_GROUP = "sharp.paged_attention_impls"  # paged attention over a KV cache's pages (models/kvcache.py)
+
+
+@functools.cache
+def registered_impl(group: str, name: str) -> ImplFn:
+    """The implementation a higher layer (e.g. sharp.plugins.triton) registers as entry point `name` of `group`,
+    resolved once per process: scanning the installed packages' entry points costs milliseconds per call, more
+    than a GPU decode step. A missing one is not remembered (installing it later works)."""
+    found = [ep for ep in entry_points(group=group) if ep.name == name]
     if not found:
-        raise ValueError(f"impl={name!r} is not installed here (pip install 'sharp-attention[kernels]')")
+        raise ValueError(f"{name!r} is not installed here for {group} (pip install 'sharp-attention[kernels]')")
     return found[0].load()
 
 
@@ -99,7 +107,7 @@ def attend(
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         ent = torch.zeros(q.shape[:3], dtype=problem.dtype, device=q.device)
     else:
-        run: ImplFn = {"reference": _reference, "streamed": _streamed}.get(impl) or _plugin(impl)
+        run: ImplFn = {"reference": _reference, "streamed": _streamed}.get(impl) or registered_impl(IMPL_GROUP, impl)
         out, ent = run(problem, block_size)
     out = out.to(q.dtype)
     return (out, ent) if return_entropy else out

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 
 import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 
-from sharp.models.attention import attend
+from sharp.models.attention import PAGED_IMPL_GROUP, attend, registered_impl
 
 # Queries (GQA group × new tokens per sequence) up to which a step runs the paged kernel directly; longer chunks
 # (prefill) attend over a dense copy of the sequence's keys with the prefill kernels.
@@ -241,7 +240,4 @@ class PagedLayer:
 
 def _paged_impl(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
     """A paged attention kernel registered by a higher layer (sharp.plugins.triton) by entry point."""
-    found = [ep for ep in entry_points(group="sharp.paged_attention_impls") if ep.name == name]
-    if not found:
-        raise ValueError(f"no paged attention {name!r} is installed here (pip install 'sharp-attention[kernels]')")
-    return found[0].load()
+    return registered_impl(PAGED_IMPL_GROUP, name)

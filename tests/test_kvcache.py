@@ -231,3 +231,27 @@ def test_sharp_lm_on_a_paged_cache_matches_its_dense_cache(norm, impl, monkeypat
         for (lw, hw), (lg, hg) in zip(want[s], got[s], strict=True):
             torch.testing.assert_close(lg, lw, atol=2e-5, rtol=0)
             torch.testing.assert_close(hg, hw.to(hg.dtype), atol=2e-5, rtol=0)
+
+
+def test_implementations_are_resolved_once_per_process(monkeypatch):
+    """Scanning the installed packages' entry points costs milliseconds — more than a GPU decode step — so attend's
+    and the paged cache's implementations are looked up once per process and group, not per call."""
+    pytest.importorskip("triton")
+    from sharp.models import attention
+
+    scans = []
+    real = attention.entry_points
+    monkeypatch.setattr(attention, "entry_points", lambda **kw: scans.append(kw["group"]) or real(**kw))
+    attention.registered_impl.cache_clear()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, context_length=256, norm="ssa")
+    model = SharpLM(cfg).eval()
+    prompts = {"a": torch.randint(0, 64, (1, 70)), "b": torch.randint(0, 64, (1, 5))}
+    with torch.inference_mode():  # 40-token chunks run attend(impl="triton"), shorter ones and decode the pages
+        _paged_generation(model, prompts, 40, "triton", decode=3, scattered=False)
+        for _ in range(3):
+            attention.attend(*torch.randn(3, 1, 2, 8, 16).unbind(0), impl="triton", norm="entmax")
+    assert sorted(scans) == [attention.IMPL_GROUP, attention.PAGED_IMPL_GROUP]
+    with pytest.raises(ValueError, match=r"'cuda-x' is not installed here for sharp\.attention_impls"):
+        attention.registered_impl(attention.IMPL_GROUP, "cuda-x")
+    attention.registered_impl.cache_clear()

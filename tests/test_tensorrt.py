@@ -136,6 +136,30 @@ def test_aot_impl_hands_over_a_launch_that_computes_the_op(plugin, norm, causal)
     torch.testing.assert_close(launch.entropy, h_ref, atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_launch_checks_output_tolerance_is_the_rounding_bound(dtype):
+    """The GPU check's bound on the output is what a kernel's rounding can cost — weights rounded to V's dtype before
+    P·V, the output rounded to it — and a defect such as a lost causal mask lies far outside it."""
+    from sharp.models.normalizers import entmax
+    from sharp.plugins.tensorrt.launch_check import output_tolerance
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 256, 64, generator=g).to(dtype) for _ in range(3))
+    logits = (q.float() @ k.float().transpose(-1, -2)) * 64**-0.5
+    causal = torch.ones(256, 256, dtype=torch.bool).tril()
+    for p in (
+        torch.softmax(logits.masked_fill(~causal, float("-inf")), -1),
+        entmax(logits.masked_fill(~causal, float("-inf")), alpha=1.5),
+    ):
+        exact = p @ v.float()
+        rounded = (p.to(dtype).float() @ v.float()).to(dtype).float()
+        assert 0 < (rounded - exact).abs().max() <= output_tolerance(v)
+    unmasked = torch.softmax(logits, -1) @ v.float()
+    assert (
+        unmasked - torch.softmax(logits.masked_fill(~causal, float("-inf")), -1) @ v.float()
+    ).abs().max() > 10 * output_tolerance(v)
+
+
 def test_the_gpu_launch_check_needs_a_gpu(manifest_dir, capsys):
     """What verifies the PTX launch on a GPU (docs/tensorrt.md) says so and exits 2 where there is none."""
     from sharp.plugins.tensorrt.launch_check import main

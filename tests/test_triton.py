@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,6 +280,49 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
         assert f"{m['entry']}_param_{len(launch['arguments'])}" not in ptx
         assert (tmp_path / f"{m['variant']}.cubin").stat().st_size > 1000
     _launch_through_the_manifest(manifest)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+OLDEST_TRITON = ROOT / "build" / "triton-oldest"  # make triton-oldest
+
+
+def _triton_floor() -> str:
+    """The oldest Triton the kernels extra admits (pyproject: triton>=X)."""
+    return re.search(r'^kernels = \["triton>=([0-9.]+)"\]', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the CUDA backend's ptxas ships for Linux")
+@pytest.mark.parametrize("which", ["newest", "oldest"])
+def test_every_kernel_compiles_for_sm90_under_the_jit_specialisations(which, tmp_path):
+    """What a GPU compiles: every torch-path launch (prefill, split-K and paged decode, merge) with the values the
+    JIT specialises on (divisible by 16, unit constants) and every TensorRT entry point, under the newest Triton
+    (the venv's) and the oldest pyproject admits; the PTX ISA is the highest that Triton's ptxas writes, ≤ 9.0."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if which == "oldest":
+        if not (OLDEST_TRITON / "triton").is_dir():
+            if os.environ.get("CI") == "true":
+                pytest.fail("CI must run `make triton-oldest` before the tests")
+            pytest.skip("the oldest supported Triton is not unpacked here: make triton-oldest")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(OLDEST_TRITON), env.get("PYTHONPATH")]))
+    args = ["--kernels", "all", "--arch", "90", "--dtype", "bf16", "--head-dim", "128", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, "-m", "sharp.plugins.triton.aot", *args], capture_output=True, text=True,
+                          env=env, timeout=900, check=False)  # fmt: skip
+    assert proc.returncode == 0, "\n".join(line for line in proc.stderr.splitlines() if "FAILED" in line)[-3000:]
+    _, version, _, _, ptx = proc.stdout.splitlines()[0].replace(",", "").split()[:5]
+    if which == "oldest":
+        assert version.startswith(_triton_floor()), (version, _triton_floor())
+    else:
+        assert version == importlib.metadata.version("triton")
+    from sharp.plugins.triton import kernels, paged
+
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert {m["kernel"] for m in manifest} == set(kernels.KERNELS) | set(paged.KERNELS)
+    assert {m["specialisation"] for m in manifest} == {"aligned", "plain", "jit"}
+    for m in manifest:
+        assert m["ptx_version"] == ptx and f".version {ptx}\n" in (tmp_path / f"{m['variant']}.ptx").read_text()
+    assert float(ptx) <= 9.0 and (version < "3.9" or ptx == "9.0")  # 3.9's ptxas writes 9.4: capped
+    jit = {m["variant"]: m for m in manifest}["entmax_threshold_bf16_d128_fast0_jit"]
+    assert jit["constexprs"]["LQ"] == 1 and {"LK", "ROWS", "H", "U"} <= set(jit["divisible_by_16"])
 
 
 def _grid(launch: dict, sizes: dict) -> tuple[int, ...]:

@@ -4,7 +4,10 @@ This is what the TensorRT plugin is built from: `python -m sharp.plugins.triton.
 writes one `.ptx` and one `.cubin` per kernel variant plus `manifest.json` (entry name, the norms it serves,
 shared memory, warps, the constexprs, the argument signature and the launch contract: grid as expressions of the
 size arguments, block, shared memory and its opt-in, scratch, parameter order). `--kernels tensorrt` (the default)
-compiles the TensorRT entry points, `--kernels torch` the torch path's prefill kernels (to inspect their code).
+compiles the TensorRT entry points, `--kernels torch` the torch path's prefill kernels (to inspect their code),
+`--kernels jit` every kernel the torch path launches (prefill, split-K decode, paged decode, merge) under the
+specialisations Triton's JIT applies on a GPU — the compile check of a Triton version — and `--kernels all` both
+the TensorRT entry points and that check. The PTX ISA is the highest this Triton's ptxas writes, at most 9.0.
 Must run without TRITON_INTERPRET (the interpreter replaces the JIT functions that `triton.compile` needs).
 """
 
@@ -19,13 +22,16 @@ from pathlib import Path
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, stated so it cannot drift
 
+import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import native_specialize_impl
 
 from sharp.models import registry
 from sharp.models.registry import Family, Norm, Transform
-from sharp.plugins.triton import kernels
+from sharp.plugins.triton import kernels, paged
+from sharp.plugins.triton.attention import THRESHOLD_ROWS
 
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 _TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
@@ -41,11 +47,18 @@ class Variant:
     block_d: int
     flags: dict = field(default_factory=dict)
     norms: tuple[str, ...] = ()  # the op norms a TensorRT entry point serves
+    # "aligned": only pointers are assumed 16-byte aligned (the AOT launch contract); "plain" / "jit": the torch
+    # path's JIT specialisations (see jit_variants), with `units` the integer arguments that are 1 in its launches
+    spec: str = "aligned"
+    units: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
         on = "_".join(k.lower() for k, v in sorted(self.flags.items()) if v is True)
-        return f"{self.kernel}_{self.dtype}_d{self.block_d}" + (f"_{on}" if on else "")
+        name = f"{self.kernel}_{self.dtype}_d{self.block_d}" + (f"_{on}" if on else "")
+        if self.spec == "aligned":
+            return name
+        return name + (f"_fast{self.flags['FAST']}" if "FAST" in self.flags else "") + f"_{self.spec}"
 
 
 def _signature(kernel: str, dtype: str, constexprs: dict) -> dict[str, str]:
@@ -122,14 +135,126 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
     return out
 
 
+def jit_variants(dtypes=("bf16",), head_dims=(128,)) -> list[Variant]:
+    """Every launch of the torch path (plugins/triton/attention.py and paged.py), under two specialisations.
+
+    On a GPU the JIT specialises each launch on its argument values: pointers and integers divisible by 16 get
+    `tt.divisibility`, integers equal to 1 become constants. Triton versions differ in what they can compile under
+    those (Triton 3.6 failed on the split-K threshold kernel once its sizes were divisible by 16), so each launch is
+    compiled "plain" (no integer divisible or 1) and "jit" (the GPU's usual values: last-dimension strides 1, batch,
+    group and — for decode — the query length 1, every other integer a multiple of 16), through Triton's own
+    specialisation function. Tiles: the host's defaults (64×64 prefill, 16-row decode, 16-token pages)."""
+    out = []
+    for dtype in dtypes:
+        for d in head_dims:
+            for spec in ("plain", "jit"):
+                out += [Variant(k, dtype, d, flags, spec=spec, units=u) for k, flags, u in _torch_launches(dtype)]
+    return out
+
+
+def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
+    """(kernel, constexprs, integer arguments that are 1) of each kind of launch the torch path makes."""
+    base = dict(CAUSAL=True, HAS_ALIBI=False, HAS_LAMBDA=False, HAS_KMASK=False, DOT_F32=dtype == "fp32")
+    prefill, decode = {**base, "BLOCK_M": 64, "BLOCK_N": 64}, {**base, "BLOCK_M": 16, "BLOCK_N": 64}
+    plain, logn, ssa = dict(SSA=False, LOGN=False), dict(SSA=False, LOGN=True), dict(SSA=True, LOGN=False)
+    one, dec = ("B", "GROUP"), ("B", "GROUP", "LQ")
+    out = [  # prefill: one launch finishes output and entropy (adaptive: both sweeps on chip)
+        ("softmax_family", {**prefill, **t, "ADAPTIVE": a, "HAS_ROWF": False, "FINALIZE": True, "WITH_V": True}, one)
+        for t, a in ((plain, False), (logn, False), (ssa, False), (plain, True))
+    ]
+    out += [
+        ("entmax", {**prefill, "FAST": 0, "COUNT": False}, one),
+        ("entmax", {**prefill, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True}, one),
+    ]
+    split = {**decode, "ADAPTIVE": False, "FINALIZE": False}  # split-K decode: partial states merged by the host
+    out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
+    out += [  # adaptive split-K: statistics without V, then the output with β per row
+        ("softmax_family", {**split, **plain, "HAS_ROWF": False, "WITH_V": False}, dec),
+        ("softmax_family", {**split, **plain, "HAS_ROWF": True, "WITH_V": True}, dec),
+        ("entmax_logits", decode, dec),
+        ("entmax_output", {**decode, "FAST": 0}, dec),
+        ("entmax_output", {**decode, "HAS_LAMBDA": True, "FAST": 2}, dec),
+    ]
+    out += [  # split-K and paged decode share the threshold kernel
+        ("entmax_threshold", {"FAST": fast, "COUNT": fast == 2, "BLOCK_R": THRESHOLD_ROWS, "BLOCK_N": 64}, ("LQ",))
+        for fast in (0, 1, 2)
+    ]
+    pages = {"HAS_ALIBI": False, "CAUSAL": True, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}
+    out += [("paged_softmax", {**pages, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
+    out += [
+        ("paged_softmax", {**pages, **plain, "HAS_ROWF": False, "WITH_V": False}, dec),
+        ("paged_softmax", {**pages, **plain, "HAS_ROWF": True, "WITH_V": True}, dec),
+        ("merge_softmax", {"WITH_V": True, "BLOCK_R": 16}, ("SPLITS",)),
+        ("merge_softmax", {"WITH_V": False, "BLOCK_R": 16}, ("SPLITS",)),
+        ("paged_entmax_logits", {**pages, "HAS_LAMBDA": True}, dec),
+        ("paged_entmax_output", {"FAST": 0, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}, dec),
+        ("paged_entmax_output", {"FAST": 2, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}, dec),
+    ]
+    return out
+
+
+_ALL_KERNELS = {**kernels.KERNELS, **paged.KERNELS}
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_JIT_SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "NPOLY", "B", "HKV", "ROWS", "SPLITS", "WIDTH"}
+_JIT_FLOATS = {"scale", "beta_threshold", "tol"}
+_JIT_ELEMENTS = {"Q", "K", "V", "OUT", "KP", "VP"}  # the element dtype; other pointers as the host allocates them
+_JIT_POINTERS = {"KMASK": torch.int8, "BT": torch.int32, "SEQ": torch.int32, "COUNTS": torch.int32,
+                 "SKIPPED_OUT": torch.int32}  # fmt: skip
+_UNIT_STRIDES = {"sqd", "skd", "svd", "spd"}  # contiguous last dimensions
+
+
+def _jit_value(name: str, v: Variant) -> object:
+    """A value of argument `name` like the torch path passes: a 16-byte-aligned tensor for a pointer, a float,
+    or an integer (17 under "plain"; under "jit" 1 for unit strides and sizes, else 64)."""
+    if name in _JIT_FLOATS:
+        return 0.5
+    if name[0].isupper() and name not in _JIT_SIZES:
+        dtype = _TORCH_DTYPES[v.dtype] if name in _JIT_ELEMENTS else _JIT_POINTERS.get(name, torch.float32)
+        return torch.empty(16, dtype=dtype)
+    if v.spec == "plain":
+        return 17
+    return 1 if name in _UNIT_STRIDES or name in v.units else 64
+
+
+def jit_specialise(v: Variant) -> tuple[dict, dict, dict]:
+    """Signature, constexprs and attributes of `v` as the JIT derives them from argument values (Triton's own
+    `native_specialize_impl`): divisibility by 16 as an attribute, integers equal to 1 as constants."""
+    fn = _ALL_KERNELS[v.kernel]
+    constexprs = {k: x for k, x in {**v.flags, "BLOCK_D": v.block_d}.items() if k in fn.arg_names}
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        kind, spec = native_specialize_impl(BaseBackend, _jit_value(name, v), False, True, True)
+        if kind == "constexpr":
+            signature[name], constexprs[name] = "constexpr", spec
+        else:
+            signature[name] = kind
+            if spec == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
 POINTER_ALIGNMENT = 16  # bytes; part of the launch contract
 
-# PTX ISA 9.0: the newest the 580-series driver (CUDA 13.0) of the GPUs we are lent loads; Triton's own ptxas
-# would otherwise stamp its newer version (9.4 with Triton 3.9) and the driver would refuse the module.
-PTX_VERSION = 90
+# PTX ISA 9.0: the newest the 580-series driver (CUDA 13.0) of the GPUs we are lent loads; a newer Triton's ptxas
+# would otherwise stamp its own version (9.4 with Triton 3.9) and the driver would refuse the module.
+PTX_CAP = 90
 
 
-def compile_variant(v: Variant, arch: int, ptx_version: int = PTX_VERSION) -> triton.compiler.CompiledKernel:
+def default_ptx_version(arch: int) -> int:
+    """The highest PTX ISA this Triton's ptxas accepts (8.7 with Triton 3.6's CUDA 12.8 ptxas), capped at PTX_CAP."""
+    from triton.backends.nvidia.compiler import get_ptxas, ptx_get_version
+
+    return min(PTX_CAP, ptx_get_version(get_ptxas(arch).version))
+
+
+def compile_variant(v: Variant, arch: int, ptx_version: int) -> triton.compiler.CompiledKernel:
+    if v.spec != "aligned":
+        signature, constexprs, attrs = jit_specialise(v)
+        src = ASTSource(fn=_ALL_KERNELS[v.kernel], signature=signature, constexprs=constexprs, attrs=attrs)
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version})
     fn = kernels.KERNELS[v.kernel]
     constexprs = {**v.flags, **_TILE, "BLOCK_D": v.block_d}
     signature = _signature(v.kernel, v.dtype, constexprs)
@@ -162,53 +287,80 @@ def launch_contract(v: Variant, md) -> dict:
     }
 
 
+_KERNEL_SETS = {
+    "tensorrt": tensorrt_variants,
+    "torch": torch_variants,
+    "jit": jit_variants,
+    "all": lambda dtypes, head_dims: tensorrt_variants(dtypes, head_dims) + jit_variants(dtypes, head_dims),
+}
+
+
+def _manifest_entry(v: Variant, md, arch: int, ptx_version: int) -> dict:
+    entry = {
+        "variant": v.name,
+        "kernel": v.kernel,
+        "norms": list(v.norms),
+        "dtype": v.dtype,
+        "head_dim": v.block_d,
+        "entry": md.name,
+        "arch": arch,
+        "ptx_version": f"{ptx_version // 10}.{ptx_version % 10}",
+        "num_warps": md.num_warps,
+        "shared_bytes": md.shared,
+        "specialisation": v.spec,
+    }
+    if v.spec != "aligned":  # a compile check of a JIT launch: what the specialisation made of its arguments
+        signature, constexprs, attrs = jit_specialise(v)
+        names = list(signature)
+        return {**entry, "constexprs": constexprs, "divisible_by_16": [names[i] for (i,) in attrs]}
+    return {
+        **entry,
+        "constexprs": {**v.flags, **_TILE, "BLOCK_D": v.block_d},
+        "signature": _signature(v.kernel, v.dtype, {**v.flags, **_TILE, "BLOCK_D": 0}),
+        "launch": launch_contract(v, md),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sharp.plugins.triton.aot", description=__doc__)
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability as an integer (90 = sm_90)")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--kernels", choices=["tensorrt", "torch"], default="tensorrt", help="which entry points")
+    ap.add_argument("--kernels", choices=sorted(_KERNEL_SETS), default="tensorrt", help="which entry points")
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=sorted(_DTYPES))
     ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
     ap.add_argument(
         "--ptx-version",
         type=int,
-        default=PTX_VERSION,
-        help="PTX ISA version as an integer (90 = 9.0); at most what the target driver's CUDA version loads",
+        default=None,
+        help="PTX ISA version as an integer (90 = 9.0); default: the highest this Triton's ptxas writes, at most "
+        "9.0 (what the 580-series driver, CUDA 13.0, loads)",
     )
     args = ap.parse_args(argv)
-    if not 60 <= args.ptx_version <= 99:
+    if args.ptx_version is not None and not 60 <= args.ptx_version <= 99:
         ap.error(f"--ptx-version {args.ptx_version}: give the ISA version as an integer 60-99 (90 = PTX 9.0)")
     if triton.knobs.runtime.interpret:
         print("aot: unset TRITON_INTERPRET; the interpreter cannot compile kernels", file=sys.stderr)
         return 2
+    ptx_version = args.ptx_version or default_ptx_version(args.arch)
     args.out.mkdir(parents=True, exist_ok=True)
-    manifest = []
-    variants = tensorrt_variants if args.kernels == "tensorrt" else torch_variants
-    for v in variants(tuple(args.dtype), tuple(args.head_dim)):
-        ck = compile_variant(v, args.arch, args.ptx_version)
+    manifest, failed = [], []
+    print(f"triton {triton.__version__}, sm_{args.arch}, PTX {ptx_version // 10}.{ptx_version % 10}")
+    for v in _KERNEL_SETS[args.kernels](tuple(args.dtype), tuple(args.head_dim)):
+        try:
+            ck = compile_variant(v, args.arch, ptx_version)
+        except Exception as e:  # report every variant that fails, not only the first
+            failed.append(v.name)
+            print(f"{v.name}: FAILED: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}", file=sys.stderr)
+            continue
         (args.out / f"{v.name}.ptx").write_text(ck.asm["ptx"])
         if "cubin" in ck.asm:
             (args.out / f"{v.name}.cubin").write_bytes(ck.asm["cubin"])
-        md = ck.metadata
-        manifest.append(
-            {
-                "variant": v.name,
-                "kernel": v.kernel,
-                "norms": list(v.norms),
-                "dtype": v.dtype,
-                "head_dim": v.block_d,
-                "entry": md.name,
-                "arch": args.arch,
-                "ptx_version": f"{args.ptx_version // 10}.{args.ptx_version % 10}",
-                "num_warps": md.num_warps,
-                "shared_bytes": md.shared,
-                "constexprs": {**v.flags, **_TILE, "BLOCK_D": v.block_d},
-                "signature": _signature(v.kernel, v.dtype, {**v.flags, **_TILE, "BLOCK_D": 0}),
-                "launch": launch_contract(v, md),
-            }
-        )
-        print(f"{v.name}: {md.name}, {md.num_warps} warps, {md.shared} B shared")
+        manifest.append(_manifest_entry(v, ck.metadata, args.arch, ptx_version))
+        print(f"{v.name}: {ck.metadata.name}, {ck.metadata.num_warps} warps, {ck.metadata.shared} B shared")
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    if failed:
+        print(f"aot: {len(failed)} of {len(failed) + len(manifest)} variants failed to compile", file=sys.stderr)
+        return 1
     return 0
 
 

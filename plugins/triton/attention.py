@@ -153,6 +153,12 @@ def tuned_tile(p: AttentionProblem, run_with: Callable[[Tile], object]) -> Tile:
     return _TUNED[key]
 
 
+def head_vector(value: Param, heads: int, device: torch.device) -> Tensor:
+    """A parameter (float, (Hq,) or broadcastable (1, Hq, 1, 1) tensor) as the kernels read it: (Hq,) fp32."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+    return (t.reshape(heads) if t.numel() == heads else t.expand(1, heads, 1, 1).reshape(heads)).contiguous()
+
+
 class _Launcher:
     """Common launch arguments of one problem (strides, per-head tensors, constexpr flags)."""
 
@@ -183,8 +189,7 @@ class _Launcher:
         self.sizes = (p.heads, p.group, p.lq, p.lk, p.q.shape[-1], self.bh, p.scale, cfg.keys_per_split, p.lk)
 
     def per_head(self, value: Param) -> Tensor:
-        t = torch.as_tensor(value, dtype=torch.float32, device=self.p.q.device)
-        return t.expand(1, self.p.heads, 1, 1).reshape(self.p.heads).contiguous()
+        return head_vector(value, self.p.heads, self.p.q.device)
 
     def rows(self, *extra: int, fill: float = 0.0) -> Tensor:
         """A (splits, B·Hq, Lq, *extra) fp32 buffer for partial per-row state."""

@@ -538,30 +538,36 @@ def _entmax_threshold_kernel(
     am1 = tl.load(ALPHA + (rows // LQ) % H, mask=keep, other=2.0) - 1.0
     inv = 1.0 / am1
     offs_n = tl.arange(0, BLOCK_N)
-    umax = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
-    cnt = tl.zeros([BLOCK_R], dtype=tl.float32)
+    # Element-wise accumulators reduced once after each sweep: a row reduction inside these loops makes Triton 3.6's
+    # TritonGPUOptimizeThreadLocality pass fail once LK and the pointers are specialised as divisible by 16 (what the
+    # JIT does on a GPU); it is also fewer shuffles per tile.
+    umax = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32) - float("inf")
+    cnt = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
     for start_n in range(0, LK, BLOCK_N):
         cols = start_n + offs_n
         u = tl.load(
             U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
         )
-        umax = tl.maximum(umax, tl.max(u, 1))
-        cnt += tl.sum(tl.where(u > float("-inf"), 1.0, 0.0), 1)
-    shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
+        umax = tl.maximum(umax, u)
+        cnt += tl.where(u > float("-inf"), 1.0, 0.0)
+    shift, t_lo, t_hi, dead = _bracket(tl.max(umax, 1), tl.sum(cnt, 1), am1, keep)
     tau = t_lo
     passes = pid * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
-        s0 = tl.zeros([BLOCK_R], dtype=tl.float32)
-        s1 = tl.zeros([BLOCK_R], dtype=tl.float32)
-        s2 = tl.zeros([BLOCK_R], dtype=tl.float32)
+        a0 = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        a1 = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
         for start_n in range(0, LK, BLOCK_N):
             cols = start_n + offs_n
             u = tl.load(
                 U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
             )
-            d = tl.maximum(u - (shift + tau)[:, None], 0.0)
-            s0, s1, s2 = _add_powers(s0, s1, s2, d, inv[:, None], FAST)
+            p0, p1, p2 = _powers(tl.maximum(u - (shift + tau)[:, None], 0.0), inv[:, None], FAST)
+            a0 += p0
+            a1 += p1
+            a2 += p2
+        s0, s1, s2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1)
         tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
     tl.store(UMAX_OUT + rows, shift, mask=keep)
     tl.store(TAU_OUT + rows, tau, mask=keep)

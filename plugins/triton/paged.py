@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sharp.models.normalizers import adaptive_beta
-from sharp.models.registry import Family, Transform, get
+from sharp.models.normalizers import PAPER_POLY, Param, adaptive_beta
+from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S, Family, Transform, get
 from sharp.models.streamed import MAX_THRESHOLD_PASSES, finish_entmax_state
-from sharp.plugins.triton.attention import THRESHOLD_ROWS, THRESHOLD_TOL, _alpha_fast_path
+from sharp.plugins.triton.attention import THRESHOLD_ROWS, THRESHOLD_TOL, _alpha_fast_path, head_vector
 from sharp.plugins.triton.kernels import _entmax_threshold_kernel, _entropy, _online_step, _pv, _transform, _weights
 
 _TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
@@ -221,6 +221,15 @@ def _paged_entmax_output_kernel(
     tl.store(ACC_OUT + out_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
 
 
+# The paged kernels by name, as kernels.KERNELS (the AOT compile check reads both).
+KERNELS = {
+    "paged_softmax": _paged_softmax_kernel,
+    "merge_softmax": _merge_softmax_kernel,
+    "paged_entmax_logits": _paged_entmax_logits_kernel,
+    "paged_entmax_output": _paged_entmax_output_kernel,
+}
+
+
 def paged_decode(
     q: Tensor,
     k_pages: Tensor,
@@ -232,17 +241,17 @@ def paged_decode(
     causal: bool = True,
     scale: float | None = None,
     alibi_slopes: Tensor | None = None,
-    ssa_n: Tensor | None = None,
-    ssa_b: Tensor | None = None,
-    ssmax_s: Tensor | None = None,
-    alpha: Tensor | float = 1.5,
+    ssa_n: Param = SSA_N.default,
+    ssa_b: Param = SSA_B.default,
+    ssmax_s: Param = SSMAX_S.default,
+    alpha: Param = ALPHA.default,
     query_scale: Tensor | None = None,
-    poly: tuple[float, ...] = (),
+    poly: tuple[float, ...] | Tensor = PAPER_POLY,
     splits: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of q (B, Hq, Lq, D) — each sequence's newest Lq tokens — over its paged keys: output (B, Hq, Lq, D)
-    in q's dtype and entropy (B, Hq, Lq) fp32. Per-head parameters are (Hq,) tensors; `alpha` (a float or (Hq,))
-    and `query_scale` (B, Hq, Lq) for the entmax family."""
+    in q's dtype and entropy (B, Hq, Lq) fp32. Parameters and their defaults are `attend`'s (the registry's): floats
+    or per-head (Hq,) tensors; `query_scale` (B, Hq, Lq) for the entmax family."""
     spec = get(norm)
     b, hq, lq, d = q.shape
     _, hkv, page, dk = k_pages.shape
@@ -263,16 +272,17 @@ def paged_decode(
     rows = b * hq * lq
     transform = spec.transform
 
-    def per_head(t: Tensor | None) -> Tensor:
-        return t.float().contiguous() if t is not None else dummy
+    def per_head(value: Param | None, used: bool = True) -> Tensor:
+        return head_vector(value, hq, dev) if used and value is not None else dummy
 
     def launch(rowf: Tensor | None, with_v: bool) -> tuple[Tensor, Tensor]:
         m = torch.empty(splits, rows, dtype=torch.float32, device=dev)
         lam, kp = torch.empty_like(m), torch.empty_like(m)
         acc = torch.empty(splits, rows, block_d, dtype=torch.float32, device=dev) if with_v else dummy
         _paged_softmax_kernel[(b * hkv, splits)](
-            q, k_pages, v_pages, block_table, seq_lens, rowf if rowf is not None else dummy, per_head(ssmax_s),
-            per_head(ssa_n), per_head(ssa_b), per_head(alibi_slopes), m, lam, kp, acc,
+            q, k_pages, v_pages, block_table, seq_lens, rowf if rowf is not None else dummy,
+            per_head(ssmax_s, transform is Transform.LOG_N_SCALE), per_head(ssa_n, transform is Transform.SIGNED_LOG),
+            per_head(ssa_b, transform is Transform.SIGNED_LOG), per_head(alibi_slopes), m, lam, kp, acc,
             *q.stride(), *k_pages.stride(), block_table.stride(0),
             b, hq, group, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split,
             SSA=transform is Transform.SIGNED_LOG, LOGN=transform is Transform.LOG_N_SCALE, HAS_ROWF=rowf is not None,
@@ -307,7 +317,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     b, hq, lq, hkv, d, pages_per_split, width = common
     dev, page = q.device, k_pages.shape[2]
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
-    alpha_h = torch.as_tensor(alpha, dtype=torch.float32, device=dev).expand(hq).contiguous()
+    alpha_h = head_vector(alpha, hq, dev)
     rows = b * hq * lq
     u = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=dev)
     dot_f32 = q.dtype == torch.float32 or dev.type != "cuda"
