@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools triton-oldest test lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest wheelhouse test lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,13 @@ triton-oldest: build/triton-oldest/triton/__init__.py
 
 build/triton-oldest/triton/__init__.py: | $(BIN)/python
 	$(BIN)/pip install -q --no-deps --target build/triton-oldest triton==$(TRITON_OLDEST)
+
+# Offline install (air-gapped clusters, GPU machines without network): sharp's wheel and what it needs for another
+# CPython, at this venv's versions, torch left out. WHEELHOUSE_ARGS='--only grpcio protobuf ...' for a lean set.
+WHEELHOUSE ?= build/wheelhouse
+WHEELHOUSE_PYTHON ?= 3.12
+wheelhouse: $(STAMP)
+	$(BIN)/python deploy/wheelhouse.py $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) $(WHEELHOUSE_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q

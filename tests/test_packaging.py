@@ -44,7 +44,35 @@ def test_wheel_installed_outside_the_tree_runs_the_demo(tmp_path):
     assert demo.returncode == 0, demo.stderr[-2000:]
     assert "check passed" in demo.stdout and "sharp-serve exited with 0" in demo.stdout
 
+    _wheelhouse_for_a_machine_without_network(wheel, tmp_path)
+
     (site / "sharp" / "models" / "zoo" / "ssa.pt").unlink()
     broken = _run([sys.executable, "-m", "sharp.demo"], cwd=work, env=env)
     assert broken.returncode != 0
     assert "ssa.pt is missing" in broken.stderr and "skipped" not in broken.stdout
+
+
+def _wheelhouse_for_a_machine_without_network(wheel: Path, tmp_path: Path) -> None:
+    """deploy/wheelhouse.py (make wheelhouse): sharp's wheel beside the wheels a CUDA image lacks, for another
+    CPython, at this venv's versions; what it holds installs with no index (here: the parts this Python can run)."""
+    from importlib import metadata
+
+    house = tmp_path / "wheelhouse"
+    made = _run([sys.executable, str(ROOT / "deploy" / "wheelhouse.py"), str(house), "--python", "3.12", "--wheel",
+                 str(wheel), "--only", "grpcio", "grpcio-reflection", "protobuf"])  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    names = sorted(p.name for p in house.glob("*.whl"))
+    grpc = metadata.version("grpcio")
+    assert len(names) == 4 and wheel.name in names, names
+    assert any(n.startswith(f"grpcio-{grpc}-cp312-cp312-manylinux") for n in names), names
+    assert f"grpcio_reflection-{metadata.version('grpcio-reflection')}-py3-none-any.whl" in names
+    assert any(n.startswith(f"protobuf-{metadata.version('protobuf')}-") for n in names), names
+    assert f"--no-index --no-deps --target DIR {house}/*.whl" in made.stdout
+    portable = [house / n for n in names if "cp312-cp312" not in n]  # what this interpreter can install
+    site = tmp_path / "offline-site"
+    installed = _run([sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--target", str(site),
+                      *map(str, portable)])  # fmt: skip
+    assert installed.returncode == 0, installed.stderr[-2000:]
+    assert (site / "grpc_reflection").is_dir() and (site / "sharp" / "v1").is_dir()
+    bad = _run([sys.executable, str(ROOT / "deploy" / "wheelhouse.py"), str(house), "--python", "python3"])
+    assert bad.returncode == 2 and "--python python3: give a CPython version such as 3.12" in bad.stderr
