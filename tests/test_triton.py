@@ -398,11 +398,37 @@ def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
 @pytest.mark.parametrize("causal", [False, True])
 def test_flex_attention_baseline_computes_the_same_norm(norm, causal):
     """The benchmark's FlexAttention baseline is the same function as sharp's norm (default parameters)."""
+    from sharp.benchmarks import kernels as bench
     from sharp.benchmarks.kernels import _flex_runner
 
-    q, k, v, _ = _qkv(hq=2, hkv=2, lq=40, lk=40)
-    torch.testing.assert_close(_flex_runner(q, k, v, norm, causal, gpu=False)(), attend(q, k, v, norm=norm,
-                               causal=causal, ssa_n=1.5, ssa_b=1.0, ssmax_s=1.0), atol=1e-5, rtol=0)  # fmt: skip
+    runs = []
+    for length in (40, 24, 40):  # one score_mod per norm for the run: a length's parameter must not stick
+        q, k, v, _ = _qkv(hq=2, hkv=2, lq=length, lk=length, seed=length)
+        want = attend(q, k, v, norm=norm, causal=causal, ssa_n=1.5, ssa_b=1.0, ssmax_s=1.0)
+        runs.append((_flex_runner(q, k, v, norm, causal, gpu=False), want))
+    for run, want in runs[::-1]:
+        torch.testing.assert_close(run(), want, atol=1e-5, rtol=0)
+    assert sum(key[:2] == (norm, causal) for key in bench._FLEX_MODS) == 1
+
+
+def test_kernel_benchmark_reports_a_baseline_that_cannot_run(capsys, monkeypatch):
+    """A baseline that fails (FlexAttention out of memory, a compile error) becomes a row with the reason; the run
+    goes on and writes its table."""
+    from sharp.benchmarks import kernels as bench
+
+    real = bench._flex_runner
+
+    def failing(q, k, v, norm, causal, gpu):
+        if norm == "ssa":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+        return real(q, k, v, norm, causal, gpu)
+
+    monkeypatch.setattr(bench, "_flex_runner", failing)
+    assert bench.run(["--smoke", "--norms", "softmax", "ssa"]) == 0
+    out = capsys.readouterr().out
+    reasons = [line for line in out.splitlines() if "| FlexAttention ssa |" in line]
+    assert len(reasons) == 2 and all("not run: OutOfMemoryError: CUDA out of memory" in r for r in reasons)
+    assert out.count("| FlexAttention softmax |") == 2 and "Decode (Lq = 1" in out
 
 
 def test_entmax_at_large_alpha_converges_through_the_safeguard():

@@ -13,6 +13,8 @@ prefill kernel's largest output and entropy error against the fp32 streamed refe
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import os
 import statistics
 import time
@@ -94,6 +96,7 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
                 "causal" if causal else "full",
                 "SDPA-flash softmax",
                 f"{base_ms:.2f}",
+                f"{_host_ms(lambda q=q, k=k, v=v, causal=causal: _sdpa(q, k, v, causal, gpu), gpu):.3f}",
                 f"{flops / base_ms / 1e9:.0f}",
                 "1.00×",
                 "—",
@@ -102,11 +105,20 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
             ]
         )
         for norm in (n for n in FLEX_NORMS if n in args.norms):
-            run_flex = _flex_runner(q, k, v, norm, causal, gpu)
-            run_flex()  # compile
-            ms = _median_ms(run_flex, gpu)
+            try:
+                run_flex = _flex_runner(q, k, v, norm, causal, gpu)
+                run_flex()  # compile
+                ms = _median_ms(run_flex, gpu)
+            except Exception as e:  # a baseline that cannot run is reported, never ends the run
+                reason = f"not run: {type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e) else ''}"
+                rows.append([f"{length:,}", str(d), "causal" if causal else "full", f"FlexAttention {norm}", "—",
+                             "—", "—", "—", "—", "—", reason])  # fmt: skip
+                if gpu:
+                    torch.cuda.empty_cache()
+                continue
             rows.append([f"{length:,}", str(d), "causal" if causal else "full", f"FlexAttention {norm}", f"{ms:.2f}",
-                         f"{flops / ms / 1e9:.0f}", f"{base_ms / ms:.2f}×", "—", "—", "—"])  # fmt: skip
+                         f"{_host_ms(run_flex, gpu):.3f}", f"{flops / ms / 1e9:.0f}", f"{base_ms / ms:.2f}×", "—",
+                         "—", "—"])  # fmt: skip
         variants = [(n, False) for n in args.norms] + [("entmax", True)] * ("entmax" in args.norms)
         for norm, nape in variants:
             lam = torch.rand(1, heads, length, device=device, generator=g) + 1.0
@@ -126,6 +138,7 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
                     "causal" if causal else "full",
                     label,
                     f"{ms:.2f}",
+                    f"{_host_ms(lambda p=problem: run_problem(p), gpu):.3f}",
                     f"{flops / ms / 1e9:.0f}",
                     f"{base_ms / ms:.2f}×",
                     sparse,
@@ -139,19 +152,25 @@ def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
 FLEX_NORMS = ("softmax", "ssmax", "ssa")  # what FlexAttention can express as a score_mod (no entropy output)
 
 
-def flex_score_mod(norm: str, length: int, causal: bool):
+def flex_score_mod(norm: str, causal: bool, log_n: torch.Tensor):
     """The score_mod that makes FlexAttention compute `norm` with its default parameters (ssmax s = 1: logits ×
-    log n, n = the keys a query sees; SSA n = 1.5, b = 1), or None for softmax."""
+    log n, n = the keys a query sees — `log_n`, a captured 0-d tensor, when not causal; SSA n = 1.5, b = 1), or None
+    for softmax."""
     if norm == "softmax":
         return None
     if norm == "ssmax":
         if causal:
             return lambda score, b, h, q_idx, kv_idx: score * torch.log((q_idx + 1).to(score.dtype))
-        log_n = float(torch.log(torch.tensor(float(length))))
         return lambda score, b, h, q_idx, kv_idx: score * log_n
     if norm == "ssa":
         return lambda score, b, h, q_idx, kv_idx: 1.5 * torch.sign(score) * torch.log1p(score.abs())
     raise ValueError(f"FlexAttention baseline for {norm!r}: only {', '.join(FLEX_NORMS)}")
+
+
+# One score_mod per (norm, causal, device) for the whole run, its length-dependent parameter a captured tensor
+# updated in place: torch.compile then compiles once per shape. A new closure per call made it recompile every time
+# until its recompile limit, then fall back to the unfused path, which materialises the scores (32 GiB at 32K keys).
+_FLEX_MODS: dict[tuple, tuple] = {}
 
 
 def _flex_runner(q, k, v, norm: str, causal: bool, gpu: bool):
@@ -159,13 +178,50 @@ def _flex_runner(q, k, v, norm: str, causal: bool, gpu: bool):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     length = q.shape[2]
+    key = (norm, causal, q.device)
+    if key not in _FLEX_MODS:
+        log_n = torch.zeros((), dtype=torch.float32, device=q.device)
+        _FLEX_MODS[key] = (flex_score_mod(norm, causal, log_n), log_n)
+    mod, log_n = _FLEX_MODS[key]
     mask = None
     if causal:
-        mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, length, length,
-                                 device=q.device)  # fmt: skip
-    flex = torch.compile(flex_attention, dynamic=False) if gpu else flex_attention
-    mod = flex_score_mod(norm, length, causal)
-    return lambda: flex(q, k, v, score_mod=mod, block_mask=mask)
+        mask = create_block_mask(_causal, None, None, length, length, device=q.device)
+    flex = _compiled_flex() if gpu else flex_attention
+
+    def run():
+        log_n.fill_(math.log(length))
+        return flex(q, k, v, score_mod=mod, block_mask=mask)
+
+    return run
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once for the run; a shape it cannot compile raises (reported as the row's reason)
+    instead of silently running unfused."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.recompile_limit = 64  # one compile per (shape, mask, norm) of a full run: ~50
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _host_ms(fn: Callable[[], object], gpu: bool, calls: int = 20) -> float:
+    """Host time per call: the wall time to issue `calls` calls back to back, before waiting for the device. Above the
+    kernel time, the GPU waits for Python (launch overhead, lookups, allocations)."""
+    if gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    if gpu:
+        torch.cuda.synchronize()
+    return host
 
 
 def _sdpa(q, k, v, causal: bool, gpu: bool):
@@ -200,8 +256,10 @@ def _decode_rows(args, device, dtype, gpu: bool) -> tuple[list[list[str]], float
             run_problem(problem)
             splits = launch_config(problem).splits
             ms = _median_ms(lambda p=problem: run_problem(p), gpu)
+            host = _host_ms(lambda p=problem: run_problem(p), gpu)
             gbs = kv_bytes / ms / 1e6
-            rows.append([f"{lk:,}", norm, str(splits), f"{ms:.3f}", f"{gbs:,.0f}", f"{gbs / copy_gbs:.0%}"])
+            rows.append([f"{lk:,}", norm, str(splits), f"{ms:.3f}", f"{host:.3f}", f"{gbs:,.0f}",
+                         f"{gbs / copy_gbs:.0%}"])  # fmt: skip
             rows.append(_paged_row(q, k, v, norm, args.page_size, copy_gbs, kv_bytes, gpu))
     return rows, copy_gbs
 
@@ -227,8 +285,10 @@ def _paged_row(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gp
         kw["query_scale"] = torch.ones(q.shape[:3], device=q.device)
     paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw)
     ms = _median_ms(lambda: paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw), gpu)
+    host = _host_ms(lambda: paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw), gpu)
     gbs = kv_bytes / ms / 1e6
-    return [f"{lk:,}", f"{norm} (paged, {page}-key pages)", "auto", f"{ms:.3f}", f"{gbs:,.0f}", f"{gbs / copy_gbs:.0%}"]
+    return [f"{lk:,}", f"{norm} (paged, {page}-key pages)", "auto", f"{ms:.3f}", f"{host:.3f}", f"{gbs:,.0f}",
+            f"{gbs / copy_gbs:.0%}"]  # fmt: skip
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -270,17 +330,31 @@ def run(argv: list[str] | None = None) -> int:
             "bf16, one sequence, heads = 1024 / D; median of triton.testing.do_bench. TFLOP/s counts 4·H·L²·D"
             " (half of it when causal) for every norm, so it is comparable across rows; × SDPA = SDPA time / ours."
             " Entmax block sparsity = key tiles skipped in the output pass; passes = threshold passes."
-            " FlexAttention rows compute the output only (sharp's kernels also return the per-head entropy).",
+            " FlexAttention rows compute the output only (sharp's kernels also return the per-head entropy)."
+            " host ms = wall time to issue one call (20 back to back, before waiting for the GPU): above ms, Python"
+            " is the bottleneck.",
             "",
             markdown_table(
-                ["L", "D", "mask", "kernel", "ms", "TFLOP/s", "× SDPA", "block sparsity", "passes", "max Δ out / H"],
+                [
+                    "L",
+                    "D",
+                    "mask",
+                    "kernel",
+                    "ms",
+                    "host ms",
+                    "TFLOP/s",
+                    "× SDPA",
+                    "block sparsity",
+                    "passes",
+                    "max Δ out / H",
+                ],
                 prefill,
             ),
             "",
             f"Decode (Lq = 1, Hq = {args.decode_heads}, Hkv = {args.decode_kv_heads}, D = {args.decode_head_dim}):"
             f" K+V bytes read per call / time, against a measured device copy bandwidth of {copy_gbs:,.0f} GB/s.",
             "",
-            markdown_table(["keys", "norm", "splits", "ms", "GB/s", "of copy"], decode),
+            markdown_table(["keys", "norm", "splits", "ms", "host ms", "GB/s", "of copy"], decode),
         ]
     )
     print(body)
