@@ -485,6 +485,47 @@ def test_prefill_tiles_are_tuned_once_per_problem_class(monkeypatch):
     assert len(timed) == 4  # decode: split-K, not tuned
 
 
+def test_tuned_tiles_persist_on_disk_per_gpu_triton_and_class(monkeypatch, tmp_path):
+    """A restarted server tunes nothing it tuned before: the choice is stored per (GPU, Triton version, problem
+    class) in the tile cache and read back without timing anything; a corrupt file or a tile no longer offered
+    is ignored (tuned again), and SHARP_TILE_CACHE=0 keeps tiles in the process only."""
+    import triton
+
+    from sharp.plugins.triton.attention import Tile
+
+    cache = tmp_path / "tiles.json"
+    monkeypatch.setenv("SHARP_TRITON_AUTOTUNE", "1")
+    monkeypatch.setenv("SHARP_TILE_CACHE", str(cache))
+    monkeypatch.setattr(host, "PREFILL_TILES", (Tile(16, 16), Tile(32, 32, 8)))
+    timed = []
+    time_ms = host._time_ms
+    monkeypatch.setattr(host, "_time_ms", lambda fn, dev: timed.append(1) or time_ms(fn, dev))
+    q, k, v, _ = _qkv(lq=40, lk=40)
+
+    def prefill() -> Tile:
+        monkeypatch.setattr(host, "_TUNED", {})  # a new process
+        attend(q, k, v, norm="ssa", causal=True, impl="triton")
+        (tile,) = host._TUNED.values()
+        return tile
+
+    first = prefill()
+    assert len(timed) == 2
+    (key, fields), *more = json.loads(cache.read_text()).items()
+    assert not more and json.loads(key)[:2] == ["cpu", triton.__version__] and "ssa" in json.loads(key)[2]
+    assert Tile(*fields) == first
+    assert prefill() == first and len(timed) == 2  # read back, nothing timed
+    cache.write_text("{not json")
+    prefill()
+    assert len(timed) == 4 and json.loads(cache.read_text())  # tuned again, rewritten
+    cache.write_text(json.dumps({key: [64, 64, 4, 3]}))  # a tile this build does not offer
+    prefill()
+    assert len(timed) == 6
+    monkeypatch.setenv("SHARP_TILE_CACHE", "0")
+    cache.unlink()
+    prefill()
+    assert len(timed) == 8 and not cache.exists()
+
+
 def test_the_tuner_skips_tiles_that_do_not_fit_and_keeps_the_fastest(monkeypatch):
     """Which tile wins is the timer's call; a tile the device cannot hold (OutOfResources at compile) is skipped.
     The runs here are a stand-in for kernel launches: the real ones are timed only on a GPU."""

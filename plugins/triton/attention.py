@@ -7,11 +7,13 @@ Semantics are exactly `attend`'s (the problem comes from `sharp.models.problem`)
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import triton
@@ -139,6 +141,11 @@ def tuned_tile(p: AttentionProblem, run_with: Callable[[Tile], object]) -> Tile:
         p.query_scale is not None, p.key_mask is not None, _length_class(p.lq), _length_class(p.lk),
     )  # fmt: skip
     if key not in _TUNED:
+        cache = tile_cache_path(p.q.device)
+        stored = _stored_tile(cache, _disk_key(key, p.q.device)) if cache is not None else None
+        if stored is not None:
+            _TUNED[key] = stored
+            return stored
         timings = {}
         for tile in PREFILL_TILES:
             try:
@@ -150,7 +157,61 @@ def tuned_tile(p: AttentionProblem, run_with: Callable[[Tile], object]) -> Tile:
             raise RuntimeError(f"no prefill tile of {PREFILL_TILES} fits this device for {key}")
         _TUNED[key] = min(timings, key=timings.get)
         log.info("prefill tile for %s: %s (%.3f ms)", key, _TUNED[key], timings[_TUNED[key]])
+        if cache is not None:
+            _store_tile(cache, _disk_key(key, p.q.device), _TUNED[key])
     return _TUNED[key]
+
+
+def tile_cache_path(device: torch.device) -> Path | None:
+    """Where tuned tiles persist across processes (a server's restart tunes nothing it tuned before): the file
+    $SHARP_TILE_CACHE ("0" turns it off), else on CUDA `sharp/prefill-tiles.json` in the user cache directory
+    ($XDG_CACHE_HOME or ~/.cache). Entries are keyed by GPU name, Triton version and problem class."""
+    setting = os.environ.get("SHARP_TILE_CACHE", "")
+    if setting == "0":
+        return None
+    if setting:
+        return Path(setting)
+    if device.type != "cuda":
+        return None
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sharp" / "prefill-tiles.json"
+
+
+def _disk_key(key: tuple, device: torch.device) -> str:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return json.dumps([gpu, triton.__version__, [str(x) for x in key]])
+
+
+def _read_tiles(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # unreadable or corrupt: tune again and rewrite it
+        log.warning("tile cache %s ignored: %s", path, e)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _stored_tile(path: Path, disk_key: str) -> Tile | None:
+    """The tile stored for this class, if it is still one of PREFILL_TILES."""
+    fields = _read_tiles(path).get(disk_key)
+    try:
+        tile = Tile(*fields) if isinstance(fields, list) else None
+    except TypeError:
+        return None
+    return tile if tile in PREFILL_TILES else None
+
+
+def _store_tile(path: Path, disk_key: str, tile: Tile) -> None:
+    """Add one entry, replacing the file atomically (concurrent servers may write it too)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**_read_tiles(path), disk_key: [tile.block_m, tile.block_n, tile.num_warps, tile.num_stages]}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: keep tuning per process
+        log.warning("tile cache %s not written: %s", path, e)
 
 
 def head_vector(value: Param, heads: int, device: torch.device) -> Tensor:
