@@ -142,7 +142,8 @@ def tuned_tile(p: AttentionProblem, run_with: Callable[[Tile], object]) -> Tile:
     )  # fmt: skip
     if key not in _TUNED:
         cache = tile_cache_path(p.q.device)
-        stored = _stored_tile(cache, _disk_key(key, p.q.device)) if cache is not None else None
+        disk_key = _disk_key(key, p.q.device) if cache is not None else ""
+        stored = _stored_tile(cache, disk_key) if cache is not None else None
         if stored is not None:
             _TUNED[key] = stored
             return stored
@@ -158,7 +159,7 @@ def tuned_tile(p: AttentionProblem, run_with: Callable[[Tile], object]) -> Tile:
         _TUNED[key] = min(timings, key=timings.get)
         log.info("prefill tile for %s: %s (%.3f ms)", key, _TUNED[key], timings[_TUNED[key]])
         if cache is not None:
-            _store_tile(cache, _disk_key(key, p.q.device), _TUNED[key])
+            _store_tile(cache, disk_key, _TUNED[key])
     return _TUNED[key]
 
 
