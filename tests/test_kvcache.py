@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import ATOL, ATOL_LOOSE, DEVICE
 
 from sharp.models import ModelConfig, SharpLM, kvcache
 from sharp.models.kvcache import PAGED_KERNEL_ROWS, OutOfPages, PageAllocator, PagedKVCache
@@ -124,21 +125,22 @@ def test_paged_decode_reads_the_cache_pools():
     from sharp.plugins.triton.paged import paged_decode
 
     g = torch.Generator().manual_seed(1)
-    cache = PagedKVCache(layers=1, kv_heads=2, head_dim=16, num_pages=20, page_size=16)
+    cache = PagedKVCache(layers=1, kv_heads=2, head_dim=16, num_pages=20, page_size=16, device=DEVICE)
     for seq, n in (("x", 50), ("y", 3), ("z", 33)):
         cache.reserve(seq, n)
-        _append(cache, [seq], torch.randn(1, 2, n, 16, generator=g), torch.randn(1, 2, n, 16, generator=g))
+        k, v = torch.randn(2, 1, 2, n, 16, generator=g).to(DEVICE).unbind(0)
+        _append(cache, [seq], k, v)
     cache.free("y")  # a hole in the pool between the others
     seqs = ["z", "x"]
     step = cache.step(seqs, 0)
-    q = torch.randn(2, 4, 1, 16, generator=g)
-    out, ent = paged_decode(q, *cache.pages(0), step.block_table, step.seq_lens, norm="ssa",
-                            ssa_n=torch.full((4,), 1.5), ssa_b=torch.full((4,), 1.0))  # fmt: skip
+    q = torch.randn(2, 4, 1, 16, generator=g).to(DEVICE)
+    n, b = torch.full((4,), 1.5, device=DEVICE), torch.full((4,), 1.0, device=DEVICE)
+    out, ent = paged_decode(q, *cache.pages(0), step.block_table, step.seq_lens, norm="ssa", ssa_n=n, ssa_b=b)
     for i, seq in enumerate(seqs):
         k, v = cache.gather(seq, 0)
         o_ref, h_ref = attend(q[i : i + 1], k, v, norm="ssa", causal=True, return_entropy=True)
-        torch.testing.assert_close(out[i : i + 1], o_ref, atol=1e-5, rtol=0)
-        torch.testing.assert_close(ent[i : i + 1], h_ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[i : i + 1], o_ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(ent[i : i + 1], h_ref, atol=ATOL, rtol=0)
 
 
 def _paged_generation(
@@ -147,7 +149,9 @@ def _paged_generation(
     """Chunked prefill of each prompt, then `decode` batched greedy steps over all of them, on a paged cache:
     (logits, entropy) per sequence and step. `scattered`: the pool is fragmented first (every other page held), so
     no sequence gets two consecutive pages and prefill gathers its keys instead of viewing them in place."""
-    cache = PagedKVCache(model.cfg.layers, model.cfg.kv_heads, model.cfg.head_dim, num_pages=64, page_size=16)
+    dev = next(model.parameters()).device
+    cfg = model.cfg
+    cache = PagedKVCache(cfg.layers, cfg.kv_heads, cfg.head_dim, num_pages=64, page_size=16, device=dev)
     if scattered:
         for page in range(64):
             cache.reserve(("filler", page), 1)
@@ -161,7 +165,7 @@ def _paged_generation(
             ids = p[:, start : start + chunk]
             step = cache.step([s], ids.shape[1])
             assert (step.run_start is None) == (scattered and len(cache.tables[s]) > 1)
-            pos = torch.arange(start, start + ids.shape[1])[None]
+            pos = torch.arange(start, start + ids.shape[1], device=dev)[None]
             out = model.step(ids, cache=step, positions=pos, return_entropy=True, impl=impl)
             step.commit()
             seen[s].append((out.logits[0, -1], out.entropy[0, ..., -1]))
@@ -169,9 +173,9 @@ def _paged_generation(
     seqs = list(prompts)
     for _ in range(decode):
         step = cache.step(seqs, 1)
-        pos = torch.tensor([[cache.lengths[s]] for s in seqs])
-        out = model.step(torch.tensor([[last[s]] for s in seqs]), cache=step, positions=pos, return_entropy=True,
-                         impl=impl)  # fmt: skip
+        pos = torch.tensor([[cache.lengths[s]] for s in seqs], device=dev)
+        ids = torch.tensor([[last[s]] for s in seqs], device=dev)
+        out = model.step(ids, cache=step, positions=pos, return_entropy=True, impl=impl)
         step.commit()
         for i, s in enumerate(seqs):
             seen[s].append((out.logits[i, -1], out.entropy[i, ..., -1]))
@@ -214,9 +218,10 @@ def test_sharp_lm_on_a_paged_cache_matches_its_dense_cache(norm, impl, monkeypat
     monkeypatch.setattr(kvcache, "_paged_impl", counting)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, context_length=256, norm=norm)
-    model = SharpLM(cfg).eval()
+    model = SharpLM(cfg).eval().to(DEVICE)
     g = torch.Generator().manual_seed(2)
     prompts = {"long": torch.randint(0, 64, (1, 70), generator=g), "short": torch.randint(0, 64, (1, 5), generator=g)}
+    prompts = {s: p.to(DEVICE) for s, p in prompts.items()}
     assert 40 * 2 > PAGED_KERNEL_ROWS >= 30 * 2
     with torch.inference_mode():
         want = _dense_generation(model, prompts, 40, decode=3)
@@ -229,8 +234,8 @@ def test_sharp_lm_on_a_paged_cache_matches_its_dense_cache(norm, impl, monkeypat
     assert sorted(set(paged_rows)) == ([] if impl == "reference" else [1, 5, 10, 30])
     for s in want:
         for (lw, hw), (lg, hg) in zip(want[s], got[s], strict=True):
-            torch.testing.assert_close(lg, lw, atol=2e-5, rtol=0)
-            torch.testing.assert_close(hg, hw.to(hg.dtype), atol=2e-5, rtol=0)
+            torch.testing.assert_close(lg, lw, atol=ATOL_LOOSE, rtol=0)
+            torch.testing.assert_close(hg, hw.to(hg.dtype), atol=ATOL_LOOSE, rtol=0)
 
 
 def test_implementations_are_resolved_once_per_process(monkeypatch):
@@ -245,12 +250,12 @@ def test_implementations_are_resolved_once_per_process(monkeypatch):
     attention.registered_impl.cache_clear()
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, dim=32, layers=2, heads=4, kv_heads=2, context_length=256, norm="ssa")
-    model = SharpLM(cfg).eval()
-    prompts = {"a": torch.randint(0, 64, (1, 70)), "b": torch.randint(0, 64, (1, 5))}
+    model = SharpLM(cfg).eval().to(DEVICE)
+    prompts = {"a": torch.randint(0, 64, (1, 70), device=DEVICE), "b": torch.randint(0, 64, (1, 5), device=DEVICE)}
     with torch.inference_mode():  # 40-token chunks run attend(impl="triton"), shorter ones and decode the pages
         _paged_generation(model, prompts, 40, "triton", decode=3, scattered=False)
         for _ in range(3):
-            attention.attend(*torch.randn(3, 1, 2, 8, 16).unbind(0), impl="triton", norm="entmax")
+            attention.attend(*torch.randn(3, 1, 2, 8, 16, device=DEVICE).unbind(0), impl="triton", norm="entmax")
     assert sorted(scans) == [attention.IMPL_GROUP, attention.PAGED_IMPL_GROUP]
     with pytest.raises(ValueError, match=r"'cuda-x' is not installed here for sharp\.attention_impls"):
         attention.registered_impl(attention.IMPL_GROUP, "cuda-x")

@@ -1,5 +1,6 @@
 """Paged decode (plugins/triton/paged.py) against `attend` on each sequence's gathered keys: shuffled block tables,
-partly filled last pages, GQA packed into the rows, several splits, every softmax-family norm. CPU: interpreter."""
+partly filled last pages, GQA packed into the rows, several splits, every norm. On the GPU when there is one, else in
+Triton's interpreter (tests/devices.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+
+from devices import ATOL, DEVICE, on_device
 
 from sharp.models import attend
 from sharp.plugins.triton.paged import paged_decode
@@ -39,7 +42,8 @@ def _paged(hkv: int, d: int, lengths: list[int], seed: int = 0):
             v_pages[page, :, : chunk.stop - chunk.start] = v[0, :, chunk]
         ks.append(k)
         vs.append(v)
-    return k_pages, v_pages, table, torch.tensor(lengths, dtype=torch.int32), ks, vs
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    return *on_device([k_pages, v_pages, table, seq_lens]), on_device(ks), on_device(vs)
 
 
 def _params(norm: str, hq: int, q: torch.Tensor) -> dict:
@@ -54,7 +58,7 @@ def _params(norm: str, hq: int, q: torch.Tensor) -> dict:
         kw.update(ssmax_s=torch.linspace(0.5, 1.5, hq))
     if norm == "adaptive":
         kw.update(poly=(-0.037, 0.481, -2.3, 4.917, -1.791))
-    return kw
+    return on_device(kw, q.device)
 
 
 @pytest.mark.parametrize("norm", ["softmax", "ssmax", "ssa", "adaptive", "entmax", "asentmax"])
@@ -64,14 +68,14 @@ def test_paged_decode_matches_attend_on_gathered_keys(norm, hq, hkv, lq, splits)
     d = 24  # not a power of two: masked lanes
     lengths = [max(n, lq) for n in LENGTHS]
     k_pages, v_pages, table, seq_lens, ks, vs = _paged(hkv, d, lengths, seed=hq + lq)
-    q = torch.randn(len(lengths), hq, lq, d, generator=torch.Generator().manual_seed(9))
+    q = torch.randn(len(lengths), hq, lq, d, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     kw = _params(norm, hq, q)
     out, ent = paged_decode(q, k_pages, v_pages, table, seq_lens, norm=norm, splits=splits, **kw)
     for b in range(len(lengths)):
         one = {**kw, "query_scale": kw["query_scale"][b : b + 1]} if "query_scale" in kw else kw
         o_ref, h_ref = attend(q[b : b + 1], ks[b], vs[b], norm=norm, causal=True, return_entropy=True, **one)
-        torch.testing.assert_close(out[b : b + 1], o_ref, atol=1e-5, rtol=0, msg=f"sequence {b}")
-        torch.testing.assert_close(ent[b : b + 1], h_ref, atol=1e-5, rtol=0, msg=f"sequence {b}")
+        torch.testing.assert_close(out[b : b + 1], o_ref, atol=ATOL, rtol=0, msg=f"sequence {b}")
+        torch.testing.assert_close(ent[b : b + 1], h_ref, atol=ATOL, rtol=0, msg=f"sequence {b}")
 
 
 @pytest.mark.parametrize("norm", ["softmax", "ssmax", "ssa", "adaptive", "entmax", "asentmax"])
@@ -79,18 +83,18 @@ def test_paged_decode_defaults_are_attends(norm):
     """Called with no parameters, paged decode computes what `attend` computes with none: both take the registry's
     defaults (adaptive's polynomial included), and per-head parameters may be floats."""
     k_pages, v_pages, table, seq_lens, ks, vs = _paged(2, 16, [37, 20], seed=4)
-    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(6)) * 2
-    lam = {"query_scale": torch.rand(2, 4, 1) + 0.5} if norm == "asentmax" else {}
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE) * 2
+    lam = {"query_scale": torch.rand(2, 4, 1, device=DEVICE) + 0.5} if norm == "asentmax" else {}
     out, ent = paged_decode(q, k_pages, v_pages, table, seq_lens, norm=norm, **lam)
     for b in range(2):
         one = {"query_scale": lam["query_scale"][b : b + 1]} if lam else {}
         o_ref, h_ref = attend(q[b : b + 1], ks[b], vs[b], norm=norm, causal=True, return_entropy=True, **one)
-        torch.testing.assert_close(out[b : b + 1], o_ref, atol=1e-5, rtol=0)
-        torch.testing.assert_close(ent[b : b + 1], h_ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out[b : b + 1], o_ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(ent[b : b + 1], h_ref, atol=ATOL, rtol=0)
 
 
 def test_paged_decode_refuses_what_it_does_not_run():
     k_pages, v_pages, table, seq_lens, _, _ = _paged(1, 16, [20])
-    q = torch.randn(1, 2, 1, 16)
+    q = torch.randn(1, 2, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="power of two"):
         paged_decode(q, k_pages[:, :, :12], v_pages[:, :, :12], table, seq_lens, norm="softmax")

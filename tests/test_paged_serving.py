@@ -12,6 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
+from devices import DEVICE
 from test_serving import _req, model_files, reference  # noqa: F401  (fixtures and helpers)
 
 from sharp.models import ModelConfig, SharpLM
@@ -176,12 +177,12 @@ def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(m
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_triton_paged_kernels_in_the_engine(model_files, reference, dtype):  # noqa: F811
-    """The torch backend with impl='triton' (the CPU interpreter): prefill chunks and batched decode steps of
-    sequences with different lengths run the paged kernel and generate the model's own tokens (fp32 reference),
-    with fp32 and with bf16 weights and cache — the precision the backend serves in on CUDA (the model's top-2
-    logit gaps are far wider than bf16's error)."""
+    """The torch backend with impl='triton' (on the GPU when there is one, else the CPU interpreter): prefill
+    chunks and batched decode steps of sequences with different lengths run the paged kernel and generate the
+    model's own tokens (fp32 reference), with fp32 and with bf16 weights and cache — the precision the backend serves
+    in on CUDA (the model's top-2 logit gaps are far wider than bf16's error)."""
     pytest.importorskip("triton")
-    be = load_backend(model_files["torch"], "torch", impl="triton", dtype=dtype)
+    be = load_backend(model_files["torch"], "torch", DEVICE.type, impl="triton", dtype=dtype)
     assert be.cache is None and be.model.head.weight.dtype == be.dtype
     eng = Engine(be, EngineConfig(prefill_chunk=16))
     assert be.cache.keys[0].dtype == be.dtype and be.kv_bytes_per_token == be.spec.kv_bytes_per_token(be.dtype.itemsize)

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from devices import ATOL, DEVICE
 
 from sharp.exporter import cli as export_cli
 from sharp.exporter import fallback
@@ -70,8 +71,8 @@ def test_a_new_normalizer_with_an_existing_algorithm_needs_only_its_entry(monkey
         for block in model.blocks:
             block.attn.ssmax_s.copy_(torch.linspace(0.5, 1.5, 4))
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(1, 4, 40, 8, generator=g) for _ in range(3))
-    s = torch.linspace(0.5, 1.5, 4)
+    q, k, v = (torch.randn(1, 4, 40, 8, generator=g).to(DEVICE) for _ in range(3))
+    s = torch.linspace(0.5, 1.5, 4, device=DEVICE)
     ref, ref_h = attend(q, k, v, norm="logn", ssmax_s=s, causal=True, return_entropy=True)
     want, want_h = attend(q, k, v, norm="ssmax", ssmax_s=s, causal=True, return_entropy=True)
     torch.testing.assert_close(ref, want)
@@ -79,8 +80,8 @@ def test_a_new_normalizer_with_an_existing_algorithm_needs_only_its_entry(monkey
     impls = ["streamed", *(["triton"] if fallback_has_triton() else [])]
     for impl in impls:
         out, ent = attend(q, k, v, norm="logn", ssmax_s=s, causal=True, return_entropy=True, impl=impl, block_size=16)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-        torch.testing.assert_close(ent, ref_h, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+        torch.testing.assert_close(ent, ref_h, atol=ATOL, rtol=0)
     from sharp.exporter.export import ExportSettings, export_model
 
     for mode in fallback.MODES:

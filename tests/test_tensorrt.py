@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from devices import DEVICE
+
 from sharp.models import NORMS, attend
 from sharp.plugins.tensorrt import PLUGIN_NAME, KernelManifest, TensorRTUnavailable, import_tensorrt, register
 from sharp.plugins.tensorrt.plugin import EXTRAS, float_bits
@@ -119,7 +121,7 @@ def test_aot_impl_hands_over_a_launch_that_computes_the_op(plugin, norm, causal)
     from sharp.plugins.triton import kernels
 
     standin, manifest = plugin
-    inputs, ref = tensorrt_form_inputs(norm, 2, 4, 2, 70, 100, 64, torch.float16, "cpu", seed=len(norm) + causal)
+    inputs, ref = tensorrt_form_inputs(norm, 2, 4, 2, 70, 100, 64, torch.float16, DEVICE, seed=len(norm) + causal)
     launch = aot_launch(standin, manifest, norm, causal, inputs, kv_heads=2, scale=64**-0.5)
     entry = launch.entry
     assert entry is manifest.find(norm, "fp16", 64, causal)
@@ -305,8 +307,8 @@ def test_the_plugin_computes_the_exported_layer_from_the_files_own_tensors(plugi
         if i.name.startswith("past_key_values"):
             feeds[i.name] = np.zeros((b, 1, 0, 64), np.float32)
     values = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
-    q, k, v, mask, params, qscale = (torch.from_numpy(values[n]) for n in node.input)
-    o_ref, h_ref = (torch.from_numpy(values[n]) for n in node.output)
+    q, k, v, mask, params, qscale = (torch.from_numpy(values[n]).to(DEVICE) for n in node.input)
+    o_ref, h_ref = (torch.from_numpy(values[n]).to(DEVICE) for n in node.output)
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
     def shape(t):  # static shapes: every dim known
@@ -320,8 +322,8 @@ def test_the_plugin_computes_the_exported_layer_from_the_files_own_tensors(plugi
     entry = next(e for e in plugin[1].entries if e["entry"].encode() == name and attrs["norm"].decode() in e["norms"]
                  and e["constexprs"]["CAUSAL"] == bool(attrs["causal"]))  # fmt: skip
     grid = tuple(Sym.of(g)({}) for g in (launch.grid_x, launch.grid_y, launch.grid_z))
-    o = torch.zeros(q.shape, dtype=torch.float16)
-    h = torch.zeros(q.shape[:3])
+    o = torch.zeros(q.shape, dtype=torch.float16, device=DEVICE)
+    h = torch.zeros(q.shape[:3], device=DEVICE)
     args = [q.half(), k.half(), v.half(), mask, params, qscale, *(Sym.of(e)({}) for e in extras), o, h]
     kernels.KERNELS[entry["kernel"]][grid](*args, **entry["constexprs"])
     assert mask.dtype == torch.int32 and params.dtype == torch.float32

@@ -1,4 +1,5 @@
-"""Triton kernels against attend(impl="reference"). On CPU they run in Triton's interpreter (conftest)."""
+"""Triton kernels against attend(impl="reference"), on the GPU when there is one, else in Triton's interpreter
+(tests/devices.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from devices import ATOL, ATOL_LOOSE, DEVICE, device_name, on_device
+
 from sharp.models import NORMS, attend
 from sharp.models.problem import build_problem
 from sharp.models.streamed import StreamStats
@@ -30,13 +33,13 @@ host = importlib.import_module(
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy warnings inside the interpreter
 
 
-def _qkv(b=1, hq=4, hkv=2, lq=21, lk=45, d=16, seed=0, dtype=torch.float32):
+def _qkv(b=1, hq=4, hkv=2, lq=21, lk=45, d=16, seed=0, dtype=torch.float32, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, lq, d, generator=g)
     k = torch.randn(b, hkv, lk, d, generator=g)
     v = torch.randn(b, hkv, lk, d, generator=g)
     qs = torch.rand(b, hq, lq, generator=g) + 0.5
-    return q.to(dtype), k.to(dtype), v.to(dtype), qs
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), qs.to(device)
 
 
 def _problem(q, k, v, **kw):
@@ -68,7 +71,7 @@ def _norm_kwargs(norm, hq, qs, per_head):
             ssmax_s=torch.linspace(0.5, 1.5, hq),
             alibi_slopes=torch.tensor([0.5, 0.25, 0.0, 0.0]),
         )
-    return kw
+    return on_device(kw, qs.device)
 
 
 CASES = list(itertools.product(NORMS, [False, True], [(4, 4), (4, 1)], ["prefill", "decode"]))
@@ -83,8 +86,8 @@ def test_kernels_match_reference(norm, causal, heads, shape):
     kw = _norm_kwargs(norm, hq, qs, per_head=causal)  # alternate scalar and per-head params, ALiBi
     o_ref, h_ref = attend(q, k, v, causal=causal, return_entropy=True, **kw)
     o_tri, h_tri = attend(q, k, v, causal=causal, return_entropy=True, impl="triton", block_size=16, **kw)
-    torch.testing.assert_close(o_tri, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(h_tri, h_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o_tri, o_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(h_tri, h_ref, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -99,8 +102,8 @@ def test_split_k_merge_with_empty_splits(norm, lq):
     cfg = launch_config(p, block_size=16, splits=3)
     assert cfg.splits == 3 and cfg.keys_per_split > cfg.block_n  # several tiles per split
     o, h = run_problem(p, block_size=16, splits=3)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("norm", NORMS)
@@ -111,7 +114,7 @@ def test_key_mask_padding_matches_reference(norm, shape):
     middle of row 0; several tiles and, for decode, several key splits per program."""
     lq, lk = (21, 45) if shape == "prefill" else (1, 70)
     q, k, v, qs = _qkv(b=3, hq=4, hkv=2, lq=lq, lk=lk, seed=7)
-    mask = torch.ones(3, lk, dtype=torch.bool)
+    mask = torch.ones(3, lk, dtype=torch.bool, device=DEVICE)
     mask[1, :7] = False
     mask[2, :30] = False
     mask[0, 20:23] = False
@@ -119,8 +122,8 @@ def test_key_mask_padding_matches_reference(norm, shape):
     o_ref, h_ref = attend(q, k, v, causal=True, key_mask=mask, return_entropy=True, **kw)
     splits = None if shape == "prefill" else 3
     o, h = run_problem(_problem(q, k, v, causal=True, key_mask=mask, **kw), block_size=16, splits=splits)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
     if shape == "prefill":
         assert bool((o[2, :, :6] == 0).all()) and bool((h[2, :, :6] == 0).all())  # rows that see only padding
 
@@ -132,12 +135,12 @@ def test_entmax_scalar_alpha_fast_paths(alpha, splits):
     split-K decode (logits → τ on chip → partial outputs)."""
     lq = 21 if splits is None else 3
     q, k, v, _ = _qkv(hq=4, hkv=2, lq=lq, lk=75, seed=5)
-    kw = dict(norm="entmax", causal=True, alpha=alpha, alibi_slopes=torch.tensor([0.5, 0.25, 0.0, 0.1]))
+    kw = dict(norm="entmax", causal=True, alpha=alpha, alibi_slopes=torch.tensor([0.5, 0.25, 0.0, 0.1], device=DEVICE))
     o_ref, h_ref = attend(q, k, v, return_entropy=True, **kw)
     stats = StreamStats()
     o, h = run_problem(_problem(q, k, v, **kw), block_size=16, splits=splits, stats=stats)
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
     # Halley's step where S'' is bounded (α ≤ 1.5) converges in fewer passes than Newton's (8–9 at these sizes)
     assert 1 <= stats.threshold_passes <= (6 if alpha <= 1.5 else 8)
 
@@ -160,7 +163,7 @@ def test_no_host_synchronisation_inside_a_call(norm, splits, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, refuse)
     o, _ = run_problem(p, block_size=16, splits=splits)
     monkeypatch.undo()
-    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
 
 
 def test_decode_config_splits_keys_to_fill_the_gpu():
@@ -174,21 +177,21 @@ def test_decode_config_splits_keys_to_fill_the_gpu():
 def test_large_logits_exact_inputs(norm):
     """|z| up to ~9e3 with integer q, k so every implementation sees bit-identical logits."""
     g = torch.Generator().manual_seed(7)
-    q = torch.randint(-3, 4, (1, 2, 9, 16), generator=g).float()
-    k = torch.randint(-3, 4, (1, 2, 33, 16), generator=g).float()
-    v = torch.randn(1, 2, 33, 16, generator=g)
+    q = torch.randint(-3, 4, (1, 2, 9, 16), generator=g).float().to(DEVICE)
+    k = torch.randint(-3, 4, (1, 2, 33, 16), generator=g).float().to(DEVICE)
+    v = torch.randn(1, 2, 33, 16, generator=g).to(DEVICE)
     kw = dict(
         norm=norm,
         scale=64.0,
         causal=True,
         return_entropy=True,
-        query_scale=torch.ones(1, 2, 9) if norm == "asentmax" else None,
+        query_scale=torch.ones(1, 2, 9, device=DEVICE) if norm == "asentmax" else None,
     )
     o_ref, h_ref = attend(q, k, v, **kw)
     o_tri, h_tri = attend(q, k, v, impl="triton", block_size=16, **kw)  # new maxima arrive in later tiles
     assert torch.isfinite(o_tri).all() and torch.isfinite(h_tri).all()
-    torch.testing.assert_close(o_tri, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(h_tri, h_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o_tri, o_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(h_tri, h_ref, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("d", [24, 80])
@@ -196,7 +199,7 @@ def test_head_dims_that_are_not_powers_of_two(d):
     q, k, v, _ = _qkv(hq=2, hkv=2, lq=9, lk=20, d=d)
     for norm in ("ssmax", "entmax"):
         o_ref = attend(q, k, v, norm=norm, causal=True)
-        torch.testing.assert_close(attention(q, k, v, norm=norm, causal=True), o_ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(attention(q, k, v, norm=norm, causal=True), o_ref, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -211,23 +214,22 @@ def test_half_precision_inputs(dtype):
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_entmax_pass_count_and_block_skipping(alpha):
     q, k, v, _ = _qkv(hq=2, hkv=2, lq=48, lk=128, seed=3)
-    p = _problem(q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=torch.tensor([2.0, 1.0]))
+    slopes = torch.tensor([2.0, 1.0], device=DEVICE)
+    p = _problem(q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=slopes)
     stats = StreamStats()
     out, ent = run_problem(p, block_size=16, stats=stats)
-    o_ref, h_ref = attend(
-        q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=torch.tensor([2.0, 1.0]), return_entropy=True
-    )
-    torch.testing.assert_close(out, o_ref, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent, h_ref, atol=1e-5, rtol=0)
+    o_ref, h_ref = attend(q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=slopes, return_entropy=True)
+    torch.testing.assert_close(out, o_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ent, h_ref, atol=ATOL, rtol=0)
     assert stats.threshold_passes <= 8
     assert stats.block_sparsity > 0.3
 
 
 def test_empty_keys_and_errors(monkeypatch):
     q, _, _, _ = _qkv(lq=2)
-    k = torch.zeros(1, 2, 0, 16)
+    k = torch.zeros(1, 2, 0, 16, device=DEVICE)
     assert (attention(q, k, k, norm="ssa") == 0).all()
-    q, k, v, _ = _qkv()
+    q, k, v, _ = _qkv(device=torch.device("cpu"))
     with pytest.raises(ValueError, match="forward-only"):
         attend(q.clone().requires_grad_(), k, v, impl="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -265,10 +267,13 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert {m["kernel"] for m in manifest} == {"softmax_family", "entmax"}
+    from sharp.plugins.triton.aot import default_ptx_version
+
+    want = "{}.{}".format(*divmod(default_ptx_version(90), 10))
     for m in manifest:
         ptx = (tmp_path / f"{m['variant']}.ptx").read_text()
         assert ".target sm_90" in ptx and f".entry {m['entry']}(" in ptx
-        assert ".version 9.0\n" in ptx and m["ptx_version"] == "9.0"  # what the lent GPUs' 580 driver loads
+        assert f".version {want}\n" in ptx and m["ptx_version"] == want  # ≤ 9.0: what driver 580 loads
         launch = m["launch"]
         assert launch["scratch_bytes"] == 0  # TensorRT passes null for Triton's hidden scratch pointers
         assert launch["block"] == [32 * m["num_warps"], 1, 1]
@@ -337,8 +342,8 @@ def _launch_through_the_manifest(manifest: list[dict]) -> None:
 
     b, hq, hkv, lq, lk, d = 2, 4, 2, 100, 100, 64  # 2 query blocks × 2 key tiles of 64 per program
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(b, h, n, d, generator=g).half() for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
-    bh, dummy = b * hq, torch.zeros(1)
+    q, k, v = (torch.randn(b, h, n, d, generator=g).half().to(DEVICE) for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    bh, dummy = b * hq, torch.zeros(1, device=DEVICE)
     cases = {
         "softmax_family_fp16_d64_causal_finalize_logn_with_v": ("ssmax", dummy),
         "softmax_family_fp16_d64_causal_finalize_ssa_with_v": ("ssa", dummy),
@@ -348,18 +353,19 @@ def _launch_through_the_manifest(manifest: list[dict]) -> None:
     entries = {m["variant"]: m for m in manifest}
     for variant, (norm, rowf) in cases.items():
         m = entries[variant]
-        out, ent = torch.zeros(bh, lq, d, dtype=torch.float16), torch.zeros(bh, lq)
+        out, ent = torch.zeros(bh, lq, d, dtype=torch.float16, device=DEVICE), torch.zeros(bh, lq, device=DEVICE)
         kw = {"ssa_n": 1.5, "ssa_b": 1.0} if norm == "ssa" else {}
         if norm == "ssmax":  # s·log n, n counted in the kernel
             kw = {"ssmax_s": 1.3}
-        poly = torch.tensor((-0.037, 0.481, -2.3, 4.917, -1.791))
+        poly = torch.tensor((-0.037, 0.481, -2.3, 4.917, -1.791), device=DEVICE)
         values = dict(
-            Q=q, K=k, V=v, ROWF=rowf, SSMAX_S=torch.full((hq,), 1.3), SSA_N=torch.full((hq,), 1.5),
-            SSA_B=torch.full((hq,), 1.0), POLY=poly,
+            Q=q, K=k, V=v, ROWF=rowf, SSMAX_S=torch.full((hq,), 1.3, device=DEVICE),
+            SSA_N=torch.full((hq,), 1.5, device=DEVICE), SSA_B=torch.full((hq,), 1.0, device=DEVICE), POLY=poly,
             SLOPES=dummy, LAMBDA=dummy, KMASK=dummy, M_OUT=dummy, L_OUT=dummy, KP_OUT=dummy, ACC_OUT=dummy,
             OUT=out, ENT_OUT=ent, H=hq, GROUP=hq // hkv, LQ=lq, LK=lk, D=d, BH=bh, scale=d**-0.5,
             keys_per_split=128, smb=lk, NPOLY=poly.numel(), beta_threshold=0.5,
-            ALPHA=torch.full((hq,), 1.5), COUNTS=dummy, max_passes=30, tol=4 * torch.finfo(torch.float32).eps,
+            ALPHA=torch.full((hq,), 1.5, device=DEVICE), COUNTS=dummy, max_passes=30,
+            tol=4 * torch.finfo(torch.float32).eps,
         )  # fmt: skip
         for name, t in (("q", q), ("k", k), ("v", v)):
             values.update(zip((f"s{name}b", f"s{name}h", f"s{name}{'m' if name == 'q' else 'n'}", f"s{name}d"),
@@ -391,7 +397,7 @@ def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     assert len(checked) == 6
     for cell in checked:
         d_out, d_h = (float(x) for x in cell.split(" / "))
-        assert d_out < 3e-2 and d_h < 1e-5, cell
+        assert d_out < 3e-2 and d_h < ATOL, cell
 
 
 @pytest.mark.parametrize("norm", ["softmax", "ssmax", "ssa"])
@@ -405,9 +411,9 @@ def test_flex_attention_baseline_computes_the_same_norm(norm, causal):
     for length in (40, 24, 40):  # one score_mod per norm for the run: a length's parameter must not stick
         q, k, v, _ = _qkv(hq=2, hkv=2, lq=length, lk=length, seed=length)
         want = attend(q, k, v, norm=norm, causal=causal, ssa_n=1.5, ssa_b=1.0, ssmax_s=1.0)
-        runs.append((_flex_runner(q, k, v, norm, causal, gpu=False), want))
+        runs.append((_flex_runner(q, k, v, norm, causal, gpu=DEVICE.type == "cuda"), want))
     for run, want in runs[::-1]:
-        torch.testing.assert_close(run(), want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(run(), want, atol=ATOL, rtol=0)
     assert sum(key[:2] == (norm, causal) for key in bench._FLEX_MODS) == 1
 
 
@@ -436,7 +442,7 @@ def test_entmax_at_large_alpha_converges_through_the_safeguard():
     Against the float64 oracle: at α > 2 the threshold is ill-conditioned in fp32 (the fp32 reference itself is
     8e-6 away here; the kernels' exp(inv · log d) powers measured 2.8e-5)."""
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 2, 40, 16, generator=g) * 2 for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(DEVICE) * 2 for _ in range(3))
     kw = dict(norm="entmax", causal=True, alpha=2.5, return_entropy=True)
     o_ref, h_ref = attend(q.double(), k.double(), v.double(), **kw)
     o_tri, h_tri = attend(q, k, v, impl="triton", block_size=16, **kw)
@@ -448,7 +454,7 @@ def test_entmax_at_large_alpha_converges_through_the_safeguard():
 def test_every_prefill_tile_computes_the_same_attention(norm):
     """Each tile the tuner may pick (up to 128 × 128) over several key tiles: causal, a padding mask, GQA."""
     q, k, v, qs = _qkv(b=2, hq=4, hkv=2, lq=150, lk=150, d=16, seed=4)
-    mask = torch.ones(2, 150, dtype=torch.bool)
+    mask = torch.ones(2, 150, dtype=torch.bool, device=DEVICE)
     mask[1, :37] = False  # a left-padded row
     kw = dict(_norm_kwargs(norm, 4, qs, per_head=True), causal=True, key_mask=mask)
     o_ref, h_ref = attend(q, k, v, return_entropy=True, **kw)
@@ -457,8 +463,8 @@ def test_every_prefill_tile_computes_the_same_attention(norm):
         cfg = launch_config(p, tile=tile)
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.splits) == (tile.block_m, tile.block_n, tile.num_warps, 1)
         o, h = host._run(p, cfg, None)
-        torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=0, msg=str(tile))
-        torch.testing.assert_close(h, h_ref, atol=2e-5, rtol=0, msg=str(tile))
+        torch.testing.assert_close(o, o_ref, atol=ATOL_LOOSE, rtol=0, msg=str(tile))
+        torch.testing.assert_close(h, h_ref, atol=ATOL_LOOSE, rtol=0, msg=str(tile))
 
 
 def test_prefill_tiles_are_tuned_once_per_problem_class(monkeypatch):
@@ -476,8 +482,8 @@ def test_prefill_tiles_are_tuned_once_per_problem_class(monkeypatch):
         q, k, v, _ = _qkv(lq=lq, lk=lq, seed=lq)
         o, h = attend(q, k, v, norm="ssa", causal=True, impl="triton", return_entropy=True)
         o_ref, h_ref = attend(q, k, v, norm="ssa", causal=True, return_entropy=True)
-        torch.testing.assert_close(o, o_ref, atol=2e-5, rtol=0)
-        torch.testing.assert_close(h, h_ref, atol=2e-5, rtol=0)
+        torch.testing.assert_close(o, o_ref, atol=ATOL_LOOSE, rtol=0)
+        torch.testing.assert_close(h, h_ref, atol=ATOL_LOOSE, rtol=0)
     assert len(timed) == 4 and len(host._TUNED) == 2
     assert set(host._TUNED.values()) <= set(host.PREFILL_TILES)
     q, k, v, _ = _qkv(lq=1, lk=300)
@@ -511,7 +517,7 @@ def test_tuned_tiles_persist_on_disk_per_gpu_triton_and_class(monkeypatch, tmp_p
     first = prefill()
     assert len(timed) == 2
     (key, fields), *more = json.loads(cache.read_text()).items()
-    assert not more and json.loads(key)[:2] == ["cpu", triton.__version__] and "ssa" in json.loads(key)[2]
+    assert not more and json.loads(key)[:2] == [device_name(), triton.__version__] and "ssa" in json.loads(key)[2]
     assert Tile(*fields) == first
     assert prefill() == first and len(timed) == 2  # read back, nothing timed
     cache.write_text("{not json")
