@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools triton-oldest wheelhouse test lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest wheelhouse test test-gpu lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,13 @@ wheelhouse: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
+
+# The GPU selection (tests/test_gpu.py): kernels, the paged cache and serving at 4K-32K keys; refuses without CUDA.
+# On a GPU image with sharp installed: make test-gpu GPU_PYTHON=python3
+GPU_PYTHON ?= $(BIN)/python
+test-gpu:
+	@$(GPU_PYTHON) -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu: no CUDA device is visible to torch')"
+	$(GPU_PYTHON) -P -m pytest -q -m gpu tests/test_gpu.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

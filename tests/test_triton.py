@@ -382,6 +382,14 @@ def _launch_through_the_manifest(manifest: list[dict]) -> None:
         torch.testing.assert_close(ent.view(b, hq, lq), h_ref, atol=1e-3, rtol=0, msg=variant)
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the refusal on a machine without CUDA")
+def test_the_gpu_selection_refuses_without_a_gpu():
+    """`make test-gpu` cannot do its job without CUDA: it exits non-zero naming why, never "0 selected"."""
+    proc = subprocess.run(["make", "-s", "test-gpu", f"GPU_PYTHON={sys.executable}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert proc.returncode != 0 and "no CUDA device is visible to torch" in proc.stderr
+
+
 def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     """The GPU benchmark's whole pipeline at toy sizes (numbers meaningless; nothing written)."""
     from sharp.benchmarks.kernels import run
