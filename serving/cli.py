@@ -110,6 +110,13 @@ def serve_parser() -> argparse.ArgumentParser:
         default="auto",
         help="entropy histogram labels: per head, per layer, off; auto: per head up to 256 (layer, head) pairs",
     )
+    ap.add_argument(
+        "--warm-up",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run the model's prefill and decode shapes (kernel compiles, tile tuning) before health reports SERVING;"
+        " auto: on with --device cuda",
+    )
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
     ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
     ap.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
@@ -197,6 +204,7 @@ def build_server(args):
         auth_token=token,
         tls_cert=cert,
         tls_key=key,
+        warm_up=args.warm_up == "on" or (args.warm_up == "auto" and args.device == "cuda"),
     )
     return engine, server
 
@@ -206,6 +214,13 @@ async def _serve(engine, config) -> None:
 
     server = SharpServer(engine, config)
     await server.start()
+    if server.warm_up is not None:
+        w = server.warm_up
+        print(
+            f"sharp-serve: warm-up {w.seconds:.1f} s ({w.prefill_chunks} prefill chunks, {w.decode_steps} decode steps,"
+            f" sequences up to {w.longest} tokens)",
+            flush=True,
+        )
     spec = engine.spec
     where = config.metrics_host or config.host
     metrics = f", metrics http://{where}:{server.metrics_port}/metrics" if server.metrics_port else ""
@@ -246,11 +261,16 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (UsageError, BackendError) as e:
         print(f"sharp-serve: {e}", file=sys.stderr)
         return 2
+    from sharp.serving.warmup import WarmUpError
+
     try:
         asyncio.run(_serve(engine, config))
     except OSError as e:
         print(f"sharp-serve: {e}", file=sys.stderr)
         return 2
+    except WarmUpError as e:
+        print(f"sharp-serve: warm-up failed, not serving: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

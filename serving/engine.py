@@ -193,7 +193,8 @@ class Engine:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():  # never started when the server stopped before serving (a failed warm-up)
+            self._thread.join(timeout=30)
 
     def submit(self, req: GenerationRequest, sink: Callable[[Event], None]) -> Sequence:
         """Queue a validated request (serving.requests.validate); events go to `sink` from the engine thread."""

@@ -23,6 +23,7 @@ from sharp.serving.engine import Delta, Engine, Failed, Finished
 from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.requests import RequestError, validate
 from sharp.serving.stats import RequestOutcome
+from sharp.serving.warmup import WarmUp, warm_up
 from sharp.v1 import generator_pb2 as pb
 from sharp.v1 import generator_pb2_grpc as pb_grpc
 
@@ -44,6 +45,7 @@ class ServerConfig:
     auth_token: str | None = None  # bearer token every call but health must carry
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
+    warm_up: bool = False  # run the model's shapes (compiles, tile tuning) before health reports SERVING
 
 
 def bind_problem(host: str, port: int) -> str | None:
@@ -278,6 +280,7 @@ class SharpServer:
         self.health = Health()
         self.server: grpc.aio.Server | None = None
         self.port = self.metrics_port = self.health_port = None
+        self.warm_up: WarmUp | None = None
         self._metrics_http = None
         self._health_server: grpc.aio.Server | None = None
 
@@ -317,10 +320,21 @@ class SharpServer:
                     f"cannot serve metrics on {cfg.metrics_host or cfg.host}:{cfg.metrics_port}: {e.strerror}"
                 ) from None
             self.metrics_port = self._metrics_http.start().port
-        self.engine.start()
+        for name in ("", SERVICE):  # until the engine runs (and, with warm_up, has run the model's shapes)
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
-        if cfg.health_port is not None:  # after the main port, so no probe sees SERVING before it can serve
+        if cfg.health_port is not None:
             await self._start_health(cfg.host, cfg.health_port)
+        if cfg.warm_up:  # in a worker thread: probes keep being answered (NOT_SERVING) meanwhile
+            engine = self.engine
+            try:
+                self.warm_up = await asyncio.get_running_loop().run_in_executor(
+                    None, warm_up, engine.backend, engine.config.prefill_chunk
+                )
+            except BaseException:
+                await self.stop()
+                raise
+        self.engine.start()
         for name in ("", SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -368,7 +382,11 @@ class BackgroundServer:
 
     def __enter__(self) -> BackgroundServer:
         self._thread.start()
-        self._call(self.server.start())
+        try:
+            self._call(self.server.start(), timeout=None)  # a warm-up takes what it takes
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
