@@ -3,8 +3,9 @@
 Norm changes: the checkpoint's own norm always; on a softmax model also `adaptive` (inference-time
 sharpening, --poly for fitted coefficients) and `ssmax` (with --ssmax-s). Learned normalizers (entmax α,
 ASEntmax λ, SSA n and b, SSMax s) cannot be conjured from a model that never learned them: that is refused.
-The check runs the file in onnxruntime (CPU, no plugin) at lengths other than the traced one and with a
-past cache, against the PyTorch model, and exits 1 over tolerance.
+The check runs the file in onnxruntime (CPU; with sharp's native kernel when it is built, else the file's fallback
+bodies — --no-native forces those) at lengths other than the traced one and with a past cache, against the PyTorch
+model, and exits 1 over tolerance.
 """
 
 from __future__ import annotations
@@ -53,10 +54,14 @@ def check_norm_change(model: SharpLM, norm: str, values: dict[str, float]) -> No
     target = registry.get(norm)
     if not registry.can_export_as(cfg.norm, norm):
         allowed = [n.name for n in registry.all_norms() if cfg.norm in n.inference_time_from]
+        why = (
+            f"{norm} is an inference-time change of {' or '.join(target.inference_time_from)} models only"
+            if target.inference_time_from
+            else f"{norm} parameters are learned in training; retrain with sharp-train --norm {norm}"
+        )
         raise UsageError(
-            f"cannot export a {cfg.norm} model as {norm}: {norm} parameters are learned in training "
-            f"(allowed: the model's own norm{''.join(', ' + a for a in allowed)}); "
-            f"retrain with sharp-train --norm {norm}"
+            f"cannot export a {cfg.norm} model as {norm}: {why} "
+            f"(allowed for this model: its own norm{''.join(', ' + a for a in allowed)})"
         )
     for param in target.change_requires:
         if values.get(param) is None:
@@ -69,6 +74,8 @@ def _check_output(model: Path, out: Path) -> None:
         raise UsageError(f"-o {out} is the input checkpoint; choose another output path")
     if out.is_dir():
         raise UsageError(f"-o {out} is a directory; give a file path such as {out / model.with_suffix('.onnx').name}")
+    if out.exists() and not out.stat().st_mode & 0o222:
+        raise UsageError(f"-o {out} is a read-only file; choose another output path (sharp-export never forces one)")
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise UsageError(f"cannot write {out}: {out.parent} is not a writable directory")
 
@@ -256,6 +263,9 @@ def _check_package_dir(model: Path, out: Path) -> None:
     """--genai: `out` is a new or empty directory that is not the input."""
     if out.resolve() == model.resolve() or model.resolve() in out.resolve().parents:
         raise UsageError(f"-o {out} is (inside) the input model; choose another directory")
+    if out.suffix == ".onnx" and not out.is_dir():
+        raise UsageError(f"-o {out}: --genai writes a package directory (model.onnx, genai_config.json, tokenizer);"
+                         f" give a directory such as {out.with_suffix('')}")  # fmt: skip
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"-o {out} exists and is not an empty directory; --genai writes a new directory")
     parent = out.parent if not out.exists() else out
@@ -305,6 +315,8 @@ def _export(args) -> int:
         try:
             onnx.save(proto, tmp)
             tmp.replace(out)  # atomic: `out` is either the old file or the whole new one
+        except PermissionError as e:
+            raise UsageError(f"cannot write {out}: {e.strerror}") from None
         finally:
             tmp.unlink(missing_ok=True)
     shape = meta.shape

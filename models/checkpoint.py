@@ -61,23 +61,28 @@ def save(model: nn.Module, path: str | Path, **meta) -> Path:
     return path
 
 
-def read(path: str | Path) -> dict:
-    """Load and validate the checkpoint dict without building a model."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file (expected a sharp model.pt)")
+def load_tensors(path: Path, expected: str = "a sharp checkpoint written by sharp.models.save") -> object:
+    """torch.load, weights only (nothing user-supplied is unpickled into code), its failures as CheckpointError."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         globals_ = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
         if not globals_:  # the unpickler met bytes that are no pickle at all
             raise CheckpointError(f"{path}: not a readable torch file (truncated or corrupt)") from None
         raise CheckpointError(
             f"{path}: refused — it holds Python objects that a weights-only load never executes ({globals_[0]}); "
-            "expected a sharp checkpoint written by sharp.models.save"
+            f"expected {expected}"
         ) from None
     except Exception as e:  # a weights-only load runs no code; anything it raises means "not a torch file"
         raise CheckpointError(f"{path}: not a readable torch file (truncated or corrupt: {type(e).__name__})") from None
+
+
+def read(path: str | Path) -> dict:
+    """Load and validate the checkpoint dict without building a model."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file (expected a sharp model.pt)")
+    payload = load_tensors(path)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = f"a dict with keys {sorted(payload)[:6]}" if isinstance(payload, dict) else type(payload).__name__
         raise CheckpointError(f"{path}: not a sharp checkpoint (found {found}; expected format='{FORMAT}')")
@@ -134,4 +139,11 @@ def load(path: str | Path) -> nn.Module:
             f"{path}: weights do not match the {arch} config (missing {result.missing_keys[:4]}, "
             f"unexpected {result.unexpected_keys[:4]})"
         )
+    for name, module in model.named_modules():  # learned or stored normalizer parameters inside their domains
+        if hasattr(module, "head_params"):
+            for value, p in zip(module.head_params().values(), module.spec.params, strict=True):
+                try:
+                    p.check_tensor(value)
+                except ValueError as e:
+                    raise CheckpointError(f"{path}: {name}: {e}") from None
     return model.eval()

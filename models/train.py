@@ -21,7 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from sharp.models import registry
-from sharp.models.checkpoint import CheckpointError, load, save
+from sharp.models.checkpoint import CheckpointError, load, load_tensors, save
 from sharp.models.config import ModelConfig
 from sharp.models.lm import SharpLM
 from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig, max_retrieval_batch
@@ -87,9 +87,14 @@ def train(args, progress: bool = True) -> TrainResult:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=decay)
     start = 0
     if args.resume:
-        state = torch.load(resume_path, map_location="cpu", weights_only=True)
-        opt.load_state_dict(state["optimizer"])
-        g.set_state(state["generator"])
+        state = load_tensors(resume_path, "the .resume.pt sharp-train writes")
+        if not isinstance(state, dict) or not {"step", "optimizer", "generator"} <= set(state):
+            raise CheckpointError(f"--resume: {resume_path} is not a sharp-train resume file (step, optimizer, RNG)")
+        try:
+            opt.load_state_dict(state["optimizer"])
+            g.set_state(state["generator"])
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"--resume: {resume_path} does not match this model ({e})") from None
         start = int(state["step"])
     lo, hi = args.size
     losses: list[float] = []

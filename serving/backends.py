@@ -505,4 +505,7 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
         if path.suffix == ".pt":
             raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")
         return OnnxRuntimeBackend(path, device, **kw)
+    if path.suffix == ".onnx":
+        raise BackendError(f"{path}: an ONNX file; --backend torch serves a model.pt checkpoint, serve this file with"
+                           " --backend onnxruntime")  # fmt: skip
     return TorchBackend(path, device, **kw)

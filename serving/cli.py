@@ -327,7 +327,10 @@ def client_main(argv: list[str] | None = None) -> int:
     client = Client(args.target, token.decode().strip() if token else None, root, args.timeout)
     try:
         if args.command == "health":
-            print(client.health())
+            status = client.health()
+            print(status)
+            if status != "SERVING":  # as grpc_health_probe: a probe or script can rely on the exit status
+                return 1
         elif args.command == "info":
             print(json.dumps(json_format.MessageToDict(client.info()), indent=2))
         else:

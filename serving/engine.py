@@ -181,6 +181,7 @@ class Engine:
         self._outbox: list[tuple[Sequence, Event]] = []  # events of this step, sent at its end
         self._cond = threading.Condition()
         self._stopping = False
+        self._ending: tuple[grpc.StatusCode, str] | None = None  # end_all's request to the engine thread
         self.draining = False
         self._thread = threading.Thread(target=self._loop, name="sharp-engine", daemon=True)
 
@@ -260,6 +261,13 @@ class Engine:
             + (1 << 16)
         )
 
+    def end_all(self, code: grpc.StatusCode, message: str) -> None:
+        """End every unfinished request with `code` (from any thread; the engine thread does it): a drain's
+        deadline."""
+        with self._cond:
+            self._ending = (code, message)
+            self._cond.notify_all()
+
     def idle(self) -> bool:
         with self._cond:
             return not (self._waiting or self._prefilling or self._running)
@@ -268,10 +276,14 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not (self._waiting or self._prefilling or self._running):
+                while not (self._stopping or self._waiting or self._prefilling or self._running or self._ending):
                     self._cond.wait()
                 if self._stopping:
                     return
+                ending, self._ending = self._ending, None
+            if ending is not None:
+                self._fail_all(ending[1], ending[0])
+                continue
             try:
                 self.step()
             except Exception as e:  # a backend failure ends the affected requests, never the server
@@ -438,8 +450,8 @@ class Engine:
         self._outbox.append((seq, Failed(code, message)))
         self._stats.outcomes.append(RequestOutcome(code.name.lower(), time.perf_counter() - seq.arrival))
 
-    def _fail_all(self, message: str) -> None:
-        """End every unfinished sequence with INTERNAL; those that finished this step keep their answer."""
+    def _fail_all(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
+        """End every unfinished sequence with `code`; those that finished this step keep their answer."""
         with self._cond:
             seqs = [s for s in (*self._waiting, *self._prefilling, *self._running) if not s.done]
             self._waiting.clear()
@@ -450,6 +462,6 @@ class Engine:
         failing = set(seqs)
         self._outbox = [(q, ev) for q, ev in self._outbox if q not in failing]
         for s in seqs:
-            self._outbox.append((s, Failed(grpc.StatusCode.INTERNAL, message)))
-            self._stats.outcomes.append(RequestOutcome("internal", time.perf_counter() - s.arrival))
+            self._outbox.append((s, Failed(code, message)))
+            self._stats.outcomes.append(RequestOutcome(code.name.lower(), time.perf_counter() - s.arrival))
         self._end_step()

@@ -31,6 +31,7 @@ log = logging.getLogger("sharp.serving")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Generator"
 LARGE_PROMPT = 1 << 16  # characters: validation of a longer prompt runs in a worker thread
+DRAIN_DEADLINE = "the server is draining: drain deadline reached before this request finished"
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 
 
@@ -356,6 +357,11 @@ class SharpServer:
         deadline = loop.time() + self.config.drain_timeout
         while (self.service.inflight or not self.engine.idle()) and loop.time() < deadline:
             await asyncio.sleep(0.02)
+        if self.service.inflight or not self.engine.idle():  # the deadline: calls end with a status that says so
+            self.engine.end_all(grpc.StatusCode.UNAVAILABLE, DRAIN_DEADLINE)
+            deadline = loop.time() + 5
+            while self.service.inflight and loop.time() < deadline:
+                await asyncio.sleep(0.02)
         await self.stop()
 
     async def stop(self) -> None:

@@ -166,8 +166,17 @@ def test_selectors_ports_and_probes_fit_together(rendered):
 
 
 def server_args(container: dict) -> list[str]:
-    """The container's arguments with $(VAR) expanded from its env, as the kubelet does."""
-    env = {e["name"]: e["value"] for e in container["env"]}
+    """The container's arguments with $(VAR) expanded from its env, as the kubelet does (a CPU request read through
+    the downward API rounds up to whole CPUs with divisor 1)."""
+    env = {}
+    for e in container["env"]:
+        ref = e.get("valueFrom", {}).get("resourceFieldRef")
+        if ref is None:
+            env[e["name"]] = e["value"]
+        else:
+            assert ref["containerName"] == container["name"] and ref["resource"] == "requests.cpu"
+            cpu = container["resources"]["requests"]["cpu"]
+            env[e["name"]] = str(math.ceil(float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)))
     expand = lambda a: re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a)
     return [expand(a) for a in container["args"]]
 
@@ -183,6 +192,7 @@ def test_the_server_arguments_parse_and_the_drain_fits_the_grace_period(rendered
     assert (args.backend, args.device, args.model.suffix) == (
         ("torch", "cuda", ".pt") if overlay == "gpu" else ("onnxruntime", "cpu", ".onnx")
     )
+    assert args.threads == int(container["resources"]["requests"]["cpu"]) > 0  # onnxruntime: the CPUs it asked for
     pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > pause + args.drain_timeout
     live = container["livenessProbe"]

@@ -132,7 +132,11 @@ def test_fallback_none_needs_a_plugin(tmp_path):
         ("missing", [], "no such file"),
         ("garbage", [], "not a readable torch file"),
         ("ssa", ["--norm", "softmax"], "cannot export a ssa model as softmax"),
-        ("entmax", ["--norm", "ssa"], "parameters are learned"),
+        ("entmax", ["--norm", "ssa"], "ssa parameters are learned in training; retrain with sharp-train --norm ssa"),
+        ("ssa", ["--norm", "adaptive"], "adaptive is an inference-time change of softmax models only (allowed for"),
+        ("nan-alpha", [], "blocks.1.attn: alpha must be finite and >= 1 for every head"),
+        ("read-only", [], "is a read-only file; choose another output path"),
+        ("ssa", ["--genai", "-o", "OUT/x.onnx"], "--genai writes a package directory"),
         ("softmax", ["--norm", "ssmax"], "needs --ssmax-s"),
         ("max-retrieval", [], "is not a language model"),
         ("ssa", ["-o", "/nonexistent-dir/x.onnx"], "not a writable directory"),
@@ -144,11 +148,23 @@ def test_cli_errors_exit_2_with_one_line(tmp_path, capsys, setup, args, message)
         path.write_bytes(b"\x00\x01 definitely not a checkpoint \xff" * 16)
     elif setup == "max-retrieval":
         save(MaxRetrieval(MaxRetrievalConfig(width=8)), path)
+    elif setup == "nan-alpha":  # stored parameters outside their domain: refused where the checkpoint is read
+        save(_model("entmax"), path)
+        payload = torch.load(path, weights_only=True)
+        payload["state_dict"]["blocks.1.attn.alpha_raw"][0] = float("nan")
+        torch.save(payload, path)
     elif setup != "missing":
-        save(_model(setup), path)
+        save(_model("ssa" if setup == "read-only" else setup), path)
+    if setup == "read-only":
+        (tmp_path / "model.onnx").write_bytes(b"keep me")
+        (tmp_path / "model.onnx").chmod(0o444)
+    args = [a.replace("OUT", str(tmp_path)) for a in args]
     assert main([str(path), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+    if setup == "read-only":
+        assert (tmp_path / "model.onnx").read_bytes() == b"keep me"
+    assert not (tmp_path / "x.onnx").exists()
 
 
 def test_unknown_norm_lists_the_valid_ones(tmp_path, capsys):

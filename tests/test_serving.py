@@ -436,6 +436,25 @@ def test_drain_in_process_health_and_unavailable(model_files):
         drainer.join(timeout=30)
 
 
+def test_a_drain_deadline_ends_calls_with_a_status_that_says_so(model_files):
+    """In-flight calls that outlive --drain-timeout end UNAVAILABLE with the reason (not gRPC's generic
+    cancellation), counted once, and the engine is left empty."""
+    with serving(model_files, server=dict(drain_timeout=0.3)) as srv, Client(srv.target) as c:
+        stream = c.generate_stream("deadline", max_new_tokens=4000, temperature=0, stop=["never"])
+        next(stream)
+        srv.drain()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert err.value.details() == "the server is draining: drain deadline reached before this request finished"
+        assert srv.server.engine.idle() and srv.server.service.inflight == 0
+        from prometheus_client import generate_latest
+
+        text = generate_latest(srv.server.engine.metrics.registry).decode()  # the endpoint stopped with the server
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        assert sample_value(families, "sharp_requests", "sharp_requests_total", status="unavailable") == 1
+
+
 def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
     cmd = [
         sys.executable,
@@ -495,6 +514,7 @@ def test_a_second_signal_stops_the_drain(model_files):
         (["MODEL", "--dtype", "bf16"], "--dtype applies to --backend torch"),
         (["MODEL.pt", "--backend", "torch", "--dtype", "fp8"], "invalid choice"),
         (["MODEL.pt", "--backend", "torch", "--kv-cache-mb", "0.0001"], "holds no page of 16 tokens"),
+        (["MODEL", "--backend", "torch"], "an ONNX file; --backend torch serves a model.pt checkpoint"),
     ],
 )
 def test_sharp_serve_usage_errors_exit_2_with_one_line(model_files, args, says):
@@ -523,8 +543,12 @@ def test_sharp_client_commands(model_files):
             timeout=120,
         )
         health = run("health")
-        assert health.stdout.strip() == "SERVING"
+        assert health.stdout.strip() == "SERVING" and health.returncode == 0
         assert health.stderr.strip() == "False"  # the client never loads torch (it starts in a fraction of a second)
+        srv._call(srv.server.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING))
+        health = run("health")  # a script or probe relies on the status, as with grpc_health_probe
+        assert health.stdout.strip() == "NOT_SERVING" and health.returncode == 1
+        srv._call(srv.server.health.set("", health_pb2.HealthCheckResponse.SERVING))
         assert '"norm": "ssa"' in run("info").stdout
         r = run("generate", "hello", "--stream", "--max-new-tokens", "5", "--stats")
         assert r.returncode == 0 and "attention (ssa)" in r.stdout and "[finish: " in r.stderr

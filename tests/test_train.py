@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -81,3 +83,17 @@ def test_cli_mistakes_exit_2(argv, capsys):
 def test_resume_without_state_exits_2(tmp_path, capsys):
     assert main(["copy", "--steps", "2", "--resume", "--out", str(tmp_path / "none.pt")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_state_file_holding_python_objects_in_one_line(tmp_path, capsys):
+    """A .resume.pt is read weights-only like a checkpoint: objects are refused (never run), one line, exit 2."""
+    base = ["copy", "--steps", "2", "--save-every", "1", "--out", str(tmp_path / "r.pt")]
+    assert main(base) == 0
+    capsys.readouterr()
+    torch.save({"step": 1, "optimizer": {}, "generator": Path("not a tensor")}, tmp_path / "r.pt.resume.pt")
+    assert main([*base, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "refused" in err and "the .resume.pt sharp-train writes" in err and len(err.splitlines()) == 1
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "r.pt.resume.pt")
+    assert main([*base, "--resume"]) == 2
+    assert "is not a sharp-train resume file" in capsys.readouterr().err
