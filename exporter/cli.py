@@ -298,7 +298,7 @@ def _export(args) -> int:
         tensorrt=args.tensorrt,
     )
     # sharp's native onnxruntime library takes the standard form only: a TensorRT-form file runs its fallback bodies
-    library, attention = choose_library(args.native and not args.tensorrt)
+    library, attention = choose_library(args.native, tensorrt_form=args.tensorrt)
     if args.genai and args.fallback == "none" and library is None:
         raise UsageError(
             f"--genai --fallback none needs sharp's op library in the package, and there is none ({attention})"

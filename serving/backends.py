@@ -297,8 +297,9 @@ class OnnxRuntimeBackend(GraphBackend):
             raise BackendError(f"{path}: exported without a KV cache; re-export without --no-kv-cache to serve it")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        op_library, self.attention = choose_library(native, op_library)
-        log.info("%s", self.attention)
+        op_library, self.attention = choose_library(
+            native, op_library, tensorrt_form=meta.export.get("tensorrt", False)
+        )
         if op_library:  # a native sharp::SharpAttention kernel replaces the standard-op fallback bodies
             options.register_custom_ops_library(op_library)
         providers = ["CPUExecutionProvider"]
@@ -358,6 +359,12 @@ class TorchBackend(Backend):
         self.device, self.dtype = torch.device(device), DTYPES[dtype]
         self.model = model.to(self.device, self.dtype).eval()
         self.impl = impl
+        if impl is not None:
+            self.attention = f"attention: impl={impl!r} (torch, {device})"
+        elif device == "cuda":
+            self.attention = "attention: sharp's Triton kernels (paged decode, fused prefill)"
+        else:
+            self.attention = f"attention: torch reference, streamed from {STREAMED_FROM_KEYS} keys"
         self.spec = ModelSpec(Path(path).stem, "torch", metadata.ModelMetadata.from_model(model))
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
         self.cache: PagedKVCache | None = None
@@ -441,6 +448,7 @@ class TensorRTBackend(GraphBackend):
         if not torch.cuda.is_available():
             raise BackendError("--backend tensorrt: no CUDA device is visible to torch")
         self.device = torch.device("cuda")
+        self.attention = "attention: the TensorRT plugin (sharp's ahead-of-time Triton kernels)"
         self.stream = torch.cuda.Stream()
         self.trt = trt
         self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(path.read_bytes())

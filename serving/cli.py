@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -17,6 +18,11 @@ import signal
 import ssl
 import sys
 from pathlib import Path
+
+from sharp.serving import logs
+from sharp.serving.logs import FORMATS, LEVELS
+
+log = logging.getLogger("sharp.serving")
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
@@ -117,6 +123,8 @@ def serve_parser() -> argparse.ArgumentParser:
         help="run the model's prefill and decode shapes (kernel compiles, tile tuning) before health reports SERVING;"
         " auto: on with --device cuda",
     )
+    ap.add_argument("--log-level", choices=LEVELS, default="info", help="server log lines on stderr from this level")
+    ap.add_argument("--log-format", choices=FORMATS, default="text", help="text, or one JSON object per line")
     ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
     ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
     ap.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
@@ -213,6 +221,7 @@ async def _serve(engine, config) -> None:
     from sharp.serving.server import SharpServer
 
     server = SharpServer(engine, config)
+    log.info("%s: %s", engine.spec.name, engine.backend.attention)
     await server.start()
     if server.warm_up is not None:
         w = server.warm_up
@@ -263,6 +272,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     from sharp.serving.warmup import WarmUpError
 
+    logs.configure(args.log_level, args.log_format)
     try:
         asyncio.run(_serve(engine, config))
     except OSError as e:

@@ -171,6 +171,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             max_prompt_bytes=self.engine.limits.max_prompt_bytes,
             max_stop_strings=c.max_stop_strings,
             max_stop_length=c.max_stop_length,
+            attention=self.engine.backend.attention,
         )
 
 

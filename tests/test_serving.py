@@ -8,6 +8,7 @@ greedy tokens vary and top-2 logit gaps are wide: batched results can then be co
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import math
 import os
 import re
@@ -99,6 +100,7 @@ def test_generate_matches_the_model_and_streams_the_same_text(model_files, refer
         prompt = "def main():\n"
         r = c.generate(prompt, max_new_tokens=24, temperature=0, attention_stats=True)
         ids = c.tokenize(prompt, add_bos=True)
+        assert c.info().attention == srv.server.engine.backend.attention and "attention: " in c.info().attention
         assert list(r.token_ids) == reference(ids, 24)
         assert len(set(r.token_ids)) > 3  # the check above is not about a constant sequence
         assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(r.token_ids)
@@ -481,6 +483,27 @@ def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
         assert "draining" in out and "stopped" in out
     finally:
         proc.kill()
+
+
+def test_sharp_serve_logs_one_json_object_per_event_and_reports_its_attention(model_files):
+    """`--log-format json`: every stderr line is one JSON object (a cluster's log collector needs no parser), the
+    first says what runs the attention, and GetModelInfo reports the same."""
+    cmd = [sys.executable, "-m", "sharp.serving.cli", str(model_files["onnxruntime"]), "--port", "0",
+           "--metrics-port", "-1", "--log-format", "json"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = re.search(r" on 127\.0\.0\.1:(\d+)", proc.stdout.readline()).group(1)
+        with Client(f"127.0.0.1:{port}") as c:
+            attention = c.info().attention
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        lines = [json.loads(line) for line in proc.stderr.read().splitlines()]
+    finally:
+        proc.kill()
+    assert attention == "attention: the native sharp::SharpAttention kernel"
+    first = lines[0]
+    assert first["level"] == "info" and first["logger"] == "sharp.serving" and first["message"] == f"tiny: {attention}"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
 
 
 def test_a_second_signal_stops_the_drain(model_files):

@@ -428,3 +428,34 @@ def test_serving_an_engine_needs_its_metadata_then_tensorrt(trt_file, tmp_path, 
     assert "runs on --device cuda" in capsys.readouterr().err
     assert serve_main([str(plan), "--backend", "tensorrt", "--device", "cuda"]) == 2
     assert "TensorRT is not installed" in capsys.readouterr().err
+
+
+def test_a_tensorrt_form_file_serves_by_default_and_says_how(tmp_path, capsys):
+    """What sharp exports runs where sharp says it runs: sharp-serve on a --tensorrt file, native library on by
+    default, runs its fallback bodies (the native kernel takes the standard form) and says so, and generates the
+    checkpoint's own greedy tokens."""
+    from sharp.models.sampling import GREEDY
+    from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
+    from sharp.serving import Engine, EngineConfig, load_backend
+    from sharp.serving.engine import Delta, Finished
+    from sharp.serving.requests import GenerationRequest
+
+    try:
+        library_path()
+    except NativeOpUnavailable as e:  # the case this test is about needs the native library present
+        pytest.fail(f"the native onnxruntime library is not built here: {e}")
+    model = _trt_model("ssa", "rope")
+    out = _export_trt(tmp_path, model)
+    assert "TensorRT-form file; the native kernel takes the standard form" in capsys.readouterr().out
+    be = load_backend(out, "onnxruntime")
+    assert "fallback bodies (a TensorRT-form file" in be.attention
+    engine = Engine(be, EngineConfig())
+    got, done = [], []
+    prompt = (1, 17, 42, 5)
+    request = GenerationRequest(prompt, 8, GREEDY, seed=0, stop=(), attention_stats=False, request_id="trt")
+    engine.submit(request, lambda ev: got.extend(ev.token_ids) if isinstance(ev, Delta) else done.append(ev))
+    for _ in range(100):
+        if engine.idle():
+            break
+        engine.step()
+    assert isinstance(done[0], Finished) and got == model.generate(list(prompt), 8, GREEDY)

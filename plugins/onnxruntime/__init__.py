@@ -33,17 +33,25 @@ def register(options: Any) -> None:
     options.register_custom_ops_library(library_path())
 
 
-def choose_library(native: bool = True, library: str | None = None) -> tuple[str | None, str]:
+def choose_library(
+    native: bool = True, library: str | None = None, tensorrt_form: bool = False
+) -> tuple[str | None, str]:
     """The op library a session should register, and a line saying what runs the attention.
 
-    An explicit `library` (or $SHARP_ORT_OP_LIBRARY) wins; else the built native library when `native`; else none
-    (the file's fallback bodies run). A missing native library is not an error here: the line says why it is not
-    used, and a file without fallback bodies then fails to load with ONNX Runtime's own message."""
+    An explicit `library` (or $SHARP_ORT_OP_LIBRARY) wins; else the built native library when `native` and the file
+    is in the standard form (the native kernel does not take the TensorRT form's int32 mask and packed parameters);
+    else none (the file's fallback bodies run). A missing native library is not an error here: the line says why it
+    is not used, and a file without fallback bodies then fails to load with ONNX Runtime's own message."""
     library = library or os.environ.get("SHARP_ORT_OP_LIBRARY")
     if library:
         return library, f"attention: the sharp::SharpAttention kernels of {library}"
     if not native:
         return None, "attention: the file's fallback bodies (native kernel switched off)"
+    if tensorrt_form:
+        return (
+            None,
+            "attention: the file's fallback bodies (a TensorRT-form file; the native kernel takes the standard form)",
+        )
     try:
         path = library_path()
     except NativeOpUnavailable as e:
