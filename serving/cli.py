@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import logging
 import math
 import os
 import re
@@ -21,8 +20,6 @@ from pathlib import Path
 
 from sharp.serving import logs
 from sharp.serving.logs import FORMATS, LEVELS
-
-log = logging.getLogger("sharp.serving")
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
@@ -221,7 +218,6 @@ async def _serve(engine, config) -> None:
     from sharp.serving.server import SharpServer
 
     server = SharpServer(engine, config)
-    log.info("%s: %s", engine.spec.name, engine.backend.attention)
     await server.start()
     if server.warm_up is not None:
         w = server.warm_up
@@ -272,7 +268,7 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 2
     from sharp.serving.warmup import WarmUpError
 
-    logs.configure(args.log_level, args.log_format)
+    restore = logs.configure(args.log_level, args.log_format)
     try:
         asyncio.run(_serve(engine, config))
     except OSError as e:
@@ -281,6 +277,8 @@ def serve_main(argv: list[str] | None = None) -> int:
     except WarmUpError as e:
         print(f"sharp-serve: warm-up failed, not serving: {e}", file=sys.stderr)
         return 1
+    finally:
+        restore()
     return 0
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
+from collections.abc import Callable
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
@@ -24,9 +26,22 @@ class JsonLines(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
-def configure(level: str = "info", fmt: str = "text") -> None:
-    """Replace the root logger's handlers with one stderr handler in `fmt` at `level`."""
-    handler = logging.StreamHandler()
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record arrives (embedding programs and tests replace it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def configure(level: str = "info", fmt: str = "text") -> Callable[[], None]:
+    """Send sharp's loggers to stderr in `fmt` from `level` (other libraries' loggers are left alone); returns
+    what undoes it, so a command run in-process leaves logging as it found it."""
+    handler = _Stderr()
     if fmt == "json":
         handler.setFormatter(JsonLines())
     else:
@@ -34,4 +49,15 @@ def configure(level: str = "info", fmt: str = "text") -> None:
         formatter = logging.Formatter(line, "%Y-%m-%dT%H:%M:%S")
         formatter.converter = time.gmtime
         handler.setFormatter(formatter)
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    logger = logging.getLogger("sharp")
+    before = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(level.upper())
+    logger.propagate = False
+
+    def restore() -> None:
+        logger.removeHandler(handler)
+        logger.setLevel(before[0])
+        logger.propagate = before[1]
+
+    return restore

@@ -322,6 +322,7 @@ class SharpServer:
                     f"cannot serve metrics on {cfg.metrics_host or cfg.host}:{cfg.metrics_port}: {e.strerror}"
                 ) from None
             self.metrics_port = self._metrics_http.start().port
+        log.info("%s: %s", self.engine.spec.name, self.engine.backend.attention)  # the ports are ours: starting
         for name in ("", SERVICE):  # until the engine runs (and, with warm_up, has run the model's shapes)
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
