@@ -200,7 +200,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     with warnings.catch_warnings():
-        _quiet_libraries()
+        quiet_libraries()
         try:
             return _export(args)
         except (UsageError, CheckpointError) as e:
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     """Silence what torch.onnx says about itself during an export (optional packages it lacks, deprecations,
     renamed axes): it means nothing to the user of this command. Library callers still see it."""
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)

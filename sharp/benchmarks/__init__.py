@@ -6,28 +6,39 @@ from __future__ import annotations
 import sys
 from importlib import import_module
 
-# subcommand -> module with run(argv) -> int; imported only when chosen, so each needs only its own extras
+# subcommand -> (module with run(argv) -> int, what it measures); imported only when chosen, so each needs only its
+# own extras
 COMMANDS = {
-    "normalizers": "sharp.benchmarks.normalizers",
-    "kernels": "sharp.benchmarks.kernels",
-    "repro": "sharp.benchmarks.repro",
-    "export": "sharp.benchmarks.export",
-    "serve": "sharp.benchmarks.serve",
-    "genai": "sharp.benchmarks.genai",
-    "long-context": "sharp.benchmarks.longctx",
+    "normalizers": ("sharp.benchmarks.normalizers", "reference vs streamed attention on CPU: time and peak memory"),
+    "kernels": ("sharp.benchmarks.kernels", "Triton kernels vs SDPA and FlexAttention on a GPU (--smoke: CPU check)"),
+    "repro": ("sharp.benchmarks.repro", "the papers' long-context results: max-retrieval, copy"),
+    "export": ("sharp.benchmarks.export", "onnxruntime latency and memory of exported files vs torch's own SDPA"),
+    "serve": ("sharp.benchmarks.serve", "sharp-serve under gRPC load vs its own baselines"),
+    "genai": ("sharp.benchmarks.genai", "sharp-serve vs onnxruntime-genai on the same package"),
+    "long-context": ("sharp.benchmarks.longctx", "long-context serving on a GPU vs softmax (--smoke: CPU check)"),
 }
+USAGE = "\n".join(
+    [
+        "usage: sharp-bench COMMAND [options]   (sharp-bench COMMAND --help for its options)",
+        "",
+        "commands:",
+        *(f"  {name:<14}{about}" for name, (_, about) in COMMANDS.items()),
+        "",
+        "Results go to docs/benchmarks.md inside a sharp checkout; elsewhere only with --write PATH.",
+    ]
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: sharp-bench {{{','.join(COMMANDS)}}} [options]   (sharp-bench NAME --help for options)")
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"sharp-bench: unknown benchmark {name!r}; choose from: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    return import_module(COMMANDS[name]).run(rest)
+    return import_module(COMMANDS[name][0]).run(rest)
 
 
 if __name__ == "__main__":

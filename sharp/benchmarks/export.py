@@ -12,13 +12,13 @@ reported as such instead of being repeated.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
 import time
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,19 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from sharp.benchmarks.harness import machine, markdown_table, measure, run_isolated, today, write_section
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    machine,
+    markdown_table,
+    measure,
+    output_page,
+    run_isolated,
+    today,
+    write_section,
+)
+from sharp.exporter.cli import quiet_libraries
 from sharp.exporter.export import ExportSettings, GenerationGraph, export_model, io_names, with_norm
 from sharp.models.checkpoint import load, zoo_dir, zoo_model
 from sharp.models.config import ModelConfig
@@ -80,6 +92,7 @@ def export_sdpa_baseline(model: SharpLM, path: Path) -> Path:
             dynamic_shapes=_dynamic_shapes(model.cfg.layers, True),
             opset_version=23,
             optimize=True,
+            verbose=False,
         )
     for m in model.modules():
         if isinstance(m, SharpAttention):
@@ -165,7 +178,7 @@ def _models() -> dict[str, tuple[SharpLM, str]]:
 
 
 def run(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sharp-bench export", description=__doc__)
+    ap = BenchParser(prog="sharp-bench export", description=__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--decode-past", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
@@ -174,8 +187,9 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--fallbacks", nargs="+", choices=["dense", "streamed"], default=["dense", "streamed"])
     ap.add_argument("--no-native", dest="native", action="store_false", help="leave out the native kernel rows")
     ap.add_argument("--memory-lengths", type=int, nargs="*", default=[8192, 32768])
-    ap.add_argument("--no-write", dest="write", action="store_false")
+    add_output(ap)
     args = ap.parse_args(argv)
+    args.command = command_line("export", [] if argv is None else list(argv))
     library = None
     if args.native:
         try:
@@ -185,7 +199,8 @@ def run(argv: list[str] | None = None) -> int:
             return 1
     models = _models()
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        quiet_libraries()  # torch.onnx's notes about itself, as sharp-export silences them
         files = {
             "SDPA baseline (softmax, opset 23 Attention)": export_sdpa_baseline(
                 models["softmax"][0], Path(tmp) / "sdpa.onnx"
@@ -244,8 +259,7 @@ def run(argv: list[str] | None = None) -> int:
         [
             "## Export: onnxruntime CPU latency",
             "",
-            f"Measured {today()} on {machine()}, onnxruntime CPU, {args.threads} threads."
-            " Command: `sharp-bench export`.",
+            f"Measured {today()} on {machine()}, onnxruntime CPU, {args.threads} threads. Command: {args.command}.",
             f"Batch 1; prefill from an empty cache; decode = one token after {args.decode_past:,} cached; median of"
             f" {args.repeats} runs after a warm-up; (×) = time / SDPA baseline."
             f" Models (4 layers, 4 heads, dim 128): {sources}.",
@@ -265,8 +279,8 @@ def run(argv: list[str] | None = None) -> int:
         ]
     )
     print(body)
-    if args.write:
-        write_section("export", body)
+    if (page := output_page(args)) is not None:
+        write_section("export", body, page)
     return 0
 
 

@@ -9,7 +9,6 @@ of --repeats, and the sharp/genai ratio.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -18,7 +17,16 @@ import threading
 import time
 from pathlib import Path
 
-from sharp.benchmarks.harness import machine, markdown_table, today, write_section
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    machine,
+    markdown_table,
+    output_page,
+    today,
+    write_section,
+)
 from sharp.benchmarks.serve import _prompts, _server, closed_loop, grpc_sender
 from sharp.models.checkpoint import zoo_model
 from sharp.serving.client import AsyncClient
@@ -88,8 +96,7 @@ def bench(package: Path, source: str, args) -> str:
         [
             "## sharp-serve vs onnxruntime-genai (sharp-bench genai)",
             "",
-            f"Measured {today()} on {machine()}. Command: `sharp-bench genai --requests {args.requests}"
-            f" --new-tokens {args.new_tokens} --repeats {args.repeats}`. Model: {source}, written once with"
+            f"Measured {today()} on {machine()}. Command: {args.command}. Model: {source}, written once with"
             " `sharp-export --genai` (native sharp kernel in the package); sharp-serve serves its model.onnx over"
             " loopback gRPC (continuous batching, --max-batch 64, per-head entropy metrics on), onnxruntime-genai"
             " opens the package and runs one greedy Generator per request from C threads. Closed loop:"
@@ -102,15 +109,16 @@ def bench(package: Path, source: str, args) -> str:
 
 
 def run(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sharp-bench genai", description=__doc__)
+    ap = BenchParser(prog="sharp-bench genai", description=__doc__)
     ap.add_argument("--model", type=Path, help="a SharpLM model.pt or a Hugging Face directory (default: zoo ssa.pt)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-chars", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-write", dest="write", action="store_false")
+    add_output(ap)
     args = ap.parse_args(argv)
+    args.command = command_line("genai", [] if argv is None else list(argv))
     if min(args.requests, args.new_tokens, args.repeats, *args.concurrency) < 1:
         ap.error("--requests, --new-tokens, --repeats and --concurrency must be positive")
     try:
@@ -129,6 +137,6 @@ def run(argv: list[str] | None = None) -> int:
             return 1
         body = bench(package, source, args)
     print(body)
-    if args.write:
-        write_section("genai", body)
+    if (page := output_page(args)) is not None:
+        write_section("genai", body, page)
     return 0

@@ -8,11 +8,13 @@ the allocator's free lists.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -82,6 +84,49 @@ def machine() -> str:
 
 def today() -> str:
     return dt.date.today().isoformat()
+
+
+class BenchParser(argparse.ArgumentParser):
+    """A mistake is one line naming it (exit 2), as every sharp command answers; --help still shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def add_output(ap: argparse.ArgumentParser, page: Path = DOCS_PAGE) -> None:
+    ap.add_argument(
+        "--write",
+        type=Path,
+        metavar="PATH",
+        help=f"the markdown page to update (default: {page} when run in a sharp checkout; elsewhere nothing is"
+        " written without --write)",
+    )
+    ap.add_argument("--no-write", action="store_true", help="print only")
+
+
+def in_checkout(where: Path | None = None) -> bool:
+    """Whether `where` (the working directory) is a sharp source checkout, whose docs/ the default page is."""
+    root = where or Path.cwd()
+    project = root / "pyproject.toml"
+    return project.is_file() and 'name = "sharp-attention"' in project.read_text() and (root / "docs").is_dir()
+
+
+def output_page(args: argparse.Namespace, page: Path = DOCS_PAGE) -> Path | None:
+    """The page a run updates: --write PATH, else `page` inside a sharp checkout, else none (said on stderr)."""
+    if args.no_write:
+        return None
+    if args.write is not None:
+        return args.write
+    if in_checkout():
+        return page
+    print(f"sharp-bench: not in a sharp checkout, so {page} is not written (--write PATH to keep the results)",
+          file=sys.stderr)  # fmt: skip
+    return None
+
+
+def command_line(name: str, argv: list[str]) -> str:
+    """The command as it was given, for the page: `sharp-bench NAME ARGS…`."""
+    return "`" + shlex.join(["sharp-bench", *name.split(), *argv]) + "`"
 
 
 def write_section(name: str, body: str, page: Path = DOCS_PAGE, title: str = "Benchmarks") -> None:

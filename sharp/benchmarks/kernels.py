@@ -7,16 +7,17 @@ its support is local and whole key blocks are skipped (block sparsity and thresh
 Decode: one query per sequence over a long cache, contiguous and paged; achieved K+V read
 bandwidth against a measured device copy bandwidth. Medians via triton.testing.do_bench. `--check` adds each
 prefill kernel's largest output and entropy error against the fp32 streamed reference on the same inputs.
-`--smoke` runs the same pipeline at toy sizes on the CPU (Triton interpreter) to check the script, writing nothing.
+`--smoke` runs the same pipeline at toy sizes on the CPU (in Triton's interpreter, which it turns on) to check the
+script, writing nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -24,7 +25,15 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from sharp.benchmarks.harness import markdown_table, today, write_section
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    markdown_table,
+    output_page,
+    today,
+    write_section,
+)
 from sharp.models import registry
 from sharp.models.normalizers import PAPER_POLY
 from sharp.models.positional import nape_slopes
@@ -292,7 +301,7 @@ def _paged_row(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gp
 
 
 def run(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sharp-bench kernels", description=__doc__)
+    ap = BenchParser(prog="sharp-bench kernels", description=__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--head-budget", type=int, default=1024, help="heads = head_budget // D (one sequence)")
@@ -305,15 +314,18 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=64, help="keys per page of the paged decode rows")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU in the Triton interpreter; writes nothing")
     ap.add_argument("--check", action="store_true", help="prefill errors against the fp32 streamed reference")
-    ap.add_argument("--no-write", dest="write", action="store_false")
+    add_output(ap)
     args = ap.parse_args(argv)
+    args.command = command_line("kernels", [] if argv is None else list(argv))
     gpu = torch.cuda.is_available() and not args.smoke
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-            ap.error("--smoke needs TRITON_INTERPRET=1 in the environment (set before triton is imported)")
+            if "triton" in sys.modules:  # imported by the embedding program before the interpreter could be chosen
+                ap.error("--smoke runs in Triton's interpreter, which must be chosen before triton is imported")
+            os.environ["TRITON_INTERPRET"] = "1"  # the user asked for the CPU run: choose it for them
         args.lengths, args.head_dims, args.head_budget = [40], [16], 32
         args.decode_lengths, args.decode_heads, args.decode_kv_heads, args.decode_head_dim = [100], 4, 2, 16
-        args.copy_bytes, args.write, args.page_size = 2**20, False, 16
+        args.copy_bytes, args.no_write, args.page_size = 2**20, True, 16
     elif not gpu:
         print("sharp-bench kernels: no CUDA GPU here; use --smoke to check the script on CPU", flush=True)
         return 2
@@ -326,7 +338,7 @@ def run(argv: list[str] | None = None) -> int:
         [
             "## Triton kernels on GPU",
             "",
-            f"Measured {today()} on {name}, torch {torch.__version__}. Command: `sharp-bench kernels`.",
+            f"Measured {today()} on {name}, torch {torch.__version__}. Command: {args.command}.",
             "bf16, one sequence, heads = 1024 / D; median of triton.testing.do_bench. TFLOP/s counts 4·H·L²·D"
             " (half of it when causal) for every norm, so it is comparable across rows; × SDPA = SDPA time / ours."
             " Entmax block sparsity = key tiles skipped in the output pass; passes = threshold passes."
@@ -358,6 +370,6 @@ def run(argv: list[str] | None = None) -> int:
         ]
     )
     print(body)
-    if args.write:
-        write_section("kernels", body)
+    if (page := output_page(args)) is not None:
+        write_section("kernels", body, page)
     return 0

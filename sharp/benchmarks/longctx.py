@@ -11,7 +11,6 @@ shape. Every cell is the median of --repeats runs after one warm-up run (kernel 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -19,7 +18,15 @@ from pathlib import Path
 
 import torch
 
-from sharp.benchmarks.harness import markdown_table, today, write_section
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    markdown_table,
+    output_page,
+    today,
+    write_section,
+)
 from sharp.models import ModelConfig, SharpLM, save
 from sharp.models.registry import NORMS
 from sharp.serving.backends import load_backend
@@ -63,7 +70,7 @@ def _serve_once(path: Path, device: str, prompt: int, new_tokens: int, chunk: in
 
 
 def run(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sharp-bench long-context", description=__doc__)
+    ap = BenchParser(prog="sharp-bench long-context", description=__doc__)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES, metavar="SHAPE")
     ap.add_argument("--norms", nargs="+", default=["softmax", "ssa", "entmax"], choices=NORMS, metavar="NORM")
     ap.add_argument("--prompt", type=int, default=131072, help="prompt tokens")
@@ -71,8 +78,9 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--smoke", action="store_true", help="a short prompt on CPU (demo shape); writes nothing")
-    ap.add_argument("--no-write", dest="write", action="store_false")
+    add_output(ap)
     args = ap.parse_args(argv)
+    args.command = command_line("long-context", [] if argv is None else list(argv))
     if min(args.prompt, args.new_tokens, args.prefill_chunk, args.repeats) < 1:
         ap.error("--prompt, --new-tokens, --prefill-chunk and --repeats must be >= 1")
     if "softmax" not in args.norms:
@@ -80,7 +88,7 @@ def run(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available() and not args.smoke
     if args.smoke:
         args.shapes, args.prompt, args.new_tokens, args.prefill_chunk, args.repeats = ["demo"], 300, 4, 128, 1
-        args.write = False
+        args.no_write = True
     elif not gpu:
         print("sharp-bench long-context: no CUDA GPU here; use --smoke to check the script on CPU", flush=True)
         return 2
@@ -103,9 +111,10 @@ def run(argv: list[str] | None = None) -> int:
                 cell = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 base = base or cell
                 prefill_x, decode_x = base["ttft"] / cell["ttft"], cell["tok_s"] / base["tok_s"]
+                peak = f"{cell['peak_gib']:.1f}" if device == "cuda" else "n/a (CPU)"
                 rows.append([
                     shape, f"{params / 1e6:,.0f}M", norm, f"{args.prompt:,}", f"{cell['ttft']:.2f}", f"{prefill_x:.2f}",
-                    f"{cell['tok_s']:.1f}", f"{decode_x:.2f}", f"{cell['tokens']:.0f}", f"{cell['peak_gib']:.1f}",
+                    f"{cell['tok_s']:.1f}", f"{decode_x:.2f}", f"{cell['tokens']:.0f}", peak,
                 ])  # fmt: skip
                 path.unlink()
     name = torch.cuda.get_device_name() if gpu else "CPU (smoke run: numbers meaningless)"
@@ -113,7 +122,7 @@ def run(argv: list[str] | None = None) -> int:
         [
             "## Long-context serving (torch backend, paged KV cache)",
             "",
-            f"Measured {today()} on {name}, torch {torch.__version__}. Command: `sharp-bench long-context`.",
+            f"Measured {today()} on {name}, torch {torch.__version__}. Command: {args.command}.",
             f"One request: {args.prompt:,} prompt tokens prefilled in chunks of {args.prefill_chunk:,}, then up to"
             f" {args.new_tokens} greedy tokens; random weights, bf16 on GPU; median of {args.repeats} after a warm-up"
             " run."
@@ -123,6 +132,6 @@ def run(argv: list[str] | None = None) -> int:
         ]
     )
     print(body)
-    if args.write:
-        write_section("long-context", body)
+    if (page := output_page(args)) is not None:
+        write_section("long-context", body, page)
     return 0

@@ -6,14 +6,24 @@ repeated runs; the reference is skipped where its Lq × Lk temporaries would not
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 from tqdm import tqdm
 
-from sharp.benchmarks.harness import machine, markdown_table, measure, run_isolated, today, write_section
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    machine,
+    markdown_table,
+    measure,
+    output_page,
+    run_isolated,
+    today,
+    write_section,
+)
 from sharp.models import registry
 from sharp.models.attention import attend
 from sharp.models.normalizers import PAPER_POLY
@@ -106,7 +116,7 @@ def _report(args, rows: list, done: bool) -> str:
             "## Normalizers: reference vs streamed (CPU)",
             "",
             f"Measured {today()} on {machine()}.{status}",
-            f"Command: `sharp-bench normalizers --lengths {' '.join(map(str, args.lengths))} --repeats {args.repeats}`"
+            f"Command: {args.command}"
             f" — one head, D={args.dim}, Lq = Lk = L, {mode}, fp32, key block {args.block};"
             f" median of {args.repeats} runs, each implementation in its own process. Peak MiB is resident memory"
             " above the process's size before the call (inputs excluded). Time ratio = streamed / reference."
@@ -118,7 +128,7 @@ def _report(args, rows: list, done: bool) -> str:
 
 
 def run(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sharp-bench normalizers", description=__doc__)
+    ap = BenchParser(prog="sharp-bench normalizers", description=__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     ap.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS, metavar="NORM")
     ap.add_argument("--dim", type=int, default=64)
@@ -126,13 +136,15 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-causal", dest="causal", action="store_false")
     ap.add_argument("--memory-budget-gib", type=float, default=16.0, help="skip reference cases estimated above this")
-    ap.add_argument("--no-write", dest="write", action="store_false", help="print only; leave docs/benchmarks.md")
+    add_output(ap)
     args = ap.parse_args(argv)
+    args.command = command_line("normalizers", [] if argv is None else list(argv))
     if min(args.lengths) < 1 or args.repeats < 1 or args.dim < 1 or args.block < 1:
         ap.error("lengths, repeats, dim and block must be positive integers")
 
     cases = [(length, norm) for length in args.lengths for norm in args.norms]
     rows = []
+    page = output_page(args)
     for length, norm in tqdm(cases, desc="normalizers", unit="case"):
         base = dict(length=length, norm=norm, dim=args.dim, causal=args.causal, block=args.block, repeats=args.repeats)
         need_gib = length * length * _REFERENCE_BYTES_PER_LOGIT.get(norm, _DEFAULT_BYTES_PER_LOGIT) / 2**30
@@ -143,13 +155,13 @@ def run(argv: list[str] | None = None) -> int:
         st = run_isolated("sharp.benchmarks.normalizers", {**base, "impl": "streamed"})
         rows.append((length, norm, ref, st))
         tqdm.write(f"L={length} {norm}: reference {_fmt_ms(ref)} ms, streamed {_fmt_ms(st)} ms")
-        if args.write:  # keep the page current, so an interrupted run still leaves its measured rows
-            write_section("normalizers", _report(args, rows, done=False))
+        if page is not None:  # keep the page current, so an interrupted run still leaves its measured rows
+            write_section("normalizers", _report(args, rows, done=False), page)
 
     body = _report(args, rows, done=True)
     print(body)
-    if args.write:
-        write_section("normalizers", body)
+    if page is not None:
+        write_section("normalizers", body, page)
     return 0
 
 

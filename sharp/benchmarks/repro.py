@@ -10,7 +10,6 @@ Writes tables and a PNG plot to docs/reproduction.md (sections replaced per task
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +17,16 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
-from sharp.benchmarks.harness import machine, markdown_table, today, write_section
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    machine,
+    markdown_table,
+    output_page,
+    today,
+    write_section,
+)
 from sharp.models.max_retrieval import max_retrieval_batch
 from sharp.models.tasks import copy_batch
 from sharp.models.train import lm_loss_and_accuracy, train
@@ -109,8 +117,7 @@ def max_retrieval(args) -> str:
         [
             "## Max retrieval",
             "",
-            f"Measured {today()} on {machine()}. Command: `sharp-bench repro max-retrieval --steps {args.steps}"
-            f" --seeds {args.seeds} --samples {args.samples}`.",
+            f"Measured {today()} on {machine()}. Command: {args.command}.",
             "MaxRetrieval (width 128, one head), AdamW lr 1e-3 with decoupled decay 1e-3, batch 128,"
             " sets of 5–16 items,"
             f" **{args.steps:,} steps** per model (the papers: 100,000), {args.seeds} seeds; mean accuracy (%) over"
@@ -182,8 +189,7 @@ def copy_length(args) -> str:
         [
             "## Copy: length generalisation",
             "",
-            f"Measured {today()} on {machine()}."
-            f" Command: `sharp-bench repro copy --steps {args.steps} --seeds {args.seeds}`.",
+            f"Measured {today()} on {machine()}. Command: {args.command}.",
             f"SharpLM (2 layers, dim 128, 4 heads, NAPE), trained to copy 4–{train_n} symbols (≤ 50 tokens),"
             f" **{args.steps:,} steps**, batch 32, AdamW lr 1e-3 (100 warm-up steps), {args.seeds} seeds;"
             " exact-copy accuracy (%) at 1×–16× the training length.",
@@ -194,18 +200,22 @@ def copy_length(args) -> str:
 
 
 def run(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sharp-bench repro", description=__doc__)
+    ap = BenchParser(prog="sharp-bench repro", description=__doc__)
     ap.add_argument("task", choices=["max-retrieval", "copy"])
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--samples", type=int, default=512, help="evaluation examples per size")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
-    ap.add_argument("--no-write", dest="write", action="store_false")
+    ap.add_argument("--sizes", type=int, nargs="+", help="max-retrieval set sizes (default 16 64 256 1024 4096)")
+    add_output(ap, PAGE)
     args = ap.parse_args(argv)
+    args.command = command_line("repro", [] if argv is None else list(argv))
+    if args.task == "copy" and args.sizes is not None:
+        ap.error("--sizes applies to max-retrieval; copy is evaluated at 1×–16× its training length")
+    args.sizes = args.sizes or [16, 64, 256, 1024, 4096]
     if args.steps < 1 or args.seeds < 1 or args.samples < 1 or min(args.sizes) < 1:
         ap.error("--steps, --seeds, --samples and --sizes must be positive")
     body = max_retrieval(args) if args.task == "max-retrieval" else copy_length(args)
     print(body)
-    if args.write:
-        write_section(args.task, body, page=PAGE, title="Reproduction of the papers' results")
+    if (page := output_page(args, PAGE)) is not None:
+        write_section(args.task, body, page=page, title="Reproduction of the papers' results")
     return 0

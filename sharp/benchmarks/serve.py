@@ -9,7 +9,6 @@ continuous batching vs `--max-batch 1`, the gRPC path vs calling the engine in-p
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import statistics
@@ -21,7 +20,16 @@ from pathlib import Path
 
 import numpy as np
 
-from sharp.benchmarks.harness import machine, markdown_table, today, write_section
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    machine,
+    markdown_table,
+    output_page,
+    today,
+    write_section,
+)
 from sharp.models.checkpoint import zoo_model
 from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
 from sharp.serving.backends import load_backend
@@ -191,9 +199,8 @@ def bench(model: Path, args) -> str:
         [
             "## Serving (sharp-bench serve)",
             "",
-            f"Measured {today()} on {machine()}. Command: `sharp-bench serve --requests {args.requests}"
-            f" --new-tokens {n} --repeats {args.repeats}`. Model: models/zoo/ssa.pt exported with sharp-export"
-            " (4 layers × 4 heads, dim 128, SSA, dense fallback), onnxruntime CPU backend with sharp's native kernel"
+            f"Measured {today()} on {machine()}. Command: {args.command}. Model: {args.model_source},"
+            " onnxruntime CPU backend with sharp's native kernel"
             " unless stated; server and load"
             " generator in one process (server on its own thread and event loop, the load generator streaming over"
             f" loopback gRPC). {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
@@ -206,7 +213,7 @@ def bench(model: Path, args) -> str:
 
 
 def run(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sharp-bench serve", description=__doc__)
+    ap = BenchParser(prog="sharp-bench serve", description=__doc__)
     ap.add_argument("--model", type=Path, help="an exported .onnx (default: export models/zoo/ssa.pt)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -216,8 +223,9 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--rate", type=float, default=20.0, help="open-loop arrivals per second")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-write", dest="write", action="store_false")
+    add_output(ap)
     args = ap.parse_args(argv)
+    args.command = command_line("serve", [] if argv is None else list(argv))
     if min(args.requests, args.new_tokens, args.repeats, args.max_batch, *args.concurrency) < 1 or args.rate <= 0:
         ap.error("--requests, --new-tokens, --repeats, --max-batch, --concurrency and --rate must be positive")
     try:
@@ -225,6 +233,11 @@ def run(argv: list[str] | None = None) -> int:
     except NativeOpUnavailable as e:
         print(f"sharp-bench serve: {e}", file=sys.stderr)
         return 1
+    args.model_source = (
+        str(args.model)
+        if args.model is not None
+        else ("models/zoo/ssa.pt exported with sharp-export (4 layers × 4 heads, dim 128, SSA, dense fallback)")
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
@@ -235,6 +248,6 @@ def run(argv: list[str] | None = None) -> int:
                 return 1
         body = bench(model, args)
     print(body)
-    if args.write:
-        write_section("serve", body)
+    if (page := output_page(args)) is not None:
+        write_section("serve", body, page)
     return 0

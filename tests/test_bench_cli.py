@@ -1,0 +1,68 @@
+"""`sharp-bench` as a user meets it: the command list, where results are written (and where not), the command line
+recorded as given, one-line mistakes, and `kernels --smoke` choosing the interpreter itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sharp.benchmarks import COMMANDS, main
+from sharp.benchmarks.harness import DOCS_PAGE, output_page
+from sharp.benchmarks.normalizers import run as normalizers
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_help_lists_every_command_and_no_command_is_a_mistake(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in COMMANDS) and "--write PATH" in out
+    assert main([]) == 2 and "commands:" in capsys.readouterr().err
+
+
+def test_results_are_written_only_in_a_checkout_or_where_asked(tmp_path, monkeypatch, capsys):
+    """Run from anywhere else, a benchmark writes no docs/benchmarks.md into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    page = tmp_path / "results.md"
+    argv = ["--lengths", "64", "--norms", "softmax", "--repeats", "1", "--memory-budget-gib", "1"]
+    assert normalizers(argv) == 0
+    assert "not in a sharp checkout" in capsys.readouterr().err and not (tmp_path / "docs").exists()
+    assert normalizers([*argv, "--write", str(page)]) == 0
+    text = page.read_text()  # the command as given, every flag
+    assert "Command: `sharp-bench normalizers --lengths 64 --norms softmax --repeats 1 --memory-budget-gib 1" in text
+    assert "| 64 | softmax |" in text
+    monkeypatch.chdir(ROOT)
+    args = type("Args", (), {"no_write": False, "write": None})()
+    assert output_page(args) == DOCS_PAGE  # inside the checkout: its page (not written here)
+    args.no_write = True
+    assert output_page(args) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["repro", "copy", "--sizes", "8"], "--sizes applies to max-retrieval"),
+        (["normalizers", "--lengths", "x"], "invalid int value"),
+        (["kernels", "--norms", "sparsemax"], "invalid choice"),
+    ],
+)
+def test_mistakes_are_one_line(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1 and err.startswith("sharp-bench ")
+
+
+def test_kernels_smoke_turns_the_interpreter_on_itself(tmp_path):
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-c", "from sharp.benchmarks import main; raise SystemExit(main())"]
+    proc = subprocess.run([*cmd, "kernels", "--smoke", "--norms", "softmax"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=900, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| softmax |" in proc.stdout and not (tmp_path / "docs").exists()
