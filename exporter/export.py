@@ -8,6 +8,7 @@ fallback bodies (fallback.py) in the private `sharp.fallback` domain, the op's a
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 import onnx
@@ -153,8 +154,33 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
     if settings.tensorrt:
         mode = settings.fallback if settings.fallback != "none" else None
         tensorrt.rewrite(proto, mode, settings.block_size)
+    name_dimensions(proto)
     meta.write(proto)
     return proto
+
+
+# The dynamic dimensions torch.export leaves unnamed (s53, s69 …), by where they appear in the generation graph
+_DIM_NAMES = {"attention_mask": (1, "total_sequence"), "past_key_values.": (2, "past_sequence")}
+
+
+def name_dimensions(proto: onnx.ModelProto) -> None:
+    """Name the graph's generated dynamic dimensions as users read them — `batch`, `sequence`, `past_sequence`,
+    `total_sequence` — in every input, output and value_info (a present's length becomes `past_sequence +
+    sequence`)."""
+    rename: dict[str, str] = {}
+    for vi in proto.graph.input:
+        for prefix, (axis, name) in _DIM_NAMES.items():
+            if vi.name.startswith(prefix) and len(vi.type.tensor_type.shape.dim) > axis:
+                generated = vi.type.tensor_type.shape.dim[axis].dim_param
+                if re.fullmatch(r"s\d+", generated):
+                    rename[generated] = name
+    if not rename:
+        return
+    pattern = re.compile(r"\b(" + "|".join(map(re.escape, rename)) + r")\b")
+    for vi in (*proto.graph.input, *proto.graph.output, *proto.graph.value_info):
+        for dim in vi.type.tensor_type.shape.dim:
+            if dim.dim_param:
+                dim.dim_param = pattern.sub(lambda m: rename[m.group(1)], dim.dim_param)
 
 
 def with_norm(model: SharpLM, norm: str, poly: tuple[float, ...] | None = None, **values: float | None) -> SharpLM:

@@ -65,11 +65,37 @@ def op_overload(norm: Norm, mode: str) -> onnx.FunctionProto:
 
 
 def functions(norms: Iterable[Norm], mode: str) -> list[onnx.FunctionProto]:
-    """The local functions a file with nodes of `norms` needs: one overload per norm, their bodies, the parts."""
+    """The local functions a file with nodes of `norms` needs: one overload per norm, their bodies, and the parts
+    those call (another norm's parts stay out of the file)."""
     norms = list(norms)
     used = {BODIES[mode][algorithm(n)][0].name: BODIES[mode][algorithm(n)][0] for n in norms}
-    return [
-        *(op_overload(n, mode) for n in norms),
-        *(f.to_function_proto() for f in used.values()),
-        *(h.to_function_proto() for h in HELPERS[mode]),
-    ]
+    roots = [op_overload(n, mode) for n in norms]
+    pool = [*roots, *(f.to_function_proto() for f in used.values()), *(h.to_function_proto() for h in HELPERS[mode])]
+    return _reachable(roots, pool)
+
+
+def _key(domain: str, name: str, overload: str) -> tuple[str, str, str]:
+    return domain, name, overload
+
+
+def _calls(nodes: Iterable[onnx.NodeProto]) -> Iterable[tuple[str, str, str]]:
+    """The (domain, op, overload) of every node, Loop and If bodies included."""
+    for node in nodes:
+        yield _key(node.domain, node.op_type, node.overload)
+        for attr in node.attribute:
+            for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                yield from _calls(graph.node)
+
+
+def _reachable(roots: list[onnx.FunctionProto], pool: list[onnx.FunctionProto]) -> list[onnx.FunctionProto]:
+    """The functions of `pool` that `roots` call, directly or through others, in pool order."""
+    by_key = {_key(f.domain, f.name, f.overload): f for f in pool}
+    keep: set[tuple[str, str, str]] = set()
+    todo = list(roots)
+    while todo:
+        f = todo.pop()
+        key = _key(f.domain, f.name, f.overload)
+        if key not in keep:
+            keep.add(key)
+            todo.extend(by_key[k] for k in _calls(f.node) if k in by_key)
+    return [f for f in pool if _key(f.domain, f.name, f.overload) in keep]

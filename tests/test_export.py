@@ -188,3 +188,27 @@ def test_the_command_prints_only_its_own_lines(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("wrote ") and lines[-1].startswith("check passed")
     assert all(re.match(r"(wrote|check|prefill|decode) ", line) for line in lines), lines
+
+
+def _called(nodes) -> set[str]:
+    names = set()
+    for node in nodes:
+        names.add(node.op_type)
+        for attr in node.attribute:
+            for graph in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
+                names |= _called(graph.node)
+    return names
+
+
+@pytest.mark.parametrize(("norm", "fallback"), [("softmax", "dense"), ("entmax", "streamed"), ("ssa", "streamed")])
+def test_files_name_their_dimensions_and_carry_only_the_functions_they_call(tmp_path, norm, fallback):
+    """Dynamic dimensions read batch / sequence / past_sequence / total_sequence (not torch's s53), and a file holds
+    no helper its norm's body never calls (a softmax file has none of entmax's threshold parts)."""
+    proto = onnx.load(_export(tmp_path, _model(norm), "--fallback", fallback, "--no-check"))
+    dims = {d.dim_param for vi in (*proto.graph.input, *proto.graph.output) for d in vi.type.tensor_type.shape.dim}
+    assert not any(re.search(r"\bs\d+\b", d) for d in dims), dims
+    assert {"batch", "sequence", "past_sequence", "total_sequence"} <= dims
+    assert {"past_sequence + sequence", "sequence + past_sequence"} & dims
+    called = _called(proto.graph.node).union(*(_called(f.node) for f in proto.functions))
+    assert all(f.name in called for f in proto.functions), [f.name for f in proto.functions if f.name not in called]
+    assert ("ThresholdSums" in {f.name for f in proto.functions}) == (norm == "entmax")
