@@ -179,6 +179,9 @@ def refine_threshold(
         step = f / fp
     cand = tau - step
     ok = torch.isfinite(cand) & (cand >= lo) & (cand <= hi)
+    # α > 2 (inv < 1): S has infinite slope where a key enters the support, and Newton can cycle between the
+    # bracket's ends, each step inside it; a step across more than half the bracket bisects instead.
+    ok = ok & ((torch.as_tensor(inv) >= 1.0) | ((cand - tau).abs() <= 0.5 * (hi - lo)))
     new = torch.where(ok, cand, 0.5 * (lo + hi))
     converged = ((new - tau).abs() <= tol) | (f == 0) | ((hi - lo) <= tol)
     return new, lo, hi, converged

@@ -205,7 +205,8 @@ def test_long_context_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     assert [r.split(" | ")[2] for r in rows] == ["softmax", "ssa"]
     assert all(r.split(" | ")[8] == "4" for r in rows)  # every run generated its 4 tokens
     assert all(r.split(" | ")[9].rstrip(" |") == "n/a (CPU)" for r in rows)  # no GPU memory to report, and no "nan"
-    assert run([]) == 2 and "no CUDA GPU" in capsys.readouterr().out
+    if not torch.cuda.is_available():  # (with one, run([]) is the real 131K-token benchmark)
+        assert run([]) == 2 and "no CUDA GPU" in capsys.readouterr().out
     cfg = ModelConfig(**SHAPES["llama-1b"])
     with torch.device("meta"):
         params = SharpLM(cfg).num_params()

@@ -201,12 +201,15 @@ def test_compiled_variants_move_tiles_with_vector_and_async_copies_and_never_spi
     v1 kernels issued 192 per tile), cp.async tiles, and no local memory in the PTX or the SASS (ptxas spills)."""
     import triton
 
+    from sharp.plugins.triton.aot import default_ptx_version
+
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     entries = json.loads((manifest_dir / "manifest.json").read_text())
     assert len(entries) == 12  # 6 entry variants (softmax, ssmax, ssa, adaptive, entmax, asentmax) × causal
+    want = "{}.{}".format(*divmod(default_ptx_version(90), 10))  # 9.0 under Triton 3.9, 8.7 under 3.6
     for e in entries:
         ptx = (manifest_dir / f"{e['variant']}.ptx").read_text()
-        assert ".version 9.0\n" in ptx and e["launch"]["pointer_alignment"] == 16
+        assert f".version {want}\n" in ptx and e["launch"]["pointer_alignment"] == 16
         assert "ld.global.b16" not in ptx and "ld.global.u16" not in ptx, e["variant"]
         assert "cp.async" in ptx and "ld.global.v4" in ptx, e["variant"]
         assert "local_depot" not in ptx, e["variant"]

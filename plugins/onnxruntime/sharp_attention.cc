@@ -308,7 +308,10 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
       step = f / fp;
     }
     double next = tau - step;
-    if (!std::isfinite(next) || next < lo || next > hi) next = 0.5 * (lo + hi);
+    // α > 2 (inv < 1): S has infinite slope where a key enters the support and Newton can cycle between the
+    // bracket's ends, each step inside it; a step across more than half the bracket bisects instead.
+    const bool cycling = inv < 1.0 && std::abs(next - tau) > 0.5 * (hi - lo);
+    if (!std::isfinite(next) || next < lo || next > hi || cycling) next = 0.5 * (lo + hi);
     const bool done = std::abs(next - tau) <= eps4 || f == 0.0 || hi - lo <= eps4;
     tau = next;
     if (done) break;

@@ -7,6 +7,7 @@ Semantics are exactly `attend`'s (the problem comes from `sharp.models.problem`)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -15,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 from triton.runtime.errors import OutOfResources
 
@@ -48,6 +51,30 @@ _TARGET_PROGRAMS = 264
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _loop_probe(X, n):
+    acc = 0.0
+    for _ in range(tl.program_id(0), n):  # a loop bound derived from the program id, as every kernel has
+        acc += 1.0
+    tl.store(X, acc)
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run the kernels here, or None (also when not interpreting). Triton 3.6's
+    interpreter makes loop bounds Python ints from 1-element arrays, which numpy >= 2.5 refuses (3.9's does not)."""
+    if not interpreting():
+        return None
+    try:
+        _loop_probe[(1,)](torch.zeros(1), 2)
+    except Exception as e:  # the interpreter wraps the cause several times; name the innermost
+        while e.__cause__ is not None:
+            e = e.__cause__
+        return (f"Triton {triton.__version__}'s CPU interpreter does not run with numpy {np.__version__} ({e}); "
+                "use numpy < 2.5 or Triton >= 3.9 for CPU runs")  # fmt: skip
+    return None
 
 
 @dataclass(frozen=True)
@@ -379,7 +406,6 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
             skipped = int(counts[..., 1].sum())
             _count(stats, p, cfg, passes, skipped)
         return out[..., : p.v.shape[-1]].float(), ent
-    common = (*run.qk_strides, *run.v_strides, *run.sizes)
     u = torch.empty(run.bh, p.lq, p.lk, dtype=torch.float32, device=p.q.device)
     _entmax_logits_kernel[run.grid](
         p.q, p.k, alpha, run.slopes, run.lam, run.kmask, u, *run.qk_strides,
@@ -396,9 +422,10 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     )  # fmt: skip
     zsum, plogp, acc = run.rows(), run.rows(), run.rows(cfg.block_d)
     skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)
+    flags = {k: run.flags[k] for k in ("CAUSAL", "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages")}
     _entmax_output_kernel[run.grid](
-        p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, umax, tau, zsum, plogp, acc, skipped, *common,
-        FAST=fast, **run.flags,
+        u, p.v, alpha, umax, tau, zsum, plogp, acc, skipped, *run.v_strides, p.heads, p.group, p.lq, p.lk,
+        p.q.shape[-1], run.bh, cfg.keys_per_split, FAST=fast, **flags,
     )  # fmt: skip
     if count:
         _count(stats, p, cfg, int(counts.max()), int(skipped.sum()))

@@ -363,6 +363,8 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
     newton = f / fp
     cand = tau - tl.where(inv >= 2.0, halley, newton)
     ok = (cand == cand) & (tl.abs(cand) < float("inf")) & (cand >= lo) & (cand <= hi)
+    # α > 2 (inv < 1): Newton can cycle between the bracket's ends; a step across over half of it bisects instead
+    ok = ok & ((tl.zeros_like(tau) + inv >= 1.0) | (tl.abs(cand - tau) <= 0.5 * (hi - lo)))
     new = tl.where(ok, cand, 0.5 * (lo + hi))
     conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol)
     return new, lo, hi, conv
@@ -439,7 +441,7 @@ def _entmax_program(
                 q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK,
                 smb, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
             )  # fmt: skip
-            d = tl.maximum(am1 * z - (shift + tau)[:, None], 0.0)
+            d = tl.maximum((am1 * z - shift[:, None]) - tau[:, None], 0.0)
             if tl.max(tl.max(d, 1), 0) > 0:
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST)
         tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
@@ -452,7 +454,7 @@ def _entmax_program(
             q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
             CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
         )  # fmt: skip
-        d = tl.maximum(am1 * z - (shift + tau)[:, None], 0.0)
+        d = tl.maximum((am1 * z - shift[:, None]) - tau[:, None], 0.0)
         if tl.max(tl.max(d, 1), 0) > 0:
             w, logw = _weights(d, inv, FAST)
             zsum += tl.sum(w, 1)
@@ -563,7 +565,7 @@ def _entmax_threshold_kernel(
             u = tl.load(
                 U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
             )
-            p0, p1, p2 = _powers(tl.maximum(u - (shift + tau)[:, None], 0.0), inv[:, None], FAST)
+            p0, p1, p2 = _powers(tl.maximum((u - shift[:, None]) - tau[:, None], 0.0), inv[:, None], FAST)
             a0 += p0
             a1 += p1
             a2 += p2
@@ -577,40 +579,38 @@ def _entmax_threshold_kernel(
 
 @triton.jit
 def _entmax_output_kernel(
-    Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, SKIPPED_OUT,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb,
-    CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    DOT_F32: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    U, V, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, SKIPPED_OUT,
+    svb, svh, svn, svd,
+    H, GROUP, LQ, LK, D, BH, keys_per_split,
+    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Split-K entmax decode, step 3: w = [u − max u − τ]_+^{1/(α−1)}; partial Σ w, Σ w log w, Σ w v per split
-    (summed on the device by the host's tensor ops). Key tiles where every w is 0 skip the V load and the second
-    matmul; their count is written per program."""
+    """Split-K entmax decode, step 3: w = [(u − max u) − τ]_+^{1/(α−1)} from the u that step 1 wrote (the τ of step 2
+    was found on exactly these values: recomputing Q·Kᵀ here would round u differently — an FMA — and at α > 2 the
+    weights near the threshold are that sensitive; it also reads 4 bytes per logit instead of K); partial Σ w,
+    Σ w log w, Σ w v per split (summed on the device by the host's tensor ops). Key tiles where every w is 0 skip the
+    V load and the second matmul; their count is written per program."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    b, h, hkv, offs_m, _, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
-    am1 = tl.load(ALPHA + h) - 1.0
-    inv = 1.0 / am1
+    inv = 1.0 / (tl.load(ALPHA + h) - 1.0)
     keep = offs_m < LQ
-    shift = tl.load(UMAX + pid_bh * LQ + offs_m, mask=keep, other=0.0) + tl.load(
-        TAU + pid_bh * LQ + offs_m, mask=keep, other=0.0
-    )
-    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    row = pid_bh * LQ + offs_m
+    umax = tl.load(UMAX + row, mask=keep, other=0.0)  # (u − max u) − τ: the sum would round τ to max u's ulp
+    tau = tl.load(TAU + row, mask=keep, other=0.0)
     zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
     plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     skipped = 0
     for start_n in range(lo, hi, BLOCK_N):
-        z = _logits(
-            q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
-            CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
-        )  # fmt: skip
-        d = tl.maximum(am1 * z - shift[:, None], 0.0)
+        cols = start_n + offs_n
+        u = tl.load(
+            U + row[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
+        )
+        d = tl.maximum((u - umax[:, None]) - tau[:, None], 0.0)
         if tl.max(tl.max(d, 1), 0) > 0:
             w, logw = _weights(d, inv, FAST)
             zsum += tl.sum(w, 1)
@@ -619,10 +619,10 @@ def _entmax_output_kernel(
             acc += _pv(w, v, DOT_F32)
         else:
             skipped += 1
-    row = (pid_s * BH + pid_bh) * LQ + offs_m
-    tl.store(Z_OUT + row, zsum, mask=keep)
-    tl.store(PLOGP_OUT + row, plogp, mask=keep)
-    tl.store(ACC_OUT + row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
+    out_row = (pid_s * BH + pid_bh) * LQ + offs_m
+    tl.store(Z_OUT + out_row, zsum, mask=keep)
+    tl.store(PLOGP_OUT + out_row, plogp, mask=keep)
+    tl.store(ACC_OUT + out_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
     n_qblocks = tl.cdiv(LQ, BLOCK_M)
     tl.store(SKIPPED_OUT + (pid_s * BH + pid_bh) * n_qblocks + pid_m, skipped)
 

@@ -198,7 +198,8 @@ def _paged_entmax_output_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     inv = 1.0 / (tl.load(ALPHA + h, mask=keep, other=2.0) - 1.0)
     row = (b * H + h) * LQ + i
-    shift = tl.load(UMAX + row, mask=keep, other=0.0) + tl.load(TAU + row, mask=keep, other=0.0)
+    umax = tl.load(UMAX + row, mask=keep, other=0.0)  # (u − max u) − τ: the sum would round τ to max u's ulp
+    tau = tl.load(TAU + row, mask=keep, other=0.0)
     zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
     plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -206,7 +207,7 @@ def _paged_entmax_output_kernel(
     for page in range(first, tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))):
         cols = page * PAGE + offs_n
         u = tl.load(U + row[:, None].to(tl.int64) * WIDTH + cols[None, :], mask=keep[:, None], other=-float("inf"))
-        d = tl.maximum(u - shift[:, None], 0.0)
+        d = tl.maximum((u - umax[:, None]) - tau[:, None], 0.0)
         if tl.max(tl.max(d, 1), 0) > 0:
             w, logw = _weights(d, inv[:, None], FAST)
             zsum += tl.sum(w, 1)

@@ -323,6 +323,10 @@ def run(argv: list[str] | None = None) -> int:
             if "triton" in sys.modules:  # imported by the embedding program before the interpreter could be chosen
                 ap.error("--smoke runs in Triton's interpreter, which must be chosen before triton is imported")
             os.environ["TRITON_INTERPRET"] = "1"  # the user asked for the CPU run: choose it for them
+        from sharp.plugins.triton.attention import interpreter_problem
+
+        if (problem := interpreter_problem()) is not None:
+            ap.error(f"--smoke: {problem}")
         args.lengths, args.head_dims, args.head_budget = [40], [16], 32
         args.decode_lengths, args.decode_heads, args.decode_kv_heads, args.decode_head_dim = [100], 4, 2, 16
         args.copy_bytes, args.no_write, args.page_size = 2**20, True, 16
