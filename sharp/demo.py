@@ -1,7 +1,8 @@
 """`make demo`: the problem, then the product on the embedded default (onnxruntime, CPU).
 
-1. Dispersion: the weight one query puts on its target key as the number of keys grows, per normalizer,
-   through the reference and streamed implementations (checked to agree).
+1. Dispersion: (a) the weight one query puts on its target key as the number of keys grows, per normalizer,
+   through the reference and streamed implementations (checked to agree), each row explained in one line (the
+   registry's summary); (b) how much one out-of-range logit pulls from the target.
 2. The committed SSA demo model exported with `sharp-export --norm ssa` (sharp::SharpAttention nodes with
    their standard-op fallback).
 3. `sharp-serve` on that file (onnxruntime, CPU); 4. `sharp-client generate --stream --stats` prints the text
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import torch
@@ -24,37 +26,56 @@ from sharp.models import NORMS, attend, registry
 from sharp.models.checkpoint import zoo_model
 
 
-def _problem(n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q·k/√d equals the designed logits: uniform in [−2, 2] with one target key at 3; v one-hot on it."""
+def _problem(n: int, seed: int = 0, deviant: float | None = None) -> tuple[torch.Tensor, ...]:
+    """q·k/√d equals the designed logits: uniform in [−2, 2] with one target key at 3; v one-hot on it (channel 0).
+    `deviant`: one more key with that logit, v one-hot on channel 1."""
     g = torch.Generator().manual_seed(seed)
     z = torch.rand(n, generator=g) * 4 - 2
-    target = n // 3
+    target, odd = n // 3, n // 2
     z[target] = 3.0
     d = 16
+    v = torch.zeros(1, 1, n, d)
+    v[0, 0, target, 0] = 1.0
+    if deviant is not None:
+        z[odd] = deviant
+        v[0, 0, odd, 1] = 1.0
     q = torch.zeros(1, 1, 1, d)
     q[..., 0] = d**0.5
     k = torch.zeros(1, 1, n, d)
     k[0, 0, :, 0] = z
-    v = torch.zeros(1, 1, n, d)
-    v[0, 0, target, 0] = 1.0
     # ASEntmax's λ = δ + β·log(pos + 2)^γ with δ = 1, β = 0.5, γ = 1 (a trained model learns β, γ per query)
     qs = torch.full((1, 1, 1), 1.0 + 0.5 * torch.log(torch.tensor(n + 2.0)).item())
     return q, k, v, qs
 
 
+def _attend(norm: str, n: int, deviant: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and entropy of the reference, checked against the streamed implementation."""
+    q, k, v, qs = _problem(n, deviant=deviant)
+    kw = dict(norm=norm, query_scale=qs if registry.get(norm).query_scale else None, return_entropy=True)
+    out, ent = attend(q, k, v, impl="reference", **kw)
+    out_s, ent_s = attend(q, k, v, impl="streamed", block_size=256, **kw)
+    assert torch.allclose(out, out_s, atol=1e-5) and torch.allclose(ent, ent_s, atol=1e-5)
+    return out[0, 0, 0], ent[0, 0, 0]
+
+
 def dispersion() -> None:
     lengths = [16, 128, 1024, 8192]
-    print("1. Dispersion — weight on the target key (row entropy, nats) as the context grows\n")
+    print("1. Dispersion\n")
+    print("(a) Weight on the target key (row entropy, nats) as the context grows: logits uniform in [-2, 2], the")
+    print("    target's 3; each normalizer with its default parameters\n")
     print(f"{'norm':<10}" + "".join(f"{'n=' + str(n):>18}" for n in lengths))
     for norm in NORMS:
-        cells = []
-        for n in lengths:
-            q, k, v, qs = _problem(n)
-            kw = dict(norm=norm, query_scale=qs if registry.get(norm).query_scale else None, return_entropy=True)
-            out, ent = attend(q, k, v, impl="reference", **kw)
-            out_s, ent_s = attend(q, k, v, impl="streamed", block_size=256, **kw)
-            assert torch.allclose(out, out_s, atol=1e-5) and torch.allclose(ent, ent_s, atol=1e-5)
-            cells.append(f"{out[0, 0, 0, 0].item():.3f} (H={ent.item():.2f})")
+        cells = [f"{o[0].item():.3f} (H={h.item():.2f})" for o, h in (_attend(norm, n) for n in lengths)]
+        print(f"{norm:<10}" + "".join(f"{c:>18}" for c in cells))
+    print()
+    for norm in NORMS:
+        summary = registry.get(norm).summary
+        print(textwrap.fill(summary, 112, initial_indent=f"  {norm:<9} ", subsequent_indent=" " * 12))
+    deviants, n = [6.0, 12.0, 30.0], 1024
+    print(f"\n(b) One key's logit far outside the others' range, {n:,} keys: weight on the target / on that key\n")
+    print(f"{'norm':<10}" + "".join(f"{'logit ' + str(int(x)):>18}" for x in deviants))
+    for norm in NORMS:
+        cells = [f"{o[0].item():.3f} / {o[1].item():.3f}" for o, _ in (_attend(norm, n, x) for x in deviants)]
         print(f"{norm:<10}" + "".join(f"{c:>18}" for c in cells))
     print("\nreference and streamed implementations agree on every row (checked).\n")
 

@@ -112,3 +112,25 @@ def test_entmax_with_alpha_one_runs_the_softmax_family():
     assert build_problem(q, q, q, norm="entmax", alpha=1.5, **kw).family is Family.ENTMAX
     with pytest.raises(ValueError, match="cannot mix alpha == 1"):
         _ = build_problem(q, q, q, norm="entmax", alpha=torch.tensor([1.0, 1.5]), **kw).family
+
+
+def test_the_demo_shows_what_each_norm_does_and_says_so_per_row(capsys):
+    """`make demo`'s first tables: every row has the registry's one-line summary; the length-aware norms keep the
+    target's weight at 8,192 keys where softmax's falls to ~1/n, and SSA bounds an out-of-range logit's pull where
+    softmax hands it everything."""
+    from sharp.demo import dispersion
+
+    dispersion()
+    table_a, table_b = capsys.readouterr().out.split("(b)")
+    for name in registry.NORMS:
+        summary = registry.get(name).summary
+        assert summary and " ".join(summary.split()) in " ".join(table_a.replace(f"  {name} ", " ").split()), name
+
+    def rows(table: str) -> dict[str, list[str]]:
+        return {w[0]: w[1:] for w in (line.split() for line in table.splitlines()) if w and w[0] in registry.NORMS}
+
+    last_weight = {name: float(cells[-2]) for name, cells in rows(table_a.split("\n\n  ")[0]).items()}  # n = 8,192
+    assert last_weight["softmax"] < 0.01 and last_weight["ssmax"] > 0.9 and last_weight["asentmax"] > 0.9
+    assert last_weight["entmax"] > 30 * last_weight["softmax"]
+    deviant_30 = {name: float(cells[-1]) for name, cells in rows(table_b).items()}  # logit 30: weight it takes
+    assert deviant_30["softmax"] > 0.99 and deviant_30["ssa"] < 0.2
