@@ -1,12 +1,14 @@
 """Compiles proto/sharp/v1/*.proto with grpcio-tools every time the package is built or installed, so the
 generated gRPC modules always match the definitions (nothing generated is committed), and builds the native
 sharp::SharpAttention library for ONNX Runtime (plugins/onnxruntime/build.py; when it cannot be built the install
-still succeeds and says why once)."""
+still succeeds and says why once). The wheel carries that compiled library, so it is tagged for the platform that
+built it (py3-none-linux_x86_64, say), not py3-none-any."""
 
 import importlib.util
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 PROTO_ROOT = Path(__file__).resolve().parent / "proto"
@@ -46,4 +48,16 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+class PlatformWheel(bdist_wheel):
+    """Pure Python plus a native library: any Python 3, no ABI, this platform."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.root_is_pure = False
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _, _, plat = super().get_tag()
+        return "py3", "none", plat
+
+
+setup(cmdclass={"build_py": BuildPyWithProtos, "bdist_wheel": PlatformWheel})

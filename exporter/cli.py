@@ -29,7 +29,7 @@ from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load
 from sharp.models.config import ModelShape
 from sharp.models.lm import SharpLM
-from sharp.plugins.onnxruntime import choose_library
+from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
 
 TOLERANCE = 1e-4
 # Parameters an inference-time norm change needs from the command line (the model never learned them).
@@ -298,7 +298,10 @@ def _export(args) -> int:
         tensorrt=args.tensorrt,
     )
     # sharp's native onnxruntime library takes the standard form only: a TensorRT-form file runs its fallback bodies
-    library, attention = choose_library(args.native, tensorrt_form=args.tensorrt)
+    try:  # a --genai package ships the baseline library: it runs on any CPU of the architecture
+        library, attention = choose_library(args.native, tensorrt_form=args.tensorrt, portable=args.genai)
+    except NativeOpUnavailable as e:
+        raise UsageError(str(e)) from None
     if args.genai and args.fallback == "none" and library is None:
         raise UsageError(
             f"--genai --fallback none needs sharp's op library in the package, and there is none ({attention})"

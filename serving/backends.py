@@ -30,7 +30,7 @@ from sharp.exporter.metadata import LayerAttention, ModelMetadata
 from sharp.models.config import ModelShape
 from sharp.models.kvcache import OutOfPages, PagedKVCache
 from sharp.models.tokenizer import Tokenizer
-from sharp.plugins.onnxruntime import choose_library
+from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
 from sharp.serving.cache import BatchCache
 
 log = logging.getLogger("sharp.serving")
@@ -297,9 +297,12 @@ class OnnxRuntimeBackend(GraphBackend):
             raise BackendError(f"{path}: exported without a KV cache; re-export without --no-kv-cache to serve it")
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        op_library, self.attention = choose_library(
-            native, op_library, tensorrt_form=meta.export.get("tensorrt", False)
-        )
+        try:
+            op_library, self.attention = choose_library(
+                native, op_library, tensorrt_form=meta.export.get("tensorrt", False)
+            )
+        except NativeOpUnavailable as e:
+            raise BackendError(str(e)) from None
         if op_library:  # a native sharp::SharpAttention kernel replaces the standard-op fallback bodies
             options.register_custom_ops_library(op_library)
         providers = ["CPUExecutionProvider"]

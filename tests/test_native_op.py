@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,36 @@ def test_builds_for_other_cpus_agree(library, march, tmp_path, monkeypatch):
             o, h = session(one_op_model(norm.name, causal, None), built).run(None, x)
             np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=0)
             np.testing.assert_allclose(h, h_ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 variants")
+def test_the_widest_variant_this_cpu_runs_is_loaded_and_a_wider_one_refused(library, monkeypatch):
+    """libsharp_ort.so is built for the x86-64-v2 baseline and libsharp_ort.x86-64-v3.so for AVX2, each naming its
+    ISA in the file; library_path() loads the widest the CPU's flags allow (the baseline where they are unreadable or
+    lack AVX2, and always for a package: portable=True); a library built for more than the CPU has is refused with
+    the flags it lacks, never loaded (its first AVX2 instruction would kill the process)."""
+    import sharp.plugins.onnxruntime as native
+    from sharp.plugins.onnxruntime import build
+
+    base, wide = build.VARIANTS["x86-64-v2"], build.VARIANTS["x86-64-v3"]
+    assert base == native.LIBRARY and wide.exists()
+    assert (native.library_isa(base), native.library_isa(wide)) == ("x86-64-v2", "x86-64-v3")
+    v2 = frozenset(native._ISA_FLAGS["x86-64-v2"])
+    v3 = v2 | native._ISA_FLAGS["x86-64-v3"]
+    for flags, chosen in ((v3, wide), (v3 - {"avx2"}, base), (v2, base), (frozenset(), base)):
+        monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: flags)
+        assert native.library_path() == str(chosen), sorted(flags)
+        assert native.library_path(portable=True) == str(base)
+    monkeypatch.setattr(native, "cpu_flags", lambda: v3 - {"avx2", "fma"})
+    with pytest.raises(native.NativeOpUnavailable, match=r"built for x86-64-v3 and this CPU lacks avx2, fma: use"):
+        native.choose_library(library=str(wide))
+    assert native.choose_library(library=str(base))[0] == str(base)
+    x = inputs(seed=5)  # both variants compute the same attention
+    for norm in ("ssa", "entmax"):
+        o_base, h_base = session(one_op_model(norm, True, None), str(base)).run(None, x)
+        o_wide, h_wide = session(one_op_model(norm, True, None), str(wide)).run(None, x)
+        np.testing.assert_allclose(o_wide, o_base, atol=2e-5, rtol=0)
+        np.testing.assert_allclose(h_wide, h_base, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)

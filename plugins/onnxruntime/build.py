@@ -4,16 +4,22 @@ Standard library only: setup.py runs it while the package is built, before torch
 Headers: ONNX Runtime's C/C++ API from $ORT_INCLUDE_DIR and Eigen from $EIGEN_INCLUDE_DIR, else both from
 Debian trixie's header-only packages (libonnxruntime-dev, libeigen3-dev), downloaded with a private apt state
 into build/native-deps/ and unpacked there — nothing is installed system-wide. The library calls
-GetApi(ORT_API_VERSION) and links nothing of ONNX Runtime. $SHARP_NATIVE_MARCH sets -march (default native:
-the library is built on the machine that runs it; set e.g. x86-64-v3 for images built elsewhere).
+GetApi(ORT_API_VERSION) and links nothing of ONNX Runtime.
 
-    python plugins/onnxruntime/build.py [--sanitize] [--output PATH]
+Portable by default: on x86-64 two variants, `libsharp_ort.so` for the x86-64-v2 baseline (any x86-64 CPU since
+about 2009) and `libsharp_ort.x86-64-v3.so` (AVX2, FMA), and `library_path()` loads the widest this CPU runs; on
+other architectures one library for the compiler's default target. Each records its ISA in a `SHARP_ISA=` string
+(read from the file, never by loading it). $SHARP_NATIVE_MARCH builds only `libsharp_ort.so`, for that -march
+(e.g. native: fastest, but only for CPUs like the building one).
+
+    python plugins/onnxruntime/build.py [--sanitize] [--output PATH] [--march MARCH]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -23,6 +29,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCES = (HERE / "sharp_attention.cc", HERE / "norm_table.h")
 LIBRARY = HERE / "libsharp_ort.so"
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+BASELINE = "x86-64-v2" if X86_64 else ""  # "": the compiler's default target (other architectures)
+# -march → the library built for it, narrowest first; library_path() loads the widest this CPU can run
+VARIANTS = {"x86-64-v2": LIBRARY, "x86-64-v3": HERE / "libsharp_ort.x86-64-v3.so"} if X86_64 else {"": LIBRARY}
 FAILURE = HERE / "BUILD_FAILED.txt"  # why the last build failed; library_path() reports it
 DEPS = HERE.parents[1] / "build" / "native-deps"
 PACKAGES = ("libonnxruntime-dev", "libeigen3-dev")
@@ -87,13 +97,23 @@ def up_to_date(output: Path) -> bool:
     return output.exists() and all(output.stat().st_mtime >= s.stat().st_mtime for s in SOURCES)
 
 
-def build(output: Path = LIBRARY, sanitize: bool = False) -> Path:
-    """Compile the library to `output` (atomically); raises BuildError with the reason."""
+def build(output: Path = LIBRARY, sanitize: bool = False, march: str | None = None) -> Path:
+    """Compile the library to `output` (atomically) for `march` (default: $SHARP_NATIVE_MARCH, else the baseline);
+    raises BuildError with the reason."""
     cxx = os.environ.get("CXX", "g++")
     if shutil.which(cxx) is None:
         raise BuildError(f"no C++ compiler ({cxx}) on PATH")
-    march = os.environ.get("SHARP_NATIVE_MARCH", "native")
-    flags = ["-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", f"-march={march}", "-DEIGEN_DONT_PARALLELIZE"]
+    march = march if march is not None else os.environ.get("SHARP_NATIVE_MARCH", BASELINE)
+    isa = march or platform.machine()
+    flags = [
+        "-std=c++17",
+        "-shared",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-DEIGEN_DONT_PARALLELIZE",
+        f'-DSHARP_ISA="{isa}"',
+    ]
+    flags += [f"-march={march}"] if march else []
     flags += ["-O1", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer"] if sanitize else ["-O3"]
     includes = [f"-I{d}" for d in (HERE, *include_dirs())]
     tmp = output.with_name(output.name + ".tmp")
@@ -103,11 +123,15 @@ def build(output: Path = LIBRARY, sanitize: bool = False) -> Path:
 
 
 def build_for_install() -> None:
-    """What setup.py calls: build (or keep an up-to-date library); on failure record why and say so once."""
-    if up_to_date(LIBRARY):
-        return
+    """What setup.py calls: build every variant (or keep the up-to-date ones; only libsharp_ort.so when
+    $SHARP_NATIVE_MARCH is set); on failure record why and say so once."""
+    variants = {os.environ["SHARP_NATIVE_MARCH"]: LIBRARY} if os.environ.get("SHARP_NATIVE_MARCH") else VARIANTS
+    for path in set(VARIANTS.values()) - set(variants.values()):
+        path.unlink(missing_ok=True)  # a variant of another build must not be picked over this one
     try:
-        build()
+        for march, path in variants.items():
+            if not up_to_date(path):
+                build(path, march=march)
         FAILURE.unlink(missing_ok=True)
     except (BuildError, OSError) as e:
         FAILURE.write_text(str(e) + "\n")
@@ -118,9 +142,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sanitize", action="store_true", help="AddressSanitizer + UBSan build (for testing)")
     parser.add_argument("--output", type=Path, default=LIBRARY)
+    parser.add_argument(
+        "--march", help=f"-march to build for (default: $SHARP_NATIVE_MARCH, else {BASELINE or 'none'})"
+    )
     args = parser.parse_args()
     try:
-        print(build(args.output, args.sanitize))
+        print(build(args.output, args.sanitize, args.march))
     except BuildError as e:
         sys.exit(f"build failed: {e}")
 

@@ -578,6 +578,13 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
 
 }  // namespace sharp
 
+// The instruction set this library was compiled for, readable from the file without loading it (a library built
+// for a wider ISA than the CPU's must never be loaded: its first vector instruction would kill the process).
+#ifndef SHARP_ISA
+#define SHARP_ISA "unknown"
+#endif
+extern "C" __attribute__((used, visibility("default"))) const char kSharpIsa[] = "SHARP_ISA=" SHARP_ISA;
+
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);

@@ -46,7 +46,7 @@ from sharp.models.config import ModelConfig
 from sharp.models.layers import SharpAttention, use_custom_op
 from sharp.models.lm import SharpLM
 from sharp.models.positional import apply_rope, rope_angles
-from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
+from sharp.plugins.onnxruntime import NativeOpUnavailable, build, check_runs_here, library_isa, library_path
 
 
 def _sdpa_forward(self: SharpAttention, x, positions, cache=None, key_mask=None, impl="reference"):
@@ -177,6 +177,23 @@ def _models() -> dict[str, tuple[SharpLM, str]]:
     }
 
 
+def _native_libraries(isas: list[str] | None, tmp: Path) -> dict[str, str]:
+    """ISA → native library: the one this CPU loads by default; with `isas`, the installed variant of each -march
+    where there is one, else a library built for it into `tmp` (headers as `make install` fetched them)."""
+    if not isas:
+        path = library_path()
+        return {library_isa(path): path}
+    out = {}
+    for isa in isas:
+        installed = build.VARIANTS.get(isa)
+        if installed is not None and installed.exists():
+            out[isa] = str(installed)
+        else:
+            out[isa] = str(build.build(tmp / f"libsharp_ort.{isa}.so", march=isa))
+        check_runs_here(out[isa])
+    return out
+
+
 def run(argv: list[str] | None = None) -> int:
     ap = BenchParser(prog="sharp-bench export", description=__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192])
@@ -187,19 +204,24 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--fallbacks", nargs="+", choices=["dense", "streamed"], default=["dense", "streamed"])
     ap.add_argument("--no-native", dest="native", action="store_false", help="leave out the native kernel rows")
     ap.add_argument("--memory-lengths", type=int, nargs="*", default=[8192, 32768])
+    ap.add_argument("--isas", nargs="+", metavar="MARCH", help="native kernel rows per -march, side by side (e.g. "
+                    "x86-64-v2 x86-64-v3 native; the installed variants are used, others built for the run); default: "
+                    "the library this CPU loads")  # fmt: skip
     add_output(ap)
     args = ap.parse_args(argv)
     args.command = command_line("export", [] if argv is None else list(argv))
-    library = None
-    if args.native:
-        try:
-            library = library_path()
-        except NativeOpUnavailable as e:
-            print(f"sharp-bench export: {e} (--no-native measures the fallbacks alone)", file=sys.stderr)
-            return 1
-    models = _models()
-    rows = []
+    if args.isas and not args.native:
+        ap.error("--isas measures the native kernel, which --no-native leaves out")
+    natives: dict[str, str] = {}  # row label suffix → library
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        if args.native:
+            try:
+                natives = _native_libraries(args.isas, Path(tmp))
+            except (NativeOpUnavailable, build.BuildError) as e:
+                print(f"sharp-bench export: {e} (--no-native measures the fallbacks alone)", file=sys.stderr)
+                return 1
+        models = _models()
+        rows = []
         quiet_libraries()  # torch.onnx's notes about itself, as sharp-export silences them
         files = {
             "SDPA baseline (softmax, opset 23 Attention)": export_sdpa_baseline(
@@ -208,13 +230,14 @@ def run(argv: list[str] | None = None) -> int:
         }
         libraries: dict[str, str] = {}
         for norm, (model, _) in models.items():
-            for fallback in [*args.fallbacks, "none"] if library else args.fallbacks:
+            for fallback in [*args.fallbacks, "none"] if natives else args.fallbacks:
                 path = Path(tmp) / f"{norm}-{fallback}.onnx"
                 onnx.save(export_model(model, ExportSettings(norm=norm, fallback=fallback)), path)
-                label = f"sharp {norm} (native kernel)" if fallback == "none" else f"sharp {norm} ({fallback} fallback)"
-                files[label] = path
-                if fallback == "none":
-                    libraries[label] = library
+                if fallback != "none":
+                    files[f"sharp {norm} ({fallback} fallback)"] = path
+                for isa, library in natives.items() if fallback == "none" else ():
+                    label = f"sharp {norm} (native kernel, {isa})"
+                    files[label], libraries[label] = path, library
         cfg = models["softmax"][0].cfg
         base: dict[str, float] = {}
         for label, path in tqdm(files.items(), desc="export", unit="file"):
@@ -235,7 +258,9 @@ def run(argv: list[str] | None = None) -> int:
             rows.append([label, *cells])
         memory_rows = []
         sdpa_label = next(iter(files))
-        for label in [sdpa_label, *(f"sharp {norm} (native kernel)" for norm in models)] if library else ():
+        first = next(iter(natives), "")  # peak memory does not depend on the ISA: the first one's rows
+        labels = [sdpa_label, *(f"sharp {norm} (native kernel, {first})" for norm in models)]
+        for label in labels if natives and args.memory_lengths else ():
             cells = []
             for n in args.memory_lengths:
                 if label == sdpa_label and n > SDPA_MEMORY_MAX:
@@ -257,7 +282,7 @@ def run(argv: list[str] | None = None) -> int:
     sources = ", ".join(f"{n}: {src}" for n, (_, src) in models.items())
     body = "\n".join(
         [
-            "## Export: onnxruntime CPU latency",
+            "## Export: onnxruntime CPU latency" + (", the native kernel per instruction set" if args.isas else ""),
             "",
             f"Measured {today()} on {machine()}, onnxruntime CPU, {args.threads} threads. Command: {args.command}.",
             f"Batch 1; prefill from an empty cache; decode = one token after {args.decode_past:,} cached; median of"
@@ -280,7 +305,7 @@ def run(argv: list[str] | None = None) -> int:
     )
     print(body)
     if (page := output_page(args)) is not None:
-        write_section("export", body, page)
+        write_section("export --isas" if args.isas else "export", body, page)  # its own section beside the default
     return 0
 
 
