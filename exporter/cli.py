@@ -25,6 +25,7 @@ import torch
 from sharp.exporter import metadata
 from sharp.exporter.export import ExportSettings
 from sharp.exporter.metadata import ModelMetadata
+from sharp.exporter.op_schema import STREAMED_BLOCK
 from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load
 from sharp.models.config import ModelShape
@@ -49,23 +50,9 @@ def check_norm_change(model: SharpLM, norm: str, values: dict[str, float]) -> No
     cfg = model.cfg
     if cfg.layer_norms_override and norm != cfg.norm:
         raise UsageError(f"this model sets a norm per layer ({', '.join(cfg.layer_norms())}); export it without --norm")
-    if norm == cfg.norm:
-        return
-    target = registry.get(norm)
-    if not registry.can_export_as(cfg.norm, norm):
-        allowed = [n.name for n in registry.all_norms() if cfg.norm in n.inference_time_from]
-        why = (
-            f"{norm} is an inference-time change of {' or '.join(target.inference_time_from)} models only"
-            if target.inference_time_from
-            else f"{norm} parameters are learned in training; retrain with sharp-train --norm {norm}"
-        )
-        raise UsageError(
-            f"cannot export a {cfg.norm} model as {norm}: {why} "
-            f"(allowed for this model: its own norm{''.join(', ' + a for a in allowed)})"
-        )
-    for param in target.change_requires:
-        if values.get(param) is None:
-            raise UsageError(f"{cfg.norm} → {norm} needs {_flag(param)} (the model never learned {param})")
+    given = [name for name, value in values.items() if value is not None]
+    if (why := registry.norm_change_problem(cfg.norm, norm, given, spell=_flag)) is not None:
+        raise UsageError(why)
 
 
 def _check_output(model: Path, out: Path) -> None:
@@ -169,7 +156,9 @@ def parser() -> argparse.ArgumentParser:
         help="ONNX opset of the standard ops (18; converting would inline the custom op away)",
     )
     ap.add_argument("--dtype", choices=["fp32"], default="fp32")
-    ap.add_argument("--block-size", type=int, default=256, help="keys per Loop iteration of --fallback streamed")
+    ap.add_argument(
+        "--block-size", type=int, default=STREAMED_BLOCK, help="keys per Loop iteration of --fallback streamed"
+    )
     ap.add_argument(
         "--genai",
         action="store_true",

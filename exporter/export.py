@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from sharp.exporter import fallback, tensorrt
 from sharp.exporter.metadata import ModelMetadata
-from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, translate
+from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, STREAMED_BLOCK, translate
 from sharp.models import registry
 from sharp.models.config import ModelShape
 from sharp.models.layers import use_custom_op
@@ -35,7 +35,7 @@ class ExportSettings:
     opset: int = 18
     kv_cache: bool = True
     dtype: str = "fp32"
-    block_size: int = 256  # keys per Loop iteration of the streamed fallback
+    block_size: int = STREAMED_BLOCK  # keys per Loop iteration of the streamed fallback
     tensorrt: bool = False  # write the TensorRT form of the op (exporter/tensorrt.py)
 
     def __post_init__(self) -> None:
@@ -185,7 +185,7 @@ def name_dimensions(proto: onnx.ModelProto) -> None:
 
 def with_norm(model: SharpLM, norm: str, poly: tuple[float, ...] | None = None, **values: float | None) -> SharpLM:
     """`model` with the normalizer `norm`: its own, or an inference-time change the registry allows
-    (`values` give the parameters the model never learned, e.g. ssmax_s; see cli.check_norm_change)."""
+    (`values` give the parameters the model never learned, e.g. ssmax_s; the rule: registry.norm_change_problem)."""
     target = registry.get(norm)
     cfg = model.cfg
     changes = {registry.head_param(k).config_field: v for k, v in values.items() if v is not None}
@@ -195,8 +195,9 @@ def with_norm(model: SharpLM, norm: str, poly: tuple[float, ...] | None = None, 
         checked = type(cfg).from_dict({**cfg.to_dict(), **changes})  # ModelConfig validates the new values
         cfg.adaptive_poly = checked.adaptive_poly  # the layers share this config object
         return model
-    if not registry.can_export_as(cfg.norm, norm):
-        raise ValueError(f"a {cfg.norm} model cannot be exported as {norm}")
+    given = [name for name, value in values.items() if value is not None]
+    if (why := registry.norm_change_problem(cfg.norm, norm, given)) is not None:
+        raise ValueError(why)
     new_cfg = type(cfg).from_dict({**cfg.to_dict(), "norm": norm, "layer_norms_override": None, **changes})
     twin = SharpLM(new_cfg)
     missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)

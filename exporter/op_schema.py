@@ -38,6 +38,7 @@ OP_INPUTS: tuple[str, ...] = (
 OP_OUTPUTS: tuple[str, ...] = ("O", "entropy")
 
 # Attributes: name → (type, default written into the function; None = the node always carries it).
+STREAMED_BLOCK = 256  # keys per Loop iteration of the streamed fallback bodies, unless set
 OP_ATTRIBUTES: dict[str, tuple[int, object]] = {
     "norm": (AttributeProto.STRING, None),
     "causal": (AttributeProto.INT, None),
@@ -47,7 +48,7 @@ OP_ATTRIBUTES: dict[str, tuple[int, object]] = {
     "kv_heads": (AttributeProto.INT, None),
     "threshold": (AttributeProto.FLOAT, 0.5),  # adaptive: entropy above which β applies
     "max_iters": (AttributeProto.INT, 30),  # entmax: cap on threshold refinement steps (they stop at convergence)
-    "block_size": (AttributeProto.INT, 256),  # streamed bodies: keys per Loop iteration
+    "block_size": (AttributeProto.INT, STREAMED_BLOCK),  # streamed bodies: keys per Loop iteration
 }
 
 

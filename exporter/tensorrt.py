@@ -16,7 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from sharp.exporter import fallback
-from sharp.exporter.op_schema import OP_INPUTS, OP_OUTPUTS, SHARP
+from sharp.exporter.op_schema import OP_INPUTS, OP_OUTPUTS, SHARP, STREAMED_BLOCK
 from sharp.models import registry
 from sharp.plugins.tensorrt.plugin import INPUTS as PLUGIN_INPUTS
 from sharp.plugins.tensorrt.plugin import PACKED_HEAD_PARAMS
@@ -40,7 +40,7 @@ def is_tensorrt_form(proto: onnx.ModelProto) -> bool:
     )
 
 
-def rewrite(proto: onnx.ModelProto, fallback_mode: str | None, block_size: int = 256) -> onnx.ModelProto:
+def rewrite(proto: onnx.ModelProto, fallback_mode: str | None, block_size: int = STREAMED_BLOCK) -> onnx.ModelProto:
     """Rewrite every standard-form node (docs/op.md) into the TensorRT form, in place; returns `proto`. With a
     `fallback_mode` the file keeps its standard bodies and gains the form's (`tensorrt.<norm>` overloads)."""
     graph = proto.graph

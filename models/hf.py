@@ -92,9 +92,10 @@ class AttentionSettings:
                 raise ValueError(f"{name} is not a parameter of {self.norm} (its parameters: {entry.param_names})")
             if (why := registry.head_param(name).problem(value)) is not None:
                 raise ValueError(why)
-        missing = [p for p in entry.change_requires if p not in dict(self.params)]
-        if missing:
-            raise ValueError(f"{self.norm} needs {', '.join(missing)} (a softmax model never learned it)")
+        # a pretrained (softmax) model's change of norm: the registry's one rule
+        why = registry.norm_change_problem("softmax", self.norm, dict(self.params))
+        if registry.can_export_as("softmax", self.norm) and why is not None:
+            raise ValueError(why)
         if not all(math.isfinite(c) for c in self.poly):
             raise ValueError(f"poly must be finite numbers, got {list(self.poly)}")
 
@@ -120,12 +121,9 @@ class AttentionSettings:
 
 def sharpen(config: PretrainedConfig, norm: str, poly: tuple[float, ...] | None = None, **values: float) -> None:
     """Set the normalizer of a softmax-trained model to `norm`, an inference-time change the registry allows."""
-    if not registry.can_export_as("softmax", norm):
-        allowed = [n.name for n in registry.all_norms() if registry.can_export_as("softmax", n.name)]
-        raise UnsupportedModel(
-            f"a pretrained softmax model cannot run {norm}: its parameters are learned in training "
-            f"(allowed at inference time: {', '.join(allowed)})"
-        )
+    given = [name for name, value in values.items() if value is not None]
+    if (why := registry.norm_change_problem("softmax", norm, given)) is not None:
+        raise UnsupportedModel(why)
     params = tuple((k, float(v)) for k, v in values.items() if v is not None)
     settings = AttentionSettings(norm, tuple(poly) if poly else nz.PAPER_POLY, params)
     setattr(config, CONFIG_KEY, settings.to_dict())

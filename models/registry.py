@@ -14,7 +14,7 @@ Adding a normalizer: write its math in `normalizers.py`, add its entry below, an
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -147,6 +147,10 @@ def _entmax(x: Tensor, dim: int, alpha: Param = ALPHA.default, **_) -> Tensor:
     return nz.entmax(x, alpha, dim)
 
 
+def _adaptive(x: Tensor, dim: int, poly=nz.PAPER_POLY, threshold: float = nz.ADAPTIVE_THRESHOLD, **_) -> Tensor:
+    return nz.adaptive_softmax(x, dim, poly, threshold)
+
+
 _REGISTRY: dict[str, Norm] = {
     n.name: n
     for n in (
@@ -163,7 +167,7 @@ _REGISTRY: dict[str, Norm] = {
             Family.SOFTMAX,
             Transform.ENTROPY_BETA,
             (),
-            lambda x, dim, poly=nz.PAPER_POLY, threshold=0.5, **_: nz.adaptive_softmax(x, dim, poly, threshold),
+            _adaptive,
             uses_poly=True,
             inference_time_from=("softmax",),
             summary="softmax(β·z), β = poly(H) of the row's entropy (the paper's fit): sharper for H in 0.85–5.9 nats; "
@@ -231,6 +235,32 @@ def can_export_as(trained: str, target: str) -> bool:
     return trained == target or trained in get(target).inference_time_from
 
 
+def norm_change_problem(
+    trained: str, target: str, given: Iterable[str] = (), spell: Callable[[str], str] = str
+) -> str | None:
+    """Why a model trained with `trained` cannot run as `target` given the change parameters named in `given`, or
+    None: the one rule (and message) of sharp-export, the export API and the Hugging Face path. `spell` writes a
+    parameter as the caller's user gives it (e.g. a command-line flag)."""
+    if trained == target:
+        return None
+    goal = get(target)
+    if trained not in goal.inference_time_from:
+        allowed = "".join(f", {n.name}" for n in all_norms() if trained in n.inference_time_from)
+        why = (
+            f"{target} is an inference-time change of {' or '.join(goal.inference_time_from)} models only"
+            if goal.inference_time_from
+            else f"{target} parameters are learned in training; retrain with sharp-train --norm {target}"
+        )
+        return f"cannot export a {trained} model as {target}: {why} (allowed for this model: its own norm{allowed})"
+    missing = [p for p in goal.change_requires if p not in set(given)]
+    if missing:
+        return (
+            f"{trained} → {target} needs {', '.join(map(spell, missing))} "
+            f"(a {trained} model never learned {', '.join(missing)})"
+        )
+    return None
+
+
 def head_param(name: str) -> HeadParam:
     for p in HEAD_PARAMS:
         if p.name == name:
@@ -244,7 +274,7 @@ def normalize(
     *,
     dim: int = -1,
     poly: tuple[float, ...] | Tensor = nz.PAPER_POLY,
-    threshold: float = 0.5,
+    threshold: float = nz.ADAPTIVE_THRESHOLD,
     **params: Param,
 ) -> Tensor:
     """The normalizer `norm` over `dim`; `params` are its per-head parameters (others are ignored).

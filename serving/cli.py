@@ -28,6 +28,15 @@ class UsageError(Exception):
     """A user mistake: one line on stderr, exit 2."""
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written; each option's default after its help (when it has one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or isinstance(action.default, bool):
+            return action.help  # "(default: None)" and flags' False say nothing
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of usage + message
         self.exit(2, f"{self.prog}: {message}\n")
@@ -74,15 +83,21 @@ def _tls(cert_path: Path | None, key_path: Path | None) -> tuple[bytes | None, b
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from sharp.serving.backends import BACKENDS, DTYPES  # the serving side only: the client never loads torch
+    # the serving side only: the client never loads torch
+    from sharp.serving.backends import BACKENDS, DTYPES, PAGE_SIZE
+    from sharp.serving.engine import EngineConfig as E
+    from sharp.serving.server import ServerConfig as S
 
-    ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Defaults come from the configs the engine and server use (one source; --help shows them)
+    ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
     ap.add_argument("model", type=Path, help="an .onnx file from sharp-export (onnxruntime) or a model.pt (torch)")
     ap.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in containers)")
-    ap.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
-    ap.add_argument("--metrics-port", type=int, default=9400, help="Prometheus port (0: any free port; -1: off)")
+    ap.add_argument("--host", default=S.host, help="address to listen on (0.0.0.0 in containers)")
+    ap.add_argument("--port", type=int, default=S.port, help="gRPC port (0: any free port)")
+    ap.add_argument(
+        "--metrics-port", type=int, default=S.metrics_port, help="Prometheus port (0: any free port; -1: off)"
+    )
     ap.add_argument("--metrics-host", help="address of the Prometheus endpoint (default: --host)")
     ap.add_argument(
         "--health-port",
@@ -90,23 +105,23 @@ def serve_parser() -> argparse.ArgumentParser:
         help="also answer grpc.health.v1 in plaintext on this port (for kubelet probes when --tls-cert is on)",
     )
     ap.add_argument("--model-name", help="the model's name in metrics and GetModelInfo (default: the file's stem)")
-    ap.add_argument("--max-batch", type=int, default=32, help="sequences decoded together")
-    ap.add_argument("--max-queue", type=int, default=256, help="waiting requests; more get RESOURCE_EXHAUSTED")
+    ap.add_argument("--max-batch", type=int, default=E.max_batch, help="sequences decoded together")
+    ap.add_argument("--max-queue", type=int, default=E.max_queue, help="waiting requests; more get RESOURCE_EXHAUSTED")
     ap.add_argument(
         "--kv-cache-mb",
         type=float,
-        default=256.0,
-        help="KV-cache budget (torch: a pool of 16-token pages allocated at start; onnxruntime/tensorrt: padding"
-        " included)",
+        default=E.kv_cache_mb,
+        help=f"KV-cache budget (torch: a pool of {PAGE_SIZE}-token pages allocated at start; onnxruntime/tensorrt:"
+        " padding included)",
     )
-    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per engine step")
-    ap.add_argument("--max-new-tokens-limit", type=int, default=4096)
-    ap.add_argument("--default-max-new-tokens", type=int, default=64)
+    ap.add_argument("--prefill-chunk", type=int, default=E.prefill_chunk, help="prompt tokens per engine step")
+    ap.add_argument("--max-new-tokens-limit", type=int, default=E.max_new_tokens_limit, help="per request")
+    ap.add_argument("--default-max-new-tokens", type=int, default=E.default_max_new_tokens, help="when not given")
     ap.add_argument(
         "--max-prompt-bytes", type=int, help="UTF-8 bytes of a text prompt (default: 16 × the model's context length)"
     )
-    ap.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request")
-    ap.add_argument("--max-stop-length", type=int, default=256, help="characters of one stop string")
+    ap.add_argument("--max-stop-strings", type=int, default=E.max_stop_strings, help="stop strings per request")
+    ap.add_argument("--max-stop-length", type=int, default=E.max_stop_length, help="characters of one stop string")
     ap.add_argument(
         "--entropy-metrics",
         choices=["auto", "head", "layer", "off"],
@@ -122,7 +137,9 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--log-level", choices=LEVELS, default="info", help="server log lines on stderr from this level")
     ap.add_argument("--log-format", choices=FORMATS, default="text", help="text, or one JSON object per line")
-    ap.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight calls get after SIGTERM")
+    ap.add_argument(
+        "--drain-timeout", type=float, default=S.drain_timeout, help="seconds in-flight calls get after SIGTERM"
+    )
     ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
     ap.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
     ap.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")

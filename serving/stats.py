@@ -1,5 +1,6 @@
 """Engine statistics as plain records: the engine fills them, `ServingMetrics` turns them into Prometheus series
-(the stats → loggers split of vLLM), so the engine never touches a metric object."""
+(the stats → loggers split of vLLM), so the engine's steps update no series themselves (it only sets the two
+configuration gauges at start and reads which entropy statistics are wanted)."""
 
 from __future__ import annotations
 

@@ -134,3 +134,37 @@ def test_the_demo_shows_what_each_norm_does_and_says_so_per_row(capsys):
     assert last_weight["entmax"] > 30 * last_weight["softmax"]
     deviant_30 = {name: float(cells[-1]) for name, cells in rows(table_b).items()}  # logit 30: weight it takes
     assert deviant_30["softmax"] > 0.99 and deviant_30["ssa"] < 0.2
+
+
+def test_one_rule_and_one_message_for_changing_a_trained_models_norm():
+    """Which norm a trained model may run as is decided once (registry.norm_change_problem), and sharp-export, the
+    export API and the Hugging Face path give its message word for word."""
+    transformers = pytest.importorskip("transformers")
+    from sharp.exporter.export import with_norm
+    from sharp.models import hf
+
+    rule = registry.norm_change_problem
+    assert (
+        rule("ssa", "ssa") is None
+        and rule("softmax", "adaptive") is None
+        and rule("softmax", "ssmax", ["ssmax_s"]) is None
+    )
+    assert rule("softmax", "ssmax") == "softmax → ssmax needs ssmax_s (a softmax model never learned ssmax_s)"
+    assert rule("softmax", "ssmax", spell=export_cli._flag).startswith("softmax → ssmax needs --ssmax-s (")
+    assert rule("ssa", "adaptive") == (
+        "cannot export a ssa model as adaptive: adaptive is an inference-time change of softmax models only "
+        "(allowed for this model: its own norm)"
+    )
+    refusal = rule("softmax", "entmax")
+    assert refusal == (
+        "cannot export a softmax model as entmax: entmax parameters are learned in training; retrain with "
+        "sharp-train --norm entmax (allowed for this model: its own norm, adaptive, ssmax)"
+    )
+    model = SharpLM(ModelConfig(dim=16, layers=1, heads=2, norm="softmax"))
+    with pytest.raises(export_cli.UsageError) as cli_err:
+        export_cli.check_norm_change(model, "entmax", {})
+    with pytest.raises(ValueError) as api_err:
+        with_norm(model, "entmax")
+    with pytest.raises(hf.UnsupportedModel) as hf_err:
+        hf.sharpen(transformers.LlamaConfig(), "entmax")
+    assert str(cli_err.value) == str(api_err.value) == str(hf_err.value) == refusal

@@ -8,6 +8,7 @@ greedy tokens vary and top-2 logit gaps are wide: batched results can then be co
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import math
 import os
@@ -622,3 +623,26 @@ def test_torch_backend_on_cpu_streams_long_contexts_and_generates_the_same_token
         ids = c.tokenize(prompt, add_bos=True)
     assert len(ids) >= 40 and calls  # the streamed path ran
     assert list(r.token_ids) == reference(ids, 12)
+
+
+def test_sharp_serve_help_shows_the_defaults_the_engine_and_server_use(capsys):
+    """One source per setting: every sharp-serve option that is an EngineConfig or ServerConfig field defaults to
+    that field's default, and --help prints it."""
+    from sharp.serving.cli import serve_parser
+    from sharp.serving.engine import EngineConfig
+    from sharp.serving.server import ServerConfig
+
+    ap = serve_parser()
+    options = {a.dest for a in ap._actions} - {"warm_up"}  # auto|on|off, resolved into the field per --device
+    shared = 0
+    for config in (EngineConfig(), ServerConfig()):
+        for f in dataclasses.fields(config):
+            if f.name in options:
+                assert ap.get_default(f.name) == getattr(config, f.name), f.name
+                shared += 1
+    assert shared >= 14
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"sequences decoded together (default: {EngineConfig.max_batch})" in text
+    assert f"after SIGTERM (default: {ServerConfig.drain_timeout})" in text
