@@ -11,7 +11,7 @@ _HOMES = {
     "BACKENDS": "backends",
     "Backend": "backends",
     "BackendError": "backends",
-    "ModelSpec": "backends",
+    "ModelSpec": "spec",
     "load_backend": "backends",
     "AsyncClient": "client",
     "Client": "client",

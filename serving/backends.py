@@ -26,12 +26,10 @@ import torch
 from torch import Tensor
 
 from sharp.exporter import metadata
-from sharp.exporter.metadata import LayerAttention, ModelMetadata
-from sharp.models.config import ModelShape
 from sharp.models.kvcache import OutOfPages, PagedKVCache
-from sharp.models.tokenizer import Tokenizer
 from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
 from sharp.serving.cache import BatchCache
+from sharp.serving.spec import ModelSpec
 
 log = logging.getLogger("sharp.serving")
 
@@ -45,58 +43,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 class BackendError(Exception):
     """The model file cannot be served (missing, wrong kind, unsupported architecture)."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the engine and GetModelInfo need to know about the served model, from its metadata."""
-
-    name: str
-    backend: str
-    metadata: ModelMetadata
-    config: ModelShape = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "config", self.metadata.shape)
-
-    @property
-    def norm(self) -> str:
-        return self.metadata.norm
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.metadata.tokenizer
-
-    @property
-    def attention(self) -> list[LayerAttention]:
-        return self.metadata.layers
-
-    @property
-    def context_length(self) -> int:
-        return self.config.context_length
-
-    @property
-    def layers(self) -> int:
-        return self.config.layers
-
-    @property
-    def heads(self) -> int:
-        return self.config.heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.config.kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.config.head_dim
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    def kv_bytes_per_token(self, element_bytes: int = 4) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * element_bytes
 
 
 @dataclass

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from sharp.serving.backends import ModelSpec
+from sharp.serving.spec import ModelSpec
 from sharp.serving.stats import RequestOutcome, StepStats
 
 ENTROPY_MODES = ("auto", "head", "layer", "off")
