@@ -93,8 +93,9 @@ class AttentionSettings:
             if (why := registry.head_param(name).problem(value)) is not None:
                 raise ValueError(why)
         # a pretrained (softmax) model's change of norm: the registry's one rule
-        why = registry.norm_change_problem("softmax", self.norm, dict(self.params))
-        if registry.can_export_as("softmax", self.norm) and why is not None:
+        if registry.can_export_as("softmax", self.norm) and (
+            why := registry.norm_change_problem("softmax", self.norm, dict(self.params))
+        ):
             raise ValueError(why)
         if not all(math.isfinite(c) for c in self.poly):
             raise ValueError(f"poly must be finite numbers, got {list(self.poly)}")

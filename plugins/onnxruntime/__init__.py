@@ -47,12 +47,12 @@ def library_isa(path: str | Path) -> str:
     return found.group(1).decode() if found else "unknown"
 
 
-def missing_cpu_flags(isa: str, flags: frozenset[str] | None = None) -> set[str]:
+def missing_cpu_flags(isa: str) -> set[str]:
     """The CPU flags a library built for `isa` needs and this CPU lacks (none for ISAs this table does not know:
     another architecture's baseline, or a hand-built -march the user answers for)."""
     if isa not in _ISA_FLAGS:
         return set()
-    flags = cpu_flags() if flags is None else flags
+    flags = cpu_flags()
     if not flags:  # unknown CPU: only the baseline is assumed
         return set() if isa == _LEVELS[0] else {f"{isa} (this CPU's flags are unreadable)"}
     needed = set().union(*(_ISA_FLAGS[level] for level in _LEVELS[: _LEVELS.index(isa) + 1]))
