@@ -79,10 +79,11 @@ def genai_config(meta: ModelMetadata, library_name: str | None) -> dict[str, Any
 def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> tuple[str, dict[str, Any]]:
     """tokenizer.json text and tokenizer_config.json of the model's tokenizer."""
     if isinstance(tok, HFTokenizer):
-        text, backend = tok.json, tok.backend
-        names = {"bos_token": tok.bos, "eos_token": min(tok.eos, default=None)}
-        config = {k: backend.id_to_token(v) for k, v in names.items() if v is not None}
+        text = tok.json
+        config = {k: v for k, v in (("bos_token", tok.bos_text), ("eos_token", tok.eos_text)) if v}
         config["add_bos_token"] = tok.prepend_bos
+        if tok.chat_template is not None:  # onnxruntime-genai's apply_chat_template reads it here
+            config["chat_template"] = tok.chat_template
     else:
         text = tok.tokenizer_json()
         config = {"bos_token": "<bos>", "eos_token": "<eos>", "add_bos_token": True}

@@ -10,7 +10,8 @@ A file carries a single metadata entry, key `sharp`, holding JSON:
 
 A transformers model (sharp-export HF_DIR) adds `"architecture": "transformers"`, its config.json as `config`,
 the sizes serving needs as `shape` ({"layers", "heads", "kv_heads", "head_dim", "vocab_size", "context_length"})
-and a tokenizer of kind "hf" ({"bos", "eos": [...], "vocab_size", "prepend_bos"}) whose tokenizer.json text is the
+and a tokenizer of kind "hf" ({"bos", "eos": [...], "vocab_size", "prepend_bos", "chat_template": the Jinja text or
+null}) whose tokenizer.json text is the
 second entry, key `sharp.tokenizer.json` — the file is self-contained: serving needs nothing beside it.
 
 The normalizer is written once, per layer, with that layer's parameters; the model-wide norm is derived.

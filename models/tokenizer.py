@@ -4,7 +4,8 @@ needed). Every layer — training, checkpoints, export metadata, serving — use
 BOS/EOS and detokenization are written down in exactly one place.
 
 Interface: `encode(text, bos)`, `decode(ids)`, `stream()` (incremental detokenization: text arrives only in whole
-UTF-8 characters), `eos_ids`, `bos`, `vocab_size`, `kind`, `to_dict()`; `tokenizer_from_dict` reads one back.
+UTF-8 characters), `eos_ids`, `bos`, `vocab_size`, `kind`, `chat_template`, `to_dict()`; `tokenizer_from_dict` reads
+one back, `render_chat` turns chat messages into the prompt text the model was tuned on.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import codecs
 import json
 from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from datetime import datetime
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,6 +51,13 @@ class ByteTokenizer:
     @property
     def eos_ids(self) -> frozenset[int]:
         return frozenset((self.eos,))
+
+    @property
+    def chat_template(self) -> None:
+        """sharp's own models are trained on plain text: no chat format."""
+        return None
+
+    bos_text = eos_text = ""  # BOS and EOS are ids without text
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return ([self.bos] if bos else []) + list(text.encode("utf-8"))
@@ -127,13 +136,15 @@ class _HFStream:
 @dataclass(frozen=True)
 class HFTokenizer:
     """A tokenizer.json with the model's BOS/EOS. `prepend_bos`: the model wants BOS but the file's
-    post-processor does not add it (tokenizer_config.json `add_bos_token`), so encode adds it."""
+    post-processor does not add it (tokenizer_config.json `add_bos_token`), so encode adds it. `chat_template`: the
+    Jinja template of tokenizer_config.json (or chat_template.jinja), None when the model has none."""
 
     json: str = field(repr=False)
     bos: int | None
     eos: tuple[int, ...]
     vocab_size: int
     prepend_bos: bool = False
+    chat_template: str | None = field(default=None, repr=False)
     kind: str = "hf"
 
     @cached_property
@@ -155,6 +166,16 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)
 
+    @property
+    def bos_text(self) -> str:
+        """BOS as text (a chat template's `bos_token`), "" for none."""
+        return "" if self.bos is None else self.backend.id_to_token(self.bos) or ""
+
+    @property
+    def eos_text(self) -> str:
+        """The lowest EOS id as text (a chat template's and tokenizer_config.json's `eos_token`), "" for none."""
+        return self.backend.id_to_token(min(self.eos)) or "" if self.eos else ""
+
     def stream(self) -> TextStream:
         return _HFStream(self)
 
@@ -166,6 +187,7 @@ class HFTokenizer:
             "eos": list(self.eos),
             "vocab_size": self.vocab_size,
             "prepend_bos": self.prepend_bos,
+            "chat_template": self.chat_template,
         }
 
     @classmethod
@@ -177,6 +199,7 @@ class HFTokenizer:
                 tuple(int(e) for e in d.get("eos") or ()),
                 int(d["vocab_size"]),
                 bool(d.get("prepend_bos", False)),
+                _template(d.get("chat_template")),
             )
             tok.backend  # noqa: B018 - parse now: a broken tokenizer.json is refused on load, not on first request
         except Exception as e:  # a malformed entry or tokenizer.json, whatever the parser raises
@@ -185,19 +208,69 @@ class HFTokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, vocab_size: int, bos: int | None, eos: list[int]) -> HFTokenizer:
-        """The tokenizer of a transformers model directory: tokenizer.json, and tokenizer_config.json's
-        `add_bos_token` when the file's own post-processor does not add BOS."""
+        """The tokenizer of a transformers model directory: tokenizer.json, tokenizer_config.json's
+        `add_bos_token` when the file's own post-processor does not add BOS, and the chat template
+        (chat_template.jinja, as transformers writes it now, or tokenizer_config.json's `chat_template`)."""
         path = Path(path)
         text = (path / "tokenizer.json").read_text(encoding="utf-8")
         options = _read_json(path / "tokenizer_config.json")
         tok = cls(text, bos, tuple(eos), vocab_size)
         adds_bos = bos is not None and tok.backend.encode("a", add_special_tokens=True).ids[:1] == [bos]
         prepend = bool(options.get("add_bos_token")) and bos is not None and not adds_bos
-        return cls(text, bos, tuple(eos), vocab_size, prepend)
+        jinja = path / "chat_template.jinja"
+        template = jinja.read_text(encoding="utf-8") if jinja.is_file() else _template(options.get("chat_template"))
+        return cls(text, bos, tuple(eos), vocab_size, prepend, template)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _template(value: Any) -> str | None:
+    """A chat_template entry: one template, or transformers' list of named ones (the "default" is the chat's)."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"chat_template must be a Jinja template string, got {type(value).__name__}")
+    return value or None
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template refused the messages (its own raise_exception)."""
+
+
+@cache
+def _compiled(template: str):
+    """The template compiled in Jinja's sandbox (a model file's template is data, never trusted code)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message: str):
+        raise ChatTemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    return env.from_string(template)
+
+
+def render_chat(tok: Tokenizer, messages: list[dict[str, str]]) -> str:
+    """The prompt text for `messages` ({"role", "content"} dicts) with the assistant's turn opened, as transformers'
+    apply_chat_template renders it; encode the result with bos=False (the template writes its own BOS)."""
+    from jinja2 import TemplateError
+
+    if tok.chat_template is None:
+        raise ChatTemplateError(
+            "this model has no chat template (tokenizer_config.json chat_template): use completions"
+        )
+    try:
+        return _compiled(tok.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=tok.bos_text, eos_token=tok.eos_text
+        )
+    except TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template failed: {e}") from None
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

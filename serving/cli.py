@@ -100,6 +100,13 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--metrics-host", help="address of the Prometheus endpoint (default: --host)")
     ap.add_argument(
+        "--http-port",
+        type=int,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this"
+        " port (0: any free port); same token, TLS, limits and metrics as gRPC",
+    )
+    ap.add_argument("--http-host", help="address of the HTTP API (default: --host)")
+    ap.add_argument(
         "--health-port",
         type=int,
         help="also answer grpc.health.v1 in plaintext on this port (for kubelet probes when --tls-cert is on)",
@@ -180,6 +187,15 @@ def build_server(args):
             raise UsageError(f"--health-port must be in [0, 65535] (0: any free port), got {args.health_port}")
         if args.health_port != 0 and args.health_port in (args.port, args.metrics_port):
             raise UsageError(f"--health-port {args.health_port} is taken by --port or --metrics-port; give it its own")
+    if args.http_port is not None:
+        if not 0 <= args.http_port <= 65535:
+            raise UsageError(f"--http-port must be in [0, 65535] (0: any free port), got {args.http_port}")
+        if args.http_port != 0 and args.http_port in (args.port, args.metrics_port, args.health_port):
+            raise UsageError(
+                f"--http-port {args.http_port} is taken by --port, --metrics-port or --health-port; give it its own"
+            )
+    elif args.http_host is not None:
+        raise UsageError("--http-host needs --http-port (the HTTP API is off without it)")
     if args.model_name is not None and not MODEL_NAME.fullmatch(args.model_name):
         raise UsageError(
             f"--model-name {args.model_name!r}: 1-128 characters of letters, digits and ._:/@+- starting with a letter"
@@ -227,6 +243,8 @@ def build_server(args):
         tls_cert=cert,
         tls_key=key,
         warm_up=args.warm_up == "on" or (args.warm_up == "auto" and args.device == "cuda"),
+        http_port=args.http_port,
+        http_host=args.http_host,
     )
     return engine, server
 
@@ -248,6 +266,9 @@ async def _serve(engine, config) -> None:
     metrics = f", metrics http://{where}:{server.metrics_port}/metrics" if server.metrics_port else ""
     if server.health_port:
         metrics += f", plaintext health {config.host}:{server.health_port}"
+    if server.http_port:
+        scheme = "https" if config.tls_cert else "http"
+        metrics += f", OpenAI API {scheme}://{config.http_host or config.host}:{server.http_port}/v1"
     print(
         f"sharp-serve: {spec.name} ({spec.backend}, norm {spec.norm}, {spec.layers} layers × {spec.heads} heads)"
         f" on {config.host}:{server.port}{metrics}",

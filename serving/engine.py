@@ -211,12 +211,15 @@ class Engine:
         with self._cond:
             if self.draining or self._stopping:
                 raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE, "the server is draining and accepts no new requests; retry elsewhere"
+                    grpc.StatusCode.UNAVAILABLE,
+                    "the server is draining and accepts no new requests; retry elsewhere",
+                    transient=True,
                 )
             if len(self._waiting) >= self.config.max_queue:
                 raise RequestError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"queue full: {len(self._waiting)} requests waiting (--max-queue)",
+                    transient=True,
                 )
             self._waiting.append(seq)
             self._cond.notify_all()
@@ -319,7 +322,7 @@ class Engine:
         for s in gone:
             s.done = True
             self.backend.release(s)
-            self._stats.outcomes.append(RequestOutcome("cancelled", time.perf_counter() - s.arrival))
+            self._stats.outcomes.append(RequestOutcome("cancelled", s.request.api, time.perf_counter() - s.arrival))
 
     def _admit(self) -> None:
         with self._cond:
@@ -327,7 +330,7 @@ class Engine:
                 if not self.backend.reserve(self._waiting[0], self._waiting[0].reserved):
                     break  # it waits until running sequences leave
                 seq = self._waiting.popleft()
-                self._stats.queue_time.append(time.perf_counter() - seq.arrival)
+                self._stats.queue_time.append((seq.request.api, time.perf_counter() - seq.arrival))
                 self._prefilling.append(seq)
 
     def _want_entropy(self, seqs: list[Sequence]) -> bool:
@@ -363,7 +366,7 @@ class Engine:
                 continue
             seq.length = start + n
             budget -= n
-            self._stats.prompt_tokens += n
+            self._stats.prompt_tokens[seq.request.api] += n
             self._record_entropy([seq], out.entropy, [start])
             if seq.length == seq.prompt_len:
                 self._prefilling.remove(seq)
@@ -408,13 +411,14 @@ class Engine:
             self._fail(seq, grpc.StatusCode.INTERNAL, f"{e} for this request after {len(seq.generated)} tokens")
             return
         now = time.perf_counter()
+        api = seq.request.api
         if seq.generated:
-            self._stats.inter_token.append(now - seq.last_token_time)
+            self._stats.inter_token.append((api, now - seq.last_token_time))
         else:
-            self._stats.ttft.append(now - seq.arrival)
+            self._stats.ttft.append((api, now - seq.arrival))
         seq.last_token_time = now
         seq.generated.append(token)
-        self._stats.generation_tokens += 1
+        self._stats.generation_tokens[api] += 1
         text = seq.text.push(seq.detokenizer.step(token))
         reason = None
         if token in self.tokenizer.eos_ids:
@@ -441,14 +445,16 @@ class Engine:
             stats.positions if stats else 0,
         )
         self._outbox.append((seq, summary))
-        self._stats.outcomes.append(RequestOutcome("ok", time.perf_counter() - seq.arrival))
+        self._stats.outcomes.append(RequestOutcome("ok", seq.request.api, time.perf_counter() - seq.arrival))
 
     def _fail(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
         """End one sequence with `code`; the caller drops it from the batch (it is marked done)."""
         with self._cond:
             seq.done = True
         self._outbox.append((seq, Failed(code, message)))
-        self._stats.outcomes.append(RequestOutcome(code.name.lower(), time.perf_counter() - seq.arrival))
+        self._stats.outcomes.append(
+            RequestOutcome(code.name.lower(), seq.request.api, time.perf_counter() - seq.arrival)
+        )
 
     def _fail_all(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
         """End every unfinished sequence with `code`; those that finished this step keep their answer."""
@@ -463,5 +469,7 @@ class Engine:
         self._outbox = [(q, ev) for q, ev in self._outbox if q not in failing]
         for s in seqs:
             self._outbox.append((s, Failed(code, message)))
-            self._stats.outcomes.append(RequestOutcome(code.name.lower(), time.perf_counter() - s.arrival))
+            self._stats.outcomes.append(
+                RequestOutcome(code.name.lower(), s.request.api, time.perf_counter() - s.arrival)
+            )
         self._end_step()

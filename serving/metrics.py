@@ -19,7 +19,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from sharp.serving.spec import ModelSpec
-from sharp.serving.stats import RequestOutcome, StepStats
+from sharp.serving.stats import APIS, RequestOutcome, StepStats
 
 ENTROPY_MODES = ("auto", "head", "layer", "off")
 # Above this many (layer, head) pairs "auto" labels the entropy histograms by layer only: each pair costs 35-40
@@ -27,7 +27,16 @@ ENTROPY_MODES = ("auto", "head", "layer", "off")
 # 32-layer × 32-head model labelled by head would make ~38K.
 HEAD_LABEL_CAP = 256
 # Final statuses of a request: ok, cancelled (client cancel, disconnect or deadline), or the gRPC status it got.
-STATUSES = ("ok", "cancelled", "invalid_argument", "out_of_range", "resource_exhausted", "unavailable", "internal")
+STATUSES = (
+    "ok",
+    "cancelled",
+    "invalid_argument",
+    "not_found",  # the HTTP API: a model name that is not the served one
+    "out_of_range",
+    "resource_exhausted",
+    "unavailable",
+    "internal",
+)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 LOW_ENTROPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0)
 NORMALIZED_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -107,23 +116,32 @@ class ServingMetrics:
         self.entropy = entropy = entropy_mode(entropy, spec.layers, spec.heads)
         model, r = spec.name, self.registry
 
-        def hist(name, doc, buckets=LATENCY_BUCKETS):
-            return Histogram(name, doc, ["model"], registry=r, buckets=buckets).labels(model)
+        def per_api(kind, name, doc, **kw):  # the series of each API (requests' own measures), created up front
+            family = kind(name, doc, ["model", "api"], registry=r, **kw)
+            return {api: family.labels(model, api) for api in APIS}
 
         def per_model(kind, name, doc):  # a Counter or Gauge of this model's one series
             return kind(name, doc, ["model"], registry=r).labels(model)
 
-        self.ttft = hist("sharp_time_to_first_token_seconds", "Arrival to the first generated token.")
-        self.inter_token = hist("sharp_inter_token_latency_seconds", "Time between consecutive generated tokens.")
-        self.duration = hist("sharp_request_duration_seconds", "Arrival to the end of the request.")
-        self.queue_time = hist("sharp_request_queue_seconds", "Arrival to admission into the running batch.")
-        self.batch_size = hist("sharp_batch_size", "Sequences in each batched decode step.", BATCH_BUCKETS)
-        self._requests = Counter("sharp_requests", "Requests by final status.", ["model", "status"], registry=r)
-        for status in STATUSES:  # every series exists from the start, so the first error shows in rate()
-            self._requests.labels(model, status)
-        self._model = model
-        self.prompt_tokens = per_model(Counter, "sharp_prompt_tokens", "Prompt tokens prefilled.")
-        self.generation_tokens = per_model(Counter, "sharp_generation_tokens", "Tokens generated.")
+        latency = {"buckets": LATENCY_BUCKETS}
+        self.ttft = per_api(Histogram, "sharp_time_to_first_token_seconds", "Arrival to the first token.", **latency)
+        self.inter_token = per_api(
+            Histogram, "sharp_inter_token_latency_seconds", "Time between consecutive generated tokens.", **latency
+        )
+        self.duration = per_api(Histogram, "sharp_request_duration_seconds", "Arrival to the end.", **latency)
+        self.queue_time = per_api(
+            Histogram, "sharp_request_queue_seconds", "Arrival to admission into the running batch.", **latency
+        )
+        self.batch_size = Histogram(
+            "sharp_batch_size", "Sequences in each batched decode step.", ["model"], registry=r, buckets=BATCH_BUCKETS
+        ).labels(model)
+        requests = Counter(
+            "sharp_requests", "Requests by API and final status.", ["model", "api", "status"], registry=r
+        )
+        # every series exists from the start, so the first error shows in rate()
+        self._requests = {(api, s): requests.labels(model, api, s) for api in APIS for s in STATUSES}
+        self.prompt_tokens = per_api(Counter, "sharp_prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = per_api(Counter, "sharp_generation_tokens", "Tokens generated.")
         self.queue_size = per_model(Gauge, "sharp_queue_size", "Requests waiting for admission.")
         self.queue_capacity = per_model(
             Gauge, "sharp_queue_capacity", "Requests that may wait (--max-queue); more are refused."
@@ -153,24 +171,28 @@ class ServingMetrics:
             self.registry.register(_AttentionCollector(self.attention))
 
     def log_outcome(self, outcome: RequestOutcome) -> None:
-        self._requests.labels(self._model, outcome.status).inc()
+        self._requests[outcome.api, outcome.status].inc()
         if outcome.duration is not None and outcome.status == "ok":
-            self.duration.observe(outcome.duration)
+            self.duration[outcome.api].observe(outcome.duration)
 
     def log_step(self, stats: StepStats) -> None:
         """Turn one engine step's record into series."""
         self.queue_size.set(stats.queue_size)
         self.running.set(stats.running)
         self.kv_usage.set(stats.kv_usage)
-        self.prompt_tokens.inc(stats.prompt_tokens)
-        self.generation_tokens.inc(stats.generation_tokens)
+        for api, n in stats.prompt_tokens.items():
+            self.prompt_tokens[api].inc(n)
+        for api, n in stats.generation_tokens.items():
+            self.generation_tokens[api].inc(n)
         if stats.decode_batch is not None:
             self.batch_size.observe(stats.decode_batch)
-        for hist, values in ((self.ttft, stats.ttft), (self.inter_token, stats.inter_token)):
-            for v in values:
-                hist.observe(v)
-        for v in stats.queue_time:
-            self.queue_time.observe(v)
+        for hist, values in (
+            (self.ttft, stats.ttft),
+            (self.inter_token, stats.inter_token),
+            (self.queue_time, stats.queue_time),
+        ):
+            for api, v in values:
+                hist[api].observe(v)
         for outcome in stats.outcomes:
             self.log_outcome(outcome)
         for entropy, visible in stats.entropy:

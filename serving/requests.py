@@ -22,11 +22,12 @@ MAX_REQUEST_ID = 128
 
 
 class RequestError(Exception):
-    """A request that is refused: `code` is the gRPC status the server answers with."""
+    """A request that is refused: `code` is the gRPC status the server answers with; `transient`: the same request
+    may succeed later (a full queue, HTTP 429), rather than never on this server (HTTP 413 for too large)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, transient: bool = False):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.transient = code, message, transient
 
 
 @dataclass(frozen=True)
@@ -55,11 +56,13 @@ class GenerationRequest:
     stop: tuple[str, ...]
     attention_stats: bool
     request_id: str
+    api: str = "grpc"  # the door it came in by (serving.stats.APIS), for the metrics
 
 
-def validate(msg: pb.GenerateRequest, limits: Limits, encode) -> GenerationRequest:
+def validate(msg: pb.GenerateRequest, limits: Limits, encode, api: str = "grpc") -> GenerationRequest:
     """The typed request for `msg`; `encode(text)` tokenizes a prompt (BOS included). Sizes are checked before
-    any work that grows with them (a prompt's bytes before it is tokenized, the id count before the ids)."""
+    any work that grows with them (a prompt's bytes before it is tokenized, the id count before the ids). The HTTP
+    API builds the same message from its JSON body, so both are checked here alike."""
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     if msg.prompt and msg.input_ids:
         raise RequestError(invalid, "give either prompt or input_ids, not both")
@@ -99,6 +102,7 @@ def validate(msg: pb.GenerateRequest, limits: Limits, encode) -> GenerationReque
         stop=tuple(s for s in msg.stop if s),
         attention_stats=msg.return_attention_stats,
         request_id=msg.request_id or uuid.uuid4().hex,
+        api=api,
     )
     _check(req, limits)
     return req

@@ -1,13 +1,14 @@
 """sharp-serve's gRPC server (docs/serving.md): the sharp.v1.Generator service over the engine, grpc.health.v1
 and reflection, one validation with the documented status codes, deadlines and cancellation that free work, a bounded
-queue, graceful drain, optional bearer-token auth and TLS, and the Prometheus endpoint.
+queue, graceful drain, optional bearer-token auth and TLS, the Prometheus endpoint, and (with http_port) the
+OpenAI-compatible HTTP API on the same event loop, draining together.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
-import hmac
 import logging
 import socket
 import threading
@@ -19,10 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from sharp.serving.auth import bearer_matches
+from sharp.serving.calls import Calls
 from sharp.serving.engine import Delta, Engine, Failed, Finished
 from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.requests import RequestError, validate
-from sharp.serving.stats import RequestOutcome
 from sharp.serving.warmup import WarmUp, warm_up
 from sharp.v1 import generator_pb2 as pb
 from sharp.v1 import generator_pb2_grpc as pb_grpc
@@ -30,7 +32,6 @@ from sharp.v1 import generator_pb2_grpc as pb_grpc
 log = logging.getLogger("sharp.serving")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Generator"
-LARGE_PROMPT = 1 << 16  # characters: validation of a longer prompt runs in a worker thread
 DRAIN_DEADLINE = "the server is draining: drain deadline reached before this request finished"
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 
@@ -47,6 +48,8 @@ class ServerConfig:
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     warm_up: bool = False  # run the model's shapes (compiles, tile tuning) before health reports SERVING
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (serving/openai_api.py); 0: any free port
+    http_host: str | None = None  # None: the same address as the gRPC server
 
 
 def bind_problem(host: str, port: int) -> str | None:
@@ -81,37 +84,24 @@ def _stats(ev: Finished, norm: str) -> pb.AttentionStats | None:
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.inflight = 0
+    def __init__(self, engine: Engine, calls: Calls):
+        self.engine, self.calls = engine, calls
 
     async def _events(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        """(request, event) pairs of one call. The one place a refusal or a failure becomes a status: validation,
-        draining, a full queue (at submission) and a failed sequence all end the call here, each counted once
-        (a call cancelled before it reached the engine too; after that the engine counts it)."""
-        self.inflight += 1
-        submitted = False
+        """(request, event) pairs of one call; where a refusal or a failure becomes a gRPC status (each is counted
+        once, by serving.calls or the engine)."""
+        engine = self.engine
+        events = self.calls.events(
+            lambda: validate(msg, engine.limits, engine.tokenizer.encode), "grpc", len(msg.prompt)
+        )
         try:
-            encode, limits = self.engine.tokenizer.encode, self.engine.limits
-            if len(msg.prompt) > LARGE_PROMPT:  # tokenizing a large prompt must not stall the event loop
-                req = await asyncio.to_thread(validate, msg, limits, encode)
-            else:
-                req = validate(msg, limits, encode)
-            events = self.engine.stream(req)
-            submitted = True
-            async for ev in events:
-                if isinstance(ev, Failed):  # counted by the engine
-                    await context.abort(ev.code, ev.message)
-                yield req, ev
+            async with contextlib.aclosing(events):
+                async for req, ev in events:
+                    if isinstance(ev, Failed):
+                        await context.abort(ev.code, ev.message)
+                    yield req, ev
         except RequestError as e:
-            self.engine.metrics.log_outcome(RequestOutcome(e.code.name.lower()))
             await context.abort(e.code, e.message)
-        except asyncio.CancelledError:
-            if not submitted:
-                self.engine.metrics.log_outcome(RequestOutcome("cancelled"))
-            raise
-        finally:
-            self.inflight -= 1
 
     async def Generate(self, request, context):
         ids, text = [], []
@@ -202,9 +192,7 @@ class Guard(grpc.aio.ServerInterceptor):
     def _authorized(self, details) -> bool:
         if self.token is None or details.method.startswith("/grpc.health.v1.Health/"):
             return True
-        header = dict(details.invocation_metadata or ()).get("authorization", "")
-        scheme, _, token = str(header).strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.token)
+        return bearer_matches(dict(details.invocation_metadata or ()).get("authorization"), self.token)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -278,10 +266,12 @@ class SharpServer:
 
     def __init__(self, engine: Engine, config: ServerConfig):
         self.engine, self.config = engine, config
-        self.service = GeneratorService(engine)
+        self.calls = Calls(engine)
+        self.service = GeneratorService(engine, self.calls)
         self.health = Health()
         self.server: grpc.aio.Server | None = None
-        self.port = self.metrics_port = self.health_port = None
+        self.port = self.metrics_port = self.health_port = self.http_port = None
+        self.http = None  # the OpenAIServer, with http_port
         self.warm_up: WarmUp | None = None
         self._metrics_http = None
         self._health_server: grpc.aio.Server | None = None
@@ -312,6 +302,9 @@ class SharpServer:
             raise OSError(f"cannot listen on {address}: the gRPC runtime refused the address")
         if cfg.health_port is not None and (problem := bind_problem(cfg.host, cfg.health_port)) is not None:
             raise OSError(f"cannot serve health on {cfg.host}:{cfg.health_port}: {problem}")
+        http_host = cfg.http_host or cfg.host
+        if cfg.http_port is not None and (problem := bind_problem(http_host, cfg.http_port)) is not None:
+            raise OSError(f"cannot serve HTTP on {http_host}:{cfg.http_port}: {problem}")
         if cfg.metrics_port is not None:
             try:
                 self._metrics_http = MetricsServer(
@@ -328,6 +321,12 @@ class SharpServer:
         await self.server.start()
         if cfg.health_port is not None:
             await self._start_health(cfg.host, cfg.health_port)
+        if cfg.http_port is not None:  # before the engine runs: requests wait in its queue meanwhile, as gRPC's do
+            from sharp.serving.openai_api import OpenAIServer  # aiohttp and pydantic load only when it is on
+
+            self.http = OpenAIServer(self.engine, self.calls, cfg.auth_token)
+            tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
+            self.http_port = await self.http.start(http_host, cfg.http_port, tls)
         if cfg.warm_up:  # in a worker thread: probes keep being answered (NOT_SERVING) meanwhile
             engine = self.engine
             try:
@@ -357,12 +356,12 @@ class SharpServer:
         await self.health.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout
-        while (self.service.inflight or not self.engine.idle()) and loop.time() < deadline:
+        while (self.calls.inflight or not self.engine.idle()) and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        if self.service.inflight or not self.engine.idle():  # the deadline: calls end with a status that says so
+        if self.calls.inflight or not self.engine.idle():  # the deadline: calls end with a status that says so
             self.engine.end_all(grpc.StatusCode.UNAVAILABLE, DRAIN_DEADLINE)
             deadline = loop.time() + 5
-            while self.service.inflight and loop.time() < deadline:
+            while self.calls.inflight and loop.time() < deadline:
                 await asyncio.sleep(0.02)
         await self.stop()
 
@@ -371,6 +370,8 @@ class SharpServer:
             await self.server.stop(grace=None)
         if self._health_server is not None:
             await self._health_server.stop(grace=None)
+        if self.http is not None:
+            await self.http.stop()
         self.engine.stop()
         if self._metrics_http is not None:
             self._metrics_http.stop()

@@ -4,16 +4,20 @@ configuration gauges at start and reads which entropy statistics are wanted)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
+APIS = ("grpc", "http")  # the doors a request comes in by: the `api` label of the per-request series
+
 
 @dataclass
 class RequestOutcome:
-    """One request's final status (ok, cancelled, or a gRPC status name) and, when it ran, its duration."""
+    """One request's final status (ok, cancelled, or a gRPC status name), its API and, when it ran, its duration."""
 
     status: str
+    api: str
     duration: float | None = None
 
 
@@ -24,11 +28,11 @@ class StepStats:
     queue_size: int = 0
     running: int = 0
     kv_usage: float = 0.0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
+    prompt_tokens: Counter[str] = field(default_factory=Counter)  # by API
+    generation_tokens: Counter[str] = field(default_factory=Counter)
     decode_batch: int | None = None  # rows of the batched decode step, when one ran
-    ttft: list[float] = field(default_factory=list)
-    inter_token: list[float] = field(default_factory=list)
-    queue_time: list[float] = field(default_factory=list)
+    ttft: list[tuple[str, float]] = field(default_factory=list)  # (API, seconds)
+    inter_token: list[tuple[str, float]] = field(default_factory=list)
+    queue_time: list[tuple[str, float]] = field(default_factory=list)
     outcomes: list[RequestOutcome] = field(default_factory=list)
     entropy: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (N, layers, heads) nats, (N,) keys

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
 TOOLS = ROOT / "build" / "deploy-tools" / "root" / "usr" / "bin"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "cpu+openai-http")  # overlay, or overlay+component
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests target (native sleep preStop, grpc probes)
 
 
@@ -53,9 +53,20 @@ def tool(name: str) -> str:
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
-def rendered(request) -> tuple[str, list[dict]]:
+def rendered(request, tmp_path_factory) -> tuple[str, list[dict]]:
+    overlay, _, component = request.param.partition("+")
+    where = DEPLOY / "k8s" / "overlays" / overlay
+    if component:  # what a user writes to turn a component on: a kustomization of the overlay plus the component
+        where = tmp_path_factory.mktemp("kustomize") / "k8s"
+        (where / "overlays" / "mine").mkdir(parents=True)
+        shutil.copytree(DEPLOY / "k8s", where, dirs_exist_ok=True)
+        where = where / "overlays" / "mine"
+        (where / "kustomization.yaml").write_text(
+            f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [../{overlay}]\n"
+            f"components: [../../components/{component}]\n"
+        )
     out = subprocess.run(
-        [tool("kubectl"), "kustomize", str(DEPLOY / "k8s" / "overlays" / request.param)],
+        [tool("kubectl"), "kustomize", str(where)],
         capture_output=True,
         text=True,
         check=True,
@@ -147,7 +158,7 @@ def test_selectors_ports_and_probes_fit_together(rendered):
     assert {e["port"] for e in k["ServiceMonitor"]["spec"]["endpoints"]} <= set(service_ports)
     assert service_ports["grpc"]["appProtocol"] == "grpc"
     policy_ports = {p["port"] for rule in k["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
-    assert policy_ports == {"grpc", "health", "metrics"}
+    assert policy_ports == {"grpc", "http", "health", "metrics"}
     # every probe is gRPC on the plaintext health port; readiness asks for the generator service itself
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["health"]
@@ -157,7 +168,7 @@ def test_selectors_ports_and_probes_fit_together(rendered):
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
     assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/models", "/tmp", "/etc/sharp/tls"}
-    if overlay == "gpu":
+    if overlay.startswith("gpu"):
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]) and spec["nodeSelector"]
         assert spec.get("runtimeClassName") == "nvidia"
@@ -188,9 +199,10 @@ def test_the_server_arguments_parse_and_the_drain_fits_the_grace_period(rendered
     args = serve_parser().parse_args(server_args(container))  # exits 2 on an option sharp-serve does not have
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (args.port, args.health_port, args.metrics_port) == (ports["grpc"], ports["health"], ports["metrics"])
+    assert args.http_port == (ports["http"] if overlay.endswith("+openai-http") else None)  # off unless turned on
     assert args.host == "0.0.0.0" and args.tls_cert and args.tls_key
     assert (args.backend, args.device, args.model.suffix) == (
-        ("torch", "cuda", ".pt") if overlay == "gpu" else ("onnxruntime", "cpu", ".onnx")
+        ("torch", "cuda", ".pt") if overlay.startswith("gpu") else ("onnxruntime", "cpu", ".onnx")
     )
     assert args.threads == int(container["resources"]["requests"]["cpu"]) > 0  # onnxruntime: the CPUs it asked for
     pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]

@@ -191,8 +191,12 @@ def test_a_call_cancelled_before_the_engine_is_counted_once(model_files):  # noq
         time.sleep(0.2)
         assert engine.idle()
         m = scrape(srv)
-    counted = {s.labels["status"]: s.value for s in m["sharp_requests"].samples if s.name == "sharp_requests_total"}
-    assert counted.pop("cancelled") == 1
+    counted = {
+        (s.labels["api"], s.labels["status"]): s.value
+        for s in m["sharp_requests"].samples
+        if s.name == "sharp_requests_total"
+    }
+    assert counted.pop(("grpc", "cancelled")) == 1
     assert set(counted.values()) == {0}, counted
 
 

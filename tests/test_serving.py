@@ -291,16 +291,11 @@ def test_model_name_and_capacity_gauges_reach_the_metrics(model_files):
         m = scrape(srv)
     assert sample_value(m, "sharp_queue_capacity", "sharp_queue_capacity", model="llama-sharp/v2") == 7
     assert sample_value(m, "sharp_max_batch", "sharp_max_batch", model="llama-sharp/v2") == 3
-    statuses = {s.labels["status"] for s in m["sharp_requests"].samples if s.name == "sharp_requests_total"}
-    assert statuses == {
-        "ok",
-        "cancelled",
-        "invalid_argument",
-        "out_of_range",
-        "resource_exhausted",
-        "unavailable",
-        "internal",
-    }  # every status series exists before the first request
+    statuses = {
+        (s.labels["api"], s.labels["status"]) for s in m["sharp_requests"].samples if s.name == "sharp_requests_total"
+    }
+    names = ("ok", "cancelled", "invalid_argument", "not_found", "out_of_range", "resource_exhausted", "unavailable")
+    assert statuses == {(api, s) for api in ("grpc", "http") for s in (*names, "internal")}  # before any request
     top = max(
         float(s.labels["le"]) for s in m["sharp_attention_entropy_nats"].samples if s.labels.get("le", "+Inf") != "+Inf"
     )
@@ -450,7 +445,7 @@ def test_a_drain_deadline_ends_calls_with_a_status_that_says_so(model_files):
             list(stream)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert err.value.details() == "the server is draining: drain deadline reached before this request finished"
-        assert srv.server.engine.idle() and srv.server.service.inflight == 0
+        assert srv.server.engine.idle() and srv.server.calls.inflight == 0
         from prometheus_client import generate_latest
 
         text = generate_latest(srv.server.engine.metrics.registry).decode()  # the endpoint stopped with the server
@@ -535,6 +530,9 @@ def test_a_second_signal_stops_the_drain(model_files):
         (["MODEL", "--model-name", "has space"], "--model-name 'has space': 1-128 characters"),
         (["MODEL", "--health-port", "70000"], "--health-port must be in [0, 65535]"),
         (["MODEL", "--port", "5000", "--health-port", "5000"], "--health-port 5000 is taken"),
+        (["MODEL", "--http-port", "70000"], "--http-port must be in [0, 65535]"),
+        (["MODEL", "--port", "5000", "--http-port", "5000"], "--http-port 5000 is taken"),
+        (["MODEL", "--http-host", "0.0.0.0"], "--http-host needs --http-port"),
         (["MODEL", "--dtype", "bf16"], "--dtype applies to --backend torch"),
         (["MODEL.pt", "--backend", "torch", "--dtype", "fp8"], "invalid choice"),
         (["MODEL.pt", "--backend", "torch", "--kv-cache-mb", "0.0001"], "holds no page of 16 tokens"),

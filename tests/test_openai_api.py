@@ -1,0 +1,442 @@
+"""The OpenAI-compatible HTTP API: the official `openai` client (and raw httpx where a malformed body is the point)
+against real sharp-serve servers on loopback, beside real gRPC clients on the same server and engine.
+
+The chat model is the test suite's tiny model with a tokenizer.json form of its byte tokenizer and a chat template
+written into the file's metadata (the way a transformers export carries them), so chat runs without a model hub.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import dataclasses
+import json
+import os
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import onnx
+import openai
+import pytest
+from google.protobuf import json_format
+from test_hardening import BREAKS_PREFILL, Bystander, RaisesForMarkedRows, SlowEndless, server
+from test_serving import model_files, reference, sample_value, scrape, serving  # noqa: F401
+
+from sharp.exporter import metadata
+from sharp.exporter.genai import tokenizer_files
+from sharp.models.tokenizer import BYTES, ChatTemplateError, HFTokenizer, render_chat
+from sharp.serving import Client
+from sharp.serving.cli import client_main
+from sharp.v1 import generator_pb2 as pb
+
+HTTP = {"http_port": 0}
+TEMPLATE = (
+    "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot open with a tool') }}{% endif %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PROMPT = "def main():\n"
+
+
+@pytest.fixture(scope="module")
+def chat_files(model_files, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
+    proto = onnx.load(model_files["onnxruntime"])
+    tok = HFTokenizer(BYTES.tokenizer_json(), BYTES.bos, (BYTES.eos,), BYTES.vocab_size, chat_template=TEMPLATE)
+    dataclasses.replace(metadata.read(proto), tokenizer=tok).write(proto)
+    path = tmp_path_factory.mktemp("chat") / "tiny.onnx"  # served as "tiny", as the plain model
+    onnx.save(proto, path)
+    return {"onnxruntime": path}
+
+
+def api(srv, token: str = "none", scheme: str = "http", **kw) -> openai.OpenAI:
+    base = f"{scheme}://127.0.0.1:{srv.server.http_port}/v1"
+    return openai.OpenAI(base_url=base, api_key=token, max_retries=0, timeout=60, **kw)
+
+
+def post(srv, path: str, body, **headers) -> httpx.Response:
+    url = f"http://127.0.0.1:{srv.server.http_port}/v1/{path}"
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url, content=content, headers={"content-type": "application/json", **headers}, timeout=60)
+
+
+def test_completions_equal_grpc_and_sharp_client_streamed_or_not(model_files, reference, capsys):  # noqa: F811
+    with serving(model_files, server=HTTP) as srv, Client(srv.target) as c:
+        grpc_reply = c.generate(PROMPT, max_new_tokens=16, temperature=0)
+        ids = BYTES.encode(PROMPT)
+        assert list(grpc_reply.token_ids) == reference(ids, 16)
+        assert (
+            client_main(["--target", srv.target, "generate", PROMPT, "--max-new-tokens", "16", "--temperature", "0"])
+            == 0
+        )
+        assert capsys.readouterr().out == grpc_reply.text + "\n"
+
+        oa = api(srv)
+        model = oa.models.list().data[0].id
+        assert model == srv.server.engine.spec.name == "tiny"
+        r = oa.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
+        assert r.choices[0].text == grpc_reply.text and r.object == "text_completion"
+        assert r.choices[0].finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(grpc_reply.token_ids))
+        assert r.usage.total_tokens == len(ids) + 16
+        by_ids = oa.completions.create(model=model, prompt=ids, max_tokens=16, temperature=0)
+        assert by_ids.choices[0].text == grpc_reply.text
+
+        chunks = list(
+            oa.completions.create(
+                model=model,
+                prompt=PROMPT,
+                max_tokens=16,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == grpc_reply.text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+        assert all(ch.usage is None for ch in chunks[:-1])
+        plain = list(oa.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, stream=True))
+        assert all(ch.usage is None and ch.choices for ch in plain)  # no usage chunk unless asked for
+
+        seeded = [
+            oa.completions.create(model=model, prompt="x", max_tokens=12, seed=5, extra_body={"top_k": 50}).choices[0]
+            for _ in range(2)
+        ]
+        assert seeded[0].text == seeded[1].text == c.generate("x", max_new_tokens=12, seed=5, top_k=50).text
+
+
+def test_chat_renders_the_model_template_and_runs_the_rendered_tokens(chat_files, reference):  # noqa: F811
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with serving(chat_files, server=HTTP) as srv:
+        tok = srv.server.engine.tokenizer
+        rendered = render_chat(tok, messages)
+        assert rendered == "<bos><|system|>be brief\n<|user|>hi\n<|assistant|>"
+        ids = tok.encode(rendered, bos=False)
+        assert ids == [BYTES.bos, *b"<|system|>be brief\n<|user|>hi\n<|assistant|>"]  # BOS once, special
+        with Client(srv.target) as c:
+            grpc_reply = c.generate(ids, max_new_tokens=12, temperature=0)
+        assert list(grpc_reply.token_ids) == reference(ids, 12)
+        expected = grpc_reply.text
+
+        oa = api(srv)
+        r = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content == expected
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 12
+        parts = [{"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}]
+        as_parts = oa.chat.completions.create(
+            model="tiny", messages=parts + messages[1:], max_completion_tokens=12, temperature=0
+        )
+        assert as_parts.choices[0].message.content == expected
+
+        chunks = list(
+            oa.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True)
+        )
+        assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+        with pytest.raises(openai.BadRequestError) as err:  # the template's own refusal
+            oa.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "x"}])
+        assert "cannot open with a tool" in err.value.message
+
+
+def test_chat_without_a_template_is_refused_with_the_reason(model_files):  # noqa: F811
+    with serving(model_files, server=HTTP) as srv:
+        with pytest.raises(openai.BadRequestError) as err:
+            api(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 400 and "no chat template" in err.value.message
+        assert sample_value(scrape(srv), "sharp_requests", "sharp_requests_total", api="http") == 1
+
+
+def test_chat_template_travels_in_the_tokenizer_and_from_a_model_directory(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(BYTES.tokenizer_json())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": [{"name": "default", "template": TEMPLATE}]})
+    )
+    tok = HFTokenizer.from_dir(tmp_path, BYTES.vocab_size, BYTES.bos, [BYTES.eos])
+    assert tok.chat_template == TEMPLATE
+    again = HFTokenizer.from_dict(tok.to_dict(), tok.json)
+    assert tokenizer_files(again)[1]["chat_template"] == TEMPLATE  # --genai packages carry it for onnxruntime-genai
+    assert render_chat(again, [{"role": "user", "content": "q"}]) == "<bos><|user|>q\n<|assistant|>"
+    (tmp_path / "chat_template.jinja").write_text("{{ eos_token }}{{ messages[0]['content'] }}")  # the newer file wins
+    assert (
+        render_chat(
+            HFTokenizer.from_dir(tmp_path, BYTES.vocab_size, BYTES.bos, [BYTES.eos]), [{"role": "user", "content": "q"}]
+        )
+        == "<eos>q"
+    )
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        render_chat(BYTES, [{"role": "user", "content": "q"}])
+    sandboxed = dataclasses.replace(tok, chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatTemplateError, match="template failed"):  # the sandbox refuses what a template must not do
+        render_chat(sandboxed, [{"role": "user", "content": "q"}])
+
+
+def test_entropy_extension_equals_grpc_attention_stats(model_files):  # noqa: F811
+    with serving(model_files, server=HTTP) as srv, Client(srv.target) as c:
+        stats = c.generate(PROMPT, max_new_tokens=8, temperature=0, attention_stats=True).attention_stats
+        want = json_format.MessageToDict(
+            stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        oa = api(srv)
+        ask = {"sharp": {"attention_stats": True}}
+        r = oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body=ask)
+        streams = [
+            list(oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True, **kw))
+            for kw in ({"extra_body": ask}, {"extra_body": ask, "stream_options": {"include_usage": True}})
+        ]
+        assert streams[1][-1].usage is not None  # the last chunk is the usage chunk: the statistics come in it
+        assert all("sharp" not in (ch.model_extra or {}) for chunks in streams for ch in chunks[:-1])
+        last = [chunks[-1].model_extra["sharp"]["attention_stats"] for chunks in streams]
+        for got in (r.model_extra["sharp"]["attention_stats"], *last):
+            assert (
+                (got["norm"], got["positions"])
+                == (want["norm"], want["positions"])
+                == ("ssa", len(BYTES.encode(PROMPT)) + 7)
+            )
+            assert len(got["heads"]) == len(want["heads"]) == 4
+            for g, w in zip(got["heads"], want["heads"], strict=True):
+                assert (g["layer"], g["head"]) == (w["layer"], w["head"])
+                assert g["mean_entropy"] == pytest.approx(w["mean_entropy"], abs=1e-6)
+                assert g["mean_normalized_entropy"] == pytest.approx(w["mean_normalized_entropy"], abs=1e-6)
+        assert "sharp" not in (oa.completions.create(model="tiny", prompt="x", max_tokens=2).model_extra or {})
+
+
+def test_bearer_token_and_tls_guard_the_http_api_as_they_guard_grpc(model_files):  # noqa: F811
+    import trustme
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1")
+    config = HTTP | dict(
+        auth_token="s3cret", tls_cert=cert.cert_chain_pems[0].bytes(), tls_key=cert.private_key_pem.bytes()
+    )
+    with serving(model_files, server=config) as srv:
+        trust = ssl.create_default_context(cadata=ca.cert_pem.bytes().decode())
+        for token in ("wrong", "s3cre"):
+            with pytest.raises(openai.AuthenticationError) as err:
+                api(srv, token, "https", http_client=httpx.Client(verify=trust)).models.list()
+            assert err.value.status_code == 401 and err.value.response.headers["www-authenticate"] == "Bearer"
+        bare = httpx.get(f"https://127.0.0.1:{srv.server.http_port}/v1/models", verify=trust)
+        assert bare.status_code == 401 and bare.json()["error"]["type"] == "authentication_error"
+        oa = api(srv, "s3cret", "https", http_client=httpx.Client(verify=trust))
+        assert oa.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+        with pytest.raises(httpx.HTTPError):  # plaintext cannot talk to the TLS port
+            httpx.get(f"http://127.0.0.1:{srv.server.http_port}/v1/models", headers={"authorization": "Bearer s3cret"})
+
+
+BAD = [  # body changes, status, what the message says
+    ({"temperature": -1}, 400, ">= 0"),
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"max_tokens": "ten"}, 400, "max_tokens"),
+    ({"max_tokens": True}, 400, "max_tokens"),
+    ({"max_tokens": 0}, 400, "[1, 1000]"),
+    ({"top_p": 1.5}, 400, "(0, 1]"),
+    ({"seed": -1}, 400, "seed"),
+    ({"prompt": [300]}, 400, "vocabulary"),
+    ({"prompt": ""}, 400, "empty prompt"),
+    ({"prompt": "x" * 3500, "max_tokens": 1000}, 400, "context of 4096"),
+    ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ({"n": 2}, 400, "n must be 1"),
+    ({"logprobs": 3}, 400, "logprobs"),
+    ({"stop": ["s"] * 17}, 400, "at most 16"),
+    ({"stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
+    ({"frobnicate": 1}, 400, "frobnicate: unsupported field"),
+    ({"sharp": {"attention_stats": "yes"}}, 400, "sharp.attention_stats"),
+    ({"model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+]
+
+
+def test_bad_requests_get_their_status_in_openai_shape_and_the_server_stays_healthy(model_files):  # noqa: F811
+    with serving(model_files, server=HTTP, max_new_tokens_limit=1000) as srv:
+        for change, status, says in BAD:
+            for stream in (False,) if "stream_options" in change else (False, True):
+                r = post(srv, "completions", {"model": "tiny", "prompt": "ok", "stream": stream} | change)
+                assert r.status_code == status, (change, r.text)
+                error = r.json()["error"]
+                assert says in error["message"], (change, error)
+                assert error["type"] == "invalid_request_error" and set(error) == {"message", "type", "param", "code"}
+        for body, status in ((b"{not json", 400), (b'{"model": "tiny"}', 400), (b"x" * (8 << 20), 413)):
+            r = post(srv, "completions", body)
+            assert r.status_code == status and "error" in r.json(), r.text
+        assert post(srv, "embeddings", {}).status_code == 404
+        assert httpx.get(f"http://127.0.0.1:{srv.server.http_port}/v1/completions").status_code == 405
+        with pytest.raises(openai.BadRequestError):  # the client's own exception classes work on our answers
+            api(srv).completions.create(model="tiny", prompt="x", temperature=-1)
+        assert api(srv).completions.create(model="tiny", prompt="fine", max_tokens=3).usage.completion_tokens >= 1
+        m = scrape(srv)
+        count = lambda status: sample_value(m, "sharp_requests", "sharp_requests_total", api="http", status=status)
+        assert count("not_found") == 2 and count("out_of_range") == 2 and count("ok") == 1
+        assert count("invalid_argument") == 2 * (len(BAD) - 3) + 1 + 2 + 1  # the JSON ones and the client's own
+        assert sample_value(m, "sharp_requests", "sharp_requests_total", api="grpc") == 0
+
+
+def test_kv_budget_queue_and_drain_get_413_429_and_503(model_files):  # noqa: F811
+    engine = dict(max_batch=1, max_queue=1, kv_cache_mb=1.5)
+    with server(model_files, SlowEndless, engine=engine, drain_timeout=1.0, **HTTP) as srv:
+        oa = api(srv)
+        with pytest.raises(openai.APIStatusError) as err:
+            oa.completions.create(model="tiny", prompt="x" * 3000, max_tokens=1000)
+        assert err.value.status_code == 413 and "KV cache" in err.value.message
+        running = oa.completions.create(model="tiny", prompt="long", max_tokens=1500, stream=True)
+        next(iter(running))
+        queued = cf.ThreadPoolExecutor(1).submit(oa.completions.create, model="tiny", prompt="queued", max_tokens=2)
+        while sample_value(scrape(srv), "sharp_queue_size", "sharp_queue_size") < 1:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as err:
+            oa.completions.create(model="tiny", prompt="one too many", max_tokens=2)
+        assert err.value.status_code == 429 and "queue full" in err.value.message
+        assert err.value.response.headers["retry-after"] == "1"
+        drain = threading.Thread(target=srv.drain)
+        drain.start()
+        while not srv.server.engine.draining:
+            time.sleep(0.01)
+        for call in (oa.models.list, lambda: oa.completions.create(model="tiny", prompt="late", max_tokens=2)):
+            with pytest.raises(openai.APIStatusError) as err:
+                call()
+            assert err.value.status_code == 503 and "draining" in err.value.message
+        with pytest.raises(openai.APIError, match="drain deadline"):  # a stream the deadline ends says why
+            list(running)
+        with pytest.raises(openai.APIStatusError) as err:  # the queued one never got a token: a status, not a stream
+            queued.result(timeout=30)
+        assert err.value.status_code == 503
+        drain.join(timeout=30)
+
+
+def _wait_until_idle(srv) -> dict:
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        m = scrape(srv)
+        if sample_value(m, "sharp_running_requests", "sharp_running_requests") == 0:
+            break
+        time.sleep(0.02)
+    assert sample_value(m, "sharp_running_requests", "sharp_running_requests") == 0
+    assert sample_value(m, "sharp_kv_cache_usage_ratio", "sharp_kv_cache_usage_ratio") == 0
+    return m
+
+
+def test_a_client_that_disconnects_mid_stream_or_mid_wait_frees_its_slot_and_cache(model_files):  # noqa: F811
+    with server(model_files, SlowEndless, **HTTP) as srv:
+        stream = api(srv).completions.create(model="tiny", prompt="endless", max_tokens=3000, stream=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        assert sample_value(scrape(srv), "sharp_running_requests", "sharp_running_requests") == 1
+        stream.close()
+        m = _wait_until_idle(srv)
+        assert sample_value(m, "sharp_requests", "sharp_requests_total", api="http", status="cancelled") == 1
+        with pytest.raises(openai.APITimeoutError):  # a whole-answer request whose client gives up waiting
+            api(srv).with_options(timeout=1.0).completions.create(model="tiny", prompt="endless", max_tokens=3000)
+        m = _wait_until_idle(srv)
+        assert sample_value(m, "sharp_requests", "sharp_requests_total", api="http", status="cancelled") == 2
+        assert sample_value(m, "sharp_requests", "sharp_requests_total", api="http", status="ok") == 0
+        assert srv.server.calls.inflight == 0 and srv.server.engine.idle()
+
+
+def test_model_failure_is_a_500_for_that_request_only(model_files, reference):  # noqa: F811
+    with server(model_files, RaisesForMarkedRows, **HTTP) as srv, Bystander(srv.target, "bystander", 40) as b:
+        oa = api(srv)
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as err:
+                oa.completions.create(model="tiny", prompt=[7, BREAKS_PREFILL, 9], max_tokens=4, stream=stream)
+            assert err.value.status_code == 500 and "the model failed on this request" in err.value.message
+        assert oa.completions.create(model="tiny", prompt="after", max_tokens=3).usage.completion_tokens >= 1
+        b.check(reference)
+        m = scrape(srv)
+        assert sample_value(m, "sharp_requests", "sharp_requests_total", api="http", status="internal") == 2
+
+
+def test_http_and_grpc_streams_interleave_in_one_batch_and_metrics_add_up(model_files, reference):  # noqa: F811
+    prompts = [f"row {i}: " + "y" * i for i in range(8)]
+    with serving(model_files, server=HTTP, max_batch=8) as srv, Client(srv.target) as c:
+        oa = api(srv)
+
+        def over_http(p):
+            chunks = list(
+                oa.completions.create(
+                    model="tiny",
+                    prompt=p,
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+            n = chunks[-1].usage.completion_tokens
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ("length" if n == 24 else "stop")
+            return "".join(ch.choices[0].text for ch in chunks if ch.choices), n
+
+        def over_grpc(p):
+            chunks = list(c.generate_stream(p, max_new_tokens=24, temperature=0))
+            return "".join(ch.text for ch in chunks), chunks[-1].usage.completion_tokens
+
+        with cf.ThreadPoolExecutor(8) as ex:
+            futures = [ex.submit(over_grpc if i % 2 else over_http, p) for i, p in enumerate(prompts)]
+            results = [f.result(timeout=120) for f in futures]
+        tokens = {"http": 0, "grpc": 0}
+        for i, (p, (text, n)) in enumerate(zip(prompts, results, strict=True)):
+            want = reference(BYTES.encode(p), 24)
+            assert text == BYTES.decode(want) and n == len(want)
+            tokens["grpc" if i % 2 else "http"] += n
+        assert any(n < 24 for _, n in results[::2]), "an HTTP row should end by EOS (its finish_reason is checked)"
+        m = scrape(srv)
+        steps = sample_value(m, "sharp_batch_size", "sharp_batch_size_count")
+        assert sample_value(m, "sharp_batch_size", "sharp_batch_size_sum") / steps > 1
+        for api_name in ("http", "grpc"):
+            assert sample_value(m, "sharp_requests", "sharp_requests_total", api=api_name, status="ok") == 4
+            assert (
+                sample_value(m, "sharp_generation_tokens", "sharp_generation_tokens_total", api=api_name)
+                == tokens[api_name]
+            )
+            prompt_tokens = sum(
+                len(BYTES.encode(p)) for i, p in enumerate(prompts) if (i % 2 == 0) == (api_name == "http")
+            )
+            assert sample_value(m, "sharp_prompt_tokens", "sharp_prompt_tokens_total", api=api_name) == prompt_tokens
+            assert (
+                sample_value(
+                    m, "sharp_time_to_first_token_seconds", "sharp_time_to_first_token_seconds_count", api=api_name
+                )
+                == 4
+            )
+        assert sample_value(m, "sharp_requests", "sharp_requests_total") == 8
+
+
+def test_sharp_serve_sigterm_drains_http_and_grpc_together(model_files):  # noqa: F811
+    cmd = [
+        sys.executable,
+        "-m",
+        "sharp.serving.cli",
+        str(model_files["onnxruntime"]),
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--http-port",
+        "0",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    try:
+        line = proc.stdout.readline()
+        port = re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
+        http = re.search(r"OpenAI API http://127\.0\.0\.1:(\d+)/v1", line).group(1)
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0)
+        with Client(f"127.0.0.1:{port}") as c:
+            grpc_stream = c.generate_stream("sigterm", max_new_tokens=400, temperature=0)
+            http_stream = iter(
+                oa.completions.create(model="tiny", prompt="sigterm", max_tokens=400, temperature=0, stream=True)
+            )
+            next(grpc_stream), next(http_stream)
+            proc.send_signal(signal.SIGTERM)
+            grpc_rest, http_rest = list(grpc_stream), list(http_stream)
+            assert grpc_rest[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+            assert http_rest[-1].choices[0].finish_reason in ("stop", "length")
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(openai.APIConnectionError):  # both ports are closed
+            oa.models.list()
+    finally:
+        proc.kill()
