@@ -34,11 +34,34 @@ TEMPERATURE_FLOOR = 1e-4
 a tinier temperature would overflow float32."""
 
 
+def unusable_rows(logits: Tensor) -> Tensor:
+    """(B,) bool: rows a distribution cannot come from (NaN, +inf, or every logit −inf)."""
+    return torch.isnan(logits).any(-1) | (logits == float("inf")).any(-1) | (logits == float("-inf")).all(-1)
+
+
+def sample_rows(
+    logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | None]:
+    """One token per row of logits (B, V), row i with params[i] and generators[i]; None for an unusable row.
+    Exactly `sample` row by row, but the checks and every greedy row cost one batched operation each (a serving
+    step's rows are mostly greedy)."""
+    bad = unusable_rows(logits).tolist()
+    greedy = [i for i, p in enumerate(params) if p.temperature < TEMPERATURE_FLOOR and not bad[i]]
+    out: list[int | None] = [None] * len(params)
+    if greedy:
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for i, token in zip(greedy, rows.argmax(-1).tolist(), strict=True):
+            out[i] = token
+    for i, p in enumerate(params):
+        if not bad[i] and p.temperature >= TEMPERATURE_FLOOR:
+            out[i] = int(sample(logits[i : i + 1], p, generators[i]))
+    return out
+
+
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
     """logits (B, V) → token ids (B,). Raises ValueError for logits a distribution cannot come from (NaN, +inf,
     or every logit −inf), so the caller can end just that sequence."""
-    bad = torch.isnan(logits).any(-1) | (logits == float("inf")).any(-1) | (logits == float("-inf")).all(-1)
-    if bool(bad.any()):
+    if bool(unusable_rows(logits).any()):
         raise ValueError("the model produced non-finite logits")
     if params.temperature < TEMPERATURE_FLOOR:
         return logits.argmax(-1)

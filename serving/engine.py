@@ -10,7 +10,6 @@ and releases it on every way out. What a step did is recorded in a `StepStats` a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -24,7 +23,7 @@ import grpc
 import numpy as np
 import torch
 
-from sharp.models.sampling import sample
+from sharp.models.sampling import sample_rows
 from sharp.models.tokenizer import TextStream
 from sharp.serving.backends import Backend
 from sharp.serving.metrics import ServingMetrics
@@ -152,6 +151,34 @@ class Sequence:
         return self.prompt_len + self.request.max_new_tokens
 
 
+class _Courier:
+    """Events bound for one event loop's stream() callers, handed over once per engine step: one wake-up of that
+    loop per step, not one per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: list[tuple[asyncio.Queue, Event]] = []  # touched by the engine thread only
+
+    def post(self, queue: asyncio.Queue, ev: Event) -> None:
+        self.pending.append((queue, ev))
+
+    def flush(self) -> bool:
+        """Hand the pending events over; False when the loop is gone (the courier can be dropped)."""
+        if not self.pending:
+            return not self.loop.is_closed()
+        batch, self.pending = self.pending, []
+        try:
+            self.loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # the caller's loop is closed
+            return False
+        return True
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Event]]) -> None:
+    for queue, ev in batch:
+        queue.put_nowait(ev)
+
+
 class Engine:
     """Thread-safe front (`submit`, `cancel`, `stream`) over one engine thread."""
 
@@ -179,6 +206,8 @@ class Engine:
         self._running: list[Sequence] = []  # the decode batch, in order
         self._stats = StepStats()
         self._outbox: list[tuple[Sequence, Event]] = []  # events of this step, sent at its end
+        self._couriers: dict[asyncio.AbstractEventLoop, _Courier] = {}  # stream()'s callers, by event loop
+        self._end_seconds = 0.0  # the previous step's _end_step, counted in the next step's busy time
         self._cond = threading.Condition()
         self._stopping = False
         self._ending: tuple[grpc.StatusCode, str] | None = None  # end_all's request to the engine thread
@@ -236,21 +265,29 @@ class Engine:
         """Submit `req` now (RequestError if refused) and return its events; leaving the iterator early (cancel,
         deadline, disconnect) frees its work."""
         loop = asyncio.get_running_loop()
+        with self._cond:
+            courier = self._couriers.get(loop)
+            if courier is None:
+                courier = self._couriers[loop] = _Courier(loop)
         events: asyncio.Queue[Event] = asyncio.Queue()
-
-        def sink(ev: Event) -> None:
-            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-
-        return self._follow(self.submit(req, sink), events)
+        return self._follow(self.submit(req, lambda ev: courier.post(events, ev)), events)
 
     async def _follow(self, seq: Sequence, events: asyncio.Queue[Event]) -> AsyncIterator[Event]:
+        """The events of `seq`; the text of steps a slow reader has not taken yet comes as one Delta (a client
+        that falls behind gets fewer, larger messages instead of a growing backlog of one-token ones)."""
         try:
+            ev = await events.get()
             while True:
-                ev = await events.get()
+                nxt = None
+                while isinstance(ev, Delta) and not events.empty():
+                    nxt = events.get_nowait()
+                    if not isinstance(nxt, Delta):
+                        break
+                    ev, nxt = Delta(ev.token_ids + nxt.token_ids, ev.text + nxt.text), None
                 yield ev
                 if not isinstance(ev, Delta):
                     return
+                ev = nxt if nxt is not None else await events.get()
         finally:
             self.cancel(seq)
 
@@ -294,14 +331,19 @@ class Engine:
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
 
     def step(self) -> None:
+        start = time.perf_counter()
         self._reap_cancelled()
         self._admit()
         self._prefill()
         self._decode()
+        end = time.perf_counter()
+        self._stats.busy_seconds = end - start + self._end_seconds
         self._end_step()
+        self._end_seconds = time.perf_counter() - end
 
     def _end_step(self) -> None:
-        """Log the step's statistics, then send its events: a client that sees its answer sees it counted."""
+        """Log the step's statistics, then send its events: a client that sees its answer sees it counted. Events
+        for stream() callers leave in one hand-over per event loop."""
         st, self._stats = self._stats, StepStats()
         st.queue_size = len(self._waiting)
         st.running = len(self._prefilling) + len(self._running)
@@ -310,6 +352,12 @@ class Engine:
         outbox, self._outbox = self._outbox, []
         for seq, event in outbox:
             seq.sink(event)
+        with self._cond:
+            couriers = list(self._couriers.items())
+        for loop, courier in couriers:
+            if not courier.flush():
+                with self._cond:
+                    self._couriers.pop(loop, None)
 
     def _reap_cancelled(self) -> None:
         with self._cond:
@@ -356,6 +404,7 @@ class Engine:
             start = seq.length
             n = min(budget, seq.prompt_len - start)
             ids = torch.tensor([seq.request.prompt_ids[start : start + n]], dtype=torch.int64)
+            began = time.perf_counter()
             try:
                 out = self.backend.prefill(seq, ids, start, self._want_entropy([seq]))
             except Exception:  # the model failed on this prompt: it ends alone
@@ -364,13 +413,14 @@ class Engine:
                 self.backend.release(seq)
                 self._fail_forward(seq, f"prefill at prompt token {start}")
                 continue
+            self._stats.forward_seconds += time.perf_counter() - began
             seq.length = start + n
             budget -= n
             self._stats.prompt_tokens[seq.request.api] += n
             self._record_entropy([seq], out.entropy, [start])
             if seq.length == seq.prompt_len:
                 self._prefilling.remove(seq)
-                self._emit(seq, out.logits[0:1])
+                self._emit(seq, sample_rows(out.logits[0:1], [seq.request.sampling], [seq.generator])[0])
                 if seq.done:
                     self.backend.release(seq)
                 else:
@@ -388,27 +438,33 @@ class Engine:
             return
         seqs = self._running
         tokens = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.int64)
+        began = time.perf_counter()
         out = self.backend.decode(seqs, tokens, self._want_entropy(seqs))
+        self._stats.forward_seconds += time.perf_counter() - began
         for s in out.failed:
             self._fail_forward(s, f"decode at token {len(s.generated)}")
         failed = set(out.failed)
         kept = [s for s in seqs if s not in failed]
         self._stats.decode_batch = len(seqs)
         self._record_entropy(kept, out.entropy, [s.cached for s in kept])
-        for i, s in enumerate(kept):
-            self._emit(s, out.logits[i : i + 1])
+        chosen = sample_rows(out.logits, [s.request.sampling for s in kept], [s.generator for s in kept])
+        for s, token in zip(kept, chosen, strict=True):
+            self._emit(s, token)
         self._leave([s for s in seqs if s.done])
 
     def _fail_forward(self, seq: Sequence, where: str) -> None:
         log.error("model forward failed for request %r (%s)", seq.request.request_id, where)
         self._fail(seq, grpc.StatusCode.INTERNAL, f"the model failed on this request ({where}); see the server log")
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """Sample the next token of `seq`, send it and finish the sequence when a stop condition holds."""
-        try:
-            token = int(sample(logits, seq.request.sampling, seq.generator))
-        except ValueError as e:  # this sequence's logits are unusable: it ends alone, the batch goes on
-            self._fail(seq, grpc.StatusCode.INTERNAL, f"{e} for this request after {len(seq.generated)} tokens")
+    def _emit(self, seq: Sequence, token: int | None) -> None:
+        """Send the sampled token of `seq` and finish the sequence when a stop condition holds; None: its logits
+        were unusable (it ends alone, the batch goes on)."""
+        if token is None:
+            self._fail(
+                seq,
+                grpc.StatusCode.INTERNAL,
+                f"the model produced non-finite logits for this request after {len(seq.generated)} tokens",
+            )
             return
         now = time.perf_counter()
         api = seq.request.api

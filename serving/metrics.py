@@ -151,6 +151,13 @@ class ServingMetrics:
         self.kv_usage = per_model(
             Gauge, "sharp_kv_cache_usage_ratio", "KV cache in use (pages, or padded rows) / --kv-cache-mb."
         )
+        self.steps = per_model(Counter, "sharp_engine_steps", "Engine steps run.")
+        self.busy = per_model(Counter, "sharp_engine_busy_seconds", "Wall time of engine steps.")
+        self.forward = per_model(
+            Counter,
+            "sharp_engine_forward_seconds",
+            "Of the engine steps' time, the model's forwards (the rest is host overhead).",
+        )
         self.attention: list[AttentionHistogram] = []
         if entropy != "off":
             shape = (model, spec.layers, spec.heads, entropy)
@@ -186,6 +193,10 @@ class ServingMetrics:
             self.generation_tokens[api].inc(n)
         if stats.decode_batch is not None:
             self.batch_size.observe(stats.decode_batch)
+        if stats.busy_seconds > 0:
+            self.steps.inc()
+            self.busy.inc(stats.busy_seconds)
+            self.forward.inc(stats.forward_seconds)
         for hist, values in (
             (self.ttft, stats.ttft),
             (self.inter_token, stats.inter_token),

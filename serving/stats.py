@@ -31,6 +31,8 @@ class StepStats:
     prompt_tokens: Counter[str] = field(default_factory=Counter)  # by API
     generation_tokens: Counter[str] = field(default_factory=Counter)
     decode_batch: int | None = None  # rows of the batched decode step, when one ran
+    busy_seconds: float = 0.0  # the step's wall time (its hand-over of events is counted in the next step's)
+    forward_seconds: float = 0.0  # of which the model's forwards (prefill chunks and the decode step)
     ttft: list[tuple[str, float]] = field(default_factory=list)  # (API, seconds)
     inter_token: list[tuple[str, float]] = field(default_factory=list)
     queue_time: list[tuple[str, float]] = field(default_factory=list)

@@ -69,3 +69,26 @@ def test_kernels_smoke_turns_the_interpreter_on_itself(tmp_path):
         pytest.skip(proc.stderr.strip())  # e.g. a CUDA image's Triton 3.6 with numpy 2.5: the refusal is one line
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| softmax |" in proc.stdout and not (tmp_path / "docs").exists()
+
+
+def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_time(tmp_path, capsys):
+    """`sharp-bench serve` on a small model: a fresh sharp-serve process per run, the engine's own counters read
+    back (host µs per step, rows per decode step) and the host-time fit across concurrencies."""
+    import re
+
+    from sharp.benchmarks.serve import run as serve
+
+    page = tmp_path / "results.md"
+    argv = ["--requests", "8", "--new-tokens", "6", "--concurrency", "1", "4", "--baseline-concurrency", "4"]
+    assert serve([*argv, "--repeats", "1", "--rate", "50", "--write", str(page)]) == 0
+    text = page.read_text()
+    assert "sharp-serve runs in its own process" in text
+    rows = {c[0]: c for c in ([x.strip() for x in line.strip("|").split("|")] for line in text.splitlines()) if c}
+    for name in ("gRPC, closed loop C=1", "gRPC, closed loop C=4", "gRPC, closed loop C=4, --max-batch 1"):
+        cells = rows[name]
+        assert cells[1] == "8/0", cells  # every request completed
+        assert float(cells[8]) > 0 and float(cells[9]) >= 1  # host µs per step; rows per decode step
+    assert float(rows["gRPC, closed loop C=4, --max-batch 1"][9]) == 1
+    assert float(rows["gRPC, closed loop C=4"][9]) > 1  # continuous batching: several rows per decode step
+    assert rows["in-process engine, C=4"][8] == "—"  # no server to read counters from
+    assert re.search(r"rows: -?\d+ µs \+ -?[\d.]+ µs per running row\.", text)

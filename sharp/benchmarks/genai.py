@@ -1,8 +1,9 @@
 """`sharp-bench genai`: sharp-serve against onnxruntime-genai on the same exported file, as a user runs each.
 
-One `sharp-export --genai` package serves both: sharp-serve loads its model.onnx (gRPC on loopback, continuous
-batching, streamed chunks); onnxruntime-genai opens the directory and runs one `Generator` per request (greedy),
-from C threads at once for concurrency C (a closed loop: each thread takes the next prompt when its request ends).
+One `sharp-export --genai` package serves both: sharp-serve loads its model.onnx in its own process (gRPC on
+loopback, continuous batching, streamed chunks; the load generator is this process); onnxruntime-genai opens the
+directory and runs one `Generator` per request (greedy), from C threads at once for concurrency C (a closed loop:
+each thread takes the next prompt when its request ends).
 Both use sharp's native kernel when the package carries it. Output tokens per second over the whole run, medians
 of --repeats, and the sharp/genai ratio.
 """
@@ -27,13 +28,13 @@ from sharp.benchmarks.harness import (
     today,
     write_section,
 )
-from sharp.benchmarks.serve import _prompts, _server, closed_loop, grpc_sender
+from sharp.benchmarks.serve import _prompts, closed_loop, grpc_sender, sharp_serve
 from sharp.models.checkpoint import zoo_model
 from sharp.serving.client import AsyncClient
 
 
 def sharp_serve_tokens_per_s(package: Path, prompts: list[str], concurrency: int, new_tokens: int) -> float:
-    with _server(package / "model.onnx", max_batch=64, entropy="head") as srv:
+    with sharp_serve(package / "model.onnx", max_batch=64, entropy="head") as srv:
 
         async def go():
             async with AsyncClient(srv.target) as c:
@@ -97,9 +98,10 @@ def bench(package: Path, source: str, args) -> str:
             "## sharp-serve vs onnxruntime-genai (sharp-bench genai)",
             "",
             f"Measured {today()} on {machine()}. Command: {args.command}. Model: {source}, written once with"
-            " `sharp-export --genai` (native sharp kernel in the package); sharp-serve serves its model.onnx over"
-            " loopback gRPC (continuous batching, --max-batch 64, per-head entropy metrics on), onnxruntime-genai"
-            " opens the package and runs one greedy Generator per request from C threads. Closed loop:"
+            " `sharp-export --genai` (native sharp kernel in the package); sharp-serve, in its own process, serves"
+            " its model.onnx over loopback gRPC (continuous batching, --max-batch 64, per-head entropy metrics on),"
+            " onnxruntime-genai opens the package and runs one greedy Generator per request from C threads. Closed"
+            " loop:"
             f" {args.requests} prompts of {args.prompt_chars} characters, {args.new_tokens} new tokens each;"
             f" output tokens/s over the whole run, medians of {args.repeats} runs.",
             "",

@@ -1,20 +1,28 @@
 """`sharp-bench serve`: a gRPC load generator against sharp-serve, with its baselines in the same run.
 
-Closed loop (each of C clients sends its next request when the previous one ends) at concurrency 1/4/16/64
+sharp-serve runs in its own process, as users run it; the load generator (this process) streams over loopback
+gRPC. Closed loop (each of C clients sends its next request when the previous one ends) at concurrency 1/4/16/64
 and open loop (Poisson arrivals at --rate), measured at the client from streamed chunks: completed/failed,
-requests/s, output tokens/s, time to first token and inter-token latency p50/p99. Baselines side by side:
-continuous batching vs `--max-batch 1`, the gRPC path vs calling the engine in-process, and
-`--entropy-metrics head` vs `off` (what the attention metrics cost). Every cell is the median of --repeats.
+requests/s, output tokens/s, time to first token and inter-token latency p50/p99; and from the server's own
+counters, the engine's host time per step with the model's forwards taken out, and rows per decode step.
+Baselines side by side: continuous batching vs `--max-batch 1`, the gRPC path vs the engine called in-process,
+and `--entropy-metrics head` vs `off` (what the attention metrics cost). Every cell is the median of --repeats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import re
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +45,6 @@ from sharp.serving.client import AsyncClient, make_request
 from sharp.serving.engine import Delta, Engine, EngineConfig, Finished
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import validate
-from sharp.serving.server import BackgroundServer, ServerConfig
 
 
 @dataclass
@@ -48,6 +55,76 @@ class Run:
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    engine: dict[str, float] = field(default_factory=dict)  # the server's sharp_engine_* and batch counters
+
+    def host_us_per_step(self) -> float:
+        """The engine's time per step outside the model's forwards (µs)."""
+        e = self.engine
+        return (e["busy"] - e["forward"]) / e["steps"] * 1e6 if e.get("steps") else float("nan")
+
+    def rows_per_decode(self) -> float:
+        e = self.engine
+        return e["rows"] / e["decodes"] if e.get("decodes") else float("nan")
+
+
+COUNTERS = {  # what a run reads back from the server's /metrics
+    "steps": "sharp_engine_steps_total",
+    "busy": "sharp_engine_busy_seconds_total",
+    "forward": "sharp_engine_forward_seconds_total",
+    "rows": "sharp_batch_size_sum",
+    "decodes": "sharp_batch_size_count",
+}
+
+
+@dataclass
+class Served:
+    """A sharp-serve process: its gRPC target and metrics endpoint."""
+
+    target: str
+    metrics_url: str
+
+    def engine_stats(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=30).read().decode()
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        return {key: values.get(name, 0.0) for key, name in COUNTERS.items()}
+
+
+@contextlib.contextmanager
+def sharp_serve(model: Path, max_batch: int, entropy: str, native: bool = True) -> Iterator[Served]:
+    """`sharp-serve MODEL` in its own process (the load generator must not share its interpreter), stopped with
+    SIGTERM."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "sharp.serving.cli",
+        str(model),
+        "--port=0",
+        "--metrics-port=0",
+        f"--max-batch={max_batch}",
+        "--max-queue=4096",
+        f"--entropy-metrics={entropy}",
+        "--log-level=warning",
+        *([] if native else ["--no-native"]),
+    ]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            line = proc.stdout.readline()
+            found = re.search(r" on (\S+?):(\d+), metrics (http://\S+/metrics)", line)
+            if found is None:
+                proc.wait(timeout=60)
+                log.seek(0)
+                raise RuntimeError(f"sharp-serve did not start: {(line + log.read()).strip()[-800:]}")
+            yield Served(f"{found[1]}:{found[2]}", found[3])
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[str]:
@@ -121,6 +198,7 @@ def _row(name: str, runs: list[Run]) -> list[str]:
     pct = lambda attr, q: med(
         [float(np.percentile(getattr(r, attr), q)) * 1e3 if getattr(r, attr) else 0 for r in runs]
     )
+    engine = [r for r in runs if r.engine]
     return [
         name,
         f"{med([r.completed for r in runs]):g}/{med([r.failed for r in runs]):g}",
@@ -130,34 +208,43 @@ def _row(name: str, runs: list[Run]) -> list[str]:
         f"{pct('ttft', 99):.1f}",
         f"{pct('itl', 50):.2f}",
         f"{pct('itl', 99):.2f}",
+        f"{med([r.host_us_per_step() for r in engine]):.0f}" if engine else "—",
+        f"{med([r.rows_per_decode() for r in engine]):.1f}" if engine else "—",
     ]
 
 
-def _server(model: Path, max_batch: int, entropy: str, native: bool = True) -> BackgroundServer:
-    backend = load_backend(model, native=native)
-    engine = Engine(backend, EngineConfig(max_batch=max_batch, max_queue=4096), ServingMetrics(backend.spec, entropy))
-    return BackgroundServer(engine, ServerConfig(port=0, metrics_port=None))
+def _in_process(model: Path, max_batch: int, scenario) -> Run:
+    """The engine alone, driven from this process's event loop (no gRPC, no second process)."""
+    backend = load_backend(model)
+    engine = Engine(backend, EngineConfig(max_batch=max_batch, max_queue=4096), ServingMetrics(backend.spec, "head"))
+    engine.start()
+    try:
+        return asyncio.run(scenario(engine_sender(engine)))
+    finally:
+        engine.stop()
 
 
 def bench(model: Path, args) -> str:
     prompts = _prompts(args.requests, args.prompt_chars)
-    rows = []
+    rows, by_name = [], {}
 
     def measure(name, max_batch, entropy, scenario, in_process=False, native=True):
         runs = []
         for _ in range(args.repeats):
-            with _server(model, max_batch, entropy, native) as srv:
+            if in_process:
+                runs.append(_in_process(model, max_batch, scenario))
+                continue
+            with sharp_serve(model, max_batch, entropy, native) as srv:
 
                 async def go():
-                    if in_process:
-                        return await asyncio.wrap_future(
-                            asyncio.run_coroutine_threadsafe(scenario(engine_sender(srv.server.engine)), srv.loop)
-                        )
                     async with AsyncClient(srv.target) as c:
                         return await scenario(grpc_sender(c))
 
-                runs.append(asyncio.run(go()))
+                run = asyncio.run(go())
+                run.engine = srv.engine_stats()
+                runs.append(run)
         rows.append(_row(name, runs))
+        by_name[name] = runs
         print(" | ".join(rows[-1]), flush=True)
 
     n = args.new_tokens
@@ -194,21 +281,49 @@ def bench(model: Path, args) -> str:
         "TTFT p99 ms",
         "ITL p50 ms",
         "ITL p99 ms",
+        "engine host µs/step",
+        "rows/decode step",
     ]
-    return "\n".join(
-        [
-            "## Serving (sharp-bench serve)",
-            "",
-            f"Measured {today()} on {machine()}. Command: {args.command}. Model: {args.model_source},"
-            " onnxruntime CPU backend with sharp's native kernel"
-            " unless stated; server and load"
-            " generator in one process (server on its own thread and event loop, the load generator streaming over"
-            f" loopback gRPC). {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
-            f" tokens each, --max-batch {args.max_batch} unless stated; medians of {args.repeats} runs, each on a"
-            " fresh server. TTFT and inter-token latency (ITL) are measured at the client.",
-            "",
-            markdown_table(header, rows),
-        ]
+    lines = [
+        "## Serving (sharp-bench serve)",
+        "",
+        f"Measured {today()} on {machine()}. Command: {args.command}. Model: {args.model_source},"
+        " onnxruntime CPU backend with sharp's native kernel unless stated. sharp-serve runs in its own process"
+        " (a fresh one per run); the load generator streams from this one over loopback gRPC."
+        f" {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
+        f" tokens each, --max-batch {args.max_batch} unless stated; medians of {args.repeats} runs."
+        " TTFT and inter-token latency (ITL) are measured at the client; engine host µs/step is the server's"
+        " own step time with the model's forwards taken out (sharp_engine_busy_seconds_total −"
+        " sharp_engine_forward_seconds_total, per sharp_engine_steps_total); the in-process row drives the"
+        " engine from the load generator's own event loop, without gRPC.",
+        "",
+        markdown_table(header, rows),
+    ]
+    fit = _host_fit(by_name, args)
+    if fit:
+        lines += ["", fit]
+    return "\n".join(lines)
+
+
+def _host_fit(by_name: dict[str, list[Run]], args) -> str | None:
+    """The engine's host time per step as a + b × rows, from the lowest and highest closed-loop concurrency."""
+    points = []
+    for c in (min(args.concurrency), max(args.concurrency)):
+        runs = by_name.get(f"gRPC, closed loop C={c}", [])
+        if runs:
+            points.append(
+                (
+                    statistics.median(r.rows_per_decode() for r in runs),
+                    statistics.median(r.host_us_per_step() for r in runs),
+                )
+            )
+    if len(points) < 2 or points[1][0] - points[0][0] < 1:
+        return None
+    (r0, h0), (r1, h1) = points
+    per_row = (h1 - h0) / (r1 - r0)
+    return (
+        f"Engine host time per step, fitted through the C={min(args.concurrency)} and C={max(args.concurrency)}"
+        f" rows: {h0 - per_row * r0:.0f} µs + {per_row:.1f} µs per running row."
     )
 
 
