@@ -7,6 +7,7 @@ narrower side; leaving drops rows and trims the columns no remaining row needs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -37,10 +38,11 @@ class BatchCache:
         return self.rows * self.width
 
     def attention_mask(self) -> Tensor:
-        """(B, width + 1) int64 for one decode step: each row's keys plus its new token are 1, padding 0."""
-        lengths = torch.tensor(self.lengths, dtype=torch.int64)
-        columns = torch.arange(self.width + 1)[None]
-        return (columns >= (self.width - lengths)[:, None]).to(torch.int64)
+        """(B, width + 1) int64 for one decode step: each row's keys plus its new token are 1, padding 0 (built in
+        NumPy: a step's few small tensor ops cost more in torch's dispatch than the work)."""
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        columns = np.arange(self.width + 1, dtype=np.int64)[None]
+        return torch.from_numpy((columns >= (self.width - lengths)[:, None]).astype(np.int64))
 
     def join(self, cache: list[Tensor], length: int) -> None:
         """Append one sequence's own cache (batch 1) as the last row."""
