@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import re
 import signal
@@ -317,7 +318,7 @@ def _host_fit(by_name: dict[str, list[Run]], args) -> str | None:
                     statistics.median(r.host_us_per_step() for r in runs),
                 )
             )
-    if len(points) < 2 or points[1][0] - points[0][0] < 1:
+    if len(points) < 2 or not all(map(math.isfinite, (*points[0], *points[1]))) or points[1][0] - points[0][0] < 1:
         return None
     (r0, h0), (r1, h1) = points
     per_row = (h1 - h0) / (r1 - r0)
