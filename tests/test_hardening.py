@@ -409,3 +409,24 @@ def test_status_series_exist_before_any_request(model_files):  # noqa: F811
         m = scrape(srv)
     statuses = {s.labels["status"] for s in m["sharp_requests"].samples if s.name == "sharp_requests_total"}
     assert {"ok", "cancelled", "invalid_argument", "internal", "resource_exhausted"} <= statuses
+
+
+class SleepyDecode(Wrapped):
+    """Wraps a real backend: every decode forward (one new token per row) takes 10 ms more."""
+
+    def forward(self, input_ids, *args):
+        if input_ids.shape[1] == 1:
+            time.sleep(0.01)
+        return self.inner(input_ids, *args)
+
+
+def test_the_engine_counts_decode_forwards_as_forward_time(model_files):  # noqa: F811
+    """busy − forward is what sharp-bench serve reports as host overhead: a slow model must not show up there."""
+    with server(model_files, SleepyDecode) as srv, Client(srv.target) as c:
+        n = c.generate("sleepy", max_new_tokens=12, temperature=0).usage.completion_tokens
+        m = scrape(srv)
+    decodes = sample_value(m, "sharp_batch_size", "sharp_batch_size_count")
+    forward = sample_value(m, "sharp_engine_forward_seconds", "sharp_engine_forward_seconds_total")
+    assert decodes == n - 1 > 0
+    assert forward >= 0.01 * decodes  # every sleep is inside the counted forwards (a lower bound, not a speed)
+    assert sample_value(m, "sharp_engine_busy_seconds", "sharp_engine_busy_seconds_total") >= forward

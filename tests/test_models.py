@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from sharp.models import NORMS, ModelConfig, SamplingParams, SharpLM, attend
 from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig, max_retrieval_batch
 from sharp.models.positional import POSITIONAL, alibi_slopes, apply_rope, nape_slopes, rope_angles
-from sharp.models.sampling import GREEDY, sample
+from sharp.models.sampling import GREEDY, sample, sample_rows
 from sharp.models.tokenizer import ByteTokenizer
 
 
@@ -165,6 +165,30 @@ def test_sampling_filters():
         SamplingParams(temperature=float("nan")).check()
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-1).check()
+
+
+def test_batched_sampling_is_sample_row_by_row_and_names_unusable_rows():
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 2.0, -1.0],
+            [nan, 1.0, 0.0, 0.0],
+            [inf, 1.0, 0.0, 0.0],
+            [-inf, -inf, -inf, -inf],
+            [-inf, 0.5, -inf, 0.2],  # masked logits are fine
+            [0.3, 0.1, 0.9, 0.2],
+            [0.3, 0.1, 0.9, 0.2],
+        ]
+    )
+    params = [GREEDY, GREEDY, SamplingParams(), SamplingParams(), GREEDY, SamplingParams(top_k=2), GREEDY]
+    generators = [torch.Generator().manual_seed(i) for i in range(len(params))]
+    got = sample_rows(logits, params, generators)
+    assert got[:5] == [1, None, None, None, 1] and got[6] == 2
+    again = [torch.Generator().manual_seed(i) for i in range(len(params))]
+    assert got[5] == int(sample(logits[5:6], params[5], again[5]))  # the same draw sample() makes
+    for row in (1, 2, 3):
+        with pytest.raises(ValueError, match="non-finite"):
+            sample(logits[row : row + 1], GREEDY)
 
 
 @pytest.mark.parametrize("norm", NORMS)

@@ -7,6 +7,7 @@ greedy tokens vary and top-2 logit gaps are wide: batched results can then be co
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import dataclasses
 import json
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
@@ -251,6 +253,45 @@ def test_metrics_after_traffic(model_files):
         )
         assert inf == le1 == n_norm  # normalized entropy never exceeds 1
     assert sample_value(m, "sharp_kv_cache_usage_ratio", "sharp_kv_cache_usage_ratio") == 0
+    steps = sample_value(m, "sharp_engine_steps", "sharp_engine_steps_total")
+    busy = sample_value(m, "sharp_engine_busy_seconds", "sharp_engine_busy_seconds_total")
+    forward = sample_value(m, "sharp_engine_forward_seconds", "sharp_engine_forward_seconds_total")
+    decodes = sample_value(m, "sharp_batch_size", "sharp_batch_size_count")
+    assert steps >= decodes >= generated - 5 and 0 < forward < busy  # the model's forwards are part of the steps
+
+
+def test_attention_entropies_wait_for_a_scrape_but_never_pile_up(model_files):
+    from sharp.serving.metrics import ATTENTION_BATCH
+
+    metrics = ServingMetrics(load_backend(model_files["onnxruntime"]).spec, entropy="head")
+    counted = lambda: metrics.attention[0].counts.sum() // 4  # observations per (layer, head)
+    metrics.observe_attention(np.full((3, 2, 2), 0.5), np.array([1, 2, 3]))
+    assert counted() == 0 and metrics._pending_positions == 3  # a step does not bin
+    families = {f.name: f for f in metrics.registry.collect()}
+    assert sample_value(families, "sharp_attention_entropy_nats", "sharp_attention_entropy_nats_count") == 3 * 4
+    assert counted() == 3 and metrics._pending_positions == 0
+    metrics.observe_attention(np.full((ATTENTION_BATCH, 2, 2), 1.0), np.full(ATTENTION_BATCH, 9))
+    assert counted() == 3 + ATTENTION_BATCH and metrics._pending_positions == 0  # a full batch bins at once
+
+
+def test_a_reader_that_falls_behind_gets_the_pending_text_in_one_delta(model_files, reference):
+    be = load_backend(model_files["onnxruntime"])
+    eng = Engine(be, EngineConfig()).start()
+    ids = [256, *b"slow reader"]
+
+    async def read() -> list[Delta]:
+        events = eng.stream(_req(eng, ids, 12))
+        await asyncio.sleep(1.0)  # the engine produces every token meanwhile
+        return [ev async for ev in events]
+
+    try:
+        events = asyncio.run(read())
+    finally:
+        eng.stop()
+    deltas = [ev for ev in events if isinstance(ev, Delta)]
+    assert isinstance(events[-1], Finished) and len(deltas) < 12
+    assert [t for d in deltas for t in d.token_ids] == reference(ids, 12)
+    assert "".join(d.text for d in deltas) == BYTES.decode(reference(ids, 12))
 
 
 @pytest.mark.parametrize(
