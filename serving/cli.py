@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import os
 import re
 import signal
@@ -82,53 +81,45 @@ def _tls(cert_path: Path | None, key_path: Path | None) -> tuple[bytes | None, b
     return cert, key
 
 
+def _config_flags(ap: argparse.ArgumentParser, config_type) -> None:
+    """A flag per config field made with `option` (serving/engine.py): `--name-with-dashes`, the field's type,
+    default and help — the one source of each setting."""
+    for f in dataclasses.fields(config_type):
+        if "help" in f.metadata:
+            kind = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+            ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+
+
+def _configured(config_type, args, **rest):
+    """The config from its flags (and `rest`), checked by its own `check()`; a refusal names the flag."""
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_type) if "help" in f.metadata}
+    config = config_type(**flags, **rest)
+    try:
+        config.check()
+    except ValueError as e:
+        raise UsageError(re.sub(r"`(\w+)`", lambda m: "--" + m[1].replace("_", "-"), str(e))) from None
+    return config
+
+
 def serve_parser() -> argparse.ArgumentParser:
     # the serving side only: the client never loads torch
-    from sharp.serving.backends import BACKENDS, DTYPES, PAGE_SIZE
-    from sharp.serving.engine import EngineConfig as E
-    from sharp.serving.server import ServerConfig as S
+    from sharp.serving.backends import BACKENDS, DTYPES
+    from sharp.serving.engine import EngineConfig
+    from sharp.serving.server import ServerConfig
 
-    # Defaults come from the configs the engine and server use (one source; --help shows them)
     ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
     ap.add_argument("model", type=Path, help="an .onnx file from sharp-export (onnxruntime) or a model.pt (torch)")
     ap.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--host", default=S.host, help="address to listen on (0.0.0.0 in containers)")
-    ap.add_argument("--port", type=int, default=S.port, help="gRPC port (0: any free port)")
+    _config_flags(ap, ServerConfig)
     ap.add_argument(
-        "--metrics-port", type=int, default=S.metrics_port, help="Prometheus port (0: any free port; -1: off)"
-    )
-    ap.add_argument("--metrics-host", help="address of the Prometheus endpoint (default: --host)")
-    ap.add_argument(
-        "--http-port",
+        "--metrics-port",
         type=int,
-        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this"
-        " port (0: any free port); same token, TLS, limits and metrics as gRPC",
-    )
-    ap.add_argument("--http-host", help="address of the HTTP API (default: --host)")
-    ap.add_argument(
-        "--health-port",
-        type=int,
-        help="also answer grpc.health.v1 in plaintext on this port (for kubelet probes when --tls-cert is on)",
+        default=ServerConfig.metrics_port,
+        help="Prometheus port (0: any free port; -1: off)",
     )
     ap.add_argument("--model-name", help="the model's name in metrics and GetModelInfo (default: the file's stem)")
-    ap.add_argument("--max-batch", type=int, default=E.max_batch, help="sequences decoded together")
-    ap.add_argument("--max-queue", type=int, default=E.max_queue, help="waiting requests; more get RESOURCE_EXHAUSTED")
-    ap.add_argument(
-        "--kv-cache-mb",
-        type=float,
-        default=E.kv_cache_mb,
-        help=f"KV-cache budget (torch: a pool of {PAGE_SIZE}-token pages allocated at start; onnxruntime/tensorrt:"
-        " padding included)",
-    )
-    ap.add_argument("--prefill-chunk", type=int, default=E.prefill_chunk, help="prompt tokens per engine step")
-    ap.add_argument("--max-new-tokens-limit", type=int, default=E.max_new_tokens_limit, help="per request")
-    ap.add_argument("--default-max-new-tokens", type=int, default=E.default_max_new_tokens, help="when not given")
-    ap.add_argument(
-        "--max-prompt-bytes", type=int, help="UTF-8 bytes of a text prompt (default: 16 × the model's context length)"
-    )
-    ap.add_argument("--max-stop-strings", type=int, default=E.max_stop_strings, help="stop strings per request")
-    ap.add_argument("--max-stop-length", type=int, default=E.max_stop_length, help="characters of one stop string")
+    _config_flags(ap, EngineConfig)
     ap.add_argument(
         "--entropy-metrics",
         choices=["auto", "head", "layer", "off"],
@@ -144,9 +135,6 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--log-level", choices=LEVELS, default="info", help="server log lines on stderr from this level")
     ap.add_argument("--log-format", choices=FORMATS, default="text", help="text, or one JSON object per line")
-    ap.add_argument(
-        "--drain-timeout", type=float, default=S.drain_timeout, help="seconds in-flight calls get after SIGTERM"
-    )
     ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
     ap.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key)")
     ap.add_argument("--tls-key", type=Path, help="PEM private key (with --tls-cert)")
@@ -176,52 +164,26 @@ def build_server(args):
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together; give both or neither")
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
     if not -1 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be in [-1, 65535] (0: any free port, -1: off), got {args.metrics_port}")
-    if args.metrics_port == args.port != 0 and (args.metrics_host or args.host) == args.host:
-        raise UsageError(f"--metrics-port {args.metrics_port} is the gRPC --port; give the metrics their own port")
-    if args.health_port is not None:
-        if not 0 <= args.health_port <= 65535:
-            raise UsageError(f"--health-port must be in [0, 65535] (0: any free port), got {args.health_port}")
-        if args.health_port != 0 and args.health_port in (args.port, args.metrics_port):
-            raise UsageError(f"--health-port {args.health_port} is taken by --port or --metrics-port; give it its own")
-    if args.http_port is not None:
-        if not 0 <= args.http_port <= 65535:
-            raise UsageError(f"--http-port must be in [0, 65535] (0: any free port), got {args.http_port}")
-        if args.http_port != 0 and args.http_port in (args.port, args.metrics_port, args.health_port):
-            raise UsageError(
-                f"--http-port {args.http_port} is taken by --port, --metrics-port or --health-port; give it its own"
-            )
-    elif args.http_host is not None:
-        raise UsageError("--http-host needs --http-port (the HTTP API is off without it)")
     if args.model_name is not None and not MODEL_NAME.fullmatch(args.model_name):
         raise UsageError(
             f"--model-name {args.model_name!r}: 1-128 characters of letters, digits and ._:/@+- starting with a letter"
             " or digit"
         )
-    if not (math.isfinite(args.drain_timeout) and args.drain_timeout >= 0):
-        raise UsageError(f"--drain-timeout must be a finite number of seconds >= 0, got {args.drain_timeout}")
     if args.threads < 0:
         raise UsageError(f"--threads must be >= 0 (0: all cores), got {args.threads}")
-    token = _token(args.auth_token_file)
+    config = _configured(EngineConfig, args)
     cert, key = _tls(args.tls_cert, args.tls_key)
-    config = EngineConfig(
-        max_batch=args.max_batch,
-        max_queue=args.max_queue,
-        kv_cache_mb=args.kv_cache_mb,
-        prefill_chunk=args.prefill_chunk,
-        max_new_tokens_limit=args.max_new_tokens_limit,
-        default_max_new_tokens=args.default_max_new_tokens,
-        max_prompt_bytes=args.max_prompt_bytes,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_length=args.max_stop_length,
+    server = _configured(
+        ServerConfig,
+        args,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        auth_token=_token(args.auth_token_file),
+        tls_cert=cert,
+        tls_key=key,
+        warm_up=args.warm_up == "on" or (args.warm_up == "auto" and args.device == "cuda"),
     )
-    try:
-        config.check()
-    except ValueError as e:
-        raise UsageError(f"--{str(e).replace('_', '-')}") from None
     if args.dtype is not None and args.backend != "torch":
         raise UsageError(f"--dtype applies to --backend torch (the {args.backend} file fixes its own precision)")
     kw = {
@@ -232,20 +194,6 @@ def build_server(args):
     if args.model_name is not None:
         backend.spec = dataclasses.replace(backend.spec, name=args.model_name)
     engine = Engine(backend, config, ServingMetrics(backend.spec, entropy=args.entropy_metrics))
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        metrics_host=args.metrics_host,
-        health_port=args.health_port,
-        drain_timeout=args.drain_timeout,
-        auth_token=token,
-        tls_cert=cert,
-        tls_key=key,
-        warm_up=args.warm_up == "on" or (args.warm_up == "auto" and args.device == "cuda"),
-        http_port=args.http_port,
-        http_host=args.http_host,
-    )
     return engine, server
 
 

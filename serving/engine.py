@@ -25,7 +25,7 @@ import torch
 
 from sharp.models.sampling import sample_rows
 from sharp.models.tokenizer import TextStream
-from sharp.serving.backends import Backend
+from sharp.serving.backends import PAGE_SIZE, Backend
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import GenerationRequest, Limits, RequestError
 from sharp.serving.stats import RequestOutcome, StepStats
@@ -35,31 +35,42 @@ log = logging.getLogger("sharp.serving")
 PROMPT_BYTES_PER_TOKEN = 16  # the default prompt limit: more bytes than this per context token is never a prompt
 
 
+def option(default, help: str):
+    """A config field that is also a sharp-serve flag: `--name-with-dashes`, this default, this help."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 32  # sequences decoded together
-    max_queue: int = 256  # requests waiting for admission; more are refused
-    kv_cache_mb: float = 256.0  # budget for every sequence's keys and values (padding or page rounding included)
-    prefill_chunk: int = 256  # prompt tokens processed per engine step
-    max_new_tokens_limit: int = 4096
-    default_max_new_tokens: int = 64
-    max_prompt_bytes: int | None = None  # UTF-8 bytes of a text prompt (None: 16 × the model's context length)
-    max_stop_strings: int = 16
-    max_stop_length: int = 256  # characters of one stop string
+    """The engine's settings; each is a sharp-serve flag of the same name (serving/cli.py builds them from here)."""
+
+    max_batch: int = option(32, "sequences decoded together")
+    max_queue: int = option(256, "waiting requests; more get RESOURCE_EXHAUSTED (HTTP 429)")
+    kv_cache_mb: float = option(
+        256.0,
+        f"KV-cache budget (torch: a pool of {PAGE_SIZE}-token pages allocated at start; onnxruntime/tensorrt:"
+        " padding included)",
+    )
+    prefill_chunk: int = option(256, "prompt tokens per engine step")
+    max_new_tokens_limit: int = option(4096, "per request")
+    default_max_new_tokens: int = option(64, "when a request does not say")
+    max_prompt_bytes: int | None = option(None, "UTF-8 bytes of a text prompt (default: 16 × the model's context)")
+    max_stop_strings: int = option(16, "stop strings per request")
+    max_stop_length: int = option(256, "characters of one stop string")
 
     def check(self) -> None:
-        """Raise ValueError naming the first option out of range (with `_` for the flag's `-`)."""
+        """Raise ValueError naming the first setting out of range (in backquotes: the CLI names its flag)."""
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type.startswith("int") and value is None and f.type.endswith("None"):
                 continue
             if f.type.startswith("int") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{f.name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"`{f.name}` must be an integer >= 1, got {value!r}")
         if not (isinstance(self.kv_cache_mb, int | float) and math.isfinite(self.kv_cache_mb) and self.kv_cache_mb > 0):
-            raise ValueError(f"kv_cache_mb must be a finite number > 0, got {self.kv_cache_mb!r}")
+            raise ValueError(f"`kv_cache_mb` must be a finite number > 0, got {self.kv_cache_mb!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(
-                f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= max_new_tokens_limit"
+                f"`default_max_new_tokens` ({self.default_max_new_tokens}) must be <= `max_new_tokens_limit`"
                 f" ({self.max_new_tokens_limit})"
             )
 

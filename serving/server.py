@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
 import socket
 import threading
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
-from sharp.serving.engine import Delta, Engine, Failed, Finished
+from sharp.serving.engine import Delta, Engine, Failed, Finished, option
 from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.requests import RequestError, validate
 from sharp.serving.warmup import WarmUp, warm_up
@@ -38,18 +39,50 @@ FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port
-    metrics_port: int | None = 9400  # 0: any free port; None: no metrics endpoint
-    metrics_host: str | None = None  # None: the same address as the gRPC server
-    health_port: int | None = None  # a plaintext grpc.health.v1-only port (probes behind TLS); 0: any free port
-    drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
-    auth_token: str | None = None  # bearer token every call but health must carry
+    """The server's settings; those made with `option` are sharp-serve flags of the same name (serving/cli.py)."""
+
+    host: str = option("127.0.0.1", "address to listen on (0.0.0.0 in containers)")
+    port: int = option(50051, "gRPC port (0: any free port)")
+    metrics_port: int | None = 9400  # 0: any free port; None: no metrics endpoint (the flag's -1)
+    metrics_host: str | None = option(None, "address of the Prometheus endpoint (default: --host)")
+    health_port: int | None = option(
+        None, "also answer grpc.health.v1 in plaintext on this port (for kubelet probes when --tls-cert is on)"
+    )
+    drain_timeout: float = option(30.0, "seconds in-flight calls get after SIGTERM")
+    auth_token: str | None = None  # bearer token every call but health must carry (the flag names its file)
     tls_cert: bytes | None = None
     tls_key: bytes | None = None
     warm_up: bool = False  # run the model's shapes (compiles, tile tuning) before health reports SERVING
-    http_port: int | None = None  # the OpenAI-compatible HTTP API (serving/openai_api.py); 0: any free port
-    http_host: str | None = None  # None: the same address as the gRPC server
+    http_port: int | None = option(
+        None,
+        "also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this"
+        " port (0: any free port); same token, TLS, limits and metrics as gRPC",
+    )
+    http_host: str | None = option(None, "address of the HTTP API (default: --host)")
+
+    def check(self) -> None:
+        """Raise ValueError naming the first setting out of range (in backquotes: the CLI names its flag)."""
+        ports = ("port", "metrics_port", "health_port", "http_port")
+        for name in ports:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535):
+                raise ValueError(f"`{name}` must be in [0, 65535] (0: any free port), got {value!r}")
+        timeout = self.drain_timeout
+        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+        if not (number and math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(f"`drain_timeout` must be a finite number of seconds >= 0, got {timeout!r}")
+        taken: dict[tuple[str, int], str] = {}  # fixed ports by address
+        hosts = {"metrics_port": self.metrics_host, "http_port": self.http_host}
+        for name in ports:
+            if value := getattr(self, name):
+                where = (hosts.get(name) or self.host, value)
+                if where in taken:
+                    raise ValueError(f"`{name}` {value} is taken by `{taken[where]}`; listeners need their own port")
+                taken[where] = name
+        if self.http_host is not None and self.http_port is None:
+            raise ValueError("`http_host` needs `http_port` (the HTTP API is off without it)")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("`tls_cert` and `tls_key` go together; give both or neither")
 
 
 def bind_problem(host: str, port: int) -> str | None:
@@ -265,6 +298,7 @@ class SharpServer:
     """The engine behind a grpc.aio server and a metrics endpoint; `drain` is what SIGTERM does."""
 
     def __init__(self, engine: Engine, config: ServerConfig):
+        config.check()
         self.engine, self.config = engine, config
         self.calls = Calls(engine)
         self.service = GeneratorService(engine, self.calls)

@@ -685,3 +685,30 @@ def test_sharp_serve_help_shows_the_defaults_the_engine_and_server_use(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert f"sequences decoded together (default: {EngineConfig.max_batch})" in text
     assert f"after SIGTERM (default: {ServerConfig.drain_timeout})" in text
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        (dict(port=70000), "`port` must be in [0, 65535]"),
+        (dict(health_port=-1), "`health_port` must be in [0, 65535]"),
+        (dict(drain_timeout=math.inf), "`drain_timeout` must be a finite number"),
+        (dict(port=5000, http_port=5000), "`http_port` 5000 is taken by `port`"),
+        (dict(port=5000, metrics_port=5000, metrics_host="127.0.0.2"), None),  # another address: no clash
+        (dict(http_host="0.0.0.0"), "`http_host` needs `http_port`"),
+        (dict(tls_cert=b"pem"), "`tls_cert` and `tls_key` go together"),
+    ],
+)
+def test_server_config_checks_itself_as_the_engine_config_does(model_files, config, says):
+    """One check() per config: the CLI's refusals come from it (test above), and so do the API's."""
+    from sharp.serving import SharpServer
+
+    if says is None:
+        ServerConfig(**config).check()
+        return
+    with pytest.raises(ValueError) as err:
+        ServerConfig(**config).check()
+    assert says in str(err.value)
+    engine = Engine(load_backend(model_files["onnxruntime"]), EngineConfig())
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SharpServer(engine, ServerConfig(**config))
