@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import onnx
@@ -193,3 +194,19 @@ def check_graph(meta: ModelMetadata, proto: onnx.ModelProto) -> None:
         for axis, (field_name, value) in expected.items():
             if len(dims) != 4 or (dims[axis] is not None and dims[axis] != value):
                 raise MetadataError(f"metadata {field_name} {value} does not match input {name} of shape {dims}")
+
+
+def plan_metadata_path(plan: Path) -> Path:
+    """Where a TensorRT engine's sharp metadata lives: beside the plan (sharp-build-engine writes it)."""
+    return plan.with_name(plan.name + ".json")
+
+
+def read_plan(plan: Path) -> ModelMetadata:
+    """The sharp metadata sharp-build-engine wrote beside an engine (the export's entries, same schema)."""
+    path = plan_metadata_path(plan)
+    if not path.is_file():
+        raise MetadataError(f"{path.name} not found beside it; build engines with sharp-build-engine")
+    props = json.loads(path.read_text())
+    if not isinstance(props, dict) or KEY not in props:
+        raise MetadataError(f"{path.name} holds no sharp metadata; rebuild the engine with sharp-build-engine")
+    return parse(props[KEY], props.get(TOKENIZER_KEY))

@@ -381,13 +381,13 @@ class TensorRTBackend(GraphBackend):
     Not verified: TensorRT could not be installed where this was written (docs/tensorrt.md)."""
 
     def __init__(self, path: Path, device: str = "cuda"):
+        from sharp.exporter.build_engine import PROFILES
         from sharp.plugins.tensorrt import TensorRTUnavailable, import_tensorrt
-        from sharp.plugins.tensorrt.engine import PROFILES, read_metadata
 
         if device != "cuda":
             raise BackendError("--backend tensorrt runs on --device cuda")
         try:
-            meta = read_metadata(path)
+            meta = metadata.read_plan(path)
         except metadata.MetadataError as e:
             raise BackendError(f"{path}: {e}") from None
         try:
@@ -416,7 +416,7 @@ class TensorRTBackend(GraphBackend):
 
     @torch.inference_mode()
     def forward(self, input_ids, attention_mask, position_ids, past, entropy):
-        from sharp.plugins.tensorrt.engine import profile_for
+        from sharp.exporter.build_engine import profile_for
 
         context = self.contexts[profile_for(input_ids.shape[1], past[0].shape[2] if past else 0)]
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}

@@ -87,3 +87,24 @@ def _wheelhouse_for_a_machine_without_network(wheel: Path, tmp_path: Path) -> No
     assert (site / "grpc_reflection").is_dir() and (site / "sharp" / "v1").is_dir()
     bad = _run([sys.executable, str(ROOT / "deploy" / "wheelhouse.py"), str(house), "--python", "python3"])
     assert bad.returncode == 2 and "--python python3: give a CPython version such as 3.12" in bad.stderr
+
+
+LAYERS = ("models", "plugins", "exporter", "serving")  # each may import only itself and the layers before it
+
+
+def test_layers_import_one_way():
+    """models ← plugins ← exporter ← serving: no module imports a layer above its own (docs/design.md)."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1]
+    wrong = []
+    for rank, layer in enumerate(LAYERS):
+        for path in sorted((root / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "sharp" and len(parts) > 1 and parts[1] in LAYERS[rank + 1 :]:
+                        wrong.append(f"{path.relative_to(root)} imports {name}")
+    assert wrong == []

@@ -357,7 +357,7 @@ def trt_file(tmp_path_factory):
 
 
 def test_build_engine_checks_everything_before_needing_tensorrt(trt_file, manifest_dir, tmp_path, capsys):
-    from sharp.plugins.tensorrt.engine import main
+    from sharp.exporter.build_engine import main
 
     plan = tmp_path / "model.plan"
     std = tmp_path / "standard.onnx"
@@ -394,7 +394,7 @@ def test_optimization_profiles_cover_the_generation_graph(trt_file):
     import onnx
 
     from sharp.exporter import metadata
-    from sharp.plugins.tensorrt.engine import PROFILES, profile_for, profiles
+    from sharp.exporter.build_engine import PROFILES, profile_for, profiles
 
     proto = onnx.load(trt_file)
     meta = metadata.read(proto)
@@ -417,7 +417,7 @@ def test_optimization_profiles_cover_the_generation_graph(trt_file):
 def test_serving_an_engine_needs_its_metadata_then_tensorrt(trt_file, tmp_path, capsys):
     import onnx
 
-    from sharp.plugins.tensorrt.engine import metadata_path, read_metadata
+    from sharp.exporter.metadata import plan_metadata_path, read_plan
     from sharp.serving.cli import serve_main
 
     plan = tmp_path / "model.plan"
@@ -425,8 +425,8 @@ def test_serving_an_engine_needs_its_metadata_then_tensorrt(trt_file, tmp_path, 
     assert serve_main([str(plan), "--backend", "tensorrt", "--device", "cuda"]) == 2
     assert "model.plan.json not found beside it" in capsys.readouterr().err
     props = {p.key: p.value for p in onnx.load(trt_file).metadata_props}
-    metadata_path(plan).write_text(json.dumps(props))
-    assert read_metadata(plan).norm == "ssmax"
+    plan_metadata_path(plan).write_text(json.dumps(props))
+    assert read_plan(plan).norm == "ssmax"
     assert serve_main([str(plan), "--backend", "tensorrt"]) == 2
     assert "runs on --device cuda" in capsys.readouterr().err
     assert serve_main([str(plan), "--backend", "tensorrt", "--device", "cuda"]) == 2

@@ -21,7 +21,7 @@ from pathlib import Path
 import onnx
 
 from sharp.exporter import metadata
-from sharp.exporter.metadata import ModelMetadata
+from sharp.exporter.metadata import ModelMetadata, plan_metadata_path
 from sharp.exporter.tensorrt import is_tensorrt_form
 from sharp.plugins.tensorrt.plugin import KernelManifest, TensorRTUnavailable, import_tensorrt, register
 
@@ -31,22 +31,6 @@ DEFAULT_KERNELS = Path("build/trt-kernels")
 
 class UsageError(Exception):
     """A user mistake: one line on stderr, exit 2."""
-
-
-def metadata_path(plan: Path) -> Path:
-    """Where the engine's sharp metadata lives: beside the plan."""
-    return plan.with_name(plan.name + ".json")
-
-
-def read_metadata(plan: Path) -> ModelMetadata:
-    """The sharp metadata written beside an engine by sharp-build-engine."""
-    path = metadata_path(plan)
-    if not path.is_file():
-        raise metadata.MetadataError(f"{path.name} not found beside it; build engines with sharp-build-engine")
-    props = json.loads(path.read_text())
-    if not isinstance(props, dict) or metadata.KEY not in props:
-        raise metadata.MetadataError(f"{path.name} holds no sharp metadata; rebuild the engine with sharp-build-engine")
-    return metadata.parse(props[metadata.KEY], props.get(metadata.TOKENIZER_KEY))
 
 
 @dataclass(frozen=True)
@@ -172,8 +156,8 @@ def _build(args) -> int:
     finally:
         tmp.unlink(missing_ok=True)
     props = {p.key: p.value for p in proto.metadata_props if p.key.startswith(metadata.KEY)}
-    metadata_path(out).write_text(json.dumps(props))
-    print(f"wrote {out} ({len(plan) / 2**20:.1f} MiB) and {metadata_path(out).name}")
+    plan_metadata_path(out).write_text(json.dumps(props))
+    print(f"wrote {out} ({len(plan) / 2**20:.1f} MiB) and {plan_metadata_path(out).name}")
     return 0
 
 
