@@ -10,12 +10,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import json
-import os
 import re
 import signal
 import ssl
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +23,7 @@ import openai
 import pytest
 from google.protobuf import json_format
 from test_hardening import BREAKS_PREFILL, Bystander, RaisesForMarkedRows, SlowEndless, server
-from test_serving import model_files, reference, sample_value, scrape, serving  # noqa: F401
+from test_serving import model_files, reference, sample_value, scrape, serving, start_sharp_serve  # noqa: F401
 
 from sharp.exporter import metadata
 from sharp.exporter.genai import tokenizer_files
@@ -407,21 +404,8 @@ def test_http_and_grpc_streams_interleave_in_one_batch_and_metrics_add_up(model_
 
 
 def test_sharp_serve_sigterm_drains_http_and_grpc_together(model_files):  # noqa: F811
-    cmd = [
-        sys.executable,
-        "-m",
-        "sharp.serving.cli",
-        str(model_files["onnxruntime"]),
-        "--port",
-        "0",
-        "--metrics-port",
-        "-1",
-        "--http-port",
-        "0",
-    ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    proc, line = start_sharp_serve(model_files["onnxruntime"], "--http-port", "0")
     try:
-        line = proc.stdout.readline()
         port = re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
         http = re.search(r"OpenAI API http://127\.0\.0\.1:(\d+)/v1", line).group(1)
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=0)

@@ -494,20 +494,16 @@ def test_a_drain_deadline_ends_calls_with_a_status_that_says_so(model_files):
         assert sample_value(families, "sharp_requests", "sharp_requests_total", status="unavailable") == 1
 
 
-def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
-    cmd = [
-        sys.executable,
-        "-m",
-        "sharp.serving.cli",
-        str(model_files["onnxruntime"]),
-        "--port",
-        "0",
-        "--metrics-port",
-        "-1",
-    ]
+def start_sharp_serve(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`sharp-serve MODEL --port 0 --metrics-port -1 FLAGS` in its own process, and its first stdout line."""
+    cmd = [sys.executable, "-m", "sharp.serving.cli", str(model), "--port", "0", "--metrics-port", "-1", *flags]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
+    return proc, proc.stdout.readline()
+
+
+def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
+    proc, line = start_sharp_serve(model_files["onnxruntime"])
     try:
-        line = proc.stdout.readline()
         port = re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
         with Client(f"127.0.0.1:{port}") as c:
             stream = c.generate_stream("sigterm", max_new_tokens=600, temperature=0)
