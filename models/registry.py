@@ -117,6 +117,8 @@ SSA_B = HeadParam("ssa_b", 1.0, 0.0, True, "ssa_b", Storage.SOFTPLUS)
 SSMAX_S = HeadParam("ssmax_s", 1.0, -math.inf, False, "ssmax_s", Storage.IDENTITY)
 HEAD_PARAMS: tuple[HeadParam, ...] = (ALPHA, SSA_N, SSA_B, SSMAX_S)
 """Every per-head parameter slot, in the op's input order (docs/op.md)."""
+HEAD_DEFAULTS: dict[str, float] = {p.name: p.default for p in HEAD_PARAMS}
+"""Each per-head parameter's default, as `attend` keywords (benchmarks and tests use the normalizers' defaults)."""
 
 
 @dataclass(frozen=True)

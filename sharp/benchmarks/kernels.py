@@ -64,10 +64,7 @@ def _problem(q, k, v, norm: str, causal: bool, query_scale=None, alibi_slopes=No
         norm=norm,
         causal=causal,
         scale=None,
-        alpha=1.5,
-        ssa_n=1.5,
-        ssa_b=1.0,
-        ssmax_s=1.0,
+        **registry.HEAD_DEFAULTS,
         poly=PAPER_POLY,
         query_scale=query_scale if registry.get(norm).query_scale else None,
         alibi_slopes=alibi_slopes,
@@ -80,8 +77,8 @@ def _reference_error(problem, out: torch.Tensor, ent: torch.Tensor) -> str:
 
     p = problem
     ref_out, ref_ent = attend(
-        p.q.float(), p.k.float(), p.v.float(), norm=p.norm.name, causal=p.causal, alpha=1.5, ssa_n=1.5, ssa_b=1.0,
-        ssmax_s=1.0, poly=PAPER_POLY, query_scale=p.query_scale, alibi_slopes=p.alibi_slopes, impl="streamed",
+        p.q.float(), p.k.float(), p.v.float(), norm=p.norm.name, causal=p.causal, **registry.HEAD_DEFAULTS,
+        poly=PAPER_POLY, query_scale=p.query_scale, alibi_slopes=p.alibi_slopes, impl="streamed",
         block_size=min(4096, p.lk), return_entropy=True,
     )  # fmt: skip
     return f"{(out.float() - ref_out).abs().max():.1e} / {(ent.float() - ref_ent).abs().max():.1e}"
@@ -162,17 +159,18 @@ FLEX_NORMS = ("softmax", "ssmax", "ssa")  # what FlexAttention can express as a 
 
 
 def flex_score_mod(norm: str, causal: bool, log_n: torch.Tensor):
-    """The score_mod that makes FlexAttention compute `norm` with its default parameters (ssmax s = 1: logits ×
-    log n, n = the keys a query sees — `log_n`, a captured 0-d tensor, when not causal; SSA n = 1.5, b = 1), or None
-    for softmax."""
+    """The score_mod that makes FlexAttention compute `norm` with the registry's default parameters (ssmax: logits
+    × s log n, n = the keys a query sees — `log_n`, a captured 0-d tensor, when not causal; SSA: n sgn(x) log(1 +
+    b|x|)), or None for softmax."""
+    s, n, b_ = registry.SSMAX_S.default, registry.SSA_N.default, registry.SSA_B.default
     if norm == "softmax":
         return None
     if norm == "ssmax":
         if causal:
-            return lambda score, b, h, q_idx, kv_idx: score * torch.log((q_idx + 1).to(score.dtype))
-        return lambda score, b, h, q_idx, kv_idx: score * log_n
+            return lambda score, b, h, q_idx, kv_idx: score * (s * torch.log((q_idx + 1).to(score.dtype)))
+        return lambda score, b, h, q_idx, kv_idx: score * (s * log_n)
     if norm == "ssa":
-        return lambda score, b, h, q_idx, kv_idx: 1.5 * torch.sign(score) * torch.log1p(score.abs())
+        return lambda score, b, h, q_idx, kv_idx: n * torch.sign(score) * torch.log1p(b_ * score.abs())
     raise ValueError(f"FlexAttention baseline for {norm!r}: only {', '.join(FLEX_NORMS)}")
 
 
@@ -288,8 +286,8 @@ def _paged_row(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gp
     table = order.to(torch.int32)[None]
     lengths = torch.tensor([lk], dtype=torch.int32, device=q.device)
     heads = q.shape[1]
-    kw = dict(ssa_n=torch.full((heads,), 1.5, device=q.device), ssa_b=torch.ones(heads, device=q.device),
-              ssmax_s=torch.ones(heads, device=q.device), poly=PAPER_POLY, alpha=1.5)  # fmt: skip
+    kw = {name: torch.full((heads,), value, device=q.device) for name, value in registry.HEAD_DEFAULTS.items()}
+    kw["poly"] = PAPER_POLY
     if registry.get(norm).query_scale:
         kw["query_scale"] = torch.ones(q.shape[:3], device=q.device)
     paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw)
