@@ -11,6 +11,8 @@ values are kept is the backend's business:
 - `TorchBackend` runs a SharpLM on a paged KV cache (models/kvcache.py): each sequence holds only its own pages, a
   sequence joins and leaves without moving data, and on CUDA the attention reads the pages with the Triton kernels.
 A row the model fails on in a batched decode ends alone: the rows are run one by one and only failing ones end.
+This module holds the interface, the graph backends' shared part and `load_backend`; each backend has its own
+module (onnxruntime_backend.py, torch_backend.py, tensorrt_backend.py), imported only when it is the one asked for.
 """
 
 from __future__ import annotations
@@ -21,24 +23,15 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from sharp.exporter import metadata
-from sharp.models.kvcache import OutOfPages, PagedKVCache
-from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
 from sharp.serving.cache import BatchCache
 from sharp.serving.spec import ModelSpec
 
 log = logging.getLogger("sharp.serving")
 
-BACKENDS = ("onnxruntime", "torch", "tensorrt")
-# On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
-# reference, whose (queries × keys) logits grow quadratically with the prompt.
-STREAMED_FROM_KEYS = 1024
-PAGE_SIZE = 16  # tokens per KV page of the torch backend (a kernel tile: decode reads whole pages)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BACKENDS = ("onnxruntime", "torch", "tensorrt")  # each in its own module (serving/<name>_backend.py)
 
 
 class BackendError(Exception):
@@ -219,226 +212,6 @@ class GraphBackend(Backend):
             self.join(seq)
 
 
-class OnnxRuntimeBackend(GraphBackend):
-    """A file written by `sharp-export` with a KV cache, run by onnxruntime (CPU; CUDA when available)."""
-
-    def __init__(
-        self, path: Path, device: str = "cpu", op_library: str | None = None, threads: int = 0, native: bool = True
-    ):
-        import onnx
-        import onnxruntime as ort
-
-        try:
-            proto = onnx.load(str(path), load_external_data=False)
-        except Exception as e:  # onnx raises DecodeError and friends for non-ONNX bytes
-            raise BackendError(
-                f"{path}: not an ONNX file ({type(e).__name__}); expected a file from sharp-export"
-            ) from e
-        try:
-            meta = metadata.read(proto)
-            metadata.check_graph(meta, proto)
-        except metadata.MetadataError as e:
-            raise BackendError(f"{path}: {e}") from None
-        if not meta.export.get("kv_cache", False):
-            raise BackendError(f"{path}: exported without a KV cache; re-export without --no-kv-cache to serve it")
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        try:
-            op_library, self.attention = choose_library(
-                native, op_library, tensorrt_form=meta.export.get("tensorrt", False)
-            )
-        except NativeOpUnavailable as e:
-            raise BackendError(str(e)) from None
-        if op_library:  # a native sharp::SharpAttention kernel replaces the standard-op fallback bodies
-            options.register_custom_ops_library(op_library)
-        providers = ["CPUExecutionProvider"]
-        if device == "cuda":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise BackendError("--device cuda needs onnxruntime-gpu (pip install 'sharp-attention[gpu]')")
-            providers.insert(0, "CUDAExecutionProvider")
-        try:
-            self.session = ort.InferenceSession(str(path), options, providers=providers)
-        except Exception as e:  # e.g. a --fallback none file without a kernel: say which attention was chosen
-            raise BackendError(f"{path}: onnxruntime cannot load it ({self.attention}): {e}") from None
-        self.device = torch.device("cpu")  # inputs and outputs travel as host arrays
-        self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
-        GraphBackend.__init__(self)
-        self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
-        self.output_names = [o.name for o in self.session.get_outputs()]
-
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
-        feed = {
-            "input_ids": input_ids.numpy(),
-            "attention_mask": attention_mask.numpy(),
-            "position_ids": position_ids.numpy(),
-            **{name: t.numpy() for name, t in zip(self.past_names, past, strict=True)},
-        }
-        names = self.output_names if entropy else self.output_names[:-1]
-        logits, *rest = self.session.run(names, feed)
-        presents = rest[:-1] if entropy else rest
-        return StepOutput(
-            torch.from_numpy(np.ascontiguousarray(logits[:, -1])),
-            [torch.from_numpy(p) for p in presents],
-            torch.from_numpy(rest[-1]) if entropy else None,
-        )
-
-
-class TorchBackend(Backend):
-    """A sharp `model.pt` (SharpLM) in PyTorch on a paged KV cache. On CUDA the attention runs the Triton kernels
-    (decode steps and short chunks read the pages directly; long prefill chunks run the prefill kernels over the
-    sequence's keys, a view of the pool when its pages are consecutive); on CPU the reference or, from
-    STREAMED_FROM_KEYS keys, the streamed attention over the same keys.
-    `impl` overrides that choice (e.g. "triton" in the CPU interpreter); `dtype` is the weights' and the cache's
-    (default fp32 on CPU, bf16 on CUDA)."""
-
-    def __init__(self, path: Path, device: str = "cpu", impl: str | None = None, dtype: str | None = None):
-        from sharp.models import CheckpointError, SharpLM, load
-
-        try:
-            model = load(path)
-        except CheckpointError as e:
-            raise BackendError(str(e)) from e
-        if not isinstance(model, SharpLM):
-            raise BackendError(f"{path}: a {type(model).__name__} checkpoint; only SharpLM language models generate")
-        if device == "cuda" and not torch.cuda.is_available():
-            raise BackendError("--device cuda: no CUDA device is visible to torch")
-        dtype = dtype or ("bf16" if device == "cuda" else "fp32")
-        if dtype not in DTYPES:
-            raise BackendError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-        self.device, self.dtype = torch.device(device), DTYPES[dtype]
-        self.model = model.to(self.device, self.dtype).eval()
-        self.impl = impl
-        if impl is not None:
-            self.attention = f"attention: impl={impl!r} (torch, {device})"
-        elif device == "cuda":
-            self.attention = "attention: sharp's Triton kernels (paged decode, fused prefill)"
-        else:
-            self.attention = f"attention: torch reference, streamed from {STREAMED_FROM_KEYS} keys"
-        self.spec = ModelSpec(Path(path).stem, "torch", metadata.ModelMetadata.from_model(model))
-        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
-        self.cache: PagedKVCache | None = None
-
-    def allocate(self, budget_bytes):
-        pages = budget_bytes // (PAGE_SIZE * self.kv_bytes_per_token)
-        if pages < 1:
-            raise BackendError(
-                f"a KV budget of {budget_bytes} bytes holds no page of {PAGE_SIZE} tokens"
-                f" ({PAGE_SIZE * self.kv_bytes_per_token} bytes)"
-            )
-        s = self.spec
-        self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, pages, PAGE_SIZE, self.device, self.dtype)
-        return pages * PAGE_SIZE * self.kv_bytes_per_token
-
-    def reserve(self, seq, tokens):
-        try:
-            self.cache.reserve(seq, tokens)
-        except OutOfPages:
-            return False
-        return True
-
-    def release(self, seq):
-        self.cache.free(seq)
-
-    def clear(self):
-        self.cache.clear()
-
-    def kv_usage(self):
-        return self.cache.allocator.usage()
-
-    def _attention(self, keys: int) -> str:
-        if self.impl is not None:
-            return self.impl
-        if self.device.type == "cuda":
-            return "triton"
-        return "streamed" if keys >= STREAMED_FROM_KEYS else "reference"
-
-    @torch.inference_mode()
-    def _run(self, seqs: list[Hashable], ids: Tensor, positions: Tensor, entropy: bool) -> StepResult:
-        step = self.cache.step(seqs, ids.shape[1])
-        out = self.model.step(
-            ids.to(self.device),
-            cache=step,
-            positions=positions.to(self.device),
-            return_entropy=entropy,
-            impl=self._attention(step.longest),
-        )
-        step.commit()  # only a step that ran through every layer counts; a failed one can run again
-        ent = out.entropy.float().cpu() if entropy else None
-        return StepResult(out.logits[:, -1].float().cpu(), ent)
-
-    def prefill(self, seq, ids, start, entropy):
-        return self._run([seq], ids, torch.arange(start, start + ids.shape[1])[None], entropy)
-
-    def _decode_step(self, seqs, tokens, entropy):
-        positions = torch.tensor([[self.cache.lengths[s]] for s in seqs])
-        return self._run(seqs, tokens, positions, entropy)
-
-
-class TensorRTBackend(GraphBackend):
-    """An engine built by sharp-build-engine, on CUDA: one execution context per optimization profile (prefill
-    without a past, decode with one), the steps on a dedicated CUDA stream, I/O as torch CUDA tensors.
-
-    Not verified: TensorRT could not be installed where this was written (docs/tensorrt.md)."""
-
-    def __init__(self, path: Path, device: str = "cuda"):
-        from sharp.exporter.build_engine import PROFILES
-        from sharp.plugins.tensorrt import TensorRTUnavailable, import_tensorrt
-
-        if device != "cuda":
-            raise BackendError("--backend tensorrt runs on --device cuda")
-        try:
-            meta = metadata.read_plan(path)
-        except metadata.MetadataError as e:
-            raise BackendError(f"{path}: {e}") from None
-        try:
-            trt, _ = import_tensorrt()
-        except TensorRTUnavailable as e:
-            raise BackendError(str(e)) from None
-        if not torch.cuda.is_available():
-            raise BackendError("--backend tensorrt: no CUDA device is visible to torch")
-        self.device = torch.device("cuda")
-        self.attention = "attention: the TensorRT plugin (sharp's ahead-of-time Triton kernels)"
-        self.stream = torch.cuda.Stream()
-        self.trt = trt
-        self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(path.read_bytes())
-        if self.engine is None:
-            raise BackendError(f"{path}: TensorRT cannot deserialize it (built by another TensorRT version?)")
-        self.contexts = []
-        for index in range(len(PROFILES)):
-            context = self.engine.create_execution_context()
-            context.set_optimization_profile_async(index, self.stream.cuda_stream)
-            self.contexts.append(context)
-        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.past_names = sorted((n for n in names if n.startswith("past_key_values.")), key=names.index)
-        self.spec = ModelSpec(Path(path).stem, "tensorrt", meta)
-        GraphBackend.__init__(self)
-
-    @torch.inference_mode()
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
-        from sharp.exporter.build_engine import profile_for
-
-        context = self.contexts[profile_for(input_ids.shape[1], past[0].shape[2] if past else 0)]
-        feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        feeds.update(zip(self.past_names, past, strict=True))
-        with torch.cuda.stream(self.stream):
-            keep = {name: t.to(self.device).contiguous() for name, t in feeds.items()}
-            for name, t in keep.items():
-                context.set_input_shape(name, tuple(t.shape))
-                context.set_tensor_address(name, t.data_ptr())
-            results = {}
-            for name in self.outputs:
-                dtype = torch.float32 if self.engine.get_tensor_dtype(name) == self.trt.float32 else torch.float16
-                results[name] = torch.empty(tuple(context.get_tensor_shape(name)), dtype=dtype, device=self.device)
-                context.set_tensor_address(name, results[name].data_ptr())
-            if not context.execute_async_v3(self.stream.cuda_stream):
-                raise RuntimeError("TensorRT could not run the step")
-        self.stream.synchronize()
-        presents = [results[n].float() for n in self.outputs if n.startswith("present.")]
-        ent = results["attention_entropy"].float().cpu() if entropy else None
-        return StepOutput(results["logits"][:, -1].float().cpu(), presents, ent)
-
-
 def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "cpu", **kw) -> Backend:
     """The backend for `path`; raises BackendError with what was found and what was expected."""
     path = Path(path)
@@ -457,12 +230,18 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
         }
         raise BackendError(f"{path}: no such file (expected {expected[backend]})")
     if backend == "tensorrt":
+        from sharp.serving.tensorrt_backend import TensorRTBackend
+
         return TensorRTBackend(path, device)
     if backend == "onnxruntime":
         if path.suffix == ".pt":
             raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")
+        from sharp.serving.onnxruntime_backend import OnnxRuntimeBackend
+
         return OnnxRuntimeBackend(path, device, **kw)
     if path.suffix == ".onnx":
         raise BackendError(f"{path}: an ONNX file; --backend torch serves a model.pt checkpoint, serve this file with"
                            " --backend onnxruntime")  # fmt: skip
+    from sharp.serving.torch_backend import TorchBackend
+
     return TorchBackend(path, device, **kw)

@@ -646,12 +646,12 @@ def test_sharp_serve_model_name_and_health_port_options_reach_the_server(model_f
 def test_torch_backend_on_cpu_streams_long_contexts_and_generates_the_same_tokens(model_files, reference, monkeypatch):
     """Past STREAMED_FROM_KEYS keys the CPU torch backend switches to the O(n)-memory streamed attention."""
     import sharp.models.attention as attention
-    from sharp.serving import backends
+    from sharp.serving import torch_backend
 
     calls = []
     streamed = attention._streamed
     monkeypatch.setattr(attention, "_streamed", lambda *a: calls.append(1) or streamed(*a))
-    monkeypatch.setattr(backends, "STREAMED_FROM_KEYS", 40)
+    monkeypatch.setattr(torch_backend, "STREAMED_FROM_KEYS", 40)
     prompt = "a prompt long enough to cross the threshold: " * 2
     with serving(model_files, "torch") as srv, Client(srv.target) as c:
         r = c.generate(prompt, max_new_tokens=12, temperature=0)

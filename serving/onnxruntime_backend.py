@@ -1,0 +1,78 @@
+"""The onnxruntime backend: a file written by sharp-export with a KV cache, run as the generation graph
+(serving/backends.py: GraphBackend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sharp.exporter import metadata
+from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
+from sharp.serving.backends import BackendError, GraphBackend, StepOutput
+from sharp.serving.spec import ModelSpec
+
+
+class OnnxRuntimeBackend(GraphBackend):
+    """A file written by `sharp-export` with a KV cache, run by onnxruntime (CPU; CUDA when available)."""
+
+    def __init__(
+        self, path: Path, device: str = "cpu", op_library: str | None = None, threads: int = 0, native: bool = True
+    ):
+        import onnx
+        import onnxruntime as ort
+
+        try:
+            proto = onnx.load(str(path), load_external_data=False)
+        except Exception as e:  # onnx raises DecodeError and friends for non-ONNX bytes
+            raise BackendError(
+                f"{path}: not an ONNX file ({type(e).__name__}); expected a file from sharp-export"
+            ) from e
+        try:
+            meta = metadata.read(proto)
+            metadata.check_graph(meta, proto)
+        except metadata.MetadataError as e:
+            raise BackendError(f"{path}: {e}") from None
+        if not meta.export.get("kv_cache", False):
+            raise BackendError(f"{path}: exported without a KV cache; re-export without --no-kv-cache to serve it")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        try:
+            op_library, self.attention = choose_library(
+                native, op_library, tensorrt_form=meta.export.get("tensorrt", False)
+            )
+        except NativeOpUnavailable as e:
+            raise BackendError(str(e)) from None
+        if op_library:  # a native sharp::SharpAttention kernel replaces the standard-op fallback bodies
+            options.register_custom_ops_library(op_library)
+        providers = ["CPUExecutionProvider"]
+        if device == "cuda":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise BackendError("--device cuda needs onnxruntime-gpu (pip install 'sharp-attention[gpu]')")
+            providers.insert(0, "CUDAExecutionProvider")
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=providers)
+        except Exception as e:  # e.g. a --fallback none file without a kernel: say which attention was chosen
+            raise BackendError(f"{path}: onnxruntime cannot load it ({self.attention}): {e}") from None
+        self.device = torch.device("cpu")  # inputs and outputs travel as host arrays
+        self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
+        GraphBackend.__init__(self)
+        self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+        feed = {
+            "input_ids": input_ids.numpy(),
+            "attention_mask": attention_mask.numpy(),
+            "position_ids": position_ids.numpy(),
+            **{name: t.numpy() for name, t in zip(self.past_names, past, strict=True)},
+        }
+        names = self.output_names if entropy else self.output_names[:-1]
+        logits, *rest = self.session.run(names, feed)
+        presents = rest[:-1] if entropy else rest
+        return StepOutput(
+            torch.from_numpy(np.ascontiguousarray(logits[:, -1])),
+            [torch.from_numpy(p) for p in presents],
+            torch.from_numpy(rest[-1]) if entropy else None,
+        )

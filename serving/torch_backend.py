@@ -1,0 +1,111 @@
+"""The torch backend: a sharp model.pt (SharpLM) on a paged KV cache (serving/backends.py has the interface)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from sharp.exporter import metadata
+from sharp.models.kvcache import OutOfPages, PagedKVCache
+from sharp.serving.backends import Backend, BackendError, StepResult
+from sharp.serving.spec import ModelSpec
+
+# On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
+# reference, whose (queries × keys) logits grow quadratically with the prompt.
+STREAMED_FROM_KEYS = 1024
+PAGE_SIZE = 16  # tokens per KV page (a kernel tile: decode reads whole pages)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class TorchBackend(Backend):
+    """A sharp `model.pt` (SharpLM) in PyTorch on a paged KV cache. On CUDA the attention runs the Triton kernels
+    (decode steps and short chunks read the pages directly; long prefill chunks run the prefill kernels over the
+    sequence's keys, a view of the pool when its pages are consecutive); on CPU the reference or, from
+    STREAMED_FROM_KEYS keys, the streamed attention over the same keys.
+    `impl` overrides that choice (e.g. "triton" in the CPU interpreter); `dtype` is the weights' and the cache's
+    (default fp32 on CPU, bf16 on CUDA)."""
+
+    def __init__(self, path: Path, device: str = "cpu", impl: str | None = None, dtype: str | None = None):
+        from sharp.models import CheckpointError, SharpLM, load
+
+        try:
+            model = load(path)
+        except CheckpointError as e:
+            raise BackendError(str(e)) from e
+        if not isinstance(model, SharpLM):
+            raise BackendError(f"{path}: a {type(model).__name__} checkpoint; only SharpLM language models generate")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise BackendError("--device cuda: no CUDA device is visible to torch")
+        dtype = dtype or ("bf16" if device == "cuda" else "fp32")
+        if dtype not in DTYPES:
+            raise BackendError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        self.model = model.to(self.device, self.dtype).eval()
+        self.impl = impl
+        if impl is not None:
+            self.attention = f"attention: impl={impl!r} (torch, {device})"
+        elif device == "cuda":
+            self.attention = "attention: sharp's Triton kernels (paged decode, fused prefill)"
+        else:
+            self.attention = f"attention: torch reference, streamed from {STREAMED_FROM_KEYS} keys"
+        self.spec = ModelSpec(Path(path).stem, "torch", metadata.ModelMetadata.from_model(model))
+        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
+        self.cache: PagedKVCache | None = None
+
+    def allocate(self, budget_bytes):
+        pages = budget_bytes // (PAGE_SIZE * self.kv_bytes_per_token)
+        if pages < 1:
+            raise BackendError(
+                f"a KV budget of {budget_bytes} bytes holds no page of {PAGE_SIZE} tokens"
+                f" ({PAGE_SIZE * self.kv_bytes_per_token} bytes)"
+            )
+        s = self.spec
+        self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, pages, PAGE_SIZE, self.device, self.dtype)
+        return pages * PAGE_SIZE * self.kv_bytes_per_token
+
+    def reserve(self, seq, tokens):
+        try:
+            self.cache.reserve(seq, tokens)
+        except OutOfPages:
+            return False
+        return True
+
+    def release(self, seq):
+        self.cache.free(seq)
+
+    def clear(self):
+        self.cache.clear()
+
+    def kv_usage(self):
+        return self.cache.allocator.usage()
+
+    def _attention(self, keys: int) -> str:
+        if self.impl is not None:
+            return self.impl
+        if self.device.type == "cuda":
+            return "triton"
+        return "streamed" if keys >= STREAMED_FROM_KEYS else "reference"
+
+    @torch.inference_mode()
+    def _run(self, seqs: list[Hashable], ids: Tensor, positions: Tensor, entropy: bool) -> StepResult:
+        step = self.cache.step(seqs, ids.shape[1])
+        out = self.model.step(
+            ids.to(self.device),
+            cache=step,
+            positions=positions.to(self.device),
+            return_entropy=entropy,
+            impl=self._attention(step.longest),
+        )
+        step.commit()  # only a step that ran through every layer counts; a failed one can run again
+        ent = out.entropy.float().cpu() if entropy else None
+        return StepResult(out.logits[:, -1].float().cpu(), ent)
+
+    def prefill(self, seq, ids, start, entropy):
+        return self._run([seq], ids, torch.arange(start, start + ids.shape[1])[None], entropy)
+
+    def _decode_step(self, seqs, tokens, entropy):
+        positions = torch.tensor([[self.cache.lengths[s]] for s in seqs])
+        return self._run(seqs, tokens, positions, entropy)
