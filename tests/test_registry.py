@@ -168,3 +168,21 @@ def test_one_rule_and_one_message_for_changing_a_trained_models_norm():
     with pytest.raises(hf.UnsupportedModel) as hf_err:
         hf.sharpen(transformers.LlamaConfig(), "entmax")
     assert str(cli_err.value) == str(api_err.value) == str(hf_err.value) == refusal
+
+
+def test_the_spelled_out_signatures_carry_exactly_the_registry_head_parameters():
+    """attend's keywords, the sharp::attention torch op's schema, paged_decode's keywords and the ONNX op's inputs
+    name the per-head parameters one by one (a typed public signature and a torch.library schema must); this keeps them
+    equal to the registry's list and defaults."""
+    import inspect
+
+    from sharp.models import op
+    from sharp.plugins.triton.paged import paged_decode
+
+    names = {p.name for p in registry.HEAD_PARAMS}
+    for fn in (attend, paged_decode):
+        params = inspect.signature(fn).parameters
+        assert {n for n in params if n in names} == names, fn.__name__
+        assert {n: params[n].default for n in names} == registry.HEAD_DEFAULTS, fn.__name__
+    schema = {a.name for a in op.sharp_attention._opoverload._schema.arguments}
+    assert names <= schema and names <= set(OP_INPUTS)  # the torch op and the ONNX op contract
