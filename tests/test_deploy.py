@@ -333,7 +333,8 @@ def test_real_prometheus_scrapes_sharp_serve_and_records_what_clients_saw(model_
                     assert time.time() < deadline, "prometheus did not become ready"
                     time.sleep(0.3)
             # one scrape before any traffic, so every counter's window starts at 0
-            wait_for(base, 'sharp_requests_total{status="ok"}', lambda r: len(r) == 1 and r[0]["value"][1] == "0")
+            ok = 'sum(sharp_requests_total{status="ok"})'  # over the api label (grpc, http)
+            wait_for(base, ok, lambda r: len(r) == 1 and r[0]["value"][1] == "0")
             seen = []
             with Client(srv.target) as c:
                 for i in range(3):
