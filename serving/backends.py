@@ -32,6 +32,8 @@ from sharp.serving.spec import ModelSpec
 log = logging.getLogger("sharp.serving")
 
 BACKENDS = ("onnxruntime", "torch", "tensorrt")  # each in its own module (serving/<name>_backend.py)
+PAGE_SIZE = 16  # tokens per KV page of the torch backend (a kernel tile: decode reads whole pages)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the torch backend's --dtype
 
 
 class BackendError(Exception):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from sharp.serving.engine import Delta, Engine, Event
+from sharp.serving.engine import Engine, Event
 from sharp.serving.requests import GenerationRequest, RequestError
 from sharp.serving.stats import RequestOutcome
 
@@ -34,10 +34,8 @@ class Calls:
                 req = validate()
             events = self.engine.stream(req)
             submitted = True
-            async for ev in events:
+            async for ev in events:  # the engine's stream ends after its Finished or Failed event
                 yield req, ev
-                if not isinstance(ev, Delta):
-                    return
         except RequestError as e:
             self.engine.metrics.log_outcome(RequestOutcome(e.code.name.lower(), api))
             raise

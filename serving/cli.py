@@ -103,10 +103,9 @@ def _configured(config_type, args, **rest):
 
 def serve_parser() -> argparse.ArgumentParser:
     # the serving side only: the client never loads torch
-    from sharp.serving.backends import BACKENDS
+    from sharp.serving.backends import BACKENDS, DTYPES
     from sharp.serving.engine import EngineConfig
     from sharp.serving.server import ServerConfig
-    from sharp.serving.torch_backend import DTYPES
 
     ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
     ap.add_argument("model", type=Path, help="an .onnx file from sharp-export (onnxruntime) or a model.pt (torch)")

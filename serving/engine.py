@@ -25,12 +25,11 @@ import torch
 
 from sharp.models.sampling import sample_rows
 from sharp.models.tokenizer import TextStream
-from sharp.serving.backends import Backend
+from sharp.serving.backends import PAGE_SIZE, Backend
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import GenerationRequest, Limits, RequestError
 from sharp.serving.stats import RequestOutcome, StepStats
 from sharp.serving.text import StopText
-from sharp.serving.torch_backend import PAGE_SIZE
 
 log = logging.getLogger("sharp.serving")
 PROMPT_BYTES_PER_TOKEN = 16  # the default prompt limit: more bytes than this per context token is never a prompt

@@ -126,11 +126,15 @@ class ServingMetrics:
             return kind(name, doc, ["model"], registry=r).labels(model)
 
         latency = {"buckets": LATENCY_BUCKETS}
-        self.ttft = per_api(Histogram, "sharp_time_to_first_token_seconds", "Arrival to the first token.", **latency)
+        self.ttft = per_api(
+            Histogram, "sharp_time_to_first_token_seconds", "Arrival to the first generated token.", **latency
+        )
         self.inter_token = per_api(
             Histogram, "sharp_inter_token_latency_seconds", "Time between consecutive generated tokens.", **latency
         )
-        self.duration = per_api(Histogram, "sharp_request_duration_seconds", "Arrival to the end.", **latency)
+        self.duration = per_api(
+            Histogram, "sharp_request_duration_seconds", "Arrival to the end of the request.", **latency
+        )
         self.queue_time = per_api(
             Histogram, "sharp_request_queue_seconds", "Arrival to admission into the running batch.", **latency
         )

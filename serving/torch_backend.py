@@ -10,14 +10,12 @@ from torch import Tensor
 
 from sharp.exporter import metadata
 from sharp.models.kvcache import OutOfPages, PagedKVCache
-from sharp.serving.backends import Backend, BackendError, StepResult
+from sharp.serving.backends import DTYPES, PAGE_SIZE, Backend, BackendError, StepResult
 from sharp.serving.spec import ModelSpec
 
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
 # reference, whose (queries × keys) logits grow quadratically with the prompt.
 STREAMED_FROM_KEYS = 1024
-PAGE_SIZE = 16  # tokens per KV page (a kernel tile: decode reads whole pages)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class TorchBackend(Backend):

@@ -17,8 +17,8 @@ from test_serving import _req, model_files, reference  # noqa: F401  (fixtures a
 
 from sharp.models import ModelConfig, SharpLM
 from sharp.serving import Engine, EngineConfig, RequestError, load_backend
+from sharp.serving.backends import PAGE_SIZE
 from sharp.serving.engine import Delta, Failed, Finished
-from sharp.serving.torch_backend import PAGE_SIZE
 
 MARK = 250  # a prompt holding this id makes the wrapped model raise in every decode step it is part of
 REFUSED = 249  # ... makes its prefill raise
