@@ -243,22 +243,15 @@ class _Reply:
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {"id": prefix + self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, text: str | None, finish: str | None, chunk: bool) -> dict[str, Any]:
+    def choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False) -> dict[str, Any]:
+        """One choice: a completion's text, a chat chunk's delta (`role`: the first, naming it) or a chat message."""
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        if chunk:
-            return {
-                "index": 0,
-                "delta": {} if text is None else {"content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-            }
-        return {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish,
-        }
+            body = {"text": text or ""}
+        elif chunk:
+            body = {"delta": ({"role": "assistant"} if role else {}) | ({} if text is None else {"content": text})}
+        else:
+            body = {"message": {"role": "assistant", "content": text}}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
 
 
 def _sse(obj: Any) -> bytes:
@@ -418,21 +411,7 @@ class OpenAIServer:
         usage = body.stream_options is not None and body.stream_options.include_usage
         base = reply.envelope(chunk=True) | ({"usage": None} if usage else {})
         if reply.chat:  # the first chunk names the role
-            await resp.write(
-                _sse(
-                    base
-                    | {
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    }
-                )
-            )
+            await resp.write(_sse(base | {"choices": [reply.choice("", None, chunk=True, role=True)]}))
         ev = first
         while isinstance(ev, Delta):
             if ev.text:
