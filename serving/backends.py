@@ -64,6 +64,7 @@ class Backend(ABC):
     spec: ModelSpec
     device: torch.device
     kv_bytes_per_token: int  # what one token of one sequence costs in the KV cache
+    host_threads: int | None = None  # torch's threads in a serving process (None: torch's default)
 
     @abstractmethod
     def allocate(self, budget_bytes: int) -> int:
@@ -128,13 +129,18 @@ class Backend(ABC):
 
 class GraphBackend(Backend):
     """A backend that runs the exported generation graph (flat tensors in, presents out): prefilling sequences
-    keep their own cache, running ones share one left-padded `BatchCache` whose memory is rows × the longest."""
+    keep their own cache, running ones share one left-padded `BatchCache` whose memory is slots × the longest.
+
+    The runtime does the model's math on its own threads; torch only moves a step's small host tensors, and its
+    thread pool, left at one thread per core, spins after each of those tiny ops against the runtime's threads
+    (on 2 cores that halved decode throughput): one torch thread."""
+
+    host_threads = 1
 
     def __init__(self) -> None:
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token()
         self.budget_bytes = 0
         self._batch = BatchCache()
-        self._rows: list[Hashable] = []  # the batch cache's rows, in order
         self._own: dict[Hashable, list[Tensor]] = {}  # caches of sequences prefilling (or run alone)
         self._reserved: dict[Hashable, int] = {}
 
@@ -171,43 +177,45 @@ class GraphBackend(Backend):
 
     def join(self, seq):
         cache = self._own.pop(seq)
-        self._batch.join(cache, cache[0].shape[2])
-        self._rows.append(seq)
+        self._batch.join(seq, cache, cache[0].shape[2])
 
     def release(self, seq):
         self._own.pop(seq, None)
         self._reserved.pop(seq, None)
-        if seq in self._rows:
-            row = self._rows.index(seq)
-            self._rows.pop(row)
-            self._batch.leave([row])
+        self._batch.leave(seq)
 
     def clear(self):
-        self._batch, self._rows, self._own, self._reserved = BatchCache(), [], {}, {}
+        self._batch, self._own, self._reserved = BatchCache(), {}, {}
+
+    def _held(self) -> int:
+        """Token slots held: the batch's (padding and free slots included) and the prefilling sequences' own."""
+        return self._batch.slots() + sum(c[0].shape[2] for c in self._own.values())
 
     def kv_usage(self):
-        used = self._batch.slots() + sum(c[0].shape[2] for c in self._own.values())
-        return used * self.kv_bytes_per_token / self.budget_bytes
+        return self._held() * self.kv_bytes_per_token / self.budget_bytes
 
     def _decode_step(self, seqs, tokens, entropy):
-        if seqs == self._rows:
-            cache = self._batch
-            out = self.forward(
-                tokens, cache.attention_mask(), torch.tensor(cache.lengths)[:, None], cache.tensors, entropy
-            )
+        cache = self._batch
+        if len(seqs) == cache.live and all(s in cache for s in seqs):
+            if cache.free and (self._held() + len(cache.owners)) * self.kv_bytes_per_token > self.budget_bytes:
+                cache.compact()  # this step's column would take the free slots past the budget
+            rows = torch.tensor(cache.index(seqs))
+            step_tokens = torch.zeros(len(cache.owners), 1, dtype=torch.int64).index_copy_(0, rows, tokens)
+            out = self.forward(step_tokens, cache.attention_mask(), cache.positions(), cache.tensors, entropy)
             cache.advance(out.presents)
-        else:  # a row run alone (after _unbatch)
-            (seq,) = seqs
-            past = self._own[seq]
-            n = past[0].shape[2]
-            out = self.forward(tokens, torch.ones(1, n + 1, dtype=torch.int64), torch.tensor([[n]]), past, entropy)
-            self._own[seq] = out.presents
+            return StepResult(out.logits[rows], None if out.entropy is None else out.entropy[rows])
+        (seq,) = seqs  # a row run alone (after _unbatch)
+        past = self._own[seq]
+        n = past[0].shape[2]
+        out = self.forward(tokens, torch.ones(1, n + 1, dtype=torch.int64), torch.tensor([[n]]), past, entropy)
+        self._own[seq] = out.presents
         return StepResult(out.logits, out.entropy)
 
     def _unbatch(self, seqs):
-        for i, seq in enumerate(self._rows):
-            self._own[seq] = self._batch.row(i)
-        self._batch, self._rows = BatchCache(), []
+        for seq in self._batch.owners:
+            if seq is not None:
+                self._own[seq] = self._batch.row(seq)
+        self._batch = BatchCache()
 
     def _rebatch(self, seqs):
         for seq in seqs:  # rows that failed keep their own cache until the engine releases them

@@ -1,11 +1,17 @@
-"""The running batch's KV cache: one left-padded tensor per layer and kind, rows right-aligned.
+"""The running batch's KV cache: one left-padded tensor per layer and kind, each sequence in a slot (a row).
 
-Sequences of different lengths decode in one forward: row r holds its `length` keys at the right end of the
-(B, kv_heads, T, head_dim) tensors and the attention mask hides the padding on the left. Joining pads the
-narrower side; leaving drops rows and trims the columns no remaining row needs.
+Sequences of different lengths decode in one forward: slot s holds its `length` keys at the right end of the
+(slots, kv_heads, width, head_dim) tensors and the attention mask hides the padding on the left. A sequence that
+leaves frees its slot without moving anyone's data, and the next one to join is written into that slot: only the
+joining sequence's own keys are copied. Copying the whole batch (to add a slot, widen it, or drop free slots) is
+the exception, so a step's host time does not grow with rows × width each time a sequence comes or goes. A free
+slot is decoded with the others (one token at position 0 that sees only itself; nobody reads its output) until it
+is reused or dropped: `compact` drops them once they are more than the live ones.
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable
 
 import numpy as np
 import torch
@@ -19,63 +25,104 @@ def _left_pad(t: Tensor, width: int) -> Tensor:
 
 
 class BatchCache:
-    """2 × layers tensors (B, kv_heads, T, head_dim) and each row's true length."""
+    """2 × layers tensors (slots, kv_heads, width, head_dim), each slot's owner and true length (0: free)."""
 
     def __init__(self) -> None:
         self.tensors: list[Tensor] | None = None
+        self.owners: list[Hashable | None] = []
         self.lengths: list[int] = []
+        self._slot: dict[Hashable, int] = {}
 
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._slot
 
     @property
     def width(self) -> int:
         return self.tensors[0].shape[2] if self.tensors is not None else 0
 
+    @property
+    def live(self) -> int:
+        return len(self._slot)
+
+    @property
+    def free(self) -> int:
+        return len(self.owners) - len(self._slot)
+
     def slots(self) -> int:
-        """Token slots held, padding included (what the KV budget counts)."""
-        return self.rows * self.width
+        """Token slots held, padding and free slots included (what the KV budget counts)."""
+        return len(self.owners) * self.width
+
+    def index(self, keys: list[Hashable]) -> list[int]:
+        """The slots of `keys`, in their order."""
+        return [self._slot[k] for k in keys]
 
     def attention_mask(self) -> Tensor:
-        """(B, width + 1) int64 for one decode step: each row's keys plus its new token are 1, padding 0 (built in
-        NumPy: a step's few small tensor ops cost more in torch's dispatch than the work)."""
+        """(slots, width + 1) int64 for one decode step: each slot's keys plus its new token are 1, padding 0 (built
+        in NumPy: a step's few small tensor ops cost more in torch's dispatch than the work)."""
         lengths = np.asarray(self.lengths, dtype=np.int64)
         columns = np.arange(self.width + 1, dtype=np.int64)[None]
         return torch.from_numpy((columns >= (self.width - lengths)[:, None]).astype(np.int64))
 
-    def join(self, cache: list[Tensor], length: int) -> None:
-        """Append one sequence's own cache (batch 1) as the last row."""
-        if self.tensors is None:
-            self.tensors, self.lengths = cache, [length]
-            return
-        width = max(self.width, cache[0].shape[2])
-        self.tensors = [
-            torch.cat((_left_pad(b, width), _left_pad(c, width)), dim=0)
-            for b, c in zip(self.tensors, cache, strict=True)
-        ]
-        self.lengths.append(length)
+    def positions(self) -> Tensor:
+        """(slots, 1) int64: the position of each slot's next token."""
+        return torch.from_numpy(np.asarray(self.lengths, dtype=np.int64)[:, None])
 
-    def row(self, i: int) -> list[Tensor]:
-        """Row i's own cache (batch 1, exactly its length wide), to run it alone."""
-        n = self.lengths[i]
+    def join(self, key: Hashable, cache: list[Tensor], length: int) -> None:
+        """Put one sequence's own cache (batch 1, `length` keys wide) into a free slot, or a new last one."""
+        if self.tensors is None:
+            self.tensors, self.owners, self.lengths = cache, [key], [length]
+            self._slot = {key: 0}
+            return
+        if length > self.width:  # the whole batch widens (a copy); the new keys then fill their slot exactly
+            self.tensors = [_left_pad(t, length) for t in self.tensors]
+        width = self.width
+        if self.free:
+            slot = self.owners.index(None)
+            for t, c in zip(self.tensors, cache, strict=True):
+                t[slot, :, : width - length] = 0  # a left-behind key of a failed row must not reach a new one
+                t[slot, :, width - length :] = c[0]
+            self.owners[slot], self.lengths[slot] = key, length
+        else:
+            slot = len(self.owners)
+            self.tensors = [torch.cat((t, _left_pad(c, width))) for t, c in zip(self.tensors, cache, strict=True)]
+            self.owners.append(key)
+            self.lengths.append(length)
+        self._slot[key] = slot
+
+    def row(self, key: Hashable) -> list[Tensor]:
+        """The sequence's own cache (batch 1, exactly its length wide), to run it alone."""
+        i, n = self._slot[key], self.lengths[self._slot[key]]
         return [t[i : i + 1, :, t.shape[2] - n :] for t in self.tensors]
 
     def advance(self, presents: list[Tensor]) -> None:
-        """After a decode step: the step's presents (one more column) replace the cache; every row grew by one."""
+        """After a decode step: the step's presents (one more column) replace the cache; every live slot grew by
+        one, free ones stay empty."""
         self.tensors = presents
-        self.lengths = [n + 1 for n in self.lengths]
+        self.lengths = [n + 1 if owner is not None else 0 for owner, n in zip(self.owners, self.lengths, strict=True)]
 
-    def leave(self, rows: list[int]) -> None:
-        """Drop `rows`; trim the left columns no remaining row needs."""
-        if not rows:
+    def leave(self, key: Hashable) -> None:
+        """Free the sequence's slot; trim the left columns no live slot needs (a view, not a copy); drop the free
+        slots once they outnumber the live ones."""
+        slot = self._slot.pop(key, None)
+        if slot is None:
             return
-        gone = set(rows)
-        keep = [i for i in range(self.rows) if i not in gone]
-        self.lengths = [self.lengths[i] for i in keep]
-        if not keep:
-            self.tensors = None
+        self.owners[slot], self.lengths[slot] = None, 0
+        if not self._slot:
+            self.__init__()
             return
-        width = max(self.lengths)
+        need = max(self.lengths)
+        if need < self.width:
+            self.tensors = [t[:, :, t.shape[2] - need :] for t in self.tensors]
+        if self.free > self.live:
+            self.compact()
+
+    def compact(self) -> None:
+        """Drop the free slots (one copy of the live ones)."""
+        if not self.free:
+            return
+        keep = [i for i, owner in enumerate(self.owners) if owner is not None]
         index = torch.tensor(keep, device=self.tensors[0].device)
-        self.tensors = [t.index_select(0, index)[:, :, t.shape[2] - width :] for t in self.tensors]
+        self.tensors = [t.index_select(0, index) for t in self.tensors]
+        self.owners = [self.owners[i] for i in keep]
+        self.lengths = [self.lengths[i] for i in keep]
+        self._slot = {owner: i for i, owner in enumerate(self.owners)}

@@ -227,6 +227,8 @@ class Engine:
 
     # ---- front -----------------------------------------------------------------------------------------
     def start(self) -> Engine:
+        if self.backend.host_threads is not None:  # process-wide: this process serves this one model
+            torch.set_num_threads(self.backend.host_threads)
         self._thread.start()
         return self
 

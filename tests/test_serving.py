@@ -44,6 +44,7 @@ from sharp.serving import (
     ServingMetrics,
     load_backend,
 )
+from sharp.serving.cache import BatchCache
 from sharp.serving.client import make_request
 from sharp.serving.engine import Delta, Finished
 from sharp.serving.requests import validate
@@ -393,6 +394,84 @@ def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference
     assert list(got["b"]) == reference(b_prompt, 5)
 
 
+def _own_cache(length: int, fill: float) -> list[torch.Tensor]:
+    """One sequence's cache for BatchCache: 2 layers × keys/values of (1, kv_heads 2, length, head_dim 4)."""
+    return [torch.full((1, 2, length, 4), fill) for _ in range(4)]
+
+
+def test_batch_cache_reuses_a_freed_slot_without_moving_the_others():
+    cache = BatchCache()
+    cache.join("a", _own_cache(3, 1.0), 3)
+    cache.join("b", _own_cache(5, 2.0), 5)
+    cache.join("c", _own_cache(2, 3.0), 2)
+    assert (cache.owners, cache.lengths, cache.width) == (["a", "b", "c"], [3, 5, 2], 5)
+    buffers = [t.data_ptr() for t in cache.tensors]
+    cache.leave("a")
+    assert (cache.owners, cache.lengths, cache.free, cache.width) == ([None, "b", "c"], [0, 5, 2], 1, 5)
+    for t in cache.tensors:
+        t[0] = float("nan")  # what a row whose model output went non-finite can leave behind in its slot
+    cache.join("d", _own_cache(4, 4.0), 4)
+    assert cache.owners == ["d", "b", "c"] and [t.data_ptr() for t in cache.tensors] == buffers  # written in place
+    for t in cache.tensors:
+        assert (t[0, :, :1] == 0).all() and (t[0, :, 1:] == 4).all()  # the left-behind keys are gone
+        assert (t[1] == 2).all() and (t[2, :, :3] == 0).all() and (t[2, :, 3:] == 3).all()
+    assert cache.attention_mask().tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]]
+    assert cache.positions().tolist() == [[4], [5], [2]] and cache.index(["c", "d"]) == [2, 0]
+    cache.advance([torch.cat((t, torch.full((3, 2, 1, 4), 9.0)), 2) for t in cache.tensors])
+    assert cache.lengths == [5, 6, 3] and cache.width == 6
+    cache.leave("b")  # the longest leaves: the column only it needed is trimmed; one free slot is kept
+    assert (cache.owners, cache.lengths, cache.width, cache.slots()) == (["d", None, "c"], [5, 0, 3], 5, 15)
+    cache.advance([torch.cat((t, torch.full((3, 2, 1, 4), 8.0)), 2) for t in cache.tensors])
+    assert (cache.lengths, cache.width) == ([6, 0, 4], 6)  # the free slot's output column is nobody's key
+    cache.join("e", _own_cache(7, 5.0), 7)  # longer than the batch: every slot widens, e takes the free one
+    assert (cache.owners, cache.lengths, cache.width) == (["d", "e", "c"], [6, 7, 4], 7)
+    assert [r[0][0, 0, :, 0].tolist() for r in map(cache.row, "dec")] == [
+        [4.0, 4.0, 4.0, 4.0, 9.0, 8.0],
+        [5.0] * 7,
+        [3.0, 3.0, 9.0, 8.0],
+    ]
+    cache.leave("e")
+    cache.leave("c")  # two free slots, one live: they are dropped
+    assert (cache.owners, cache.lengths, cache.free, cache.width) == (["d"], [6], 0, 6)
+    assert cache.row("d")[0][0, 0, :, 0].tolist() == [4.0, 4.0, 4.0, 4.0, 9.0, 8.0]
+    cache.leave("d")
+    assert (cache.tensors, cache.owners, cache.slots()) == (None, [], 0)
+
+
+def test_sequences_joining_and_leaving_at_different_steps_each_match_the_model(model_files, reference):
+    be = load_backend(model_files["onnxruntime"])
+    eng = Engine(be, EngineConfig(max_batch=4, prefill_chunk=512))  # stepped by hand: no engine thread
+    jobs = [([256, *range(1, 1 + 3 * i)], 4 + 5 * (i % 3)) for i in range(10)]  # prompts of 1..28 tokens
+    got: dict[int, list] = {}
+    seen_free = seen_reuse = 0
+    for i, (prompt, n) in enumerate(jobs):
+        got[i] = []
+        eng.submit(_req(eng, prompt, n), lambda ev, i=i: isinstance(ev, Delta) and got[i].extend(ev.token_ids))
+        for _ in range(3):  # a new request every three steps: sequences come and go mid-batch
+            slots = list(be._batch.owners)
+            eng.step()
+            seen_free += None in be._batch.owners
+            seen_reuse += any(o is None and p is not None for o, p in zip(slots, be._batch.owners, strict=False))
+    while not eng.idle():
+        eng.step()
+    assert seen_free and seen_reuse, "the schedule should free slots and refill them"
+    for i, (prompt, n) in enumerate(jobs):
+        assert got[i] == reference(prompt, n), f"request {i}"
+    assert be._batch.owners == [] and be.kv_usage() == 0
+
+
+def test_a_graph_backend_engine_gives_torch_one_thread_and_the_torch_backend_keeps_its_own(model_files):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for backend, threads in (("torch", 2), ("onnxruntime", 1)):
+            eng = Engine(load_backend(model_files[backend], backend), EngineConfig()).start()
+            eng.stop()
+            assert torch.get_num_threads() == threads, backend
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kv_budget_admits_only_what_fits(model_files):
     be = load_backend(model_files["onnxruntime"])
     per_seq = 200 * be.kv_bytes_per_token  # prompt 100 + 100 new tokens
@@ -411,6 +490,32 @@ def test_kv_budget_admits_only_what_fits(model_files):
     with pytest.raises(RequestError) as err:
         _req(eng, [256] * 10, 600)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
+
+
+def test_free_slots_never_take_the_kv_cache_past_its_budget(model_files, reference):
+    be = load_backend(model_files["onnxruntime"])
+    eng = Engine(be, EngineConfig(kv_cache_mb=1000 * be.kv_bytes_per_token / 2**20, prefill_chunk=512))
+    got: dict[str, list] = {}
+
+    def submit(name, prompt, n):
+        got[name] = []
+        eng.submit(_req(eng, prompt, n), lambda ev: isinstance(ev, Delta) and got[name].extend(ev.token_ids))
+
+    jobs = {"a": ([256, *range(1, 10)], 40), "b": ([256, *range(20, 29)], 40), "c": ([256, 7], 5), "d": ([256, 8], 5)}
+    for name, (prompt, n) in jobs.items():  # reserved 50, 50, 7, 7 tokens: all four run together
+        submit(name, prompt, n)
+    usage = []
+    while got["c"] == [] or len(got["c"]) < 5 or len(got["d"]) < 5:
+        eng.step()
+    assert be._batch.free == 2 and be._batch.live == 2  # c and d left two free slots beside a and b
+    jobs["e"] = ([256, *range(1, 250)], 50)  # reserves 300 tokens: 3 × 300 fits, 4 slots × ~260 would not
+    submit("e", *jobs["e"])
+    while not eng.idle():
+        eng.step()
+        usage.append(be.kv_usage())
+    assert max(usage) <= 1.0 and max(usage) > 0.7
+    for name, (prompt, n) in jobs.items():
+        assert got[name] == reference(prompt, n), name
 
 
 def test_auth_token_and_tls(model_files, tmp_path):
