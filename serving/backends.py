@@ -197,6 +197,7 @@ class GraphBackend(Backend):
     def _decode_step(self, seqs, tokens, entropy):
         cache = self._batch
         if len(seqs) == cache.live and all(s in cache for s in seqs):
+            cache.settle()
             if cache.free and (self._held() + len(cache.owners)) * self.kv_bytes_per_token > self.budget_bytes:
                 cache.compact()  # this step's column would take the free slots past the budget
             rows = torch.tensor(cache.index(seqs))
@@ -212,9 +213,8 @@ class GraphBackend(Backend):
         return StepResult(out.logits, out.entropy)
 
     def _unbatch(self, seqs):
-        for seq in self._batch.owners:
-            if seq is not None:
-                self._own[seq] = self._batch.row(seq)
+        for seq in seqs:
+            self._own[seq] = self._batch.row(seq)
         self._batch = BatchCache()
 
     def _rebatch(self, seqs):

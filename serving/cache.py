@@ -3,10 +3,11 @@
 Sequences of different lengths decode in one forward: slot s holds its `length` keys at the right end of the
 (slots, kv_heads, width, head_dim) tensors and the attention mask hides the padding on the left. A sequence that
 leaves frees its slot without moving anyone's data, and the next one to join is written into that slot: only the
-joining sequence's own keys are copied. Copying the whole batch (to add a slot, widen it, or drop free slots) is
-the exception, so a step's host time does not grow with rows × width each time a sequence comes or goes. A free
-slot is decoded with the others (one token at position 0 that sees only itself; nobody reads its output) until it
-is reused or dropped: `compact` drops them once they are more than the live ones.
+joining sequence's own keys are copied. Sequences that need a new slot (none is free, or they are longer than the
+batch is wide) wait in `settle`, which adds all of them in one copy of the batch before the next decode and drops
+free slots on the way; free slots are also dropped once they outnumber the live ones. So a step's host time does
+not grow with rows × width each time a sequence comes or goes. A free slot is decoded with the others (one token
+at position 0 that sees only itself; nobody reads its output) until it is reused or dropped.
 """
 
 from __future__ import annotations
@@ -25,16 +26,18 @@ def _left_pad(t: Tensor, width: int) -> Tensor:
 
 
 class BatchCache:
-    """2 × layers tensors (slots, kv_heads, width, head_dim), each slot's owner and true length (0: free)."""
+    """2 × layers tensors (slots, kv_heads, width, head_dim), each slot's owner and true length (0: free), and the
+    sequences waiting in `settle` for a new slot."""
 
     def __init__(self) -> None:
         self.tensors: list[Tensor] | None = None
         self.owners: list[Hashable | None] = []
         self.lengths: list[int] = []
         self._slot: dict[Hashable, int] = {}
+        self._pending: dict[Hashable, tuple[list[Tensor], int]] = {}
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._slot
+        return key in self._slot or key in self._pending
 
     @property
     def width(self) -> int:
@@ -42,18 +45,20 @@ class BatchCache:
 
     @property
     def live(self) -> int:
-        return len(self._slot)
+        return len(self._slot) + len(self._pending)
 
     @property
     def free(self) -> int:
         return len(self.owners) - len(self._slot)
 
     def slots(self) -> int:
-        """Token slots held, padding and free slots included (what the KV budget counts)."""
-        return len(self.owners) * self.width
+        """Token slots held, padding and free slots included, pending sequences as they will be held (what the KV
+        budget counts)."""
+        width = max([self.width, *(n for _, n in self._pending.values())])
+        return (len(self.owners) + len(self._pending)) * width
 
     def index(self, keys: list[Hashable]) -> list[int]:
-        """The slots of `keys`, in their order."""
+        """The slots of `keys`, in their order (after `settle`)."""
         return [self._slot[k] for k in keys]
 
     def attention_mask(self) -> Tensor:
@@ -68,29 +73,44 @@ class BatchCache:
         return torch.from_numpy(np.asarray(self.lengths, dtype=np.int64)[:, None])
 
     def join(self, key: Hashable, cache: list[Tensor], length: int) -> None:
-        """Put one sequence's own cache (batch 1, `length` keys wide) into a free slot, or a new last one."""
-        if self.tensors is None:
-            self.tensors, self.owners, self.lengths = cache, [key], [length]
-            self._slot = {key: 0}
+        """Take one sequence's own cache (batch 1, `length` keys wide): into a free slot now if it is as wide as the
+        batch, else into a new slot at the next `settle`."""
+        if not self.free or length > self.width:
+            self._pending[key] = (cache, length)
             return
-        if length > self.width:  # the whole batch widens (a copy); the new keys then fill their slot exactly
-            self.tensors = [_left_pad(t, length) for t in self.tensors]
-        width = self.width
-        if self.free:
-            slot = self.owners.index(None)
-            for t, c in zip(self.tensors, cache, strict=True):
-                t[slot, :, : width - length] = 0  # a left-behind key of a failed row must not reach a new one
-                t[slot, :, width - length :] = c[0]
-            self.owners[slot], self.lengths[slot] = key, length
-        else:
-            slot = len(self.owners)
-            self.tensors = [torch.cat((t, _left_pad(c, width))) for t, c in zip(self.tensors, cache, strict=True)]
-            self.owners.append(key)
-            self.lengths.append(length)
+        slot, width = self.owners.index(None), self.width
+        for t, c in zip(self.tensors, cache, strict=True):
+            t[slot, :, : width - length] = 0  # a left-behind key of a failed row must not reach a new one
+            t[slot, :, width - length :] = c[0]
+        self.owners[slot], self.lengths[slot] = key, length
         self._slot[key] = slot
+
+    def settle(self) -> None:
+        """Before a decode step: give the pending sequences their slots in one copy of the batch (dropping the
+        free slots in it), or drop the free slots once they outnumber the live ones."""
+        if not self._pending:
+            if self.free > self.live:
+                self.compact()
+            return
+        keep = [i for i, owner in enumerate(self.owners) if owner is not None]
+        owners = [self.owners[i] for i in keep] + list(self._pending)
+        lengths = [self.lengths[i] for i in keep] + [n for _, n in self._pending.values()]
+        width = max(lengths)
+        caches = [c for c, _ in self._pending.values()]
+        if self.tensors is not None and keep:
+            index = torch.tensor(keep, device=self.tensors[0].device)
+            caches.insert(0, [t if len(keep) == len(self.owners) else t.index_select(0, index) for t in self.tensors])
+        if len(caches) == 1 and caches[0][0].shape[2] == width:
+            self.tensors = caches[0]  # one sequence alone: its own cache is the batch, no copy
+        else:
+            self.tensors = [torch.cat([_left_pad(c[k], width) for c in caches]) for k in range(len(caches[0]))]
+        self.owners, self.lengths, self._pending = owners, lengths, {}
+        self._slot = {owner: i for i, owner in enumerate(owners)}
 
     def row(self, key: Hashable) -> list[Tensor]:
         """The sequence's own cache (batch 1, exactly its length wide), to run it alone."""
+        if key in self._pending:
+            return self._pending[key][0]
         i, n = self._slot[key], self.lengths[self._slot[key]]
         return [t[i : i + 1, :, t.shape[2] - n :] for t in self.tensors]
 
@@ -101,20 +121,19 @@ class BatchCache:
         self.lengths = [n + 1 if owner is not None else 0 for owner, n in zip(self.owners, self.lengths, strict=True)]
 
     def leave(self, key: Hashable) -> None:
-        """Free the sequence's slot; trim the left columns no live slot needs (a view, not a copy); drop the free
-        slots once they outnumber the live ones."""
+        """Free the sequence's slot; trim the left columns no live slot needs (a view, not a copy)."""
+        if self._pending.pop(key, None) is not None:
+            return
         slot = self._slot.pop(key, None)
         if slot is None:
             return
         self.owners[slot], self.lengths[slot] = None, 0
         if not self._slot:
-            self.__init__()
+            self.tensors, self.owners, self.lengths = None, [], []
             return
         need = max(self.lengths)
         if need < self.width:
             self.tensors = [t[:, :, t.shape[2] - need :] for t in self.tensors]
-        if self.free > self.live:
-            self.compact()
 
     def compact(self) -> None:
         """Drop the free slots (one copy of the live ones)."""
