@@ -85,10 +85,13 @@ def genai_tokens_per_s(package: Path, prompts: list[str], concurrency: int, new_
 
 def bench(package: Path, source: str, args) -> str:
     prompts = _prompts(args.requests, args.prompt_chars)
+    where = machine()
     rows = []
     for c in args.concurrency:
-        ours = [sharp_serve_tokens_per_s(package, prompts, c, args.new_tokens) for _ in range(args.repeats)]
-        theirs = [genai_tokens_per_s(package, prompts, c, args.new_tokens) for _ in range(args.repeats)]
+        ours, theirs = [], []
+        for _ in range(args.repeats):  # interleaved: a drift of the machine hits both sides alike
+            ours.append(sharp_serve_tokens_per_s(package, prompts, c, args.new_tokens))
+            theirs.append(genai_tokens_per_s(package, prompts, c, args.new_tokens))
         a, b = statistics.median(ours), statistics.median(theirs)
         rows.append([f"C={c}", f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}×"])
         print(" | ".join(rows[-1]), flush=True)
@@ -97,13 +100,13 @@ def bench(package: Path, source: str, args) -> str:
         [
             "## sharp-serve vs onnxruntime-genai (sharp-bench genai)",
             "",
-            f"Measured {today()} on {machine()}. Command: {args.command}. Model: {source}, written once with"
+            f"Measured {today()} on {where}. Command: {args.command}. Model: {source}, written once with"
             " `sharp-export --genai` (native sharp kernel in the package); sharp-serve, in its own process, serves"
             " its model.onnx over loopback gRPC (continuous batching, --max-batch 64, per-head entropy metrics on),"
             " onnxruntime-genai opens the package and runs one greedy Generator per request from C threads. Closed"
             " loop:"
             f" {args.requests} prompts of {args.prompt_chars} characters, {args.new_tokens} new tokens each;"
-            f" output tokens/s over the whole run, medians of {args.repeats} runs.",
+            f" output tokens/s over the whole run, medians of {args.repeats} runs, the two sides taking turns.",
             "",
             markdown_table(header, rows),
         ]
@@ -113,7 +116,7 @@ def bench(package: Path, source: str, args) -> str:
 def run(argv: list[str] | None = None) -> int:
     ap = BenchParser(prog="sharp-bench genai", description=__doc__)
     ap.add_argument("--model", type=Path, help="a SharpLM model.pt or a Hugging Face directory (default: zoo ssa.pt)")
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-chars", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])

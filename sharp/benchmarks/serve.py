@@ -225,54 +225,56 @@ def _in_process(model: Path, max_batch: int, scenario) -> Run:
         engine.stop()
 
 
+def _served(model: Path, max_batch: int, entropy: str, native: bool, scenario) -> Run:
+    """One run against a fresh sharp-serve process, with the engine's counters read back at its end."""
+    with sharp_serve(model, max_batch, entropy, native) as srv:
+
+        async def go():
+            async with AsyncClient(srv.target) as client:
+                return await scenario(grpc_sender(client))
+
+        run = asyncio.run(go())
+        run.engine = srv.engine_stats()
+        return run
+
+
 def bench(model: Path, args) -> str:
     prompts = _prompts(args.requests, args.prompt_chars)
-    rows, by_name = [], {}
-
-    def measure(name, max_batch, entropy, scenario, in_process=False, native=True):
-        runs = []
-        for _ in range(args.repeats):
+    where = machine()  # before an in-process engine changes this process's torch threads
+    n, c = args.new_tokens, args.baseline_concurrency
+    closed = lambda conc: lambda s: closed_loop(s, prompts, conc, n)
+    scenarios = [  # name, --max-batch, --entropy-metrics, scenario, in-process, native kernel
+        *((f"gRPC, closed loop C={k}", args.max_batch, "head", closed(k), False, True) for k in args.concurrency),
+        (f"gRPC, closed loop C={c}, --max-batch 1", 1, "head", closed(c), False, True),
+        (f"in-process engine, C={c}", args.max_batch, "head", closed(c), True, True),
+        (
+            f"gRPC, closed loop C={c}, --no-native (the file's dense fallback bodies)",
+            args.max_batch,
+            "head",
+            closed(c),
+            False,
+            False,
+        ),
+        (f"gRPC, closed loop C={c}, --entropy-metrics off", args.max_batch, "off", closed(c), False, True),
+        (
+            f"gRPC, open loop Poisson {args.rate:g} req/s",
+            args.max_batch,
+            "head",
+            lambda s: open_loop(s, prompts, args.rate, n),
+            False,
+            True,
+        ),
+    ]
+    by_name: dict[str, list[Run]] = {name: [] for name, *_ in scenarios}
+    for repeat in range(args.repeats):  # every scenario once per round: a drift of the machine hits all alike
+        for name, max_batch, entropy, scenario, in_process, native in scenarios:
             if in_process:
-                runs.append(_in_process(model, max_batch, scenario))
-                continue
-            with sharp_serve(model, max_batch, entropy, native) as srv:
-
-                async def go():
-                    async with AsyncClient(srv.target) as c:
-                        return await scenario(grpc_sender(c))
-
-                run = asyncio.run(go())
-                run.engine = srv.engine_stats()
-                runs.append(run)
-        rows.append(_row(name, runs))
-        by_name[name] = runs
-        print(" | ".join(rows[-1]), flush=True)
-
-    n = args.new_tokens
-    for c in args.concurrency:
-        measure(f"gRPC, closed loop C={c}", args.max_batch, "head", lambda s, c=c: closed_loop(s, prompts, c, n))
-    c = args.baseline_concurrency
-    measure(f"gRPC, closed loop C={c}, --max-batch 1", 1, "head", lambda s: closed_loop(s, prompts, c, n))
-    measure(f"in-process engine, C={c}", args.max_batch, "head", lambda s: closed_loop(s, prompts, c, n), True)
-    measure(
-        f"gRPC, closed loop C={c}, --no-native (the file's dense fallback bodies)",
-        args.max_batch,
-        "head",
-        lambda s: closed_loop(s, prompts, c, n),
-        native=False,
-    )
-    measure(
-        f"gRPC, closed loop C={c}, --entropy-metrics off",
-        args.max_batch,
-        "off",
-        lambda s: closed_loop(s, prompts, c, n),
-    )
-    measure(
-        f"gRPC, open loop Poisson {args.rate:g} req/s",
-        args.max_batch,
-        "head",
-        lambda s: open_loop(s, prompts, args.rate, n),
-    )
+                run = _in_process(model, max_batch, scenario)
+            else:
+                run = _served(model, max_batch, entropy, native, scenario)
+            by_name[name].append(run)
+            print(f"round {repeat + 1}/{args.repeats}: {name}: {run.tokens / run.seconds:.0f} tok/s", flush=True)
+    rows = [_row(name, runs) for name, runs in by_name.items()]
     header = [
         "scenario",
         "completed/failed",
@@ -288,11 +290,12 @@ def bench(model: Path, args) -> str:
     lines = [
         "## Serving (sharp-bench serve)",
         "",
-        f"Measured {today()} on {machine()}. Command: {args.command}. Model: {args.model_source},"
+        f"Measured {today()} on {where}. Command: {args.command}. Model: {args.model_source},"
         " onnxruntime CPU backend with sharp's native kernel unless stated. sharp-serve runs in its own process"
         " (a fresh one per run); the load generator streams from this one over loopback gRPC."
         f" {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
-        f" tokens each, --max-batch {args.max_batch} unless stated; medians of {args.repeats} runs."
+        f" tokens each, --max-batch {args.max_batch} unless stated; medians of {args.repeats} rounds (each"
+        " round runs every scenario once, in the order of the table)."
         " TTFT and inter-token latency (ITL) are measured at the client; engine host µs/step is the server's"
         " own step time with the model's forwards taken out (sharp_engine_busy_seconds_total −"
         " sharp_engine_forward_seconds_total, per sharp_engine_steps_total); the in-process row drives the"
@@ -331,7 +334,7 @@ def _host_fit(by_name: dict[str, list[Run]], args) -> str | None:
 def run(argv: list[str] | None = None) -> int:
     ap = BenchParser(prog="sharp-bench serve", description=__doc__)
     ap.add_argument("--model", type=Path, help="an exported .onnx (default: export models/zoo/ssa.pt)")
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--prompt-chars", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
