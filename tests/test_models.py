@@ -167,7 +167,8 @@ def test_sampling_filters():
         SamplingParams(top_k=-1).check()
 
 
-def test_batched_sampling_is_sample_row_by_row_and_names_unusable_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])  # NumPy's path and torch's
+def test_batched_sampling_is_sample_row_by_row_and_names_unusable_rows(dtype):
     inf, nan = float("inf"), float("nan")
     logits = torch.tensor(
         [
@@ -178,7 +179,8 @@ def test_batched_sampling_is_sample_row_by_row_and_names_unusable_rows():
             [-inf, 0.5, -inf, 0.2],  # masked logits are fine
             [0.3, 0.1, 0.9, 0.2],
             [0.3, 0.1, 0.9, 0.2],
-        ]
+        ],
+        dtype=dtype,
     )
     params = [GREEDY, GREEDY, SamplingParams(), SamplingParams(), GREEDY, SamplingParams(top_k=2), GREEDY]
     generators = [torch.Generator().manual_seed(i) for i in range(len(params))]
@@ -189,6 +191,8 @@ def test_batched_sampling_is_sample_row_by_row_and_names_unusable_rows():
     for row in (1, 2, 3):
         with pytest.raises(ValueError, match="non-finite"):
             sample(logits[row : row + 1], GREEDY)
+    ties = torch.tensor([[2.0, 5.0, 5.0, 1.0], [7.0, 0.0, 7.0, 7.0]], dtype=dtype)
+    assert sample_rows(ties, [GREEDY, GREEDY], [None, None]) == [1, 0] == sample(ties, GREEDY).tolist()
 
 
 @pytest.mark.parametrize("norm", NORMS)
