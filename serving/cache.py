@@ -88,20 +88,26 @@ class BatchCache:
     def settle(self) -> None:
         """Before a decode step: give the pending sequences their slots in one copy of the batch (dropping the
         free slots in it), or drop the free slots once they outnumber the live ones."""
-        if not self._pending:
-            if self.free > self.live:
-                self.compact()
-            return
+        if self._pending or self.free > self.live:
+            self._rebuild()
+
+    def compact(self) -> None:
+        """Drop the free slots (one copy of the live ones)."""
+        if self.free:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """The live slots, then the pending sequences, in new tensors with no free slot (one copy)."""
         keep = [i for i, owner in enumerate(self.owners) if owner is not None]
         owners = [self.owners[i] for i in keep] + list(self._pending)
         lengths = [self.lengths[i] for i in keep] + [n for _, n in self._pending.values()]
         width = max(lengths)
         caches = [c for c, _ in self._pending.values()]
-        if self.tensors is not None and keep:
+        if keep:
             index = torch.tensor(keep, device=self.tensors[0].device)
             caches.insert(0, [t if len(keep) == len(self.owners) else t.index_select(0, index) for t in self.tensors])
         if len(caches) == 1 and caches[0][0].shape[2] == width:
-            self.tensors = caches[0]  # one sequence alone: its own cache is the batch, no copy
+            self.tensors = caches[0]  # nothing to add: no second copy
         else:
             self.tensors = [torch.cat([_left_pad(c[k], width) for c in caches]) for k in range(len(caches[0]))]
         self.owners, self.lengths, self._pending = owners, lengths, {}
@@ -134,14 +140,3 @@ class BatchCache:
         need = max(self.lengths)
         if need < self.width:
             self.tensors = [t[:, :, t.shape[2] - need :] for t in self.tensors]
-
-    def compact(self) -> None:
-        """Drop the free slots (one copy of the live ones)."""
-        if not self.free:
-            return
-        keep = [i for i, owner in enumerate(self.owners) if owner is not None]
-        index = torch.tensor(keep, device=self.tensors[0].device)
-        self.tensors = [t.index_select(0, index) for t in self.tensors]
-        self.owners = [self.owners[i] for i in keep]
-        self.lengths = [self.lengths[i] for i in keep]
-        self._slot = {owner: i for i, owner in enumerate(self.owners)}

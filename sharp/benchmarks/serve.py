@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,6 +225,18 @@ def _in_process(model: Path, max_batch: int, scenario) -> Run:
         engine.stop()
 
 
+@dataclass
+class Scenario:
+    """One row of the table: a load (send → Run) against sharp-serve with these settings, or the engine in-process."""
+
+    name: str
+    load: Callable
+    max_batch: int
+    entropy: str = "head"
+    in_process: bool = False
+    native: bool = True
+
+
 def _served(model: Path, max_batch: int, entropy: str, native: bool, scenario) -> Run:
     """One run against a fresh sharp-serve process, with the engine's counters read back at its end."""
     with sharp_serve(model, max_batch, entropy, native) as srv:
@@ -243,37 +255,32 @@ def bench(model: Path, args) -> str:
     where = machine()  # before an in-process engine changes this process's torch threads
     n, c = args.new_tokens, args.baseline_concurrency
     closed = lambda conc: lambda s: closed_loop(s, prompts, conc, n)
-    scenarios = [  # name, --max-batch, --entropy-metrics, scenario, in-process, native kernel
-        *((f"gRPC, closed loop C={k}", args.max_batch, "head", closed(k), False, True) for k in args.concurrency),
-        (f"gRPC, closed loop C={c}, --max-batch 1", 1, "head", closed(c), False, True),
-        (f"in-process engine, C={c}", args.max_batch, "head", closed(c), True, True),
-        (
+    scenarios = [
+        *(Scenario(f"gRPC, closed loop C={k}", closed(k), args.max_batch) for k in args.concurrency),
+        Scenario(f"gRPC, closed loop C={c}, --max-batch 1", closed(c), 1),
+        Scenario(f"in-process engine, C={c}", closed(c), args.max_batch, in_process=True),
+        Scenario(
             f"gRPC, closed loop C={c}, --no-native (the file's dense fallback bodies)",
-            args.max_batch,
-            "head",
             closed(c),
-            False,
-            False,
-        ),
-        (f"gRPC, closed loop C={c}, --entropy-metrics off", args.max_batch, "off", closed(c), False, True),
-        (
-            f"gRPC, open loop Poisson {args.rate:g} req/s",
             args.max_batch,
-            "head",
+            native=False,
+        ),
+        Scenario(f"gRPC, closed loop C={c}, --entropy-metrics off", closed(c), args.max_batch, entropy="off"),
+        Scenario(
+            f"gRPC, open loop Poisson {args.rate:g} req/s",
             lambda s: open_loop(s, prompts, args.rate, n),
-            False,
-            True,
+            args.max_batch,
         ),
     ]
-    by_name: dict[str, list[Run]] = {name: [] for name, *_ in scenarios}
+    by_name: dict[str, list[Run]] = {sc.name: [] for sc in scenarios}
     for repeat in range(args.repeats):  # every scenario once per round: a drift of the machine hits all alike
-        for name, max_batch, entropy, scenario, in_process, native in scenarios:
-            if in_process:
-                run = _in_process(model, max_batch, scenario)
+        for sc in scenarios:
+            if sc.in_process:
+                run = _in_process(model, sc.max_batch, sc.load)
             else:
-                run = _served(model, max_batch, entropy, native, scenario)
-            by_name[name].append(run)
-            print(f"round {repeat + 1}/{args.repeats}: {name}: {run.tokens / run.seconds:.0f} tok/s", flush=True)
+                run = _served(model, sc.max_batch, sc.entropy, sc.native, sc.load)
+            by_name[sc.name].append(run)
+            print(f"round {repeat + 1}/{args.repeats}: {sc.name}: {run.tokens / run.seconds:.0f} tok/s", flush=True)
     rows = [_row(name, runs) for name, runs in by_name.items()]
     header = [
         "scenario",
