@@ -23,8 +23,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        """x / sqrt(mean(x²) + eps) · weight, written with a division (not rsqrt): onnxruntime fuses exactly this
+        exported form into one SimplifiedLayerNormalization node (a decode step's graph: 221 → 167 nodes)."""
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
 def make_layer_norm(cfg: ModelConfig) -> nn.Module:

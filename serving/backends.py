@@ -200,7 +200,12 @@ class GraphBackend(Backend):
             cache.settle()
             if cache.free and (self._held() + len(cache.owners)) * self.kv_bytes_per_token > self.budget_bytes:
                 cache.compact()  # this step's column would take the free slots past the budget
-            rows = torch.tensor(cache.index(seqs))
+            slots = cache.index(seqs)
+            if slots == list(range(len(cache.owners))):  # every slot live, in the engine's order: nothing to gather
+                out = self.forward(tokens, cache.attention_mask(), cache.positions(), cache.tensors, entropy)
+                cache.advance(out.presents)
+                return StepResult(out.logits, out.entropy)
+            rows = torch.tensor(slots)
             step_tokens = torch.zeros(len(cache.owners), 1, dtype=torch.int64).index_copy_(0, rows, tokens)
             out = self.forward(step_tokens, cache.attention_mask(), cache.positions(), cache.tensors, entropy)
             cache.advance(out.presents)

@@ -212,3 +212,17 @@ def test_files_name_their_dimensions_and_carry_only_the_functions_they_call(tmp_
     called = _called(proto.graph.node).union(*(_called(f.node) for f in proto.functions))
     assert all(f.name in called for f in proto.functions), [f.name for f in proto.functions if f.name not in called]
     assert ("ThresholdSums" in {f.name for f in proto.functions}) == (norm == "entmax")
+
+
+def test_onnxruntime_fuses_every_rmsnorm_into_one_node(tmp_path):
+    """The exported RMSNorm is the pattern onnxruntime's optimizer rewrites into one SimplifiedLayerNormalization
+    node (each unfused norm is five or six small elementwise nodes, a decode step's main per-node cost)."""
+    model = _model("softmax")
+    path = _export(tmp_path, model, "--no-check")
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
+    norms = 2 * model.cfg.layers + 1  # before attention and MLP in each block, then the final one
+    assert ops.count("SimplifiedLayerNormalization") == norms, sorted(set(ops))
+    assert not {"Sqrt", "Reciprocal", "Pow", "ReduceMean"} & set(ops)
