@@ -10,7 +10,8 @@ values are kept is the backend's business:
   cache (serving/cache.py), so its memory follows the longest sequence;
 - `TorchBackend` runs a SharpLM on a paged KV cache (models/kvcache.py): each sequence holds only its own pages, a
   sequence joins and leaves without moving data, and on CUDA the attention reads the pages with the Triton kernels.
-A row the model fails on in a batched decode ends alone: the rows are run one by one and only failing ones end.
+A row the model fails on in a batched decode or prefill ends alone: the rows are run one by one and only failing ones
+end.
 This module holds the interface, the graph backends' shared part and `load_backend`; each backend has its own
 module (onnxruntime_backend.py, torch_backend.py, tensorrt_backend.py), imported only when it is the one asked for.
 """
@@ -60,6 +61,15 @@ class StepResult:
     failed: list[Hashable] = field(default_factory=list)
 
 
+@dataclass
+class Chunk:
+    """A prefill chunk: the reserved sequence's prompt tokens start..start+n−1 as ids (1, n)."""
+
+    seq: Hashable
+    ids: Tensor
+    start: int
+
+
 class Backend(ABC):
     spec: ModelSpec
     device: torch.device
@@ -78,6 +88,17 @@ class Backend(ABC):
     @abstractmethod
     def prefill(self, seq: Hashable, ids: Tensor, start: int, entropy: bool) -> StepResult:
         """ids (1, n): the reserved sequence's prompt tokens start..start+n−1, after its first `start`."""
+
+    def prefill_many(self, chunks: list[Chunk], entropy: bool) -> list[StepResult | None]:
+        """Each chunk's `prefill`, in order; None for a chunk the model failed on (the others are unaffected)."""
+        results: list[StepResult | None] = []
+        for c in chunks:
+            try:
+                results.append(self.prefill(c.seq, c.ids, c.start, entropy))
+            except Exception:
+                log.exception("prefill failed")
+                results.append(None)
+        return results
 
     def join(self, seq: Hashable) -> None:  # noqa: B027  (a no-op unless the running batch has its own cache)
         """The sequence's prompt is in: it decodes with the others from now on."""
@@ -146,8 +167,15 @@ class GraphBackend(Backend):
 
     @abstractmethod
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, past: list[Tensor], entropy: bool
-    ) -> StepOutput: ...
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        position_ids: Tensor,
+        past: list[Tensor],
+        entropy: bool,
+        last: Tensor | None = None,
+    ) -> StepOutput:
+        """One run of the graph; the logits are each row's at column last[row] (default: the last column)."""
 
     def empty_past(self, batch: int) -> list[Tensor]:
         s = self.spec
@@ -174,6 +202,52 @@ class GraphBackend(Backend):
         )
         self._own[seq] = out.presents
         return StepResult(out.logits, out.entropy)
+
+    def prefill_many(self, chunks, entropy):
+        """Chunks that start at the same position run as one batch, right-padded to the longest: a padding token
+        sits after its row's prompt, so causal attention hides it from every real one, and each row's cache keeps
+        only its own columns (one forward of B rows costs far less than B forwards: a graph's per-node cost is paid
+        once). Padding is bounded: a batch is never more than twice its real tokens. If a batch raises, its rows run
+        alone and only those that raise again fail."""
+        results: list[StepResult | None] = [None] * len(chunks)
+        for batch in _prefill_batches(chunks):
+            if len(batch) == 1:
+                results[batch[0]] = Backend.prefill_many(self, [chunks[batch[0]]], entropy)[0]
+                continue
+            try:
+                for i, out in zip(batch, self._prefill_batch([chunks[i] for i in batch], entropy), strict=True):
+                    results[i] = out
+            except Exception:
+                log.warning("a batched prefill of %d prompts failed; running them one by one", len(batch))
+                for i, out in zip(batch, Backend.prefill_many(self, [chunks[i] for i in batch], entropy), strict=True):
+                    results[i] = out
+        return results
+
+    def _prefill_batch(self, chunks: list[Chunk], entropy: bool) -> list[StepResult]:
+        start, lengths = chunks[0].start, [c.ids.shape[1] for c in chunks]
+        width = max(lengths)
+        ids = torch.zeros(len(chunks), width, dtype=torch.int64)
+        for row, c in enumerate(chunks):
+            ids[row, : lengths[row]] = c.ids[0]
+        if start:
+            past = [torch.cat(layer) for layer in zip(*(self._own[c.seq] for c in chunks), strict=True)]
+        else:
+            past = self.empty_past(len(chunks))
+        out = self.forward(
+            ids,
+            torch.ones(len(chunks), start + width, dtype=torch.int64),
+            torch.arange(start, start + width).repeat(len(chunks), 1),
+            past,
+            entropy,
+            last=torch.tensor(lengths) - 1,
+        )
+        results = []
+        for row, (c, n) in enumerate(zip(chunks, lengths, strict=True)):
+            own = [p[row : row + 1, :, : start + n] for p in out.presents]
+            self._own[c.seq] = own if n == width else [p.contiguous() for p in own]
+            ent = None if out.entropy is None else out.entropy[row : row + 1, ..., :n]
+            results.append(StepResult(out.logits[row : row + 1], ent))
+        return results
 
     def join(self, seq):
         cache = self._own.pop(seq)
@@ -225,6 +299,27 @@ class GraphBackend(Backend):
     def _rebatch(self, seqs):
         for seq in seqs:  # rows that failed keep their own cache until the engine releases them
             self.join(seq)
+
+
+def _prefill_batches(chunks: list[Chunk]) -> list[list[int]]:
+    """Indices of `chunks` grouped into prefill batches: the same start (their pasts are equally wide), longest
+    first, a batch closed before its padded size would pass twice its real tokens."""
+    batches: list[list[int]] = []
+    by_start: dict[int, list[int]] = {}
+    for i, c in enumerate(chunks):
+        by_start.setdefault(c.start, []).append(i)
+    for rows in by_start.values():
+        rows.sort(key=lambda i: -chunks[i].ids.shape[1])
+        batch, real = [], 0
+        for i in rows:
+            n = chunks[i].ids.shape[1]
+            if batch and (len(batch) + 1) * chunks[batch[0]].ids.shape[1] > 2 * (real + n):
+                batches.append(batch)
+                batch, real = [], 0
+            batch.append(i)
+            real += n
+        batches.append(batch)
+    return batches
 
 
 def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "cpu", **kw) -> Backend:

@@ -25,7 +25,7 @@ import torch
 
 from sharp.models.sampling import sample_rows
 from sharp.models.tokenizer import TextStream
-from sharp.serving.backends import PAGE_SIZE, Backend
+from sharp.serving.backends import PAGE_SIZE, Backend, Chunk
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import GenerationRequest, Limits, RequestError
 from sharp.serving.stats import RequestOutcome, StepStats
@@ -410,27 +410,31 @@ class Engine:
             self._stats.entropy.append((ent.transpose(0, 3, 1, 2).reshape(-1, *ent.shape[1:3]), visible.reshape(-1)))
 
     def _prefill(self) -> None:
-        budget = self.config.prefill_chunk
-        for seq in list(self._prefilling):
+        """The next chunk of each prefilling sequence, oldest first, up to `prefill_chunk` prompt tokens in all, in
+        one call: the backend batches what it can."""
+        budget, chunks = self.config.prefill_chunk, []
+        for seq in self._prefilling:
             if budget <= 0:
                 break
-            start = seq.length
-            n = min(budget, seq.prompt_len - start)
-            ids = torch.tensor([seq.request.prompt_ids[start : start + n]], dtype=torch.int64)
-            began = time.perf_counter()
-            try:
-                out = self.backend.prefill(seq, ids, start, self._want_entropy([seq]))
-            except Exception:  # the model failed on this prompt: it ends alone
-                log.exception("prefill failed")
+            n = min(budget, seq.prompt_len - seq.length)
+            ids = torch.tensor([seq.request.prompt_ids[seq.length : seq.length + n]], dtype=torch.int64)
+            chunks.append(Chunk(seq, ids, seq.length))
+            budget -= n
+        if not chunks:
+            return
+        began = time.perf_counter()
+        results = self.backend.prefill_many(chunks, self._want_entropy([c.seq for c in chunks]))
+        self._stats.forward_seconds += time.perf_counter() - began
+        for chunk, out in zip(chunks, results, strict=True):
+            seq, n = chunk.seq, chunk.ids.shape[1]
+            if out is None:  # the model failed on this prompt: it ends alone
                 self._prefilling.remove(seq)
                 self.backend.release(seq)
-                self._fail_forward(seq, f"prefill at prompt token {start}")
+                self._fail_forward(seq, f"prefill at prompt token {chunk.start}")
                 continue
-            self._stats.forward_seconds += time.perf_counter() - began
-            seq.length = start + n
-            budget -= n
+            seq.length = chunk.start + n
             self._stats.prompt_tokens[seq.request.api] += n
-            self._record_entropy([seq], out.entropy, [start])
+            self._record_entropy([seq], out.entropy, [chunk.start])
             if seq.length == seq.prompt_len:
                 self._prefilling.remove(seq)
                 self._emit(seq, sample_rows(out.logits[0:1], [seq.request.sampling], [seq.generator])[0])

@@ -61,7 +61,7 @@ class OnnxRuntimeBackend(GraphBackend):
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
         feed = {
             "input_ids": input_ids.numpy(),
             "attention_mask": attention_mask.numpy(),
@@ -71,8 +71,9 @@ class OnnxRuntimeBackend(GraphBackend):
         names = self.output_names if entropy else self.output_names[:-1]
         logits, *rest = self.session.run(names, feed)
         presents = rest[:-1] if entropy else rest
+        picked = logits[:, -1] if last is None else logits[np.arange(len(logits)), last.numpy()]
         return StepOutput(
-            torch.from_numpy(np.ascontiguousarray(logits[:, -1])),
+            torch.from_numpy(np.ascontiguousarray(picked)),
             [torch.from_numpy(p) for p in presents],
             torch.from_numpy(rest[-1]) if entropy else None,
         )

@@ -53,7 +53,7 @@ class TensorRTBackend(GraphBackend):
         GraphBackend.__init__(self)
 
     @torch.inference_mode()
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
         from sharp.exporter.build_engine import profile_for
 
         context = self.contexts[profile_for(input_ids.shape[1], past[0].shape[2] if past else 0)]
@@ -74,4 +74,6 @@ class TensorRTBackend(GraphBackend):
         self.stream.synchronize()
         presents = [results[n].float() for n in self.outputs if n.startswith("present.")]
         ent = results["attention_entropy"].float().cpu() if entropy else None
-        return StepOutput(results["logits"][:, -1].float().cpu(), presents, ent)
+        logits = results["logits"]
+        picked = logits[:, -1] if last is None else logits[torch.arange(len(logits)), last.to(self.device)]
+        return StepOutput(picked.float().cpu(), presents, ent)

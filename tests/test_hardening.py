@@ -44,8 +44,8 @@ class Wrapped:
 class NaNForMarkedRows(Wrapped):
     """Wraps a real backend; a prompt that contains POISON gets NaN logits."""
 
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
-        out = self.inner(input_ids, attention_mask, position_ids, past, entropy)
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
+        out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last)
         for row in range(input_ids.shape[0]):
             if input_ids.shape[1] > 1 and (input_ids[row] == POISON).any():  # prompts only, never sampled ids
                 out.logits[row] = float("nan")
@@ -61,16 +61,18 @@ class RaisesForMarkedRows(Wrapped):
         super().__init__(backend)
         self.batch_failures = 0
 
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy):
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
         if input_ids.shape[1] > 1 and (input_ids == BREAKS_PREFILL).any():
             raise RuntimeError("prefill refused")
         if any(t.isnan().any() for t in past):
             self.batch_failures += input_ids.shape[0] > 1
             raise RuntimeError("non-finite keys in the cache")
-        out = self.inner(input_ids, attention_mask, position_ids, past, entropy)
-        if input_ids.shape[1] > 1 and (input_ids == BREAKS_DECODE).any():
-            out.presents[0][:] = float("nan")
-            out.logits[:, self.spec.tokenizer.eos] = float("-inf")  # its first token never ends it: it decodes
+        out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last)
+        if input_ids.shape[1] > 1:
+            for row in range(input_ids.shape[0]):
+                if (input_ids[row] == BREAKS_DECODE).any():
+                    out.presents[0][row] = float("nan")
+                    out.logits[row, self.spec.tokenizer.eos] = float("-inf")  # its first token never ends it
         return out
 
 
@@ -78,10 +80,10 @@ class SlowEndless(Wrapped):
     """Wraps a real backend: a prefill takes 0.3 s more (a short deadline expires before the first token) and the
     model never emits EOS (a stream runs until it is cancelled, never ending by chance)."""
 
-    def forward(self, input_ids, *args):
+    def forward(self, input_ids, *args, **kw):
         if input_ids.shape[1] > 1:
             time.sleep(0.3)
-        out = self.inner(input_ids, *args)
+        out = self.inner(input_ids, *args, **kw)
         out.logits[:, self.spec.tokenizer.eos] = float("-inf")
         return out
 
@@ -414,10 +416,10 @@ def test_status_series_exist_before_any_request(model_files):  # noqa: F811
 class SleepyDecode(Wrapped):
     """Wraps a real backend: every decode forward (one new token per row) takes 10 ms more."""
 
-    def forward(self, input_ids, *args):
+    def forward(self, input_ids, *args, **kw):
         if input_ids.shape[1] == 1:
             time.sleep(0.01)
-        return self.inner(input_ids, *args)
+        return self.inner(input_ids, *args, **kw)
 
 
 def test_the_engine_counts_decode_forwards_as_forward_time(model_files):  # noqa: F811

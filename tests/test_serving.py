@@ -45,6 +45,7 @@ from sharp.serving import (
     ServingMetrics,
     load_backend,
 )
+from sharp.serving.backends import Chunk, _prefill_batches
 from sharp.serving.cache import BatchCache
 from sharp.serving.client import make_request
 from sharp.serving.engine import Delta, Finished
@@ -398,6 +399,49 @@ def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference
 def _own_cache(length: int, fill: float) -> list[torch.Tensor]:
     """One sequence's cache for BatchCache: 2 layers × keys/values of (1, kv_heads 2, length, head_dim 4)."""
     return [torch.full((1, 2, length, 4), fill) for _ in range(4)]
+
+
+def test_prompts_prefilled_together_get_what_each_gets_alone(model_files):
+    """The graph backends prefill chunks that start together in one forward, right-padded to the longest: each
+    sequence still gets its own last-token logits, entropies and a cache exactly its length wide — for first chunks
+    of different lengths, and for second chunks over equally wide pasts (concatenated in the batch's order)."""
+    be = load_backend(model_files["onnxruntime"])
+    be.allocate(64 * 2**20)
+    prompts = {"a": [256, 5, 6, 7, 8, 9, 10], "b": [256, 40], "c": [256, 70, 71, 72], "d": [256, 9, 9, 9, 9, 3]}
+    firsts = {"x": ([256, 1, 2, 3], [4, 5, 6]), "y": ([256, 7, 8, 9], [10])}  # two chunks: 4 tokens, then 3 or 1
+    alone = {}
+    for key, ids in [*prompts.items(), *((k, a + b) for k, (a, b) in firsts.items())]:
+        out = be.prefill(("alone", key), torch.tensor([ids]), 0, True)
+        alone[key] = (out, be._own.pop(("alone", key)))
+    rows = []
+    real_forward = be.forward
+    be.forward = lambda ids, *a, **kw: rows.append(ids.shape[0]) or real_forward(ids, *a, **kw)
+    together = be.prefill_many([Chunk(k, torch.tensor([ids]), 0) for k, ids in prompts.items()], True)
+    be.prefill_many([Chunk(k, torch.tensor([a]), 0) for k, (a, _) in firsts.items()], True)
+    seconds = be.prefill_many([Chunk(k, torch.tensor([b]), 4) for k, (_, b) in firsts.items()], True)
+    got = dict(zip([*prompts, *firsts], [*together, *seconds], strict=True))
+    assert rows == [4, 2, 2]  # one forward per batch
+    for key, out in got.items():
+        ref, cache = alone[key]
+        n = len(prompts[key]) if key in prompts else 4
+        torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.entropy, ref.entropy[..., -out.entropy.shape[-1] :], atol=1e-4, rtol=1e-4)
+        assert out.entropy.shape[-1] == (n if key in prompts else len(firsts[key][1]))
+        for mine, theirs in zip(be._own[key], cache, strict=True):
+            assert mine.shape == theirs.shape and mine.is_contiguous()
+            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_batches_share_a_start_and_stay_within_twice_their_tokens():
+    lengths_starts = [(100, 0), (2, 0), (3, 5), (2, 0), (60, 0), (1, 5)]
+    chunks = [Chunk(i, torch.zeros(1, n, dtype=torch.int64), start) for i, (n, start) in enumerate(lengths_starts)]
+    batches = _prefill_batches(chunks)
+    assert sorted(i for b in batches for i in b) == list(range(len(chunks)))
+    for b in batches:
+        assert len({chunks[i].start for i in b}) == 1
+        n = [chunks[i].ids.shape[1] for i in b]
+        assert n == sorted(n, reverse=True) and len(b) * n[0] <= 2 * sum(n)
+    assert batches == [[0, 4, 1], [3], [2, 5]]
 
 
 def test_batch_cache_reuses_a_freed_slot_without_moving_the_others():
