@@ -75,5 +75,6 @@ class TensorRTBackend(GraphBackend):
         presents = [results[n].float() for n in self.outputs if n.startswith("present.")]
         ent = results["attention_entropy"].float().cpu() if entropy else None
         logits = results["logits"]
-        picked = logits[:, -1] if last is None else logits[torch.arange(len(logits)), last.to(self.device)]
+        rows = torch.arange(len(logits), device=logits.device)
+        picked = logits[:, -1] if last is None else logits[rows, last.to(logits.device)]
         return StepOutput(picked.float().cpu(), presents, ent)
