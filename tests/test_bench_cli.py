@@ -88,7 +88,36 @@ def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_t
         cells = rows[name]
         assert cells[1] == "8/0", cells  # every request completed
         assert float(cells[8]) > 0 and float(cells[9]) >= 1  # host µs per step; rows per decode step
+        low, high = map(float, cells[10].split("–"))
+        assert low <= float(cells[3]) <= high  # the rounds' spread holds the median
     assert float(rows["gRPC, closed loop C=4, --max-batch 1"][9]) == 1
     assert float(rows["gRPC, closed loop C=4"][9]) > 1  # continuous batching: several rows per decode step
     assert rows["in-process engine, C=4"][8] == "—"  # no server to read counters from
     assert re.search(r"rows: -?\d+ µs \+ -?[\d.]+ µs per running row\.", text)
+
+
+def test_a_serve_row_reports_the_median_and_the_spread_of_its_rounds():
+    from sharp.benchmarks.serve import Run, _row
+
+    runs = [Run(completed=4, tokens=n, seconds=1.0, ttft=[0.01], itl=[0.001]) for n in (900, 300, 600)]
+    cells = _row("x", runs)
+    assert cells[3] == "600" and cells[-1] == "300–900"
+
+
+def test_genai_compares_both_sides_on_one_package_and_reports_each_sides_spread(tmp_path):
+    """`sharp-bench genai` end to end on the zoo model (a tiny load): sharp-serve in its own process and
+    onnxruntime-genai on the same package, each run twice; a row holds both medians, their ratio and each side's
+    lowest–highest run."""
+    pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
+    from sharp.benchmarks.genai import run as genai
+
+    page = tmp_path / "results.md"
+    argv = ["--requests", "2", "--new-tokens", "3", "--concurrency", "1", "--repeats", "2", "--write", str(page)]
+    assert genai(argv) == 0
+    row = next(line for line in page.read_text().splitlines() if line.startswith("| C=1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    ours, theirs = float(cells[1]), float(cells[2])
+    assert ours > 0 and theirs > 0 and abs(float(cells[3].rstrip("×")) - ours / theirs) <= 0.01
+    for median, spread in ((ours, cells[4]), (theirs, cells[5])):
+        low, high = map(float, spread.split("–"))
+        assert low <= median <= high

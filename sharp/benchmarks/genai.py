@@ -93,9 +93,17 @@ def bench(package: Path, source: str, args) -> str:
             ours.append(sharp_serve_tokens_per_s(package, prompts, c, args.new_tokens))
             theirs.append(genai_tokens_per_s(package, prompts, c, args.new_tokens))
         a, b = statistics.median(ours), statistics.median(theirs)
-        rows.append([f"C={c}", f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}×"])
+        spread = [f"{min(ours):.0f}–{max(ours):.0f}", f"{min(theirs):.0f}–{max(theirs):.0f}"]
+        rows.append([f"C={c}", f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}×", *spread])
         print(" | ".join(rows[-1]), flush=True)
-    header = ["concurrency", "sharp-serve out tok/s", "onnxruntime-genai out tok/s", "sharp / genai"]
+    header = [
+        "concurrency",
+        "sharp-serve out tok/s",
+        "onnxruntime-genai out tok/s",
+        "sharp / genai",
+        "sharp-serve, lowest–highest run",
+        "onnxruntime-genai, lowest–highest run",
+    ]
     return "\n".join(
         [
             "## sharp-serve vs onnxruntime-genai (sharp-bench genai)",

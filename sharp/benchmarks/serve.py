@@ -211,6 +211,7 @@ def _row(name: str, runs: list[Run]) -> list[str]:
         f"{pct('itl', 99):.2f}",
         f"{med([r.host_us_per_step() for r in engine]):.0f}" if engine else "—",
         f"{med([r.rows_per_decode() for r in engine]):.1f}" if engine else "—",
+        f"{min(r.tokens / r.seconds for r in runs):.0f}–{max(r.tokens / r.seconds for r in runs):.0f}",
     ]
 
 
@@ -293,6 +294,7 @@ def bench(model: Path, args) -> str:
         "ITL p99 ms",
         "engine host µs/step",
         "rows/decode step",
+        "out tok/s, lowest–highest round",
     ]
     lines = [
         "## Serving (sharp-bench serve)",
@@ -302,7 +304,7 @@ def bench(model: Path, args) -> str:
         " (a fresh one per run); the load generator streams from this one over loopback gRPC."
         f" {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
         f" tokens each, --max-batch {args.max_batch} unless stated; medians of {args.repeats} rounds (each"
-        " round runs every scenario once, in the order of the table)."
+        " round runs every scenario once, in the order of the table; the last column is the rounds' spread)."
         " TTFT and inter-token latency (ITL) are measured at the client; engine host µs/step is the server's"
         " own step time with the model's forwards taken out (sharp_engine_busy_seconds_total −"
         " sharp_engine_forward_seconds_total, per sharp_engine_steps_total); the in-process row drives the"
