@@ -211,16 +211,16 @@ class GraphBackend(Backend):
         alone and only those that raise again fail."""
         results: list[StepResult | None] = [None] * len(chunks)
         for batch in _prefill_batches(chunks):
-            if len(batch) == 1:
-                results[batch[0]] = Backend.prefill_many(self, [chunks[batch[0]]], entropy)[0]
-                continue
-            try:
-                for i, out in zip(batch, self._prefill_batch([chunks[i] for i in batch], entropy), strict=True):
-                    results[i] = out
-            except Exception:
-                log.warning("a batched prefill of %d prompts failed; running them one by one", len(batch))
-                for i, out in zip(batch, Backend.prefill_many(self, [chunks[i] for i in batch], entropy), strict=True):
-                    results[i] = out
+            members, outs = [chunks[i] for i in batch], None
+            if len(batch) > 1:
+                try:
+                    outs = self._prefill_batch(members, entropy)
+                except Exception:
+                    log.warning("a batched prefill of %d prompts failed; running them one by one", len(batch))
+            if outs is None:
+                outs = Backend.prefill_many(self, members, entropy)
+            for i, out in zip(batch, outs, strict=True):
+                results[i] = out
         return results
 
     def _prefill_batch(self, chunks: list[Chunk], entropy: bool) -> list[StepResult]:
@@ -275,14 +275,14 @@ class GraphBackend(Backend):
             if cache.free and (self._held() + len(cache.owners)) * self.kv_bytes_per_token > self.budget_bytes:
                 cache.compact()  # this step's column would take the free slots past the budget
             slots = cache.index(seqs)
-            if slots == list(range(len(cache.owners))):  # every slot live, in the engine's order: nothing to gather
-                out = self.forward(tokens, cache.attention_mask(), cache.positions(), cache.tensors, entropy)
-                cache.advance(out.presents)
-                return StepResult(out.logits, out.entropy)
-            rows = torch.tensor(slots)
-            step_tokens = torch.zeros(len(cache.owners), 1, dtype=torch.int64).index_copy_(0, rows, tokens)
-            out = self.forward(step_tokens, cache.attention_mask(), cache.positions(), cache.tensors, entropy)
+            rows = None  # every slot live, in the engine's order: nothing to scatter or gather
+            if slots != list(range(len(cache.owners))):
+                rows = torch.tensor(slots)
+                tokens = torch.zeros(len(cache.owners), 1, dtype=torch.int64).index_copy_(0, rows, tokens)
+            out = self.forward(tokens, cache.attention_mask(), cache.positions(), cache.tensors, entropy)
             cache.advance(out.presents)
+            if rows is None:
+                return StepResult(out.logits, out.entropy)
             return StepResult(out.logits[rows], None if out.entropy is None else out.entropy[rows])
         (seq,) = seqs  # a row run alone (after _unbatch)
         past = self._own[seq]
