@@ -20,19 +20,19 @@ from sharp.models.problem import AttentionProblem, build_problem
 from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S
 from sharp.models.streamed import streamed_attention
 
-ImplFn = Callable[..., tuple[Tensor, Tensor]]
+ImplFn = Callable[..., tuple[Tensor, Tensor | None]]  # (problem, block_size, entropy) → (output, entropy or None)
 STREAMED_BLOCK = 128  # keys per block of impl="streamed" when block_size is not given
 IMPLS: tuple[str, ...] = ("reference", "streamed", "triton")
 
 
-def _reference(problem: AttentionProblem, block_size: int | None) -> tuple[Tensor, Tensor]:
+def _reference(problem: AttentionProblem, block_size: int | None, with_entropy: bool) -> tuple[Tensor, Tensor]:
     p = problem
     z = p.logits(0, p.lq, 0, p.lk)
     probs = p.norm.probs(z, -1, poly=p.poly, **p.params)
     return torch.matmul(probs, p.values(0, p.lk)), entropy(probs)
 
 
-def _streamed(problem: AttentionProblem, block_size: int | None) -> tuple[Tensor, Tensor]:
+def _streamed(problem: AttentionProblem, block_size: int | None, with_entropy: bool) -> tuple[Tensor, Tensor]:
     if torch.is_grad_enabled() and any(
         t.requires_grad for t in (problem.q, problem.k, problem.v) if isinstance(t, Tensor)
     ):
@@ -108,6 +108,6 @@ def attend(
         ent = torch.zeros(q.shape[:3], dtype=problem.dtype, device=q.device)
     else:
         run: ImplFn = {"reference": _reference, "streamed": _streamed}.get(impl) or registered_impl(IMPL_GROUP, impl)
-        out, ent = run(problem, block_size)
+        out, ent = run(problem, block_size, return_entropy)  # an impl may skip the entropy when not asked
     out = out.to(q.dtype)
     return (out, ent) if return_entropy else out

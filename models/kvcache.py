@@ -225,7 +225,7 @@ class PagedLayer:
         heads = torch.arange(kp.shape[0], device=kp.device)[None, :, None]
         return kp[heads, pages, slots], vp[heads, pages, slots], real  # (B, kv_heads, longest, D), contiguous
 
-    def attend(self, q: Tensor, impl: str, **norm: object) -> tuple[Tensor, Tensor]:
+    def attend(self, q: Tensor, impl: str, entropy: bool = True, **norm: object) -> tuple[Tensor, Tensor | None]:
         """Attention of q (B, Hq, new, D) — the step's new tokens, causal — over the sequences' keys (written
         first): output and entropy (B, Hq, new) as `attend` returns them."""
         kp, vp = self.step.cache.pages(self.index)
@@ -234,8 +234,8 @@ class PagedLayer:
             return _paged_impl("triton")(q, kp, vp, self.step.block_table, self.step.seq_lens, causal=True, **norm)
         k, v, real = self.dense()
         mask = None if len(self.step.seqs) == 1 else real  # one sequence has no padding
-        out, ent = attend(q, k, v, causal=True, key_mask=mask, impl=impl, return_entropy=True, **norm)
-        return out, ent
+        res = attend(q, k, v, causal=True, key_mask=mask, impl=impl, return_entropy=entropy, **norm)
+        return res if entropy else (res, None)
 
 
 def _paged_impl(name: str) -> Callable[..., tuple[Tensor, Tensor]]:

@@ -101,8 +101,10 @@ class SharpAttention(nn.Module):
         cache: KVCache | PagedLayer | None = None,
         key_mask: Tensor | None = None,
         impl: str = "reference",
-    ) -> tuple[Tensor, KVCache | PagedLayer, Tensor]:
-        """x (B, L, dim), positions (B, L) → output (B, L, dim), the new cache, entropy (B, Hq, L).
+        entropy: bool = True,
+    ) -> tuple[Tensor, KVCache | PagedLayer, Tensor | None]:
+        """x (B, L, dim), positions (B, L) → output (B, L, dim), the new cache, entropy (B, Hq, L) — or None when
+        not asked for and the attention can skip it (the Triton kernels do).
 
         With a dense cache the new keys are concatenated to it (and returned); with a paged cache they are written
         into the sequences' pages (key_mask unused: a paged sequence has no padding)."""
@@ -127,13 +129,14 @@ class SharpAttention(nn.Module):
             **self.head_params(),
         )
         if isinstance(cache, PagedLayer):
-            out, ent = cache.attend(q, impl, **kwargs)
+            out, ent = cache.attend(q, impl, entropy=entropy, **kwargs)
         elif self.as_op:  # one opaque node per layer for graph capture (the exporter lowers it to SharpAttention)
             if key_mask is None:
                 key_mask = torch.ones(b, k.shape[2], dtype=torch.bool, device=x.device)
             out, ent = attend_op(q, k, v, key_mask=key_mask, scale=cfg.head_dim**-0.5, **kwargs)
         else:
-            out, ent = attend(q, k, v, causal=True, key_mask=key_mask, impl=impl, return_entropy=True, **kwargs)
+            res = attend(q, k, v, causal=True, key_mask=key_mask, impl=impl, return_entropy=entropy, **kwargs)
+            out, ent = res if entropy else (res, None)
         out = out.transpose(1, 2).reshape(b, length, cfg.heads * cfg.head_dim)
         return self.o_proj(out), cache if isinstance(cache, PagedLayer) else (k, v), ent
 

@@ -29,8 +29,8 @@ class Block(nn.Module):
         self.attn = SharpAttention(cfg, norm)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, cache, key_mask, impl):
-        a, new_cache, ent = self.attn(self.ln1(x), positions, cache, key_mask, impl)
+    def forward(self, x, positions, cache, key_mask, impl, entropy=True):
+        a, new_cache, ent = self.attn(self.ln1(x), positions, cache, key_mask, impl, entropy)
         x = x + a
         return x + self.mlp(self.ln2(x)), new_cache, ent
 
@@ -82,7 +82,7 @@ class SharpLM(nn.Module):
         new_cache, entropies = [], []
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layer(i) if paged else cache[i] if cache else None
-            x, c, ent = block(x, positions, layer_cache, key_mask, impl)
+            x, c, ent = block(x, positions, layer_cache, key_mask, impl, return_entropy)
             new_cache.append(c)
             entropies.append(ent)
         logits = self.head(self.ln_f(x))

@@ -106,6 +106,38 @@ def test_split_k_merge_with_empty_splits(norm, lq):
     torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("norm", ["softmax", "ssmax", "ssa", "adaptive"])
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_negative_row_factors_fold_into_the_query(norm, shape):
+    """The kernels fold each row's factor (scale, ssmax's s·log n, SSA's b·scale) into its query's sign so the row
+    max is one factor times max q·k; a negative scale or s must still give the reference's attention."""
+    q, k, v, _ = _qkv(lq=21 if shape == "prefill" else 1, lk=45, seed=3)
+    kw = {"ssmax_s": torch.tensor([-1.0, 0.5, -0.2, 1.0])} if norm == "ssmax" else {}
+    scale = 0.7 if norm == "ssmax" else -0.4
+    o_ref, h_ref = attend(q, k, v, norm=norm, causal=True, scale=scale, return_entropy=True, **kw)
+    o, h = attend(q, k, v, norm=norm, causal=True, scale=scale, return_entropy=True, impl="triton", block_size=16,
+                  **on_device(kw, q.device))  # fmt: skip
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("shape", ["prefill", "decode"])
+def test_output_without_entropy_is_the_same(norm, shape):
+    """A caller that does not ask for the entropy (return_entropy=False) gets the same output; the one-launch
+    softmax-family kernels then skip the entropy's work (ENTROPY=False) and return none."""
+    q, k, v, qs = _qkv(lq=21 if shape == "prefill" else 1, lk=45, seed=4)
+    kw = _norm_kwargs(norm, 4, qs, per_head=False)
+    o_ref = attend(q, k, v, causal=True, **kw)
+    o = attend(q, k, v, causal=True, impl="triton", block_size=16, **kw)
+    torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
+    p = _problem(q, k, v, causal=True, **kw)
+    o2, h2 = run_problem(p, block_size=16, entropy=False)
+    torch.testing.assert_close(o2, o_ref.float(), atol=ATOL, rtol=0)
+    one_launch = shape == "prefill" and p.family.name == "SOFTMAX"
+    assert (h2 is None) == one_launch
+
+
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("shape", ["prefill", "decode"])
 def test_key_mask_padding_matches_reference(norm, shape):
@@ -345,9 +377,9 @@ def _launch_through_the_manifest(manifest: list[dict]) -> None:
     q, k, v = (torch.randn(b, h, n, d, generator=g).half().to(DEVICE) for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
     bh, dummy = b * hq, torch.zeros(1, device=DEVICE)
     cases = {
-        "softmax_family_fp16_d64_causal_finalize_logn_with_v": ("ssmax", dummy),
-        "softmax_family_fp16_d64_causal_finalize_ssa_with_v": ("ssa", dummy),
-        "softmax_family_fp16_d64_adaptive_causal_finalize_with_v": ("adaptive", dummy),
+        "softmax_family_fp16_d64_causal_entropy_finalize_logn_with_v": ("ssmax", dummy),
+        "softmax_family_fp16_d64_causal_entropy_finalize_ssa_with_v": ("ssa", dummy),
+        "softmax_family_fp16_d64_adaptive_causal_entropy_finalize_with_v": ("adaptive", dummy),
         "entmax_fp16_d64_causal": ("entmax", dummy),
     }
     entries = {m["variant"]: m for m in manifest}
@@ -581,3 +613,34 @@ def test_the_tuner_skips_tiles_that_do_not_fit_and_keeps_the_fastest(monkeypatch
     monkeypatch.setattr(host, "_TUNED", {})
     with pytest.raises(RuntimeError, match="no prefill tile"):
         tuned_tile(_problem(q, k, v), run_with)
+
+
+@pytest.mark.parametrize("norm", ["ssa", "entmax"])
+def test_a_model_step_without_entropy_gives_the_same_logits(norm):
+    """SharpLM.step(return_entropy=False) carries the choice down to the kernels (the torch backend's step when no
+    client asks for entropies); the logits are those of the step that returns them."""
+    from sharp.models import ModelConfig, SharpLM
+
+    torch.manual_seed(0)
+    model = SharpLM(ModelConfig(dim=32, layers=2, heads=4, norm=norm, context_length=64)).eval().to(DEVICE)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 20), device=DEVICE)
+    with torch.no_grad():
+        ref = model.step(ids, return_entropy=True, impl="reference")
+        out = model.step(ids, return_entropy=False, impl="triton")
+    assert out.entropy is None and ref.entropy is not None
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("alpha", [1.25, 1.5])
+def test_threshold_search_settles_in_few_passes(alpha):
+    """Far from the root the kernels step on S^(1/k) (near-linear in τ), near it on S − 1 with Halley's step, and a
+    step small enough that its cubed error is below the tolerance needs no pass to confirm it: at most three threshold
+    passes at α = 1.25 and four at 1.5 here (a pass more without the settling rule, five or six with Halley on S
+    alone), the reference's output all the same."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 256, 32, generator=g).to(DEVICE) for _ in range(3))
+    p = _problem(q, k, v, norm="entmax", causal=True, alpha=alpha)
+    stats = StreamStats()
+    out, _ = run_problem(p, block_size=64, stats=stats)
+    torch.testing.assert_close(out, attend(q, k, v, norm="entmax", causal=True, alpha=alpha), atol=ATOL, rtol=0)
+    assert stats.threshold_passes <= {1.25: 3, 1.5: 4}[alpha]

@@ -30,7 +30,7 @@ from triton.runtime.jit import native_specialize_impl
 
 from sharp.models import registry
 from sharp.models.registry import Family, Norm, Transform
-from sharp.plugins.triton import kernels, paged
+from sharp.plugins.triton import floor, kernels, paged
 from sharp.plugins.triton.attention import THRESHOLD_ROWS
 
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
@@ -51,6 +51,9 @@ class Variant:
     # path's JIT specialisations (see jit_variants), with `units` the integer arguments that are 1 in its launches
     spec: str = "aligned"
     units: tuple[str, ...] = ()
+    # "jit" only: integer arguments' values of one problem class (the rest as the rule in `_jit_value`); the JIT
+    # derives the same specialisation from them as from that problem's launch (sharp-bench kernels --static)
+    values: tuple[tuple[str, int], ...] = ()
 
     @property
     def name(self) -> str:
@@ -125,7 +128,7 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
                     "DOT_F32": dtype == "fp32",
                 }
                 # one launch per call: softmax, ssmax (log n on chip), SSA, adaptive (both sweeps in the program)
-                prefill = {**base, "FINALIZE": True, "WITH_V": True, "HAS_ROWF": False}
+                prefill = {**base, "FINALIZE": True, "WITH_V": True, "HAS_ROWF": False, "ENTROPY": True}
                 for ssa, logn, adaptive in ((False, False, False), (False, True, False), (True, False, False),
                                             (False, False, True)):  # fmt: skip
                     flags = {**prefill, "SSA": ssa, "LOGN": logn, "ADAPTIVE": adaptive}
@@ -158,15 +161,16 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     prefill, decode = {**base, "BLOCK_M": 64, "BLOCK_N": 64}, {**base, "BLOCK_M": 16, "BLOCK_N": 64}
     plain, logn, ssa = dict(SSA=False, LOGN=False), dict(SSA=False, LOGN=True), dict(SSA=True, LOGN=False)
     one, dec = ("B", "GROUP"), ("B", "GROUP", "LQ")
-    out = [  # prefill: one launch finishes output and entropy (adaptive: both sweeps on chip)
-        ("softmax_family", {**prefill, **t, "ADAPTIVE": a, "HAS_ROWF": False, "FINALIZE": True, "WITH_V": True}, one)
-        for t, a in ((plain, False), (logn, False), (ssa, False), (plain, True))
+    finish = {"HAS_ROWF": False, "FINALIZE": True, "WITH_V": True}
+    kinds = ((plain, False, True), (logn, False, True), (ssa, False, True), (plain, True, True), (plain, False, False))
+    out = [  # prefill: one launch finishes output and entropy (adaptive: both sweeps on chip), or output only
+        ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
     out += [
         ("entmax", {**prefill, "FAST": 0, "COUNT": False}, one),
         ("entmax", {**prefill, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True}, one),
     ]
-    split = {**decode, "ADAPTIVE": False, "FINALIZE": False}  # split-K decode: partial states merged by the host
+    split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by the host
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
     out += [  # adaptive split-K: statistics without V, then the output with β per row
         ("softmax_family", {**split, **plain, "HAS_ROWF": False, "WITH_V": False}, dec),
@@ -193,7 +197,7 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     return out
 
 
-_ALL_KERNELS = {**kernels.KERNELS, **paged.KERNELS}
+_ALL_KERNELS = {**kernels.KERNELS, **paged.KERNELS, **floor.KERNELS}
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _JIT_SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "NPOLY", "B", "HKV", "ROWS", "SPLITS", "WIDTH"}
 _JIT_FLOATS = {"scale", "beta_threshold", "tol"}
@@ -203,11 +207,18 @@ _JIT_POINTERS = {"KMASK": torch.int8, "BT": torch.int32, "SEQ": torch.int32, "CO
 _UNIT_STRIDES = {"sqd", "skd", "svd", "spd"}  # contiguous last dimensions
 
 
+def kernel_source(kernel: str) -> str:
+    """The file a kernel is written in (its line information names it)."""
+    return _ALL_KERNELS[kernel].fn.__code__.co_filename
+
+
 def _jit_value(name: str, v: Variant) -> object:
     """A value of argument `name` like the torch path passes: a 16-byte-aligned tensor for a pointer, a float,
     or an integer (17 under "plain"; under "jit" 1 for unit strides and sizes, else 64)."""
     if name in _JIT_FLOATS:
         return 0.5
+    if name in (given := dict(v.values)):
+        return given[name]
     if name[0].isupper() and name not in _JIT_SIZES:
         dtype = _TORCH_DTYPES[v.dtype] if name in _JIT_ELEMENTS else _JIT_POINTERS.get(name, torch.float32)
         return torch.empty(16, dtype=dtype)
@@ -216,11 +227,21 @@ def _jit_value(name: str, v: Variant) -> object:
     return 1 if name in _UNIT_STRIDES or name in v.units else 64
 
 
+def _check_constexprs(kernel: str, constexprs: dict) -> dict:
+    """`constexprs`, refused when one of the kernel's is missing: it would be compiled as an ordinary argument."""
+    fn = _ALL_KERNELS[kernel]
+    missing = [fn.arg_names[i] for i in fn.constexprs if fn.arg_names[i] not in constexprs]
+    if missing:
+        raise ValueError(f"{kernel}: no value for constexpr {', '.join(missing)}")
+    return constexprs
+
+
 def jit_specialise(v: Variant) -> tuple[dict, dict, dict]:
     """Signature, constexprs and attributes of `v` as the JIT derives them from argument values (Triton's own
     `native_specialize_impl`): divisibility by 16 as an attribute, integers equal to 1 as constants."""
     fn = _ALL_KERNELS[v.kernel]
-    constexprs = {k: x for k, x in {**v.flags, "BLOCK_D": v.block_d}.items() if k in fn.arg_names}
+    constexprs = _check_constexprs(v.kernel, {k: x for k, x in {**v.flags, "BLOCK_D": v.block_d}.items()
+                                              if k in fn.arg_names})  # fmt: skip
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -256,12 +277,20 @@ def compile_variant(v: Variant, arch: int, ptx_version: int) -> triton.compiler.
         src = ASTSource(fn=_ALL_KERNELS[v.kernel], signature=signature, constexprs=constexprs, attrs=attrs)
         return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version})
     fn = kernels.KERNELS[v.kernel]
-    constexprs = {**v.flags, **_TILE, "BLOCK_D": v.block_d}
+    constexprs = _check_constexprs(v.kernel, {**v.flags, **_TILE, "BLOCK_D": v.block_d})
     signature = _signature(v.kernel, v.dtype, constexprs)
     # every pointer is 16-byte aligned (TensorRT and torch allocations are): lets Q/K/V tiles move as vectors
     aligned = {(i,): [["tt.divisibility", POINTER_ALIGNMENT]] for i, t in enumerate(signature.values()) if t[0] == "*"}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version})
+    options = {"ptx_version": ptx_version, "num_stages": tensorrt_stages(v)}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def tensorrt_stages(v: Variant) -> int:
+    """Pipeline stages of an AOT variant. The TensorRT form always takes a key mask and ALiBi slopes, which hold
+    more registers in the key loop than the torch path's launches: with Triton's default 3 stages its loops spill
+    (`sharp-bench kernels --static`), with 2 only adaptive's second sweep does, a little."""
+    return 2
 
 
 # Shared memory a kernel may use without cudaFuncSetAttribute(MaxDynamicSharedMemorySize): above it the launcher
@@ -306,6 +335,7 @@ def _manifest_entry(v: Variant, md, arch: int, ptx_version: int) -> dict:
         "arch": arch,
         "ptx_version": f"{ptx_version // 10}.{ptx_version % 10}",
         "num_warps": md.num_warps,
+        "num_stages": md.num_stages,
         "shared_bytes": md.shared,
         "specialisation": v.spec,
     }

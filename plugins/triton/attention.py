@@ -251,8 +251,8 @@ def head_vector(value: Param, heads: int, device: torch.device) -> Tensor:
 class _Launcher:
     """Common launch arguments of one problem (strides, per-head tensors, constexpr flags)."""
 
-    def __init__(self, p: AttentionProblem, cfg: LaunchConfig):
-        self.p, self.cfg = p, cfg
+    def __init__(self, p: AttentionProblem, cfg: LaunchConfig, entropy: bool = True):
+        self.p, self.cfg, self.entropy = p, cfg, entropy
         dev = p.q.device
         self.bh = p.batch * p.heads
         self.grid = (-(-p.lq // cfg.block_m), self.bh, cfg.splits)
@@ -297,10 +297,11 @@ def _softmax_family(
     writes per-split partial states that are merged here (split-K decode, or adaptive's statistics pass)."""
     p, cfg = run.p, run.cfg
     finalize = cfg.splits == 1 and with_v
+    entropy = run.entropy or not with_v  # a statistics launch exists for its entropy
     if finalize:
         m = lam = kp = acc = run.dummy
         out = torch.empty(run.bh, p.lq, cfg.block_d, dtype=p.q.dtype, device=p.q.device)
-        ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
+        ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device) if entropy else run.dummy
     else:
         m, lam, kp = run.rows(fill=_NEG_INF), run.rows(), run.rows()
         acc = run.rows(cfg.block_d) if with_v else run.dummy
@@ -338,10 +339,11 @@ def _softmax_family(
         ADAPTIVE=adaptive,
         FINALIZE=finalize,
         WITH_V=with_v,
+        ENTROPY=entropy,
         **run.flags,
     )
     if finalize:
-        return out[..., : p.v.shape[-1]].float(), ent
+        return out[..., : p.v.shape[-1]].float(), ent if entropy else None
     _, lam1, kp1, acc1 = merge_softmax_states(m, lam, kp, acc if with_v else None)
     out, ent = finish_softmax_state(lam1, kp1, acc1)
     if out is not None:
@@ -458,9 +460,11 @@ def run_problem(
     block_size: int | None = None,
     splits: int | None = None,
     stats: StreamStats | None = None,
-) -> tuple[Tensor, Tensor]:
+    entropy: bool = True,
+) -> tuple[Tensor, Tensor | None]:
     """Output (B, Hq, Lq, Dv) fp32 and entropy (B, Hq, Lq) for a validated problem. `stats` (optional) collects
-    the entmax kernels' pass and skip counters — reading them synchronises with the device."""
+    the entmax kernels' pass and skip counters — reading them synchronises with the device. Without `entropy` the
+    one-launch softmax-family kernels skip its work (ENTROPY=False) and None may come back in its place."""
     if p.q.device.type != "cuda" and not interpreting():
         raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton)")
     if p.v.shape[-1] != p.q.shape[-1]:
@@ -469,25 +473,27 @@ def run_problem(
         raise ValueError(f"impl='triton' supports head dims up to 256, got {p.q.shape[-1]}")
     cfg = launch_config(p, block_size, splits)
     if cfg.splits == 1 and block_size is None and autotuning(p.q.device):  # prefill: the measured tile
-        cfg = launch_config(p, tile=tuned_tile(p, lambda tile: _run(p, launch_config(p, tile=tile), None)))
-    return _run(p, cfg, stats)
+        cfg = launch_config(p, tile=tuned_tile(p, lambda tile: _run(p, launch_config(p, tile=tile), None, entropy)))
+    return _run(p, cfg, stats, entropy)
 
 
-def _run(p: AttentionProblem, cfg: LaunchConfig, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
-    run = _Launcher(p, cfg)
+def _run(
+    p: AttentionProblem, cfg: LaunchConfig, stats: StreamStats | None, entropy: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    run = _Launcher(p, cfg, entropy)
     if p.family is Family.ENTMAX:
         out, ent = _entmax(run, stats)
     else:
         out, ent = _softmax_family_transform(run, stats if stats is not None else StreamStats())
-    return run.unflatten(out), run.unflatten(ent)
+    return run.unflatten(out), None if ent is None else run.unflatten(ent)
 
 
-def attend_impl(problem: AttentionProblem, block_size: int) -> tuple[Tensor, Tensor]:
+def attend_impl(problem: AttentionProblem, block_size: int, entropy: bool = True) -> tuple[Tensor, Tensor | None]:
     """Entry point for `attend(..., impl="triton")` (group `sharp.attention_impls`)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (problem.q, problem.k, problem.v)):
         raise ValueError("impl='triton' is forward-only (inference); train with impl='reference'")
     with torch.no_grad():
-        return run_problem(problem, block_size)
+        return run_problem(problem, block_size, entropy=entropy)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor | tuple[Tensor, Tensor]:

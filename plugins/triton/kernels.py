@@ -10,8 +10,20 @@ In the CPU interpreter a bf16 `tl.dot` does not work: DOT_F32 upcasts both opera
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+LOG2E = tl.constexpr(1.4426950408889634)  # e^x = 2^(x·log2 e): the kernels work in base 2 (exp2 is one MUFU op)
+LN2 = tl.constexpr(0.6931471805599453)
+# Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
+# The running max of a row that has seen no key yet: finite, so that 2^(m_old − m_new) is 0 and Λ·(m_old − m_new) is
+# 0·finite (no −inf − −inf, no 0·∞) without a test per tile; it leaves a sweep as −inf.
+NO_KEY = tl.constexpr(-3.0e38)
+SETTLED_STEP = tl.constexpr(1.0e-3)
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 @triton.jit
@@ -117,56 +129,162 @@ def _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI: tl.constexpr, 
 
 
 @triton.jit
-def _softmax_sweep(
-    q, K, V, b, hkv, lo, hi, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd, LK, D, scale, slope, lam,
-    KMASK, smb, rowf, ssa_n, ssa_b, SSA: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _log2(x):
+    """log2 on the MUFU (lg2.approx: ~2^-22 relative error, one instruction); NumPy's in the interpreter."""
+    if INTERPRETED:
+        y = tl.log2(x)
+    else:
+        y = libdevice.fast_log2f(x)
+    return y
+
+
+@triton.jit
+def _signed_log2(y):
+    """sgn(y)·log2(1 + |y|): SSA's transform in base 2 (the sign copied bitwise)."""
+    mag = _log2(1.0 + tl.abs(y))
+    return (mag.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _folded_scales(scale, rowf, lam, ssa_n, ssa_b, SSA: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Per-row factors of the base-2 logits u = t·log2(e), with every per-row factor folded once.
+
+    Softmax family: u = c·(q·k) + ca·(j − pos), c = log2(e)·rowf·λ·scale, ca = log2(e)·rowf·λ·slope (the caller
+    multiplies by its slope); SSA: u = g·T(c·(q·k) + ca·(j − pos)), T(y) = sgn(y)·log2(1 + |y|), c = b·λ·scale.
+    Without ALiBi the sign of a row's factor is returned to be folded into its query (exact: ±1), so c ≥ 0 and the
+    row max of u is the factor times the max of q·k — one FFMA per element forms u − m. Returns (c, ca, g, sign)."""
+    if SSA:
+        c = ssa_b * lam * scale
+        ca = ssa_b * lam
+        g = lam * 0.0 + ssa_n
+    else:
+        c = LOG2E * rowf * lam * scale
+        ca = LOG2E * rowf * lam
+        g = c * 0.0 + 1.0
+    if HAS_ALIBI:  # the slope term is per element: no folding, u formed in full
+        if SSA:
+            sgn = tl.where(g < 0, -1.0, 1.0)
+            c, ca, g = c * sgn, ca * sgn, g * sgn
+        sign = c * 0.0 + 1.0
+    elif SSA:
+        sign = tl.where(c * g < 0, -1.0, 1.0)
+        c, g = tl.abs(c), tl.abs(g)
+    else:
+        sign = tl.where(c < 0, -1.0, 1.0)
+        c = tl.abs(c)
+        g = c
+    return c, ca, g, sign
+
+
+@triton.jit
+def _sweep_tiles(
+    m_i, l_i, kp_i, acc, start, end, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, c, ca, ca_pos, g,
+    KMASK,
+    SSA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax walk over keys [lo, hi): m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m),
-    acc = Σ e^{t−m} v. Causal: the off-diagonal tiles — every key at or before the block's first query — run
-    without the causal test, the diagonal tiles after them with it."""
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    mid = hi
-    if CAUSAL:
-        full_tiles = tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N
-        mid = tl.minimum(hi, lo + full_tiles * BLOCK_N)
-    m_i, l_i, kp_i, acc = _sweep_range(
-        m_i, l_i, kp_i, acc, lo, mid, q, K, V, b, hkv, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd,
-        LK, D, scale, slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, SSA, False, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V,
-        DOT_F32, BLOCK_N,
-    )  # fmt: skip
-    if CAUSAL:
-        m_i, l_i, kp_i, acc = _sweep_range(
-            m_i, l_i, kp_i, acc, mid, hi, q, K, V, b, hkv, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn,
-            svd, LK, D, scale, slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, SSA, True, HAS_ALIBI, HAS_LAMBDA,
-            HAS_KMASK, WITH_V, DOT_F32, BLOCK_N,
-        )  # fmt: skip
+    """Fold the key tiles of [start, end) into the base-2 row state: m (max u), Λ = Σ 2^{u−m}, K₂ = Σ 2^{u−m}(u − m)
+    (ENTROPY), acc = Σ 2^{u−m} v. MASKED: keys ≥ Lk, causally hidden or absent (KMASK) read −inf — the diagonal and
+    the last tile; otherwise every row sees every key of the tile but padding keys (HAS_KMASK: a column test)."""
+    K += start * skn
+    V += start * svn
+    for start_n in range(start, end, BLOCK_N):
+        cols = cols0 + start_n
+        if MASKED:
+            kt = tl.load(K + k_offs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
+        else:
+            kt = tl.load(K + k_offs, mask=offs_d[:, None] < D, other=0.0)
+        if DOT_F32:
+            qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+        else:
+            qk = tl.dot(q, kt)
+        if HAS_ALIBI:  # slope·(j − pos) as slope·j − slope·pos: the row part is formed once (ca_pos)
+            s = qk * c[:, None] + (ca[:, None] * cols.to(tl.float32)[None, :] - ca_pos[:, None])
+            if SSA:
+                s = _signed_log2(s)
+        elif SSA:
+            s = _signed_log2(qk * c[:, None])
+        else:
+            s = qk
+        if MASKED or HAS_KMASK:
+            if MASKED:
+                visible = cols[None, :] < LK
+                if CAUSAL:
+                    visible = visible & (cols[None, :] <= qpos[:, None])
+                if HAS_KMASK:
+                    visible = visible & (tl.load(KMASK + cols, mask=cols < LK, other=0) != 0)[None, :]
+                u = tl.where(visible, s * g[:, None], float("-inf"))
+            else:  # an interior tile: only padding keys are hidden, a per-key bias of 0 or −inf
+                bias = tl.where(tl.load(KMASK + cols) != 0, 0.0, float("-inf"))
+                u = s * g[:, None] + bias[None, :]
+            m_new = tl.maximum(m_i, tl.max(u, 1))  # finite: m starts at NO_KEY, not −inf
+            x = u - m_new[:, None]
+            p = tl.math.exp2(x)
+            if ENTROPY:  # a hidden key's x = −inf: made finite so that its p·x is 0, not NaN
+                x = tl.maximum(x, -3.0e38)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * g)
+            x = s * g[:, None] - m_new[:, None]
+            p = tl.math.exp2(x)
+        alpha = tl.math.exp2(m_i - m_new)
+        if ENTROPY:  # K₂ about the new max: the old terms shift by (m_old − m_new) each (Λ = 0 before any key)
+            kp_i = alpha * (kp_i + l_i * (m_i - m_new)) + tl.sum(p * x, 1)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if WITH_V:
+            if MASKED:
+                v = tl.load(V + v_offs, mask=(cols[:, None] < LK) & (offs_d[None, :] < D), other=0.0)
+            else:
+                v = tl.load(V + v_offs, mask=offs_d[None, :] < D, other=0.0)
+            acc = acc * alpha[:, None]
+            if DOT_F32:
+                acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+        K += BLOCK_N * skn
+        V += BLOCK_N * svn
     return m_i, l_i, kp_i, acc
 
 
 @triton.jit
-def _sweep_range(
-    m_i, l_i, kp_i, acc, start, end, q, K, V, b, hkv, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd,
-    LK, D, scale, slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, SSA: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr,
-    DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+def _softmax_sweep(
+    q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
+    SSA: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr,
+    ENTROPY: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Fold the key tiles of [start, end) into the row state (CAUSAL: with the causal test)."""
-    for start_n in range(start, end, BLOCK_N):
-        z = _logits(
-            q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
-            CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
-        )  # fmt: skip
-        t = _transform(z, rowf, ssa_n, ssa_b, SSA)
-        m_i, l_i, kp_i, r, e = _online_step(m_i, l_i, kp_i, t)
-        if WITH_V:
-            v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
-            acc = acc * r[:, None] + _pv(e, v, DOT_F32)
-    return m_i, l_i, kp_i, acc
+    """One online-softmax walk over keys [lo, hi) of K, V and KMASK (already offset to this batch and KV head):
+    the whole tiles every row sees without any mask, then the rest (causal diagonal, last tile) with masks. Returns
+    the row state in natural units: m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m) (0 without ENTROPY), acc."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    c, ca, g, sign = _folded_scales(scale, rowf, lam, ssa_n, ssa_b, SSA=SSA, HAS_ALIBI=HAS_ALIBI)
+    ca = ca * slope
+    ca_pos = ca * qpos.to(tl.float32)
+    qs = q * sign[:, None].to(q.dtype)
+    k_offs = offs_n[None, :] * skn + offs_d[:, None] * skd  # a tile's offsets from its first key: loop-invariant
+    v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
+    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    if CAUSAL:  # keys at or before the block's first query are visible to all its rows
+        full = tl.minimum(full, lo + tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N * BLOCK_N)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_KEY
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, kp_i, acc = _sweep_tiles(
+        m_i, l_i, kp_i, acc, lo, full, qs, K, V, k_offs, v_offs, skn, svn, offs_n, qpos, LK, D, offs_d, c, ca, ca_pos,
+        g, KMASK,
+        SSA=SSA, MASKED=False, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V,
+        ENTROPY=ENTROPY, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    m_i, l_i, kp_i, acc = _sweep_tiles(
+        m_i, l_i, kp_i, acc, full, hi, qs, K, V, k_offs, v_offs, skn, svn, offs_n, qpos, LK, D, offs_d, c, ca, ca_pos,
+        g, KMASK,
+        SSA=SSA, MASKED=True, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V,
+        ENTROPY=ENTROPY, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    return tl.where(l_i > 0, m_i * LN2, float("-inf")), l_i, kp_i * LN2, acc
 
 
 @triton.jit
@@ -234,7 +352,7 @@ def _softmax_family_program(
     H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
     SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    WITH_V: tl.constexpr, DOT_F32: tl.constexpr,
+    WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over t = rowf·z (softmax; ssmax with LOGN: rowf = s_h·log n counted on chip; adaptive) or
@@ -247,7 +365,6 @@ def _softmax_family_program(
     Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the host to merge.
     """
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
     rowf = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
@@ -261,11 +378,14 @@ def _softmax_family_program(
         ssa_n = tl.load(SSA_N + h)
         ssa_b = tl.load(SSA_B + h)
     q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    K += b.to(tl.int64) * skb + hkv * skh
+    V += b.to(tl.int64) * svb + hkv * svh
+    KMASK += b * smb
     if ADAPTIVE:
         _, l1, kp1, _ = _softmax_sweep(
-            q, K, V, b, hkv, lo, hi, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd, LK, D, scale,
-            slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, False, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, False,
-            DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+            q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
+            SSA=False, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=False, ENTROPY=True,
+            DOT_F32=DOT_F32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )  # fmt: skip
         h1 = _entropy(l1, kp1)
         beta = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -273,9 +393,9 @@ def _softmax_family_program(
             beta = beta * h1 + tl.load(POLY + i)
         rowf = tl.where(h1 > beta_threshold, tl.maximum(beta, 1.0), 1.0)
     m_i, l_i, kp_i, acc = _softmax_sweep(
-        q, K, V, b, hkv, lo, hi, offs_n, offs_d, qpos, skb, skh, skn, skd, svb, svh, svn, svd, LK, D, scale,
-        slope, lam, KMASK, smb, rowf, ssa_n, ssa_b, SSA, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V,
-        DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+        q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
+        SSA=SSA, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V, ENTROPY=ENTROPY,
+        DOT_F32=DOT_F32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
     )  # fmt: skip
 
     keep = offs_m < LQ
@@ -284,7 +404,8 @@ def _softmax_family_program(
         live = l_i > 0
         out = acc / tl.where(live, l_i, 1.0)[:, None]  # a row with no visible key has acc = 0: output 0
         tl.store(OUT + row[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
-        tl.store(ENT_OUT + row, _entropy(l_i, kp_i), mask=keep)
+        if ENTROPY:
+            tl.store(ENT_OUT + row, _entropy(l_i, kp_i), mask=keep)
     else:
         row = (pid_s * BH + pid_bh) * LQ + offs_m
         tl.store(M_OUT + row, m_i, mask=keep)
@@ -301,7 +422,7 @@ def _softmax_family_kernel(
     H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
     SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    WITH_V: tl.constexpr, DOT_F32: tl.constexpr,
+    WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Softmax family for torch tensors of any strides: grid (query blocks, B·Hq, key splits)."""
@@ -309,15 +430,15 @@ def _softmax_family_kernel(
         Q, K, V, ROWF, SSMAX_S, SSA_N, SSA_B, POLY, SLOPES, LAMBDA, KMASK, M_OUT, L_OUT, KP_OUT, ACC_OUT, OUT,
         ENT_OUT, tl.program_id(0), tl.program_id(1), tl.program_id(2), sqb, sqh, sqm, sqd, skb, skh, skn, skd,
         svb, svh, svn, svd, H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
-        SSA, HAS_ROWF, LOGN, ADAPTIVE, FINALIZE, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V, DOT_F32,
-        BLOCK_M, BLOCK_N, BLOCK_D,
+        SSA, HAS_ROWF, LOGN, ADAPTIVE, FINALIZE, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V, ENTROPY,
+        DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 
 @triton.jit
 def _powers(d, inv, FAST: tl.constexpr):
     """(d^inv, d^(inv−1), Σ-ready d^(inv−2)) for d ≥ 0, each 0 where d = 0. FAST = 2: inv = 2 (α = 1.5);
-    FAST = 1: inv = 1 (α = 2) — no exp/log on the fast paths."""
+    FAST = 1: inv = 1 (α = 2) — no exp/log on the fast paths; otherwise exp2/log2 on the MUFU."""
     live = d > 0
     if FAST == 2:
         p0 = d * d
@@ -328,31 +449,33 @@ def _powers(d, inv, FAST: tl.constexpr):
         p1 = tl.where(live, 1.0, 0.0)
         p2 = tl.zeros_like(d)
     else:
-        logd = tl.log(tl.where(live, d, 1.0))
-        p0 = tl.where(live, tl.exp(inv * logd), 0.0)
-        p1 = tl.where(live, tl.exp((inv - 1.0) * logd), 0.0)
-        p2 = tl.where(live, tl.exp((inv - 2.0) * logd), 0.0)
+        lg = _log2(tl.where(live, d, 1.0))
+        p0 = tl.where(live, tl.math.exp2(inv * lg), 0.0)
+        p1 = tl.where(live, tl.math.exp2((inv - 1.0) * lg), 0.0)
+        p2 = tl.where(live, tl.math.exp2((inv - 2.0) * lg), 0.0)
     return p0, p1, p2
 
 
 @triton.jit
 def _weights(d, inv, FAST: tl.constexpr):
-    """w = d^inv and log w (0 where d = 0) for the output and its entropy."""
+    """w = d^inv and log w (0 where d = 0) for the output and its entropy (log2 on the MUFU)."""
     live = d > 0
-    logw = inv * tl.log(tl.where(live, d, 1.0))
+    lg = _log2(tl.where(live, d, 1.0))
+    logw = (inv * LN2) * lg
     if FAST == 2:
         w = d * d
     elif FAST == 1:
         w = d
     else:
-        w = tl.where(live, tl.exp(logw), 0.0)
+        w = tl.where(live, tl.math.exp2(inv * lg), 0.0)
     return w, logw
 
 
 @triton.jit
 def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
-    """One safeguarded root step for S(τ) = Σ d^inv = 1 per row (the streamed oracle's `refine_threshold`):
-    Halley where S'' is bounded (α ≤ 1.5), Newton otherwise, bisection when the step leaves the bracket."""
+    """One safeguarded root step for S(τ) = Σ d^inv = 1 per row: the streamed oracle's `refine_threshold` (Halley
+    where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with two
+    additions that save passes — steps on S^(1/inv) while S > 1.25, and a settling rule (below)."""
     f = s0 - 1.0
     above = f > 0
     lo = tl.where(above, tau, lo)
@@ -361,12 +484,25 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
     fpp = inv * (inv - 1.0) * s2
     halley = 2.0 * f * fp / (2.0 * fp * fp - f * fpp)
     newton = f / fp
-    cand = tau - tl.where(inv >= 2.0, halley, newton)
+    step = tl.where(inv >= 2.0, halley, newton)
+    # Far from the root (S > 1.25) the steps are taken on h = S^(1/inv) − 1 instead — a norm of the [u − τ]_+, so
+    # convex and near-linear in τ (exactly linear while the support holds equal values): Halley's (Newton's for
+    # inv < 2) step on it lands in one or two passes where S's own creeps (S ≫ 1 at the bracket's low end). Near
+    # the root the exact f = S − 1 steps again, so convergence to a few ulp is unchanged.
+    r = tl.exp2(tl.log2(tl.maximum(s0, 1.0)) / inv)  # S^(1/inv) ≥ 1
+    hq = (r - 1.0) * s0  # h / (−h') · s1 = (r − 1)·S / r, times r
+    h_newton = -hq / (r * s1)
+    h_halley = -2.0 * hq * s1 / (2.0 * r * s1 * s1 - (r - 1.0) * (inv - 1.0) * (s0 * s2 - s1 * s1))
+    step = tl.where(s0 > 1.25, tl.where(inv >= 2.0, h_halley, h_newton), step)
+    cand = tau - step
     ok = (cand == cand) & (tl.abs(cand) < float("inf")) & (cand >= lo) & (cand <= hi)
     # α > 2 (inv < 1): Newton can cycle between the bracket's ends; a step across over half of it bisects instead
     ok = ok & ((tl.zeros_like(tau) + inv >= 1.0) | (tl.abs(cand - tau) <= 0.5 * (hi - lo)))
     new = tl.where(ok, cand, 0.5 * (lo + hi))
-    conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol)
+    # A Halley step near the root (the exact f = S − 1 one, taken inside the bracket) leaves an error of the order of
+    # the step cubed: a step below tol^(1/3) / 8 needs no pass to confirm it.
+    settled = ok & (s0 <= 1.25) & (tl.zeros_like(tau) + inv >= 2.0) & (tl.abs(new - tau) <= SETTLED_STEP)
+    conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol) | settled
     return new, lo, hi, conv
 
 
@@ -399,6 +535,92 @@ def _bracket(umax, cnt, am1, keep):
 
 
 @triton.jit
+def _entmax_tiles(
+    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, start, end, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
+    LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv,
+    PASS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_KMASK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One entmax pass over the key tiles of [start, end) with u = cf·t, t = q·k (cf = (α−1)·λ·scale ≥ 0 per row,
+    its sign folded into q) or, with ALiBi, t = u = cf·q·k + (α−1)·λ·slope·(j − pos) formed in full. PASS 0: the
+    row max of t (umax) and, with a key mask, the visible keys (cnt); 1: the threshold sums at τ (s0, s1, s2); 2:
+    the output sums (zsum, plogp, acc; a tile with no weight skips its V load and P·V). MASKED: the diagonal and
+    the last tile (causally hidden and out-of-range keys); padding keys (HAS_KMASK) are tested on every tile."""
+    K += start * skn
+    V += start * svn
+    for start_n in range(start, end, BLOCK_N):
+        cols = cols0 + start_n
+        if MASKED:
+            kt = tl.load(K + k_offs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
+        else:
+            kt = tl.load(K + k_offs, mask=offs_d[:, None] < D, other=0.0)
+        if DOT_F32:
+            t = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+        else:
+            t = tl.dot(q, kt)
+        if HAS_ALIBI:
+            t = t * cf[:, None] + (ca[:, None] * cols.to(tl.float32)[None, :] - ca_pos[:, None])
+        if MASKED or HAS_KMASK:
+            visible = cols[None, :] >= 0
+            if MASKED:
+                visible = cols[None, :] < LK
+                if CAUSAL:
+                    visible = visible & (cols[None, :] <= qpos[:, None])
+            if HAS_KMASK:
+                visible = visible & (tl.load(KMASK + cols, mask=cols < LK, other=0) != 0)[None, :]
+            t = tl.where(visible, t, float("-inf"))
+            if PASS == 0 and HAS_KMASK:
+                cnt += tl.sum(tl.where(visible, 1.0, 0.0), 1)
+        if PASS == 0:
+            umax = tl.maximum(umax, tl.max(t, 1))
+        else:
+            if HAS_ALIBI:
+                d = tl.maximum((t - shift[:, None]) - tau[:, None], 0.0)
+            else:  # (u − max u) − τ: the sum would round τ to max u's ulp
+                d = tl.maximum((t * cf[:, None] - shift[:, None]) - tau[:, None], 0.0)
+            if PASS == 1:
+                s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST)
+            elif tl.max(tl.max(d, 1), 0) > 0:
+                w, logw = _weights(d, inv, FAST)
+                zsum += tl.sum(w, 1)
+                plogp += tl.sum(w * logw, 1)
+                if MASKED:
+                    v = tl.load(V + v_offs, mask=(cols[:, None] < LK) & (offs_d[None, :] < D), other=0.0)
+                else:
+                    v = tl.load(V + v_offs, mask=offs_d[None, :] < D, other=0.0)
+                if DOT_F32:
+                    acc = tl.dot(w, v.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w.to(v.dtype), v, acc)
+            else:
+                skipped += 1
+        K += BLOCK_N * skn
+        V += BLOCK_N * svn
+    return umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped
+
+
+@triton.jit
+def _entmax_pass(
+    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, hi, q, K, V, k_offs, v_offs, skn, svn, cols0,
+    qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv,
+    PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KMASK: tl.constexpr,
+    FAST: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One pass over the program's keys: the interior tiles [lo, full) without masks, then [full, hi) with them."""
+    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
+        umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
+        LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, PASS=PASS, MASKED=False, CAUSAL=CAUSAL,
+        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
+        umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, full, hi, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
+        LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, PASS=PASS, MASKED=True, CAUSAL=CAUSAL,
+        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    return umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped
+
+
+@triton.jit
 def _entmax_program(
     Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
     pid_m, pid_bh, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -407,9 +629,11 @@ def _entmax_program(
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep (and visible-key count),
-    safeguarded Halley/Newton threshold sweeps until every row has converged (at most max_passes; no host sync),
-    and an output sweep that skips the V load and P·V of tiles with no support. Writes the output in OUT's dtype
+    """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep, safeguarded
+    Halley/Newton threshold sweeps until every row has converged (at most max_passes; no host sync), and an output
+    sweep that skips the V load and P·V of tiles with no support. u = (α−1)·z is formed as one per-row factor times
+    q·k (its sign folded into the query) except with ALiBi; every sweep walks the interior tiles without masks.
+    The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
     and the entropy; COUNT: also (threshold passes, skipped tiles) of the program."""
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, 0, H, GROUP, LQ, LK, LK, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -419,50 +643,55 @@ def _entmax_program(
     inv = 1.0 / am1
     keep = offs_m < LQ
     q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
-    umax = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    cnt = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        z = _logits(
-            q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
-            CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
-        )  # fmt: skip
-        umax = tl.maximum(umax, tl.max(am1 * z, 1))
-        cnt += tl.sum(tl.where(z > float("-inf"), 1.0, 0.0), 1)
+    c = am1 * lam * scale
+    ca = am1 * lam * slope
+    ca_pos = ca * qpos.to(tl.float32)
+    if HAS_ALIBI:  # u formed in full per element
+        sign = c * 0.0 + 1.0
+        cf = c
+    else:
+        sign = tl.where(c < 0, -1.0, 1.0)
+        cf = tl.abs(c)
+    qs = q * sign[:, None].to(q.dtype)
+    K += b.to(tl.int64) * skb + hkv * skh
+    V += b.to(tl.int64) * svb + hkv * svh
+    KMASK += b * smb
+    k_offs = offs_n[None, :] * skn + offs_d[:, None] * skd
+    v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
+    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        full = tl.minimum(full, lo + tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N * BLOCK_N)
+    zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    skipped = pid_m * 0
+    umax, cnt, _, _, _, _, _, _, _ = _entmax_pass(
+        zero - float("inf"), zero, zero, zero, zero, zero, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs,
+        v_offs, skn, svn, offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, zero, zero, inv, PASS=0,
+        CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    if not HAS_ALIBI:
+        umax = umax * cf  # the max of c·t is c times the max of t: c ≥ 0
+    if not HAS_KMASK:  # every key up to the causal limit (or Lk) is visible
+        if CAUSAL:
+            cnt = tl.minimum(tl.maximum(qpos + 1, 0), LK).to(tl.float32)
+        else:
+            cnt = zero + LK
     shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
     tau = t_lo
     passes = pid_m * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
-        s0 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        s1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        s2 = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for start_n in range(lo, hi, BLOCK_N):
-            z = _logits(
-                q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK,
-                smb, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
-            )  # fmt: skip
-            d = tl.maximum((am1 * z - shift[:, None]) - tau[:, None], 0.0)
-            if tl.max(tl.max(d, 1), 0) > 0:
-                s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST)
-        tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
-    zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    plogp = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    skipped = pid_m * 0
-    for start_n in range(lo, hi, BLOCK_N):
-        z = _logits(
-            q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK, smb,
-            CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
+        _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
+            umax, cnt, zero, zero, zero, zero, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
+            offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, PASS=1, CAUSAL=CAUSAL,
+            HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
         )  # fmt: skip
-        d = tl.maximum((am1 * z - shift[:, None]) - tau[:, None], 0.0)
-        if tl.max(tl.max(d, 1), 0) > 0:
-            w, logw = _weights(d, inv, FAST)
-            zsum += tl.sum(w, 1)
-            plogp += tl.sum(w * logw, 1)
-            v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
-            acc += _pv(w, v, DOT_F32)
-        else:
-            skipped += 1
+        tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
+    _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
+        umax, cnt, zero, zero, zero, zero, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
+        offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, PASS=2, CAUSAL=CAUSAL,
+        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
     live = zsum > 0
     safe = tl.where(live, zsum, 1.0)
     row = pid_bh * LQ + offs_m
@@ -659,7 +888,7 @@ def _trt_softmax_family_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd,
         H, GROUP, LQ, LK, BLOCK_D, BH, scale_bits.to(tl.float32, bitcast=True), LK, LK, NPOLY,
         threshold_bits.to(tl.float32, bitcast=True),
-        SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+        SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, True, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 

@@ -312,9 +312,22 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=64, help="keys per page of the paged decode rows")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU in the Triton interpreter; writes nothing")
     ap.add_argument("--check", action="store_true", help="prefill errors against the fp32 streamed reference")
+    ap.add_argument(
+        "--static",
+        action="store_true",
+        help="no GPU: the key loops' SASS instructions per score element, against the floor and budgets",
+    )
+    ap.add_argument("--threshold-passes", type=float, default=3.0, metavar="P",
+                    help="--static: entmax threshold passes counted in the per-element sum")  # fmt: skip
     add_output(ap)
     args = ap.parse_args(argv)
     args.command = command_line("kernels", [] if argv is None else list(argv))
+    if args.static:
+        if args.smoke or args.check:
+            ap.error("--static reads compiled code only: it takes no --smoke or --check")
+        from sharp.benchmarks import kernels_static
+
+        return kernels_static.run(args)
     gpu = torch.cuda.is_available() and not args.smoke
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):

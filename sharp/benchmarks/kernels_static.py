@@ -1,0 +1,363 @@
+"""`sharp-bench kernels --static`: the kernels' key loops read from their sm_90 SASS, against the floor — no GPU.
+
+Every prefill and decode kernel the torch path launches, and the TensorRT entry points, compiled under the
+specialisations Triton's JIT derives from one problem class (prefill: bf16, D = 128, causal, 16K queries and keys,
+8 heads, the tuner's default tile 64×64 with 4 warps and 3 stages; decode: one query of 32 heads over 8 KV heads and
+32K keys, 16-row tiles, 64 keys per tile). Per kernel: registers, spilled bytes, shared memory, the key loops (see
+`sharp.benchmarks.sass`) with their instructions per score element by class, and the sum over the passes a key
+sees — each interior loop once, a loop inside the threshold search once per refinement pass — as a ratio to the
+floor's (plugins/triton/floor.py). Budgets (`BUDGETS`) are per-element counts: deterministic, asserted in CI.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sharp.benchmarks import sass
+
+WARPS = 4  # the tile's warps (Triton's default, the tuner's first tile)
+PREFILL_TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
+DECODE_TILE = {"BLOCK_M": 16, "BLOCK_N": 64}
+
+
+def _contiguous(prefix: str, heads: int, length: int, d: int = 128) -> dict[str, int]:
+    names = ("b", "h", "m" if prefix == "q" else "n", "d")
+    return {f"s{prefix}{n}": s for n, s in zip(names, (heads * length * d, length * d, d, 1), strict=True)}
+
+
+def _class_values(hq: int, hkv: int, lq: int, lk: int) -> dict[str, int]:
+    """The integer arguments of one launch of the problem class (B = 1, D = 128, contiguous tensors)."""
+    return {
+        "B": 1, "H": hq, "GROUP": hq // hkv, "HKV": hkv, "LQ": lq, "LK": lk, "D": 128, "BH": hq, "smb": lk,
+        "keys_per_split": lk if lq > 1 else 2048, "NPOLY": 5, "max_passes": 30, "ROWS": hq * lq,
+        **_contiguous("q", hq, lq), **_contiguous("k", hkv, lk), **_contiguous("v", hkv, lk),
+    }  # fmt: skip
+
+
+PREFILL = _class_values(8, 8, 16384, 16384)
+DECODE = _class_values(32, 8, 1, 32768)
+
+
+NO_ENTROPY = " (no entropy)"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One kernel launch of the table: which norm and path it serves and the variant that compiles it."""
+
+    norm: str
+    path: str  # prefill, decode, tensorrt, floor
+    kernel: str
+    flags: dict
+    values: dict = field(default_factory=dict)
+    rows: int = 64  # the tile a key loop iteration covers: rows × keys score elements
+    keys: int = 64
+
+    def variant(self):
+        from sharp.plugins.triton.aot import Variant
+
+        spec = "aligned" if self.path == "tensorrt" else "jit"
+        return Variant(self.kernel, "bf16", 128, dict(self.flags), spec=spec, values=tuple(self.values.items()))
+
+
+def entries() -> list[Entry]:
+    """The launches of the default problem classes; the softmax family's prefill with and without its entropy
+    (ENTROPY=False: what a caller that does not ask for it runs)."""
+    base = dict(CAUSAL=True, HAS_ALIBI=False, HAS_LAMBDA=False, HAS_KMASK=False, DOT_F32=False)
+    pre = {**base, **PREFILL_TILE}
+    fam = {**pre, "FINALIZE": True, "WITH_V": True, "HAS_ROWF": False, "SSA": False, "LOGN": False, "ADAPTIVE": False}
+    kinds = {"softmax": {}, "ssmax": {"LOGN": True}, "ssa": {"SSA": True}, "adaptive": {"ADAPTIVE": True}}
+    out = [Entry("floor", "floor", "floor", pre, PREFILL)]
+    for entropy in (True, False):
+        suffix = "" if entropy else NO_ENTROPY
+        out += [Entry(norm + suffix, "prefill", "softmax_family", {**fam, **flags, "ENTROPY": entropy}, PREFILL)
+                for norm, flags in kinds.items()]  # fmt: skip
+    out += [
+        Entry("entmax α=1.5", "prefill", "entmax", {**pre, "FAST": 2, "COUNT": False}, PREFILL),
+        Entry("entmax per-head α", "prefill", "entmax", {**pre, "FAST": 0, "COUNT": False}, PREFILL),
+        Entry("asentmax", "prefill", "entmax", {**pre, "HAS_LAMBDA": True, "FAST": 0, "COUNT": False}, PREFILL),
+    ]
+    dec = {**base, **DECODE_TILE, "ENTROPY": True}
+    split = {**dec, "ADAPTIVE": False, "FINALIZE": False, "HAS_ROWF": False, "WITH_V": True, "SSA": False,
+             "LOGN": False}  # fmt: skip
+    tile = {"rows": DECODE_TILE["BLOCK_M"], "keys": DECODE_TILE["BLOCK_N"]}
+    threshold = {"FAST": 0, "COUNT": False, "BLOCK_R": 16, "BLOCK_N": 64}
+    out += [
+        Entry("softmax", "decode", "softmax_family", split, DECODE, **tile),
+        Entry("ssmax", "decode", "softmax_family", {**split, "LOGN": True}, DECODE, **tile),
+        Entry("ssa", "decode", "softmax_family", {**split, "SSA": True}, DECODE, **tile),
+        Entry("adaptive (statistics)", "decode", "softmax_family", {**split, "WITH_V": False}, DECODE, **tile),
+        Entry("adaptive (output)", "decode", "softmax_family", {**split, "HAS_ROWF": True}, DECODE, **tile),
+        Entry("entmax (logits)", "decode", "entmax_logits", dec, DECODE, **tile),
+        Entry("entmax (threshold)", "decode", "entmax_threshold", threshold, DECODE, **tile),
+        Entry("entmax (output)", "decode", "entmax_output", {**dec, "FAST": 0}, DECODE, **tile),
+    ]
+    trt = {"CAUSAL": True, "DOT_F32": False, "SSA": False, "LOGN": False, "ADAPTIVE": False}
+    out += [
+        Entry("softmax", "tensorrt", "trt_softmax_family", trt),
+        Entry("ssmax", "tensorrt", "trt_softmax_family", {**trt, "LOGN": True}),
+        Entry("ssa", "tensorrt", "trt_softmax_family", {**trt, "SSA": True}),
+        Entry("adaptive", "tensorrt", "trt_softmax_family", {**trt, "ADAPTIVE": True}),
+        Entry("entmax", "tensorrt", "trt_entmax", {"HAS_LAMBDA": False, "CAUSAL": True, "DOT_F32": False}),
+        Entry("asentmax", "tensorrt", "trt_entmax", {"HAS_LAMBDA": True, "CAUSAL": True, "DOT_F32": False}),
+    ]
+    return out
+
+
+@dataclass
+class KeyLoop:
+    site: str  # the source calls that lead to it, outermost first
+    per_element: float
+    classes: dict[str, float]  # per element, by instruction class
+    edge: bool  # walks the edge tiles (MASKED=True on its call chain): not summed
+    repeated: bool  # inside the threshold search: once per refinement pass
+    spills: int
+
+
+@dataclass
+class Report:
+    entry: Entry
+    registers: int
+    stack: int
+    shared: int
+    loops: list[KeyLoop]
+
+    def per_element(self, threshold_passes: float) -> float:
+        """Instructions per score element over every pass a key sees (interior tiles)."""
+        return sum(lp.per_element * (threshold_passes if lp.repeated else 1) for lp in self.loops if not lp.edge)
+
+    def passes(self) -> str:
+        once = sum(1 for lp in self.loops if not lp.edge and not lp.repeated)
+        more = sum(1 for lp in self.loops if not lp.edge and lp.repeated)
+        return f"{once}" + (f" + {more}·P" if more else "")
+
+    @property
+    def loop_spills(self) -> int:
+        return sum(lp.spills for lp in self.loops)
+
+
+def _tools() -> tuple[Path, Path]:
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return bin_dir / "nvdisasm", bin_dir / "cuobjdump"
+
+
+def _statement(source: str, line: int) -> str:
+    """The source statement that starts at `line` (continued until its brackets close)."""
+    text, depth, n = "", 0, line
+    while True:
+        part = linecache.getline(source, n)
+        if not part:
+            return text
+        text += part
+        depth += part.count("(") - part.count(")")
+        if depth <= 0:
+            return text
+        n += 1
+
+
+def _function_at(source: str, line: int) -> str:
+    for n in range(line, 0, -1):
+        if m := re.match(r"\s*def (\w+)", linecache.getline(source, n)):
+            return m.group(1)
+    return "?"
+
+
+def _headers(source: str, line: int) -> list[str]:
+    """The block headers enclosing `line` in its function, innermost first (`if MASKED:`, `while todo:`, …)."""
+    indent = len(linecache.getline(source, line)) - len(linecache.getline(source, line).lstrip())
+    out = []
+    for n in range(line - 1, 0, -1):
+        text = linecache.getline(source, n)
+        if not text.strip() or text.lstrip().startswith(("#", ")", '"')):
+            continue
+        depth = len(text) - len(text.lstrip())
+        if depth < indent:
+            out.append(text.strip())
+            if text.lstrip().startswith("def "):
+                return out
+            indent = depth
+    return out
+
+
+def _site(lp: sass.Loop, source: str) -> tuple[str, bool, bool]:
+    """The loop's chain of calls in `source`, innermost first, as `function:line`; whether it walks edge tiles;
+    whether it repeats per threshold pass. With the inline chain on the back branch's line information (Triton
+    ≥ 3.9): a call on the chain passes MASKED=True / a call or the loop sits inside a `while` block. Without it
+    (Triton 3.6 writes the innermost line only): the body runs a line under `if MASKED:` / the loop lies inside
+    another loop."""
+    lines = [line for f, line in lp.branch.lines if f == source]
+    site = " ← ".join(f"{_function_at(source, n)}:{n}" for n in lines)
+    if len(lines) > 1:
+        edge = any(re.search(r"\bMASKED=True\b", _statement(source, n)) for n in lines)
+        repeated = any(h.startswith("while ") for n in lines for h in _headers(source, n))
+        return site, edge, repeated
+    body = {line for i in lp.body for f, line in i.lines[:1] if f == source}
+    edge = any(h == "if MASKED:" for n in body for h in _headers(source, n))
+    return site, edge, lp.outer is not None
+
+
+def analyse(e: Entry, arch: int = 90) -> Report:
+    """Compile one entry for `arch` and read its key loops."""
+    from sharp.plugins.triton import aot
+
+    v = e.variant()
+    ck = aot.compile_variant(v, arch, aot.default_ptx_version(arch))
+    nvdisasm, cuobjdump = _tools()
+    instrs, labels = sass.parse(sass.disassemble(ck.asm["cubin"], nvdisasm))
+    usage = sass.resource_usage(ck.asm["cubin"], cuobjdump)
+    source = aot.kernel_source(v.kernel)
+    per = 32 * WARPS / (e.rows * e.keys)  # thread-instructions per element per warp-instruction of the body
+    loops = []
+    for lp in sass.key_loops(sass.loops(instrs, labels)):
+        site, edge, repeated = _site(lp, source)
+        counts = lp.counts()
+        loops.append(KeyLoop(site, len(lp.body) * per, {c: counts.get(c, 0) * per for c in sass.COLUMNS}, edge,
+                             repeated, lp.spills()))  # fmt: skip
+    return Report(e, usage.get("REG", 0), usage.get("STACK", 0), ck.metadata.shared, loops)
+
+
+# Issue 39's goals: instructions per score element over all passes, prefill class, as a ratio to the floor (with
+# BUDGET_PASSES threshold passes for entmax), and no spill inside any key loop. The softmax family's are held for
+# the launch without entropy (the floor's work) and with it, except softmax with entropy: its row sum (a product and
+# a row reduction, ~1.9 per element) is more than the 15% over the floor — held at GUARDS' 1.2. Entmax misses its
+# goal and is held where it stands (GUARDS) so that it cannot regress; KNOWN_SPILLS likewise. Guards are not goals:
+# the table prints each goal and whether it is met.
+GOALS: dict[str, float] = {"softmax": 1.15, "ssmax": 1.2, "ssa": 1.6, "adaptive": 2.1, "entmax α=1.5": 4.0,
+                           "entmax per-head α": 4.0, "asentmax": 4.0}  # fmt: skip
+GUARDS: dict[str, float] = {"softmax": 1.2, "entmax α=1.5": 6.0, "entmax per-head α": 8.5, "asentmax": 8.5}
+KNOWN_SPILLS = {("prefill", "entmax per-head α"), ("prefill", "asentmax"), ("tensorrt", "adaptive"),
+                ("tensorrt", "entmax"), ("tensorrt", "asentmax")}  # fmt: skip
+SOFTMAX_ABSOLUTE = 14.5  # softmax without entropy, instructions per element (goal and held)
+BUDGET_PASSES = 3  # entmax's threshold passes in the sum: the search's goal
+
+
+def goal(e: Entry) -> float | None:
+    """The ratio to the floor a prefill entry should reach, or None."""
+    return GOALS.get(e.norm.removesuffix(NO_ENTROPY)) if e.path == "prefill" else None
+
+
+def held(e: Entry) -> float | None:
+    """The ratio to the floor CI holds a prefill entry to: its goal, or its guard where the goal is not met."""
+    if e.path != "prefill":
+        return None
+    return goal(e) if e.norm.endswith(NO_ENTROPY) else GUARDS.get(e.norm, goal(e))
+
+
+def budget_failures(reports: list[Report], threshold_passes: float = BUDGET_PASSES) -> list[str]:
+    """Each held bound exceeded, and each key loop that spills (other than KNOWN_SPILLS), as one line."""
+    floor = next(r for r in reports if r.entry.path == "floor").per_element(1)
+    bad = []
+    for r in reports:
+        name = f"{r.entry.path} {r.entry.norm}"
+        if r.loop_spills and (r.entry.path, r.entry.norm) not in KNOWN_SPILLS:
+            bad.append(f"{name}: {r.loop_spills} spill instructions inside key loops")
+        if not any(not lp.edge for lp in r.loops):  # a sum over no loop would read 0
+            bad.append(f"{name}: no interior key loop found")
+        limit = held(r.entry)
+        if limit is None:
+            continue
+        value = r.per_element(threshold_passes)
+        if value > limit * floor:
+            bad.append(f"{name}: {value:.1f} instructions per element = {value / floor:.2f}× the floor's {floor:.1f}"
+                       f" (held at {limit}×)")  # fmt: skip
+        if r.entry.norm == "softmax" + NO_ENTROPY and value > SOFTMAX_ABSOLUTE:
+            bad.append(f"{name}: {value:.1f} instructions per element (held at {SOFTMAX_ABSOLUTE})")
+    return bad
+
+
+def _fmt_classes(c: dict[str, float]) -> str:
+    return " / ".join(f"{c[k]:.1f}" for k in sass.COLUMNS)
+
+
+def table(reports: list[Report], threshold_passes: float) -> tuple[list[str], list[list[str]]]:
+    floor = next(r for r in reports if r.entry.path == "floor").per_element(1)
+    header = ["path", "norm", "regs", "stack B", "shared KB", "key loops: instr/elt (site) [edge]",
+              "by class: " + " / ".join(sass.COLUMNS), "passes over K", f"instr/elt, P = {threshold_passes}",
+              "× floor", "goal", "met"]  # fmt: skip
+    rows = []
+    for r in reports:
+        loops = "; ".join(f"{lp.per_element:.1f} ({lp.site}){' [edge]' if lp.edge else ''}"
+                          f"{' ×P' if lp.repeated else ''}" for lp in r.loops)  # fmt: skip
+        interior = [lp for lp in r.loops if not lp.edge]
+        classes = "; ".join(_fmt_classes(lp.classes) for lp in interior)
+        total = r.per_element(threshold_passes)
+        target = goal(r.entry)
+        met = (target is None or total <= target * floor) and not r.loop_spills
+        rows.append([r.entry.path, r.entry.norm, str(r.registers), str(r.stack), f"{r.shared / 1024:.0f}", loops,
+                     classes, r.passes(), f"{total:.1f}", f"{total / floor:.2f}×",
+                     "—" if target is None else f"≤ {target}×", "yes" if met else "**no**"])  # fmt: skip
+    return header, rows
+
+
+def run(args) -> int:
+    """The --static run: compile, read, print, write the section; exit 1 when a budget is exceeded."""
+    import triton
+
+    from sharp.benchmarks.harness import markdown_table, output_page, today, write_section
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("sharp-bench kernels --static: unset TRITON_INTERPRET (the interpreter cannot compile kernels)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    reports = []
+    for e in entries():
+        try:
+            reports.append(analyse(e))
+        except Exception as exc:  # one kernel that cannot compile fails the run, after the others are reported
+            print(f"{e.path} {e.norm}: FAILED: {type(exc).__name__}: {str(exc).strip()[:300]}", file=sys.stderr)
+            return 1
+    header, rows = table(reports, args.threshold_passes)
+    failures = budget_failures(reports, args.threshold_passes)
+    body = "\n".join([
+        "## Triton kernels: key-loop work from the compiled SASS (no GPU)",
+        "",
+        f"Read {today()} with Triton {triton.__version__} for sm_90. Command: {args.command}.",
+        "Prefill: bf16, D = 128, causal, 8 heads, 16K queries and keys, tile 64×64, 4 warps, 3 stages; decode: 1 query,"
+        " 32 / 8 heads, 32K keys, 16-row tiles of 64 keys; TensorRT: its entry points at 64×64 (pointers 16-byte"
+        " aligned). instr/elt = SASS instructions of the loop body per warp × 32 × warps / (rows × keys of a tile):"
+        " one instruction per score element on every lane counts 1. A body's branches count both paths. [edge]:"
+        " the loop of the causal diagonal and the last tile (bounded per row, not summed); ×P: once per threshold"
+        f" pass (P = {args.threshold_passes} in the sum). Class columns, per element: "
+        + ", ".join(sass.COLUMNS) + ". × floor: against the minimal FlashAttention-2 softmax (no entropy)."
+        " (no entropy): the launch of a caller that does not ask for the entropy (ENTROPY=False).",
+        "",
+        markdown_table(header, rows),
+        "",
+        "met: the goal (issue 39) reached and no spill in a key loop. Held by CI: every goal met here, and where one"
+        " is not, a guard at today's level (softmax with entropy ≤ 1.2×, entmax α = 1.5 ≤ 6×, per-head α and"
+        " ASEntmax ≤ 8.5×; the spills of the rows marked no stay where they are) — "
+        + ("all held." if not failures else "**exceeded**: " + "; ".join(failures)),
+    ])  # fmt: skip
+    print(body)
+    if (page := output_page(args)) is not None:
+        write_section("kernels --static", body, page)
+    return 1 if failures else 0
+
+
+def main() -> int:
+    """`python -m sharp.benchmarks.kernels_static`: every entry's numbers as JSON (the tests read them under each
+    supported Triton)."""
+    import json
+
+    import triton
+
+    reports = [analyse(e) for e in entries()]
+    floor = next(r for r in reports if r.entry.path == "floor").per_element(1)
+    rows = [{"path": r.entry.path, "norm": r.entry.norm, "per_element": r.per_element(BUDGET_PASSES),
+             "ratio": r.per_element(BUDGET_PASSES) / floor, "goal": goal(r.entry), "held": held(r.entry),
+             "loop_spills": r.loop_spills, "registers": r.registers, "loops": [vars(lp) for lp in r.loops]}
+            for r in reports]  # fmt: skip
+    print(json.dumps({"triton": triton.__version__, "floor": floor, "rows": rows,
+                      "failures": budget_failures(reports)}))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
