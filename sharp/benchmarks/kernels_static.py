@@ -193,7 +193,7 @@ def _site(lp: sass.Loop, source: str) -> tuple[str, bool, bool]:
     (Triton 3.6 writes the innermost line only): the body runs a line under `if MASKED:` / the loop lies inside
     another loop."""
     lines = [line for f, line in lp.branch.lines if f == source]
-    site = " ← ".join(f"{_function_at(source, n)}:{n}" for n in lines)
+    site = " ← ".join(f"{_function_at(source, n)}:{n}" for n in lines[:2])  # the loop and the call that runs it
     if len(lines) > 1:
         edge = any(re.search(r"\bMASKED=True\b", _statement(source, n)) for n in lines)
         repeated = any(h.startswith("while ") for n in lines for h in _headers(source, n))
