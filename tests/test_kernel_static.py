@@ -4,19 +4,16 @@ read from their sm_90 code under the newest and the oldest supported Triton (no 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-from sharp.benchmarks import sass
+from tritons import compile_env
 
-ROOT = Path(__file__).resolve().parents[1]
-OLDEST_TRITON = ROOT / "build" / "triton-oldest"  # make triton-oldest
+from sharp.benchmarks import sass
 
 LISTING = """\
 	//## File "/k.py", line 10
@@ -55,13 +52,7 @@ def test_the_reader_finds_loops_their_nesting_classes_and_call_sites():
 
 
 def _static(which: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if which == "oldest":
-        if not (OLDEST_TRITON / "triton").is_dir():
-            if os.environ.get("CI") == "true":
-                pytest.fail("CI must run `make triton-oldest` before the tests")
-            pytest.skip("the oldest supported Triton is not unpacked here: make triton-oldest")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(OLDEST_TRITON), env.get("PYTHONPATH")]))
+    env = compile_env(which)
     proc = subprocess.run([sys.executable, "-m", "sharp.benchmarks.kernels_static"], capture_output=True, text=True,
                           env=env, timeout=900, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

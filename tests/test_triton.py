@@ -19,6 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from devices import ATOL, ATOL_LOOSE, DEVICE, device_name, on_device
+from tritons import compile_env
 
 from sharp.models import NORMS, attend
 from sharp.models.problem import build_problem
@@ -320,7 +321,6 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
 
 
 ROOT = Path(__file__).resolve().parents[1]
-OLDEST_TRITON = ROOT / "build" / "triton-oldest"  # make triton-oldest
 
 
 def _triton_floor() -> str:
@@ -334,13 +334,7 @@ def test_every_kernel_compiles_for_sm90_under_the_jit_specialisations(which, tmp
     """What a GPU compiles: every torch-path launch (prefill, split-K and paged decode, merge) with the values the
     JIT specialises on (divisible by 16, unit constants) and every TensorRT entry point, under the newest Triton
     (the venv's) and the oldest pyproject admits; the PTX ISA is the highest that Triton's ptxas writes, ≤ 9.0."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if which == "oldest":
-        if not (OLDEST_TRITON / "triton").is_dir():
-            if os.environ.get("CI") == "true":
-                pytest.fail("CI must run `make triton-oldest` before the tests")
-            pytest.skip("the oldest supported Triton is not unpacked here: make triton-oldest")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(OLDEST_TRITON), env.get("PYTHONPATH")]))
+    env = compile_env(which)
     args = ["--kernels", "all", "--arch", "90", "--dtype", "bf16", "--head-dim", "128", "--out", str(tmp_path)]
     proc = subprocess.run([sys.executable, "-m", "sharp.plugins.triton.aot", *args], capture_output=True, text=True,
                           env=env, timeout=900, check=False)  # fmt: skip

@@ -177,6 +177,30 @@ def _folded_scales(scale, rowf, lam, ssa_n, ssa_b, SSA: tl.constexpr, HAS_ALIBI:
 
 
 @triton.jit
+def _tile_qk(q, k_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+    """q·kᵀ of one key tile (k_ptrs: its (D, BLOCK_N) element pointers); only an edge tile masks keys ≥ Lk."""
+    if MASKED:
+        kt = tl.load(k_ptrs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
+    else:
+        kt = tl.load(k_ptrs, mask=offs_d[:, None] < D, other=0.0)
+    if DOT_F32:
+        return tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+    return tl.dot(q, kt)
+
+
+@triton.jit
+def _tile_pv(acc, p, v_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + p·v of one key tile, accumulated by the tensor cores; only an edge tile masks keys ≥ Lk."""
+    if MASKED:
+        v = tl.load(v_ptrs, mask=(cols[:, None] < LK) & (offs_d[None, :] < D), other=0.0)
+    else:
+        v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
+    if DOT_F32:
+        return tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(p.to(v.dtype), v, acc)
+
+
+@triton.jit
 def _sweep_tiles(
     m_i, l_i, kp_i, acc, start, end, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, c, ca, ca_pos, g,
     KMASK,
@@ -191,14 +215,7 @@ def _sweep_tiles(
     V += start * svn
     for start_n in range(start, end, BLOCK_N):
         cols = cols0 + start_n
-        if MASKED:
-            kt = tl.load(K + k_offs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
-        else:
-            kt = tl.load(K + k_offs, mask=offs_d[:, None] < D, other=0.0)
-        if DOT_F32:
-            qk = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        else:
-            qk = tl.dot(q, kt)
+        qk = _tile_qk(q, K + k_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
         if HAS_ALIBI:  # slope·(j − pos) as slope·j − slope·pos: the row part is formed once (ca_pos)
             s = qk * c[:, None] + (ca[:, None] * cols.to(tl.float32)[None, :] - ca_pos[:, None])
             if SSA:
@@ -232,15 +249,7 @@ def _sweep_tiles(
             kp_i = alpha * (kp_i + l_i * (m_i - m_new)) + tl.sum(p * x, 1)
         l_i = l_i * alpha + tl.sum(p, 1)
         if WITH_V:
-            if MASKED:
-                v = tl.load(V + v_offs, mask=(cols[:, None] < LK) & (offs_d[None, :] < D), other=0.0)
-            else:
-                v = tl.load(V + v_offs, mask=offs_d[None, :] < D, other=0.0)
-            acc = acc * alpha[:, None]
-            if DOT_F32:
-                acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(v.dtype), v, acc)
+            acc = _tile_pv(acc * alpha[:, None], p, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
         m_i = m_new
         K += BLOCK_N * skn
         V += BLOCK_N * svn
@@ -550,14 +559,7 @@ def _entmax_tiles(
     V += start * svn
     for start_n in range(start, end, BLOCK_N):
         cols = cols0 + start_n
-        if MASKED:
-            kt = tl.load(K + k_offs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
-        else:
-            kt = tl.load(K + k_offs, mask=offs_d[:, None] < D, other=0.0)
-        if DOT_F32:
-            t = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        else:
-            t = tl.dot(q, kt)
+        t = _tile_qk(q, K + k_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
         if HAS_ALIBI:
             t = t * cf[:, None] + (ca[:, None] * cols.to(tl.float32)[None, :] - ca_pos[:, None])
         if MASKED or HAS_KMASK:
@@ -584,14 +586,7 @@ def _entmax_tiles(
                 w, logw = _weights(d, inv, FAST)
                 zsum += tl.sum(w, 1)
                 plogp += tl.sum(w * logw, 1)
-                if MASKED:
-                    v = tl.load(V + v_offs, mask=(cols[:, None] < LK) & (offs_d[None, :] < D), other=0.0)
-                else:
-                    v = tl.load(V + v_offs, mask=offs_d[None, :] < D, other=0.0)
-                if DOT_F32:
-                    acc = tl.dot(w, v.to(tl.float32), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(w.to(v.dtype), v, acc)
+                acc = _tile_pv(acc, w, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
             else:
                 skipped += 1
         K += BLOCK_N * skn
