@@ -45,8 +45,14 @@ from sharp.plugins.triton.kernels import (
 
 log = logging.getLogger("sharp.triton")
 _NEG_INF = float("-inf")
-# Enough programs to fill an H100/H200 (132 SMs) about twice when a single sequence decodes.
-_TARGET_PROGRAMS = 264
+# Enough programs to fill an H100/H200 (132 SMs) about twice when a single sequence decodes (split-K and paged).
+TARGET_PROGRAMS = 264
+
+
+def dot_f32(t: Tensor) -> bool:
+    """The kernels' DOT_F32: upcast to fp32 and use IEEE dots for fp32 inputs, and always off CUDA (the CPU
+    interpreter, where a bf16 tl.dot does not run)."""
+    return t.dtype == torch.float32 or t.device.type != "cuda"
 
 
 def interpreting() -> bool:
@@ -129,12 +135,11 @@ def launch_config(
     n_kblocks = -(-p.lk // block_n)
     if splits is None:
         programs = -(-p.lq // block_m) * p.batch * p.heads
-        splits = max(1, min(n_kblocks, -(-_TARGET_PROGRAMS // programs))) if small else 1
+        splits = max(1, min(n_kblocks, -(-TARGET_PROGRAMS // programs))) if small else 1
     splits = max(1, min(splits, n_kblocks))
     keys_per_split = -(-n_kblocks // splits) * block_n
     splits = -(-p.lk // keys_per_split)
-    dot_f32 = p.q.dtype == torch.float32 or p.q.device.type != "cuda"
-    cfg = LaunchConfig(block_m, block_n, block_d, splits, keys_per_split, dot_f32)
+    cfg = LaunchConfig(block_m, block_n, block_d, splits, keys_per_split, dot_f32(p.q))
     return replace(cfg, num_warps=tile.num_warps, num_stages=tile.num_stages) if tile is not None else cfg
 
 
@@ -258,7 +263,7 @@ class _Launcher:
         self.grid = (-(-p.lq // cfg.block_m), self.bh, cfg.splits)
         self.dummy = torch.zeros(1, dtype=torch.float32, device=dev)
         self.slopes = p.alibi_slopes.float().contiguous() if p.alibi_slopes is not None else self.dummy
-        self.lam = p.query_scale.float().contiguous() if p.query_scale is not None else self.dummy
+        self.lam = p.query_scale.float().contiguous() if p.query_scale is not None else self.dummy  # λ
         # padding keys: (B, Lk) int8, 1 = present (bool pointers are not portable across Triton versions)
         self.kmask = p.key_mask.to(torch.int8).contiguous() if p.key_mask is not None else self.dummy
         self.flags = dict(
@@ -299,11 +304,11 @@ def _softmax_family(
     finalize = cfg.splits == 1 and with_v
     entropy = run.entropy or not with_v  # a statistics launch exists for its entropy
     if finalize:
-        m = lam = kp = acc = run.dummy
+        m = big_lam = kp = acc = run.dummy
         out = torch.empty(run.bh, p.lq, cfg.block_d, dtype=p.q.dtype, device=p.q.device)
         ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device) if entropy else run.dummy
     else:
-        m, lam, kp = run.rows(fill=_NEG_INF), run.rows(), run.rows()
+        m, big_lam, kp = run.rows(fill=_NEG_INF), run.rows(), run.rows()  # per split: m, Λ, K'
         acc = run.rows(cfg.block_d) if with_v else run.dummy
         out = ent = run.dummy
     ssmax_s = run.per_head(p.ssmax_s) if logn else run.dummy
@@ -323,7 +328,7 @@ def _softmax_family(
         run.lam,
         run.kmask,
         m,
-        lam,
+        big_lam,
         kp,
         acc,
         out,
@@ -344,8 +349,8 @@ def _softmax_family(
     )
     if finalize:
         return out[..., : p.v.shape[-1]].float(), ent if entropy else None
-    _, lam1, kp1, acc1 = merge_softmax_states(m, lam, kp, acc if with_v else None)
-    out, ent = finish_softmax_state(lam1, kp1, acc1)
+    _, big_lam1, kp1, acc1 = merge_softmax_states(m, big_lam, kp, acc if with_v else None)
+    out, ent = finish_softmax_state(big_lam1, kp1, acc1)
     if out is not None:
         out = out[..., : p.v.shape[-1]]
     return out, ent

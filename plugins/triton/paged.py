@@ -20,10 +20,15 @@ from torch import Tensor
 from sharp.models.normalizers import PAPER_POLY, Param, adaptive_beta
 from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S, Family, Transform, get
 from sharp.models.streamed import MAX_THRESHOLD_PASSES, finish_entmax_state
-from sharp.plugins.triton.attention import THRESHOLD_ROWS, THRESHOLD_TOL, _alpha_fast_path, head_vector
+from sharp.plugins.triton.attention import (
+    TARGET_PROGRAMS,
+    THRESHOLD_ROWS,
+    THRESHOLD_TOL,
+    _alpha_fast_path,
+    dot_f32,
+    head_vector,
+)
 from sharp.plugins.triton.kernels import _entmax_threshold_kernel, _entropy, _online_step, _pv, _transform, _weights
-
-_TARGET_PROGRAMS = 264  # ~2 waves on 132 SMs
 
 
 @triton.jit
@@ -267,7 +272,7 @@ def paged_decode(
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
     max_pages = block_table.shape[1]
     if splits is None:
-        splits = max(1, min(max_pages, -(-_TARGET_PROGRAMS // (b * hkv))))
+        splits = max(1, min(max_pages, -(-TARGET_PROGRAMS // (b * hkv))))
     pages_per_split = -(-max_pages // splits)
     splits = -(-max_pages // pages_per_split)
     rows = b * hq * lq
@@ -288,7 +293,7 @@ def paged_decode(
             b, hq, group, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split,
             SSA=transform is Transform.SIGNED_LOG, LOGN=transform is Transform.LOG_N_SCALE, HAS_ROWF=rowf is not None,
             HAS_ALIBI=alibi_slopes is not None, CAUSAL=causal, WITH_V=with_v,
-            DOT_F32=q.dtype == torch.float32 or dev.type != "cuda", BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
+            DOT_F32=dot_f32(q), BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
         )  # fmt: skip
         out = torch.empty(rows, block_d, dtype=q.dtype, device=dev) if with_v else dummy
         ent = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -321,7 +326,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     alpha_h = head_vector(alpha, hq, dev)
     rows = b * hq * lq
     u = torch.full((rows, width), float("-inf"), dtype=torch.float32, device=dev)
-    dot_f32 = q.dtype == torch.float32 or dev.type != "cuda"
+    upcast = dot_f32(q)
     grid = (b * hkv, splits)
     _paged_entmax_logits_kernel[grid](
         q, k_pages, block_table, seq_lens, alpha_h,
@@ -329,7 +334,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
         query_scale.float().contiguous() if query_scale is not None else dummy, u,
         *q.stride(), *k_pages.stride(), block_table.stride(0),
         hq, hq // hkv, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split, width,
-        HAS_ALIBI=alibi_slopes is not None, HAS_LAMBDA=query_scale is not None, CAUSAL=causal, DOT_F32=dot_f32,
+        HAS_ALIBI=alibi_slopes is not None, HAS_LAMBDA=query_scale is not None, CAUSAL=causal, DOT_F32=upcast,
         BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
     )  # fmt: skip
     umax = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -345,7 +350,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     _paged_entmax_output_kernel[grid](
         u, v_pages, block_table, seq_lens, alpha_h, umax, tau, zsum, plogp, acc,
         *v_pages.stride(), block_table.stride(0), b, hq, hq // hkv, lq, hkv, d, pages_per_split, width,
-        FAST=fast, DOT_F32=dot_f32, BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
+        FAST=fast, DOT_F32=upcast, BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
     )  # fmt: skip
     out, ent = finish_entmax_state(zsum.sum(0), plogp.sum(0), acc.sum(0)[:, :d])
     return out.to(q.dtype).reshape(b, hq, lq, d), ent.reshape(b, hq, lq)
