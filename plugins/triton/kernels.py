@@ -18,11 +18,13 @@ from triton.language.extra import libdevice
 
 LOG2E = tl.constexpr(1.4426950408889634)  # e^x = 2^(x·log2 e): the kernels work in base 2 (exp2 is one MUFU op)
 LN2 = tl.constexpr(0.6931471805599453)
-# Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
 # The running max of a row that has seen no key yet: finite, so that 2^(m_old − m_new) is 0 and Λ·(m_old − m_new) is
 # 0·finite (no −inf − −inf, no 0·∞) without a test per tile; it leaves a sweep as −inf.
 NO_KEY = tl.constexpr(-3.0e38)
+# A Halley step on S − 1 this small leaves an error of the order of its cube: the threshold search takes it as
+# converged without a pass to confirm it (`_refine`).
 SETTLED_STEP = tl.constexpr(1.0e-3)
+# Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
