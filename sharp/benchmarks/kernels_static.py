@@ -192,13 +192,13 @@ def _site(lp: sass.Loop, source: str) -> tuple[str, bool, bool]:
     ≥ 3.9): a call on the chain passes MASKED=True / a call or the loop sits inside a `while` block. Without it
     (Triton 3.6 writes the innermost line only): the body runs a line under `if MASKED:` / the loop lies inside
     another loop."""
-    lines = [line for f, line in lp.branch.lines if f == source]
+    lines = sass.call_chain(lp, source)
     site = " ← ".join(f"{_function_at(source, n)}:{n}" for n in lines[:2])  # the loop and the call that runs it
     if len(lines) > 1:
         edge = any(re.search(r"\bMASKED=True\b", _statement(source, n)) for n in lines)
         repeated = any(h.startswith("while ") for n in lines for h in _headers(source, n))
         return site, edge, repeated
-    body = {line for i in lp.body for f, line in i.lines[:1] if f == source}
+    body = {line for i in lp.body for f, line in i.lines[:1] if sass.same_file(f, source)}
     edge = any(h == "if MASKED:" for n in body for h in _headers(source, n))
     return site, edge, lp.outer is not None
 

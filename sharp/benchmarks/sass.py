@@ -139,9 +139,15 @@ def key_loops(all_loops: list[Loop]) -> list[Loop]:
     return [lp for lp in innermost if lp.has("LDG", "LDGSTS")]
 
 
+def same_file(recorded: str, source: str) -> bool:
+    """Whether a path in the line information is `source`: by file name, since Triton's compile cache (keyed by the
+    source text, not its path) may hand back a kernel compiled from another checkout of the same file."""
+    return Path(recorded).name == Path(source).name
+
+
 def call_chain(lp: Loop, source: str) -> list[int]:
     """Lines of `source` (a file path) on the branch's inline chain, innermost call first."""
-    return [line for f, line in lp.branch.lines if f == source]
+    return [line for f, line in lp.branch.lines if same_file(f, source)]
 
 
 def disassemble(cubin: bytes, nvdisasm: Path) -> str:
