@@ -585,9 +585,16 @@ def _entmax_tiles(
             if PASS == 1:
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST)
             elif tl.max(tl.max(d, 1), 0) > 0:
-                w, logw = _weights(d, inv, FAST)
+                live = d > 0
+                lg = _log2(tl.where(live, d, 1.0))
+                if FAST == 2:
+                    w = d * d
+                elif FAST == 1:
+                    w = d
+                else:
+                    w = tl.where(live, tl.math.exp2(inv * lg), 0.0)
                 zsum += tl.sum(w, 1)
-                plogp += tl.sum(w * logw, 1)
+                plogp += tl.sum(w * lg, 1)  # Σ w log₂ d: × inv·ln 2 once at the end
                 acc = _tile_pv(acc, w, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
             else:
                 skipped += 1
@@ -694,6 +701,7 @@ def _entmax_program(
     row = pid_bh * LQ + offs_m
     out = acc / safe[:, None]
     tl.store(OUT + row[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
+    plogp = plogp * (inv * LN2)
     tl.store(ENT_OUT + row, tl.where(live, tl.log(safe) - plogp / safe, 0.0), mask=keep)
     if COUNT:
         slot = COUNTS + (pid_bh * tl.cdiv(LQ, BLOCK_M) + pid_m) * 2
