@@ -89,3 +89,20 @@ def test_key_loops_stay_within_what_ci_holds(which):
                         "entmax α=1.5": [False, True, False]}, interior  # fmt: skip
     edges = {norm: sum(lp["edge"] for lp in rows[("prefill", norm)]["loops"]) for norm in ("softmax", "adaptive")}
     assert edges == {"softmax": 1, "adaptive": 2}, edges  # the diagonal tiles walk apart, with their masks
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--static", "--check"], {}, "--static reads compiled code only"),
+        (["--static"], {"TRITON_INTERPRET": "1"}, "unset TRITON_INTERPRET"),
+    ],
+)
+def test_the_static_command_refuses_what_it_cannot_do(args, env, says):
+    """A mistake is one line and exit 2, before anything compiles."""
+    cli = "import sys; from sharp.benchmarks import main; sys.exit(main(sys.argv[1:]))"  # sharp-bench
+    proc = subprocess.run([sys.executable, "-c", cli, "kernels", *args, "--no-write"],
+                          capture_output=True, text=True, env={**compile_env("newest"), **env}, timeout=300,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-500:] + proc.stderr[-500:]
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
