@@ -179,6 +179,17 @@ def _folded_scales(scale, rowf, lam, ssa_n, ssa_b, SSA: tl.constexpr, HAS_ALIBI:
 
 
 @triton.jit
+def _visible(cols, qpos, LK, KMASK, CAUSAL: tl.constexpr, HAS_KMASK: tl.constexpr):
+    """Which keys of an edge tile each row sees: below Lk, causally at or before the row's position, present."""
+    visible = cols[None, :] < LK
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= qpos[:, None])
+    if HAS_KMASK:
+        visible = visible & (tl.load(KMASK + cols, mask=cols < LK, other=0) != 0)[None, :]
+    return visible
+
+
+@triton.jit
 def _tile_qk(q, k_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
     """q·kᵀ of one key tile (k_ptrs: its (D, BLOCK_N) element pointers); only an edge tile masks keys ≥ Lk."""
     if MASKED:
@@ -228,11 +239,7 @@ def _sweep_tiles(
             s = qk
         if MASKED or HAS_KMASK:
             if MASKED:
-                visible = cols[None, :] < LK
-                if CAUSAL:
-                    visible = visible & (cols[None, :] <= qpos[:, None])
-                if HAS_KMASK:
-                    visible = visible & (tl.load(KMASK + cols, mask=cols < LK, other=0) != 0)[None, :]
+                visible = _visible(cols, qpos, LK, KMASK, CAUSAL=CAUSAL, HAS_KMASK=HAS_KMASK)
                 u = tl.where(visible, s * g[:, None], float("-inf"))
             else:  # an interior tile: only padding keys are hidden, a per-key bias of 0 or −inf
                 bias = tl.where(tl.load(KMASK + cols) != 0, 0.0, float("-inf"))
@@ -565,13 +572,10 @@ def _entmax_tiles(
         if HAS_ALIBI:
             t = t * cf[:, None] + (ca[:, None] * cols.to(tl.float32)[None, :] - ca_pos[:, None])
         if MASKED or HAS_KMASK:
-            visible = cols[None, :] >= 0
             if MASKED:
-                visible = cols[None, :] < LK
-                if CAUSAL:
-                    visible = visible & (cols[None, :] <= qpos[:, None])
-            if HAS_KMASK:
-                visible = visible & (tl.load(KMASK + cols, mask=cols < LK, other=0) != 0)[None, :]
+                visible = _visible(cols, qpos, LK, KMASK, CAUSAL=CAUSAL, HAS_KMASK=HAS_KMASK)
+            else:  # an interior tile: only padding keys are hidden
+                visible = (tl.load(KMASK + cols, mask=cols < LK, other=0) != 0)[None, :]
             t = tl.where(visible, t, float("-inf"))
             if PASS == 0 and HAS_KMASK:
                 cnt += tl.sum(tl.where(visible, 1.0, 0.0), 1)
