@@ -23,15 +23,17 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import onnx
 
 from sharp import __version__
 from sharp.models import registry
 from sharp.models.config import ModelConfig, ModelShape
-from sharp.models.lm import SharpLM
 from sharp.models.tokenizer import BYTES, HFTokenizer, Tokenizer, tokenizer_from_dict
+
+if TYPE_CHECKING:  # reading a file's metadata needs no torch (a server of ONNX files never imports it)
+    from sharp.models.lm import SharpLM
 
 KEY = "sharp"
 TOKENIZER_KEY = "sharp.tokenizer.json"

@@ -1,44 +1,42 @@
-"""PyTorch reference: normalizers, `attend`, models, checkpoints and training."""
+"""PyTorch reference: normalizers, `attend`, models, checkpoints and training.
 
-from sharp.models.attention import IMPLS, attend
-from sharp.models.checkpoint import CheckpointError, load, save
-from sharp.models.config import ModelConfig
-from sharp.models.layers import SharpAttention
-from sharp.models.lm import LMOutput, SharpLM
-from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig
-from sharp.models.normalizers import (
-    PAPER_POLY,
-    adaptive_softmax,
-    entmax,
-    entropy,
-    softmax,
-    ssa,
-    ssmax,
-)
-from sharp.models.registry import NORMS
-from sharp.models.sampling import SamplingParams
-from sharp.models.tokenizer import ByteTokenizer
+The names below load on first use (PEP 562): a process that needs only the torch-free parts — the registry's table,
+configs, tokenizers, sampling, as an ONNX server does — never imports torch.
+"""
 
-__all__ = [
-    "IMPLS",
-    "NORMS",
-    "PAPER_POLY",
-    "ByteTokenizer",
-    "CheckpointError",
-    "LMOutput",
-    "MaxRetrieval",
-    "MaxRetrievalConfig",
-    "ModelConfig",
-    "SamplingParams",
-    "SharpAttention",
-    "SharpLM",
-    "adaptive_softmax",
-    "attend",
-    "entmax",
-    "entropy",
-    "load",
-    "save",
-    "softmax",
-    "ssa",
-    "ssmax",
-]
+from importlib import import_module
+
+_HOMES = {
+    "IMPLS": "attention",
+    "attend": "attention",
+    "CheckpointError": "checkpoint",
+    "load": "checkpoint",
+    "save": "checkpoint",
+    "ModelConfig": "config",
+    "SharpAttention": "layers",
+    "LMOutput": "lm",
+    "SharpLM": "lm",
+    "MaxRetrieval": "max_retrieval",
+    "MaxRetrievalConfig": "max_retrieval",
+    "PAPER_POLY": "registry",
+    "adaptive_softmax": "normalizers",
+    "entmax": "normalizers",
+    "entropy": "normalizers",
+    "softmax": "normalizers",
+    "ssa": "normalizers",
+    "ssmax": "normalizers",
+    "NORMS": "registry",
+    "SamplingParams": "sampling",
+    "ByteTokenizer": "tokenizer",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -6,8 +6,10 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from sharp.models import registry
-from sharp.models.normalizers import PAPER_POLY
-from sharp.models.positional import POSITIONAL
+from sharp.models.registry import PAPER_POLY
+
+POSITIONAL = ("rope", "alibi", "nope", "nape")
+"""The positional encodings a config may name (models/positional.py computes them)."""
 
 MLPS = ("swiglu", "gelu")
 MAX_WEIGHTS = 1 << 36  # a config beyond this is a typo or an attack, not a model to build on this machine

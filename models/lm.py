@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from sharp.models.config import ModelConfig
 from sharp.models.kvcache import PagedLayer, PagedStep
 from sharp.models.layers import MLP, KVCache, SharpAttention, make_layer_norm
-from sharp.models.sampling import SamplingParams, sample
+from sharp.models.sampling import SamplingParams, generator, sample
 from sharp.models.tokenizer import BYTES
 
 
@@ -108,11 +108,11 @@ class SharpLM(nn.Module):
                 f"{self.cfg.context_length}"
             )
         device = self.embed.weight.device
-        gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+        rng = generator(seed)
         out = self.step(torch.tensor([prompt_ids], device=device))
         tokens: list[int] = []
         for _ in range(max_new_tokens):
-            nxt = int(sample(out.logits[:, -1], params, gen))
+            nxt = int(sample(out.logits[:, -1].float().cpu().numpy(), params, rng)[0])
             tokens.append(nxt)
             if eos is not None and nxt == eos:
                 break

@@ -16,8 +16,8 @@ import math
 import torch
 from torch import Tensor
 
-PAPER_POLY: tuple[float, ...] = (-0.037, 0.481, -2.3, 4.917, -1.791)
-"""Adaptive-temperature polynomial β(H), highest power first (numpy.polyval order): β(3) ≈ 2.25."""
+# adaptive's defaults live in the registry's torch-free table (β(H) in numpy.polyval order: β(3) ≈ 2.25)
+from sharp.models.registry import ADAPTIVE_THRESHOLD, PAPER_POLY
 
 Param = float | Tensor
 
@@ -59,9 +59,6 @@ def polyval(coeffs: tuple[float, ...] | Tensor, x: Tensor) -> Tensor:
     for c in coeffs:
         out = out * x + c
     return out
-
-
-ADAPTIVE_THRESHOLD = 0.5  # nats: rows with a lower softmax entropy keep β = 1
 
 
 def adaptive_beta(

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-POSITIONAL = ("rope", "alibi", "nope", "nape")
+from sharp.models.config import POSITIONAL
 
 
 def rope_angles(positions: Tensor, head_dim: int, base: float = 10000.0, scaling: float = 1.0) -> tuple[Tensor, Tensor]:

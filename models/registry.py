@@ -17,14 +17,23 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
+from importlib import import_module
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+if TYPE_CHECKING:  # the table itself needs no torch: a server that only reads names and slots never imports it
+    from torch import Tensor
 
-from sharp.models import normalizers as nz
+    from sharp.models.normalizers import Param
 
-Param = nz.Param
+PAPER_POLY: tuple[float, ...] = (-0.037, 0.481, -2.3, 4.917, -1.791)
+"""Adaptive-temperature softmax's β(H) polynomial, highest power first: the paper's fit (the default of `poly`)."""
+ADAPTIVE_THRESHOLD = 0.5
+"""Nats: adaptive rows with a lower softmax entropy keep β = 1 (the default of `threshold`)."""
+
+
+def _math():
+    """normalizers.py (torch), imported when a normalizer is first computed."""
+    return import_module("sharp.models.normalizers")
 
 
 class Family(str, Enum):
@@ -89,6 +98,8 @@ class HeadParam:
         return None
 
     def check_tensor(self, value: Tensor) -> None:
+        import torch
+
         v = value.detach()
         ok = bool(torch.isfinite(v).all()) and bool((v > self.minimum if self.strict else v >= self.minimum).all())
         if not ok:
@@ -108,6 +119,8 @@ class HeadParam:
     def from_raw(self, raw: Tensor) -> Tensor:
         if self.storage is Storage.IDENTITY:
             return raw
+        import torch.nn.functional as F
+
         return F.softplus(raw) + (1.0 if self.storage is Storage.ONE_PLUS_SOFTPLUS else 0.0)
 
 
@@ -146,11 +159,11 @@ class Norm:
 
 
 def _entmax(x: Tensor, dim: int, alpha: Param = ALPHA.default, **_) -> Tensor:
-    return nz.entmax(x, alpha, dim)
+    return _math().entmax(x, alpha, dim)
 
 
-def _adaptive(x: Tensor, dim: int, poly=nz.PAPER_POLY, threshold: float = nz.ADAPTIVE_THRESHOLD, **_) -> Tensor:
-    return nz.adaptive_softmax(x, dim, poly, threshold)
+def _adaptive(x: Tensor, dim: int, poly=PAPER_POLY, threshold: float = ADAPTIVE_THRESHOLD, **_) -> Tensor:
+    return _math().adaptive_softmax(x, dim, poly, threshold)
 
 
 _REGISTRY: dict[str, Norm] = {
@@ -161,7 +174,7 @@ _REGISTRY: dict[str, Norm] = {
             Family.SOFTMAX,
             Transform.IDENTITY,
             (),
-            lambda x, dim, **_: nz.softmax(x, dim),
+            lambda x, dim, **_: _math().softmax(x, dim),
             summary="e^z normalised: with bounded logits every weight is Θ(1/n), so the target's share falls with n",
         ),
         Norm(
@@ -180,7 +193,7 @@ _REGISTRY: dict[str, Norm] = {
             Family.SOFTMAX,
             Transform.LOG_N_SCALE,
             (SSMAX_S,),
-            lambda x, dim, ssmax_s=SSMAX_S.default, **_: nz.ssmax(x, ssmax_s, dim),
+            lambda x, dim, ssmax_s=SSMAX_S.default, **_: _math().ssmax(x, ssmax_s, dim),
             inference_time_from=("softmax",),
             change_requires=("ssmax_s",),
             summary="softmax(s·log n·z): the logit scale grows with the keys a query sees, so the target keeps its "
@@ -210,7 +223,7 @@ _REGISTRY: dict[str, Norm] = {
             Family.SOFTMAX,
             Transform.SIGNED_LOG,
             (SSA_N, SSA_B),
-            lambda x, dim, ssa_n=SSA_N.default, ssa_b=SSA_B.default, **_: nz.ssa(x, ssa_n, ssa_b, dim),
+            lambda x, dim, ssa_n=SSA_N.default, ssa_b=SSA_B.default, **_: _math().ssa(x, ssa_n, ssa_b, dim),
             summary="softmax(sgn(z)·n·log(1 + b|z|)) (n = 1.5, b = 1, the paper's init): polynomial scores, flatter "
             "than softmax on bounded logits; what it bounds is one out-of-range logit's pull (table b)",
         ),
@@ -275,8 +288,8 @@ def normalize(
     norm: str,
     *,
     dim: int = -1,
-    poly: tuple[float, ...] | Tensor = nz.PAPER_POLY,
-    threshold: float = nz.ADAPTIVE_THRESHOLD,
+    poly: tuple[float, ...] | Tensor = PAPER_POLY,
+    threshold: float = ADAPTIVE_THRESHOLD,
     **params: Param,
 ) -> Tensor:
     """The normalizer `norm` over `dim`; `params` are its per-head parameters (others are ignored).

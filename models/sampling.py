@@ -1,4 +1,7 @@
-"""Next-token sampling shared by `SharpLM.generate` and the serving engine: greedy, temperature, top-k, top-p."""
+"""Next-token sampling shared by `SharpLM.generate` and the serving engine: greedy, temperature, top-k, top-p.
+
+In NumPy on host logits (B, V) with NumPy generators: a step's logits are small, torch's dispatch cost more than the
+work on them, and an ONNX server need not import torch at all (docs/serving.md, "A lean server")."""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
-from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -35,54 +36,63 @@ TEMPERATURE_FLOOR = 1e-4
 a tinier temperature would overflow float32."""
 
 
-def unusable_rows(logits: Tensor) -> Tensor:
+def generator(seed: int | None) -> np.random.Generator:
+    """A request's random stream: seeded (any integer ≥ 0, up to 2⁶⁴ − 1) or fresh from the OS."""
+    return np.random.default_rng(seed)
+
+
+def unusable_rows(logits: np.ndarray) -> np.ndarray:
     """(B,) bool: rows a distribution cannot come from (NaN, +inf, or every logit −inf): exactly the rows whose
-    maximum is not finite (max propagates NaN), in one reduction."""
-    return ~torch.isfinite(logits.amax(-1))
+    maximum is not finite (the maximum propagates NaN), in one reduction."""
+    return ~np.isfinite(logits.max(-1))
 
 
 def sample_rows(
-    logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: np.ndarray, params: list[SamplingParams], generators: list[np.random.Generator | None]
 ) -> list[int | None]:
     """One token per row of logits (B, V), row i with params[i] and generators[i]; None for an unusable row.
     Exactly `sample` row by row, but the checks and every greedy row cost one batched operation each (a serving
-    step's rows are mostly greedy). On CPU those run in NumPy: on a step's (B, V) logits, fresh from the model,
-    torch's dispatch cost several times the work (~100 µs against ~30 µs per step, measured in the engine)."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        x = logits.detach().numpy()
-        bad = (~np.isfinite(x.max(-1))).tolist()  # the maximum propagates NaN, as torch's amax does
-        argmax = lambda rows: x[rows].argmax(-1).tolist()
-    else:
-        bad = unusable_rows(logits).tolist()
-        argmax = lambda rows: logits[rows].argmax(-1).tolist()
+    step's rows are mostly greedy)."""
+    bad = unusable_rows(logits).tolist()
     greedy = [i for i, p in enumerate(params) if p.temperature < TEMPERATURE_FLOOR and not bad[i]]
     out: list[int | None] = [None] * len(params)
     if greedy:
-        for i, token in zip(greedy, argmax(greedy if len(greedy) < len(params) else slice(None)), strict=True):
+        rows = logits if len(greedy) == len(params) else logits[greedy]
+        for i, token in zip(greedy, rows.argmax(-1).tolist(), strict=True):
             out[i] = token
     for i, p in enumerate(params):
         if not bad[i] and p.temperature >= TEMPERATURE_FLOOR:
-            out[i] = int(sample(logits[i : i + 1], p, generators[i]))
+            out[i] = int(sample(logits[i : i + 1], p, generators[i])[0])
     return out
 
 
-def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> Tensor:
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None = None) -> np.ndarray:
     """logits (B, V) → token ids (B,). Raises ValueError for logits a distribution cannot come from (NaN, +inf,
     or every logit −inf), so the caller can end just that sequence."""
-    if bool(unusable_rows(logits).any()):
+    logits = np.asarray(logits)
+    if unusable_rows(logits).any():
         raise ValueError("the model produced non-finite logits")
     if params.temperature < TEMPERATURE_FLOOR:
         return logits.argmax(-1)
-    scores = logits.float() / params.temperature
+    scores = logits.astype(np.float64) / params.temperature
     if params.top_k:
-        kth = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+        cut = scores.shape[-1] - min(params.top_k, scores.shape[-1])
+        kth = np.partition(scores, cut, axis=-1)[..., cut : cut + 1]  # the k-th largest score of each row
+        scores = np.where(scores < kth, -np.inf, scores)
     if params.top_p < 1:
-        sorted_scores, order = torch.sort(scores, descending=True, dim=-1)
-        probs = torch.softmax(sorted_scores, dim=-1)
+        order = np.argsort(-scores, axis=-1, kind="stable")
+        ranked = np.take_along_axis(scores, order, -1)
+        probs = _softmax(ranked)
         # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        drop = (np.cumsum(probs, -1) - probs) >= params.top_p
+        np.put_along_axis(scores, order, np.where(drop, -np.inf, ranked), -1)
+    cdf = np.cumsum(_softmax(scores), -1)
+    rng = rng if rng is not None else generator(None)
+    u = rng.random(len(cdf))[:, None] * cdf[:, -1:]
+    # the first token whose cumulative mass passes u: a token of weight 0 is never drawn
+    return np.minimum((cdf <= u).sum(-1), cdf.shape[-1] - 1)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)

@@ -14,6 +14,8 @@ A row the model fails on in a batched decode or prefill ends alone: the rows are
 end.
 This module holds the interface, the graph backends' shared part and `load_backend`; each backend has its own
 module (onnxruntime_backend.py, torch_backend.py, tensorrt_backend.py), imported only when it is the one asked for.
+The engine and a backend exchange NumPy arrays (ids in, logits and entropies out): torch is the torch and TensorRT
+backends' own business, and a server of ONNX files never imports it.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import torch
-from torch import Tensor
+import numpy as np
 
+from sharp.serving import cache as arrays
 from sharp.serving.cache import BatchCache
 from sharp.serving.spec import ModelSpec
 
@@ -34,7 +37,8 @@ log = logging.getLogger("sharp.serving")
 
 BACKENDS = ("onnxruntime", "torch", "tensorrt")  # each in its own module (serving/<name>_backend.py)
 PAGE_SIZE = 16  # tokens per KV page of the torch backend (a kernel tile: decode reads whole pages)
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # the torch backend's --dtype
+DTYPES = ("fp32", "bf16", "fp16")  # the torch backend's --dtype
+Cache = Any  # a KV tensor as a backend keeps it: a NumPy array (onnxruntime) or a torch tensor (CUDA, TensorRT)
 
 
 class BackendError(Exception):
@@ -45,9 +49,9 @@ class BackendError(Exception):
 class StepOutput:
     """What a forward of the generation graph returns."""
 
-    logits: Tensor  # (B, V) at each row's last position
-    presents: list[Tensor]  # 2 × layers of (B, kv_heads, past + L, head_dim)
-    entropy: Tensor | None  # (B, layers, heads, L) nats, when asked
+    logits: np.ndarray  # (B, V) float32 at each row's last position
+    presents: list[Cache]  # 2 × layers of (B, kv_heads, past + L, head_dim)
+    entropy: np.ndarray | None  # (B, layers, heads, L) nats, when asked
 
 
 @dataclass
@@ -56,25 +60,23 @@ class StepResult:
     per-head entropy (B, layers, heads, L) of the rows that ran, in order, and the sequences the model failed on
     (left out of both)."""
 
-    logits: Tensor
-    entropy: Tensor | None
+    logits: np.ndarray
+    entropy: np.ndarray | None
     failed: list[Hashable] = field(default_factory=list)
 
 
 @dataclass
 class Chunk:
-    """A prefill chunk: the reserved sequence's prompt tokens start..start+n−1 as ids (1, n)."""
+    """A prefill chunk: the reserved sequence's prompt tokens start..start+n−1 as ids (1, n) int64."""
 
     seq: Hashable
-    ids: Tensor
+    ids: np.ndarray
     start: int
 
 
 class Backend(ABC):
     spec: ModelSpec
-    device: torch.device
     kv_bytes_per_token: int  # what one token of one sequence costs in the KV cache
-    host_threads: int | None = None  # torch's threads in a serving process (None: torch's default)
 
     @abstractmethod
     def allocate(self, budget_bytes: int) -> int:
@@ -86,7 +88,7 @@ class Backend(ABC):
         """Room for `seq` to hold `tokens` tokens, or False (nothing reserved) when that does not fit now."""
 
     @abstractmethod
-    def prefill(self, seq: Hashable, ids: Tensor, start: int, entropy: bool) -> StepResult:
+    def prefill(self, seq: Hashable, ids: np.ndarray, start: int, entropy: bool) -> StepResult:
         """ids (1, n): the reserved sequence's prompt tokens start..start+n−1, after its first `start`."""
 
     def prefill_many(self, chunks: list[Chunk], entropy: bool) -> list[StepResult | None]:
@@ -116,7 +118,7 @@ class Backend(ABC):
         """The fraction of the KV cache in use (the metrics' gauge)."""
 
     @abstractmethod
-    def _decode_step(self, seqs: list[Hashable], tokens: Tensor, entropy: bool) -> StepResult:
+    def _decode_step(self, seqs: list[Hashable], tokens: np.ndarray, entropy: bool) -> StepResult:
         """One batched decode step: tokens (B, 1) the sequences' last sampled tokens."""
 
     def _unbatch(self, seqs: list[Hashable]) -> None:  # noqa: B027
@@ -125,7 +127,7 @@ class Backend(ABC):
     def _rebatch(self, seqs: list[Hashable]) -> None:  # noqa: B027
         """After running the rows alone: the survivors form the batch again, in order."""
 
-    def decode(self, seqs: list[Hashable], tokens: Tensor, entropy: bool) -> StepResult:
+    def decode(self, seqs: list[Hashable], tokens: np.ndarray, entropy: bool) -> StepResult:
         """One token for each of `seqs` (the running batch, in order). If the batched step raises, each row runs
         alone and only the rows that raise again are reported failed."""
         try:
@@ -143,43 +145,38 @@ class Backend(ABC):
                 failed.append(seq)
         self._rebatch(kept)
         if not kept:
-            return StepResult(torch.empty(0, self.spec.vocab_size), None, failed)
-        ent = None if results[0].entropy is None else torch.cat([r.entropy for r in results])
-        return StepResult(torch.cat([r.logits for r in results]), ent, failed)
+            return StepResult(np.empty((0, self.spec.vocab_size), np.float32), None, failed)
+        ent = None if results[0].entropy is None else np.concatenate([r.entropy for r in results])
+        return StepResult(np.concatenate([r.logits for r in results]), ent, failed)
 
 
 class GraphBackend(Backend):
     """A backend that runs the exported generation graph (flat tensors in, presents out): prefilling sequences
     keep their own cache, running ones share one left-padded `BatchCache` whose memory is slots × the longest.
-
-    The runtime does the model's math on its own threads; torch only moves a step's small host tensors, and its
-    thread pool, left at one thread per core, spins after each of those tiny ops against the runtime's threads
-    (on 2 cores that halved decode throughput): one torch thread."""
-
-    host_threads = 1
+    A step's small host arrays are NumPy's (torch's dispatch and thread pool cost more than the work on them)."""
 
     def __init__(self) -> None:
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token()
         self.budget_bytes = 0
         self._batch = BatchCache()
-        self._own: dict[Hashable, list[Tensor]] = {}  # caches of sequences prefilling (or run alone)
+        self._own: dict[Hashable, list[Cache]] = {}  # caches of sequences prefilling (or run alone)
         self._reserved: dict[Hashable, int] = {}
 
     @abstractmethod
     def forward(
         self,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        position_ids: Tensor,
-        past: list[Tensor],
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        position_ids: np.ndarray,
+        past: list[Cache],
         entropy: bool,
-        last: Tensor | None = None,
+        last: np.ndarray | None = None,
     ) -> StepOutput:
         """One run of the graph; the logits are each row's at column last[row] (default: the last column)."""
 
-    def empty_past(self, batch: int) -> list[Tensor]:
+    def empty_past(self, batch: int) -> list[Cache]:
         s = self.spec
-        return [torch.zeros(batch, s.kv_heads, 0, s.head_dim, device=self.device) for _ in range(2 * s.layers)]
+        return [np.zeros((batch, s.kv_heads, 0, s.head_dim), np.float32) for _ in range(2 * s.layers)]
 
     def allocate(self, budget_bytes: int) -> int:
         if budget_bytes < self.kv_bytes_per_token:
@@ -198,7 +195,7 @@ class GraphBackend(Backend):
         n = ids.shape[1]
         past = self._own.get(seq) or self.empty_past(1)
         out = self.forward(
-            ids, torch.ones(1, start + n, dtype=torch.int64), torch.arange(start, start + n)[None], past, entropy
+            ids, np.ones((1, start + n), np.int64), np.arange(start, start + n, dtype=np.int64)[None], past, entropy
         )
         self._own[seq] = out.presents
         return StepResult(out.logits, out.entropy)
@@ -226,25 +223,25 @@ class GraphBackend(Backend):
     def _prefill_batch(self, chunks: list[Chunk], entropy: bool) -> list[StepResult]:
         start, lengths = chunks[0].start, [c.ids.shape[1] for c in chunks]
         width = max(lengths)
-        ids = torch.zeros(len(chunks), width, dtype=torch.int64)
+        ids = np.zeros((len(chunks), width), np.int64)
         for row, c in enumerate(chunks):
             ids[row, : lengths[row]] = c.ids[0]
         if start:
-            past = [torch.cat(layer) for layer in zip(*(self._own[c.seq] for c in chunks), strict=True)]
+            past = [arrays.concat(layer) for layer in zip(*(self._own[c.seq] for c in chunks), strict=True)]
         else:
             past = self.empty_past(len(chunks))
         out = self.forward(
             ids,
-            torch.ones(len(chunks), start + width, dtype=torch.int64),
-            torch.arange(start, start + width).repeat(len(chunks), 1),
+            np.ones((len(chunks), start + width), np.int64),
+            np.tile(np.arange(start, start + width, dtype=np.int64), (len(chunks), 1)),
             past,
             entropy,
-            last=torch.tensor(lengths) - 1,
+            last=np.asarray(lengths) - 1,
         )
         results = []
         for row, (c, n) in enumerate(zip(chunks, lengths, strict=True)):
             own = [p[row : row + 1, :, : start + n] for p in out.presents]
-            self._own[c.seq] = own if n == width else [p.contiguous() for p in own]
+            self._own[c.seq] = own if n == width else [arrays.contiguous(p) for p in own]
             ent = None if out.entropy is None else out.entropy[row : row + 1, ..., :n]
             results.append(StepResult(out.logits[row : row + 1], ent))
         return results
@@ -277,8 +274,10 @@ class GraphBackend(Backend):
             slots = cache.index(seqs)
             rows = None  # every slot live, in the engine's order: nothing to scatter or gather
             if slots != list(range(len(cache.owners))):
-                rows = torch.tensor(slots)
-                tokens = torch.zeros(len(cache.owners), 1, dtype=torch.int64).index_copy_(0, rows, tokens)
+                rows = np.asarray(slots)
+                scattered = np.zeros((len(cache.owners), 1), np.int64)
+                scattered[rows] = tokens
+                tokens = scattered
             out = self.forward(tokens, cache.attention_mask(), cache.positions(), cache.tensors, entropy)
             cache.advance(out.presents)
             if rows is None:
@@ -287,7 +286,7 @@ class GraphBackend(Backend):
         (seq,) = seqs  # a row run alone (after _unbatch)
         past = self._own[seq]
         n = past[0].shape[2]
-        out = self.forward(tokens, torch.ones(1, n + 1, dtype=torch.int64), torch.tensor([[n]]), past, entropy)
+        out = self.forward(tokens, np.ones((1, n + 1), np.int64), np.array([[n]], np.int64), past, entropy)
         self._own[seq] = out.presents
         return StepResult(out.logits, out.entropy)
 

@@ -13,16 +13,38 @@ at position 0 that sees only itself; nobody reads its output) until it is reused
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+
+Tensor = Any  # a NumPy array on the host (onnxruntime), a torch tensor where the backend keeps its cache on CUDA
+
+
+def _torch(t: Tensor) -> bool:
+    """Whether `t` is a torch tensor: torch is imported only by backends that hand the cache torch tensors."""
+    return not isinstance(t, np.ndarray)
+
+
+def concat(ts: list[Tensor]) -> Tensor:
+    """Tensors joined along the batch axis."""
+    if _torch(ts[0]):
+        import torch
+
+        return torch.cat(ts)
+    return np.concatenate(ts)
+
+
+def contiguous(t: Tensor) -> Tensor:
+    return t.contiguous() if _torch(t) else np.ascontiguousarray(t)
 
 
 def _left_pad(t: Tensor, width: int) -> Tensor:
     """(B, H, T, D) → (B, H, width, D) with zero keys on the left."""
-    return F.pad(t, (0, 0, width - t.shape[2], 0))
+    if _torch(t):
+        import torch.nn.functional as F
+
+        return F.pad(t, (0, 0, width - t.shape[2], 0))
+    return np.pad(t, ((0, 0), (0, 0), (width - t.shape[2], 0), (0, 0)))
 
 
 class BatchCache:
@@ -61,16 +83,15 @@ class BatchCache:
         """The slots of `keys`, in their order (after `settle`)."""
         return [self._slot[k] for k in keys]
 
-    def attention_mask(self) -> Tensor:
-        """(slots, width + 1) int64 for one decode step: each slot's keys plus its new token are 1, padding 0 (built
-        in NumPy: a step's few small tensor ops cost more in torch's dispatch than the work)."""
+    def attention_mask(self) -> np.ndarray:
+        """(slots, width + 1) int64 for one decode step: each slot's keys plus its new token are 1, padding 0."""
         lengths = np.asarray(self.lengths, dtype=np.int64)
         columns = np.arange(self.width + 1, dtype=np.int64)[None]
-        return torch.from_numpy((columns >= (self.width - lengths)[:, None]).astype(np.int64))
+        return (columns >= (self.width - lengths)[:, None]).astype(np.int64)
 
-    def positions(self) -> Tensor:
+    def positions(self) -> np.ndarray:
         """(slots, 1) int64: the position of each slot's next token."""
-        return torch.from_numpy(np.asarray(self.lengths, dtype=np.int64)[:, None])
+        return np.asarray(self.lengths, dtype=np.int64)[:, None]
 
     def join(self, key: Hashable, cache: list[Tensor], length: int) -> None:
         """Take one sequence's own cache (batch 1, `length` keys wide): into a free slot now if it is as wide as the
@@ -104,12 +125,11 @@ class BatchCache:
         width = max(lengths)
         caches = [c for c, _ in self._pending.values()]
         if keep:
-            index = torch.tensor(keep, device=self.tensors[0].device)
-            caches.insert(0, [t if len(keep) == len(self.owners) else t.index_select(0, index) for t in self.tensors])
+            caches.insert(0, [t if len(keep) == len(self.owners) else t[keep] for t in self.tensors])
         if len(caches) == 1 and caches[0][0].shape[2] == width:
             self.tensors = caches[0]  # nothing to add: no second copy
         else:
-            self.tensors = [torch.cat([_left_pad(c[k], width) for c in caches]) for k in range(len(caches[0]))]
+            self.tensors = [concat([_left_pad(c[k], width) for c in caches]) for k in range(len(caches[0]))]
         self.owners, self.lengths, self._pending = owners, lengths, {}
         self._slot = {owner: i for i, owner in enumerate(owners)}
 

@@ -21,9 +21,8 @@ from dataclasses import dataclass, field, fields
 
 import grpc
 import numpy as np
-import torch
 
-from sharp.models.sampling import sample_rows
+from sharp.models.sampling import generator, sample_rows
 from sharp.models.tokenizer import TextStream
 from sharp.serving.backends import PAGE_SIZE, Backend, Chunk
 from sharp.serving.metrics import ServingMetrics
@@ -137,7 +136,7 @@ class Sequence:
     request: GenerationRequest
     sink: Callable[[Event], None]
     arrival: float
-    generator: torch.Generator
+    generator: np.random.Generator
     text: StopText
     stats: HeadStats | None
     detokenizer: TextStream
@@ -227,8 +226,6 @@ class Engine:
 
     # ---- front -----------------------------------------------------------------------------------------
     def start(self) -> Engine:
-        if self.backend.host_threads is not None:  # process-wide: this process serves this one model
-            torch.set_num_threads(self.backend.host_threads)
         self._thread.start()
         return self
 
@@ -245,7 +242,7 @@ class Engine:
             req,
             sink,
             time.perf_counter(),
-            torch.Generator().manual_seed(req.seed),
+            generator(req.seed),
             StopText(req.stop),
             HeadStats(self.spec.layers, self.spec.heads) if req.attention_stats else None,
             self.tokenizer.stream(),
@@ -397,11 +394,11 @@ class Engine:
     def _want_entropy(self, seqs: list[Sequence]) -> bool:
         return self.metrics.entropy != "off" or any(s.stats is not None for s in seqs)
 
-    def _record_entropy(self, seqs: list[Sequence], entropy: torch.Tensor | None, first_pos: list[int]) -> None:
+    def _record_entropy(self, seqs: list[Sequence], entropy: np.ndarray | None, first_pos: list[int]) -> None:
         """entropy (B, layers, heads, L) of rows `seqs` whose first query sits at position first_pos[i]."""
         if entropy is None:
             return
-        ent = entropy.numpy().astype(np.float64)
+        ent = entropy.astype(np.float64)
         visible = np.asarray(first_pos)[:, None] + np.arange(ent.shape[-1])[None] + 1  # (B, L)
         for i, s in enumerate(seqs):
             if s.stats is not None:
@@ -417,7 +414,7 @@ class Engine:
             if budget <= 0:
                 break
             n = min(budget, seq.prompt_len - seq.length)
-            ids = torch.tensor([seq.request.prompt_ids[seq.length : seq.length + n]], dtype=torch.int64)
+            ids = np.array([seq.request.prompt_ids[seq.length : seq.length + n]], np.int64)
             chunks.append(Chunk(seq, ids, seq.length))
             budget -= n
         if not chunks:
@@ -454,7 +451,7 @@ class Engine:
         if not self._running:
             return
         seqs = self._running
-        tokens = torch.tensor([[s.generated[-1]] for s in seqs], dtype=torch.int64)
+        tokens = np.array([[s.generated[-1]] for s in seqs], np.int64)
         began = time.perf_counter()
         out = self.backend.decode(seqs, tokens, self._want_entropy(seqs))
         self._stats.forward_seconds += time.perf_counter() - began

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from sharp.exporter import metadata
 from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
@@ -55,7 +54,6 @@ class OnnxRuntimeBackend(GraphBackend):
             self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as e:  # e.g. a --fallback none file without a kernel: say which attention was chosen
             raise BackendError(f"{path}: onnxruntime cannot load it ({self.attention}): {e}") from None
-        self.device = torch.device("cpu")  # inputs and outputs travel as host arrays
         self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
         GraphBackend.__init__(self)
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
@@ -63,17 +61,13 @@ class OnnxRuntimeBackend(GraphBackend):
 
     def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
         feed = {
-            "input_ids": input_ids.numpy(),
-            "attention_mask": attention_mask.numpy(),
-            "position_ids": position_ids.numpy(),
-            **{name: t.numpy() for name, t in zip(self.past_names, past, strict=True)},
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            **dict(zip(self.past_names, past, strict=True)),
         }
         names = self.output_names if entropy else self.output_names[:-1]
         logits, *rest = self.session.run(names, feed)
         presents = rest[:-1] if entropy else rest
-        picked = logits[:, -1] if last is None else logits[np.arange(len(logits)), last.numpy()]
-        return StepOutput(
-            torch.from_numpy(np.ascontiguousarray(picked)),
-            [torch.from_numpy(p) for p in presents],
-            torch.from_numpy(rest[-1]) if entropy else None,
-        )
+        picked = logits[:, -1] if last is None else logits[np.arange(len(logits)), last]
+        return StepOutput(np.ascontiguousarray(picked), presents, rest[-1] if entropy else None)

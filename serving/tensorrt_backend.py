@@ -35,6 +35,7 @@ class TensorRTBackend(GraphBackend):
         if not torch.cuda.is_available():
             raise BackendError("--backend tensorrt: no CUDA device is visible to torch")
         self.device = torch.device("cuda")
+        torch.set_num_threads(1)  # torch only moves a step's small tensors here; its spinning pool costs CPU
         self.attention = "attention: the TensorRT plugin (sharp's ahead-of-time Triton kernels)"
         self.stream = torch.cuda.Stream()
         self.trt = trt
@@ -60,7 +61,7 @@ class TensorRTBackend(GraphBackend):
         feeds = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         feeds.update(zip(self.past_names, past, strict=True))
         with torch.cuda.stream(self.stream):
-            keep = {name: t.to(self.device).contiguous() for name, t in feeds.items()}
+            keep = {name: torch.as_tensor(t, device=self.device).contiguous() for name, t in feeds.items()}
             for name, t in keep.items():
                 context.set_input_shape(name, tuple(t.shape))
                 context.set_tensor_address(name, t.data_ptr())
@@ -73,8 +74,8 @@ class TensorRTBackend(GraphBackend):
                 raise RuntimeError("TensorRT could not run the step")
         self.stream.synchronize()
         presents = [results[n].float() for n in self.outputs if n.startswith("present.")]
-        ent = results["attention_entropy"].float().cpu() if entropy else None
+        ent = results["attention_entropy"].float().cpu().numpy() if entropy else None
         logits = results["logits"]
         rows = torch.arange(len(logits), device=logits.device)
-        picked = logits[:, -1] if last is None else logits[rows, last.to(logits.device)]
-        return StepOutput(picked.float().cpu(), presents, ent)
+        picked = logits[:, -1] if last is None else logits[rows, torch.as_tensor(last, device=logits.device)]
+        return StepOutput(picked.float().cpu().numpy(), presents, ent)

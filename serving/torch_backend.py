@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 from pathlib import Path
 
+import numpy as np
 import torch
-from torch import Tensor
 
 from sharp.exporter import metadata
 from sharp.models.kvcache import OutOfPages, PagedKVCache
@@ -16,6 +16,7 @@ from sharp.serving.spec import ModelSpec
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
 # reference, whose (queries × keys) logits grow quadratically with the prompt.
 STREAMED_FROM_KEYS = 1024
+TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
 class TorchBackend(Backend):
@@ -40,7 +41,7 @@ class TorchBackend(Backend):
         dtype = dtype or ("bf16" if device == "cuda" else "fp32")
         if dtype not in DTYPES:
             raise BackendError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-        self.device, self.dtype = torch.device(device), DTYPES[dtype]
+        self.device, self.dtype = torch.device(device), TORCH_DTYPES[dtype]
         self.model = model.to(self.device, self.dtype).eval()
         self.impl = impl
         if impl is not None:
@@ -88,22 +89,22 @@ class TorchBackend(Backend):
         return "streamed" if keys >= STREAMED_FROM_KEYS else "reference"
 
     @torch.inference_mode()
-    def _run(self, seqs: list[Hashable], ids: Tensor, positions: Tensor, entropy: bool) -> StepResult:
+    def _run(self, seqs: list[Hashable], ids: np.ndarray, positions: np.ndarray, entropy: bool) -> StepResult:
         step = self.cache.step(seqs, ids.shape[1])
         out = self.model.step(
-            ids.to(self.device),
+            torch.from_numpy(ids).to(self.device),
             cache=step,
-            positions=positions.to(self.device),
+            positions=torch.from_numpy(positions).to(self.device),
             return_entropy=entropy,
             impl=self._attention(step.longest),
         )
         step.commit()  # only a step that ran through every layer counts; a failed one can run again
-        ent = out.entropy.float().cpu() if entropy else None
-        return StepResult(out.logits[:, -1].float().cpu(), ent)
+        ent = out.entropy.float().cpu().numpy() if entropy else None
+        return StepResult(out.logits[:, -1].float().cpu().numpy(), ent)
 
     def prefill(self, seq, ids, start, entropy):
-        return self._run([seq], ids, torch.arange(start, start + ids.shape[1])[None], entropy)
+        return self._run([seq], ids, np.arange(start, start + ids.shape[1], dtype=np.int64)[None], entropy)
 
     def _decode_step(self, seqs, tokens, entropy):
-        positions = torch.tensor([[self.cache.lengths[s]] for s in seqs])
+        positions = np.array([[self.cache.lengths[s]] for s in seqs], np.int64)
         return self._run(seqs, tokens, positions, entropy)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from sharp.serving.backends import Backend
 
@@ -71,7 +71,7 @@ class _Runner:
     def prefill(self, seq: Hashable, sizes: list[int], entropy: bool) -> int:
         pos = 0
         for n in sizes:
-            ids = (torch.arange(pos, pos + n, dtype=torch.int64) % self.vocab)[None]
+            ids = (np.arange(pos, pos + n, dtype=np.int64) % self.vocab)[None]
             try:
                 self.backend.prefill(seq, ids, pos, entropy)
             except Exception as e:
@@ -82,7 +82,7 @@ class _Runner:
         return pos
 
     def decode(self, seqs: list[Hashable], entropy: bool) -> None:
-        tokens = torch.ones(len(seqs), 1, dtype=torch.int64)
+        tokens = np.ones((len(seqs), 1), np.int64)
         out = self.backend.decode(seqs, tokens, entropy)
         if out.failed:
             raise WarmUpError(f"a decode step of {len(seqs)} sequences failed")

@@ -17,6 +17,7 @@ import time
 from contextlib import contextmanager
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -64,7 +65,7 @@ class RaisesForMarkedRows(Wrapped):
     def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
         if input_ids.shape[1] > 1 and (input_ids == BREAKS_PREFILL).any():
             raise RuntimeError("prefill refused")
-        if any(t.isnan().any() for t in past):
+        if any(np.isnan(t).any() for t in past):
             self.batch_failures += input_ids.shape[0] > 1
             raise RuntimeError("non-finite keys in the cache")
         out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from sharp.models import NORMS, ModelConfig, SamplingParams, SharpLM, attend
 from sharp.models.max_retrieval import MaxRetrieval, MaxRetrievalConfig, max_retrieval_batch
 from sharp.models.positional import POSITIONAL, alibi_slopes, apply_rope, nape_slopes, rope_angles
-from sharp.models.sampling import GREEDY, sample, sample_rows
+from sharp.models.sampling import GREEDY, generator, sample, sample_rows
 from sharp.models.tokenizer import ByteTokenizer
 
 
@@ -154,23 +155,36 @@ def test_generate_greedy_seeded_and_limits():
 
 
 def test_sampling_filters():
-    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0]])
-    g = torch.Generator().manual_seed(0)
-    assert int(sample(logits, SamplingParams(temperature=0.0))) == 1
-    assert all(int(sample(logits, SamplingParams(top_k=1), g)) == 1 for _ in range(20))
-    assert all(int(sample(logits, SamplingParams(top_p=0.01), g)) == 1 for _ in range(20))
-    drawn = {int(sample(logits, SamplingParams(top_k=2), g)) for _ in range(200)}
+    logits = np.array([[1.0, 3.0, 2.0, -1.0]], dtype=np.float32)
+    g = generator(0)
+    assert int(sample(logits, SamplingParams(temperature=0.0))[0]) == 1
+    assert all(int(sample(logits, SamplingParams(top_k=1), g)[0]) == 1 for _ in range(20))
+    assert all(int(sample(logits, SamplingParams(top_p=0.01), g)[0]) == 1 for _ in range(20))
+    drawn = [int(sample(logits, SamplingParams(top_k=2), g)[0]) for _ in range(2000)]
+    assert set(drawn) == {1, 2}
+    assert 0.66 < drawn.count(1) / 2000 < 0.80  # e³ / (e³ + e²) = 0.731
+    # top_p keeps the smallest prefix whose mass reaches it: p = (0.657, 0.242, 0.089, 0.012) by rank → {1, 2} at 0.8
+    drawn = {int(sample(logits, SamplingParams(top_p=0.8), g)[0]) for _ in range(300)}
     assert drawn == {1, 2}
+    free = [int(sample(logits, SamplingParams(), g)[0]) for _ in range(4000)]
+    assert set(free) == {0, 1, 2, 3}
+    assert 0.60 < free.count(1) / 4000 < 0.72  # softmax: 0.657
+    hot = [int(sample(logits, SamplingParams(temperature=0.25), g)[0]) for _ in range(400)]
+    assert hot.count(1) / 400 > 0.95  # temperature 0.25: e⁸ : e⁴ → 0.982
+    masked = np.array([[-np.inf, 0.0, -np.inf, 0.0]], dtype=np.float32)
+    assert {int(sample(masked, SamplingParams(), g)[0]) for _ in range(200)} == {1, 3}
+    seeded = [sample(logits, SamplingParams(), generator(7)).tolist() for _ in range(2)]
+    assert seeded[0] == seeded[1]
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=float("nan")).check()
     with pytest.raises(ValueError, match="top_k"):
         SamplingParams(top_k=-1).check()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])  # NumPy's path and torch's
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_batched_sampling_is_sample_row_by_row_and_names_unusable_rows(dtype):
     inf, nan = float("inf"), float("nan")
-    logits = torch.tensor(
+    logits = np.array(
         [
             [1.0, 3.0, 2.0, -1.0],
             [nan, 1.0, 0.0, 0.0],
@@ -183,15 +197,15 @@ def test_batched_sampling_is_sample_row_by_row_and_names_unusable_rows(dtype):
         dtype=dtype,
     )
     params = [GREEDY, GREEDY, SamplingParams(), SamplingParams(), GREEDY, SamplingParams(top_k=2), GREEDY]
-    generators = [torch.Generator().manual_seed(i) for i in range(len(params))]
+    generators = [generator(i) for i in range(len(params))]
     got = sample_rows(logits, params, generators)
     assert got[:5] == [1, None, None, None, 1] and got[6] == 2
-    again = [torch.Generator().manual_seed(i) for i in range(len(params))]
-    assert got[5] == int(sample(logits[5:6], params[5], again[5]))  # the same draw sample() makes
+    again = [generator(i) for i in range(len(params))]
+    assert got[5] == int(sample(logits[5:6], params[5], again[5])[0])  # the same draw sample() makes
     for row in (1, 2, 3):
         with pytest.raises(ValueError, match="non-finite"):
             sample(logits[row : row + 1], GREEDY)
-    ties = torch.tensor([[2.0, 5.0, 5.0, 1.0], [7.0, 0.0, 7.0, 7.0]], dtype=dtype)
+    ties = np.array([[2.0, 5.0, 5.0, 1.0], [7.0, 0.0, 7.0, 7.0]], dtype=dtype)
     assert sample_rows(ties, [GREEDY, GREEDY], [None, None]) == [1, 0] == sample(ties, GREEDY).tolist()
 
 

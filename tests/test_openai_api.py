@@ -274,9 +274,19 @@ def test_bad_requests_get_their_status_in_openai_shape_and_the_server_stays_heal
         assert sample_value(m, "sharp_requests", "sharp_requests_total", api="grpc") == 0
 
 
+class SlowSteps(SlowEndless):
+    """SlowEndless, and each decode step takes 5 ms more: a 1,500-token stream outlasts a 1 s drain deadline however
+    fast the machine (the engine alone runs this model's steps in well under a millisecond)."""
+
+    def forward(self, input_ids, *args, **kw):
+        if input_ids.shape[1] == 1:
+            time.sleep(0.005)
+        return super().forward(input_ids, *args, **kw)
+
+
 def test_kv_budget_queue_and_drain_get_413_429_and_503(model_files):  # noqa: F811
     engine = dict(max_batch=1, max_queue=1, kv_cache_mb=1.5)
-    with server(model_files, SlowEndless, engine=engine, drain_timeout=1.0, **HTTP) as srv:
+    with server(model_files, SlowSteps, engine=engine, drain_timeout=1.0, **HTTP) as srv:
         oa = api(srv)
         with pytest.raises(openai.APIStatusError) as err:
             oa.completions.create(model="tiny", prompt="x" * 3000, max_tokens=1000)

@@ -396,9 +396,23 @@ def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference
     assert list(got["b"]) == reference(b_prompt, 5)
 
 
-def _own_cache(length: int, fill: float) -> list[torch.Tensor]:
-    """One sequence's cache for BatchCache: 2 layers × keys/values of (1, kv_heads 2, length, head_dim 4)."""
-    return [torch.full((1, 2, length, 4), fill) for _ in range(4)]
+def _own_cache(length: int, fill: float, kind: str = "numpy") -> list:
+    """One sequence's cache for BatchCache: 2 layers × keys/values of (1, kv_heads 2, length, head_dim 4), as
+    NumPy arrays (onnxruntime) or torch tensors (the TensorRT backend's cache)."""
+    if kind == "torch":
+        return [torch.full((1, 2, length, 4), fill) for _ in range(4)]
+    return [np.full((1, 2, length, 4), fill, np.float32) for _ in range(4)]
+
+
+def _address(t) -> int:
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+
+
+def _one_more_column(t, fill: float):
+    """A decode step's present: the cache and one new column."""
+    if isinstance(t, torch.Tensor):
+        return torch.cat((t, torch.full((*t.shape[:2], 1, t.shape[3]), fill)), 2)
+    return np.concatenate((t, np.full((*t.shape[:2], 1, t.shape[3]), fill, t.dtype)), 2)
 
 
 def test_prompts_prefilled_together_get_what_each_gets_alone(model_files):
@@ -411,30 +425,30 @@ def test_prompts_prefilled_together_get_what_each_gets_alone(model_files):
     firsts = {"x": ([256, 1, 2, 3], [4, 5, 6]), "y": ([256, 7, 8, 9], [10])}  # two chunks: 4 tokens, then 3 or 1
     alone = {}
     for key, ids in [*prompts.items(), *((k, a + b) for k, (a, b) in firsts.items())]:
-        out = be.prefill(("alone", key), torch.tensor([ids]), 0, True)
+        out = be.prefill(("alone", key), np.array([ids]), 0, True)
         alone[key] = (out, be._own.pop(("alone", key)))
     rows = []
     real_forward = be.forward
     be.forward = lambda ids, *a, **kw: rows.append(ids.shape[0]) or real_forward(ids, *a, **kw)
-    together = be.prefill_many([Chunk(k, torch.tensor([ids]), 0) for k, ids in prompts.items()], True)
-    be.prefill_many([Chunk(k, torch.tensor([a]), 0) for k, (a, _) in firsts.items()], True)
-    seconds = be.prefill_many([Chunk(k, torch.tensor([b]), 4) for k, (_, b) in firsts.items()], True)
+    together = be.prefill_many([Chunk(k, np.array([ids]), 0) for k, ids in prompts.items()], True)
+    be.prefill_many([Chunk(k, np.array([a]), 0) for k, (a, _) in firsts.items()], True)
+    seconds = be.prefill_many([Chunk(k, np.array([b]), 4) for k, (_, b) in firsts.items()], True)
     got = dict(zip([*prompts, *firsts], [*together, *seconds], strict=True))
     assert rows == [4, 2, 2]  # one forward per batch
     for key, out in got.items():
         ref, cache = alone[key]
         n = len(prompts[key]) if key in prompts else 4
-        torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(out.entropy, ref.entropy[..., -out.entropy.shape[-1] :], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(out.entropy, ref.entropy[..., -out.entropy.shape[-1] :], atol=1e-4, rtol=1e-4)
         assert out.entropy.shape[-1] == (n if key in prompts else len(firsts[key][1]))
         for mine, theirs in zip(be._own[key], cache, strict=True):
-            assert mine.shape == theirs.shape and mine.is_contiguous()
-            torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+            assert mine.shape == theirs.shape and mine.flags.c_contiguous
+            np.testing.assert_allclose(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
 def test_prefill_batches_share_a_start_and_stay_within_twice_their_tokens():
     lengths_starts = [(100, 0), (2, 0), (3, 5), (2, 0), (60, 0), (1, 5)]
-    chunks = [Chunk(i, torch.zeros(1, n, dtype=torch.int64), start) for i, (n, start) in enumerate(lengths_starts)]
+    chunks = [Chunk(i, np.zeros((1, n), np.int64), start) for i, (n, start) in enumerate(lengths_starts)]
     batches = _prefill_batches(chunks)
     assert sorted(i for b in batches for i in b) == list(range(len(chunks)))
     for b in batches:
@@ -444,34 +458,35 @@ def test_prefill_batches_share_a_start_and_stay_within_twice_their_tokens():
     assert batches == [[0, 4, 1], [3], [2, 5]]
 
 
-def test_batch_cache_reuses_a_freed_slot_without_moving_the_others():
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_batch_cache_reuses_a_freed_slot_without_moving_the_others(kind):
     cache = BatchCache()
     for key, length, fill in (("a", 3, 1.0), ("b", 5, 2.0), ("c", 2, 3.0)):
-        cache.join(key, _own_cache(length, fill), length)
+        cache.join(key, _own_cache(length, fill, kind), length)
     assert cache.tensors is None and cache.live == 3 and cache.slots() == 15  # new slots wait for settle
     cache.settle()
     assert (cache.owners, cache.lengths, cache.width) == (["a", "b", "c"], [3, 5, 2], 5)
-    buffers = [t.data_ptr() for t in cache.tensors]
+    buffers = [_address(t) for t in cache.tensors]
     cache.leave("a")
     assert (cache.owners, cache.lengths, cache.free, cache.width) == ([None, "b", "c"], [0, 5, 2], 1, 5)
     for t in cache.tensors:
         t[0] = float("nan")  # what a row whose model output went non-finite can leave behind in its slot
-    cache.join("d", _own_cache(4, 4.0), 4)
+    cache.join("d", _own_cache(4, 4.0, kind), 4)
     cache.settle()
-    assert cache.owners == ["d", "b", "c"] and [t.data_ptr() for t in cache.tensors] == buffers  # written in place
+    assert cache.owners == ["d", "b", "c"] and [_address(t) for t in cache.tensors] == buffers  # written in place
     for t in cache.tensors:
         assert (t[0, :, :1] == 0).all() and (t[0, :, 1:] == 4).all()  # the left-behind keys are gone
         assert (t[1] == 2).all() and (t[2, :, :3] == 0).all() and (t[2, :, 3:] == 3).all()
     assert cache.attention_mask().tolist() == [[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 1]]
     assert cache.positions().tolist() == [[4], [5], [2]] and cache.index(["c", "d"]) == [2, 0]
-    cache.advance([torch.cat((t, torch.full((3, 2, 1, 4), 9.0)), 2) for t in cache.tensors])
+    cache.advance([_one_more_column(t, 9.0) for t in cache.tensors])
     assert cache.lengths == [5, 6, 3] and cache.width == 6
     cache.leave("b")  # the longest leaves: the column only it needed is trimmed; one free slot is kept
     assert (cache.owners, cache.lengths, cache.width, cache.slots()) == (["d", None, "c"], [5, 0, 3], 5, 15)
-    cache.advance([torch.cat((t, torch.full((3, 2, 1, 4), 8.0)), 2) for t in cache.tensors])
+    cache.advance([_one_more_column(t, 8.0) for t in cache.tensors])
     assert (cache.lengths, cache.width) == ([6, 0, 4], 6)  # the free slot's output column is nobody's key
-    cache.join("e", _own_cache(7, 5.0), 7)  # wider than the batch: a new slot, in the copy that drops the free one
-    cache.join("f", _own_cache(1, 6.0), 1)
+    cache.join("e", _own_cache(7, 5.0, kind), 7)  # wider than the batch: a new slot, in the copy dropping the free one
+    cache.join("f", _own_cache(1, 6.0, kind), 1)
     assert cache.owners == ["d", "f", "c"] and cache.slots() == 4 * 7
     cache.settle()
     assert (cache.owners, cache.lengths, cache.free, cache.width) == (["d", "f", "c", "e"], [6, 1, 4, 7], 0, 7)
@@ -487,7 +502,7 @@ def test_batch_cache_reuses_a_freed_slot_without_moving_the_others():
     cache.settle()  # three free slots, one live: they are dropped
     assert (cache.owners, cache.lengths, cache.free, cache.width) == (["d"], [6], 0, 6)
     assert cache.row("d")[0][0, 0, :, 0].tolist() == [4.0, 4.0, 4.0, 4.0, 9.0, 8.0]
-    cache.join("g", _own_cache(2, 7.0), 2)
+    cache.join("g", _own_cache(2, 7.0, kind), 2)
     cache.leave("g")  # a pending sequence can leave too
     cache.leave("d")
     assert (cache.tensors, cache.owners, cache.live, cache.slots()) == (None, [], 0, 0)
@@ -513,18 +528,6 @@ def test_sequences_joining_and_leaving_at_different_steps_each_match_the_model(m
     for i, (prompt, n) in enumerate(jobs):
         assert got[i] == reference(prompt, n), f"request {i}"
     assert be._batch.owners == [] and be.kv_usage() == 0
-
-
-def test_a_graph_backend_engine_gives_torch_one_thread_and_the_torch_backend_keeps_its_own(model_files):
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        for backend, threads in (("torch", 2), ("onnxruntime", 1)):
-            eng = Engine(load_backend(model_files[backend], backend), EngineConfig()).start()
-            eng.stop()
-            assert torch.get_num_threads() == threads, backend
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_kv_budget_admits_only_what_fits(model_files):
@@ -681,6 +684,40 @@ def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
         assert "draining" in out and "stopped" in out
     finally:
         proc.kill()
+
+
+def test_an_onnx_server_never_imports_torch(model_files, tmp_path):
+    """`sharp-serve MODEL.onnx` serves gRPC (with per-head stats), the OpenAI API and metrics without torch nor any
+    torch-backed module of sharp: the interpreter's own import log (`-X importtime`, every module the process ever
+    imports) is read after a drain."""
+    log = tmp_path / "imports.txt"
+    cmd = [sys.executable, "-X", "importtime", "-m", "sharp.serving.cli", str(model_files["onnxruntime"]),
+           "--port", "0", "--metrics-port", "0", "--http-port", "0"]  # fmt: skip
+    with log.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        line = proc.stdout.readline()
+        port = re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
+        with Client(f"127.0.0.1:{port}") as c:
+            reply = c.generate("lean", max_new_tokens=4, temperature=0.8, seed=1, attention_stats=True)
+            assert len(reply.token_ids) == 4 and len(reply.attention_stats.heads) > 0
+        api = re.search(r"OpenAI API (http://[\d.:]+/v1)", line).group(1)
+        body = json.dumps({"model": "tiny", "prompt": "lean", "max_tokens": 3, "temperature": 0}).encode()
+        request = urllib.request.Request(f"{api}/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            assert json.load(r)["usage"]["completion_tokens"] == 3
+        metrics = re.search(r"metrics (http://\S+/metrics)", line).group(1)
+        with urllib.request.urlopen(metrics, timeout=10) as r:
+            assert b"sharp_attention_entropy" in r.read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    imported = {m.group(1).strip() for m in re.finditer(r"^import time:.*\|\s*(\S+)\s*$", log.read_text(), re.M)}
+    assert {"onnxruntime", "sharp.serving.engine", "sharp.models.sampling"} <= imported  # the log is read right
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "triton", "transformers"))
+    torch_backed = sorted(imported & {"sharp.models.lm", "sharp.models.normalizers", "sharp.models.attention"})
+    assert heavy == [] and torch_backed == [], (heavy[:5], torch_backed)
 
 
 def test_sharp_serve_logs_one_json_object_per_event_and_reports_its_attention(model_files):
