@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools triton-oldest wheelhouse test test-gpu lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest peers wheelhouse test test-gpu lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,24 @@ triton-oldest: build/triton-oldest/triton/__init__.py
 
 build/triton-oldest/triton/__init__.py: | $(BIN)/python
 	$(BIN)/pip install -q --no-deps --target build/triton-oldest triton==$(TRITON_OLDEST)
+
+# The peers `sharp-bench peers` runs against: llama.cpp's llama-server and llama-bench, built from the source the
+# llama-cpp-python sdist on PyPI vendors (~12 min on 2 cores), into build/peers (git-ignored); onnxruntime-genai
+# comes with the genai extra. Not part of `make test`.
+LLAMA_CPP_PYTHON ?= 0.3.36
+PEERS := build/peers
+LLAMA_SRC := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
+peers: $(PEERS)/llama.cpp/bin/llama-server
+
+$(PEERS)/llama.cpp/bin/llama-server: | $(BIN)/python
+	mkdir -p $(PEERS)
+	test -f $(LLAMA_SRC)/CMakeLists.txt || ( cd $(PEERS) && ../../$(BIN)/pip download -q --no-deps --no-binary :all: \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON) -d . && tar xzf llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz )
+	cmake -S $(LLAMA_SRC) -B $(PEERS)/llama.cpp -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON
+	cmake --build $(PEERS)/llama.cpp -j 2 --target llama-server llama-bench
+	$(BIN)/pip install -q 'sentencepiece>=0.2'  # convert_hf_to_gguf.py imports it
+	$@ --version
 
 # Offline install (air-gapped clusters, GPU machines without network): sharp's wheel and what it needs for another
 # CPython, at this venv's versions, torch left out. WHEELHOUSE_ARGS='--only grpcio protobuf ...' for a lean set.

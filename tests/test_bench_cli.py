@@ -121,3 +121,64 @@ def test_genai_compares_both_sides_on_one_package_and_reports_each_sides_spread(
     for median, spread in ((ours, cells[4]), (theirs, cells[5])):
         low, high = map(float, spread.split("–"))
         assert low <= median <= high
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--lengths", "1"], "--lengths and --new-tokens must be >= 2"),
+        (["--lengths", "32768"], "fit llama-11m's context of 32768 tokens"),
+        (["--shape", "gpt-9"], "invalid choice: 'gpt-9'"),
+        (["--gguf", "q2_k"], "invalid choice: 'q2_k'"),
+    ],
+)
+def test_peers_refuses_what_it_cannot_run_in_one_line(argv, says, capsys):
+    from sharp.benchmarks.peers import run as peers
+
+    with pytest.raises(SystemExit) as exit_:
+        peers(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_peers_report_holds_each_peers_medians_ratios_to_sharp_and_the_reason_a_peer_did_not_run():
+    from types import SimpleNamespace
+
+    from sharp.benchmarks.peers import Peer, Reading, report
+
+    args = SimpleNamespace(lengths=[1024, 4096], new_tokens=64, repeats=2, concurrent=8, command="`x`")
+    ours, theirs = Peer("sharp-serve softmax", ready_s=1.5), Peer("llama-server f32", ready_s=0.2)
+    ours.rss, theirs.rss = {1024: 200.0, 4096: 210.0}, {1024: 150.0, 4096: 160.0}
+    missing = Peer("onnxruntime-genai fp32", error="onnxruntime-genai is not installed")
+    single = {
+        ("sharp-serve softmax", 1024): [Reading(0.2, 100.0, 64), Reading(0.4, 300.0, 64)],  # medians 0.3 s, 200
+        ("llama-server f32", 1024): [Reading(0.6, 400.0, 64), Reading(0.6, 400.0, 64)],
+        ("sharp-serve softmax", 4096): [Reading(1.0, 100.0, 64)] * 2,
+        ("llama-server f32", 4096): [Reading(2.0, 50.0, 64)] * 2,
+    }
+    many = {("llama-server f32", 1024): [(0.5, 800.0), (0.7, 900.0)]}
+    text = report(args, "a model", [ours, theirs, missing], single, many)
+    assert "| sharp-serve softmax | 1,024 | 0.30 (0.20–0.40) | 200 (100–300) |  | 200 | 1.5 |" in text
+    assert "| llama-server f32 | 1,024 | 0.60 (0.60–0.60) | 400 (400–400) | 0.50× / 0.50× | 150 | 0.2 |" in text
+    assert "| llama-server f32 | 4,096 | 2.00 (2.00–2.00) | 50 (50–50) | 0.50× / 2.00× | 160 | 0.2 |" in text
+    assert "| onnxruntime-genai fp32 | — | not run | onnxruntime-genai is not installed |" in text
+    assert "| llama-server f32 | 1,024×8 | 0.60 (0.50–0.70) | 850 (800–900) |" in text
+    assert "sharp-serve softmax 0.50; llama-server f32 0.12" in text  # decode at 4,096 ÷ at 1,024
+
+
+def test_peers_runs_sharp_serve_end_to_end_and_names_a_peer_it_cannot_build(tmp_path, monkeypatch):
+    """A small `sharp-bench peers` with sharp-serve only, plus a llama.cpp peer whose build is missing: the model is
+    built and exported, sharp-serve measured through its OpenAI API, and the missing peer is a row with its reason."""
+    import sharp.benchmarks.peers as peers
+
+    monkeypatch.setattr(peers, "LLAMA_SRC_GLOB", "nowhere/llama.cpp")
+    page = tmp_path / "page.md"
+    argv = ["--lengths", "16", "48", "--new-tokens", "16", "--repeats", "1", "--concurrent", "2",
+            "--concurrent-lengths", "16", "--norms", "softmax", "--gguf", "f32", "--no-genai",
+            "--workdir", str(tmp_path / "work"), "--write", str(page)]  # fmt: skip
+    assert peers.run(argv) == 0
+    text = page.read_text()
+    assert "| llama-server f32 | — | not run | llama.cpp's sources are not unpacked: run `make peers` |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| sharp-serve softmax |")]
+    assert len(rows) == 3 and all("not run" not in r for r in rows)  # 16, 48 and 16×2
+    assert (tmp_path / "work" / "hf" / "tokenizer.json").exists() and (tmp_path / "work" / "softmax.onnx").exists()

@@ -15,6 +15,7 @@ COMMANDS = {
     "export": ("sharp.benchmarks.export", "onnxruntime latency and memory of exported files vs torch's own SDPA"),
     "serve": ("sharp.benchmarks.serve", "sharp-serve under gRPC load vs its own baselines"),
     "genai": ("sharp.benchmarks.genai", "sharp-serve vs onnxruntime-genai on the same package"),
+    "peers": ("sharp.benchmarks.peers", "long context on CPU vs llama.cpp and onnxruntime-genai (make peers)"),
     "long-context": ("sharp.benchmarks.longctx", "long-context serving on a GPU vs softmax (--smoke: CPU check)"),
 }
 USAGE = "\n".join(

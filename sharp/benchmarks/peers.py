@@ -1,0 +1,515 @@
+"""`sharp-bench peers`: long-context generation on CPU, sharp-serve against the tools a user would pick instead.
+
+One random-weight Llama of a real model's shape (built with transformers from a config, a byte-level BPE trained
+here on Python's own sources), the same weights given to each peer as that peer's users prepare them:
+- sharp-serve: `sharp-export HF_DIR --norm N` (softmax, adaptive, ssmax), served over its OpenAI API;
+- llama.cpp's `llama-server` (built by `make peers`): weights converted with llama.cpp's own `convert_hf_to_gguf.py`
+  (f32 and q8_0), flash attention on, its default KV cache (f16), one slot per concurrent request over a unified
+  cache, through its OpenAI API;
+- onnxruntime-genai on its own model builder's export (`python -m onnxruntime_genai.models.builder`, fp32, its
+  GroupQueryAttention with a shared past/present buffer) — an engine with no server, so it is driven in its own
+  process through its Python API (one Generator per request, C threads).
+Each request is a fresh prompt of random token ids (no prefix cache can help) and asks for --new-tokens greedy
+tokens; the head's EOS row is zero so greedy decoding never ends early on any peer. Measured at the client from the
+streamed tokens: time to first token (TTFT) and decode tokens/s after the first; for 8 concurrent requests, their
+mean TTFT and the output tokens/s of all of them together. Per server: time from start to ready and peak resident
+memory after each length (VmHWM). Peers take turns within each round; medians of --repeats with the lowest and
+highest reading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    machine,
+    markdown_table,
+    output_page,
+    today,
+    write_section,
+)
+
+LLAMA_CPP = Path("build/peers/llama.cpp/bin")  # `make peers`
+LLAMA_SRC_GLOB = "build/peers/llama_cpp_python-*/vendor/llama.cpp"
+
+SHAPES = {  # name -> (transformers LlamaConfig fields, what it is)
+    "llama-11m": (
+        dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
+             num_key_value_heads=2, vocab_size=4096, max_position_embeddings=32768),
+        "6 layers, hidden 384, 6 / 2 heads, head dim 64, SwiGLU 1,024, vocab 4,096 (11M parameters)",
+    ),
+    "smollm2-135m": (
+        dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+             num_key_value_heads=3, vocab_size=4096, max_position_embeddings=8192, tie_word_embeddings=True),
+        "SmolLM2-135M's shape: 30 layers, hidden 576, 9 / 3 heads, SwiGLU 1,536 (vocab 4,096 here)",
+    ),
+    "llama-3.2-1b": (
+        dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+             num_key_value_heads=8, vocab_size=4096, max_position_embeddings=8192, tie_word_embeddings=True),
+        "Llama-3.2-1B's shape: 16 layers, hidden 2,048, 32 / 8 heads, SwiGLU 8,192 (vocab 4,096 here)",
+    ),
+}  # fmt: skip
+NORMS = ("softmax", "adaptive", "ssmax")
+BOS, EOS = "<s>", "</s>"
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer that cannot run here: its row says why."""
+
+
+# ---- the model -----------------------------------------------------------------------------------------------------
+def build_model(out: Path, shape: str, seed: int = 0) -> Path:
+    """A Hugging Face Llama directory with random weights and a byte-level BPE trained on the stdlib's sources."""
+    import sysconfig
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    fields, _ = SHAPES[shape]
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:400]
+    # ASCII text only: every token is then whole characters, so any sequence of ids (random prompts, a random
+    # model's output) streams as text token by token on every peer (no byte of a split character held back)
+    texts = (f.read_text(errors="ignore").encode("ascii", "ignore").decode() for f in files)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=fields["vocab_size"], special_tokens=[BOS, EOS])
+    tok.train_from_iterator(texts, trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    fast.save_pretrained(out)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**fields, bos_token_id=0, eos_token_id=1, rope_theta=500000.0, torch_dtype="float32")
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight[1] = 0.0  # EOS's logit is 0: greedy decoding (any peer) never picks it over the max
+        if config.tie_word_embeddings:  # the head is the embedding: keep EOS's embedding as it was, untie
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+            model.lm_head.weight[1] = 0.0
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+# ---- the peers -----------------------------------------------------------------------------------------------------
+@dataclass
+class Reading:
+    ttft: float  # s
+    decode: float  # tokens/s after the first
+    tokens: int
+
+
+@dataclass
+class Peer:
+    name: str
+    ready_s: float = float("nan")
+    pid: int | None = None
+    url: str | None = None  # the OpenAI API's base URL
+    generate: Callable[[list[list[int]], int], list[Reading]] | None = None
+    stop: Callable[[], None] = lambda: None
+    rss: dict[int, float] = field(default_factory=dict)  # prompt length -> peak RSS MiB after it
+    error: str | None = None
+
+    def peak_mib(self) -> float:
+        if self.pid is None:
+            return float("nan")
+        with open(f"/proc/{self.pid}/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read())[1]) / 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise PeerUnavailable(f"exited {proc.returncode}: {log.read_text()[-400:].strip()}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.05)
+    raise PeerUnavailable(f"not ready after {timeout:.0f} s")
+
+
+def _stop(proc: subprocess.Popen) -> Callable[[], None]:
+    def stop() -> None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    return stop
+
+
+def _stream_completion(url: str, model: str, prompt: list[int], new_tokens: int, extra: dict) -> Reading:
+    """One streamed /v1/completions request: TTFT, decode tokens/s and the tokens counted from the chunks."""
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True, **extra}
+    req = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    times: list[float] = []
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"{len(times)} streamed chunks")
+    # a chunk can carry more than one token (sharp-serve sends a step's tokens together: its first chunk holds the
+    # prefill's token and the first decode step's); the rate counts the requested tokens after the first, which
+    # every peer produces (EOS never wins): at 64 tokens, sharp's is at most 1/63 high
+    return Reading(times[0] - start, (new_tokens - 1) / (times[-1] - times[0]), new_tokens)
+
+
+def _concurrent(one: Callable[[list[int]], Reading], prompts: list[list[int]]) -> list[Reading]:
+    out: list[Reading | BaseException] = [None] * len(prompts)  # type: ignore[list-item]
+
+    def go(i: int) -> None:
+        try:
+            out[i] = one(prompts[i])
+        except BaseException as e:  # re-raised below, in the caller's thread
+            out[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in out:
+        if isinstance(r, BaseException):
+            raise r
+    return out  # type: ignore[return-value]
+
+
+def start_sharp(onnx: Path, name: str, threads: int, log: Path) -> Peer:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "sharp.serving.cli", str(onnx), "--port=0", "--metrics-port=-1",
+           f"--http-port={port}", "--kv-cache-mb=4096", "--max-batch=8", "--log-level=warning",
+           *([f"--threads={threads}"] if threads else [])]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        _wait_http(f"{url}/models", proc, log)
+    except PeerUnavailable:
+        proc.kill()
+        raise
+    model = onnx.stem
+
+    def generate(prompts: list[list[int]], n: int) -> list[Reading]:
+        return _concurrent(lambda p: _stream_completion(url, model, p, n, {}), prompts)
+
+    return Peer(name, time.perf_counter() - t0, proc.pid, url, generate, _stop(proc))
+
+
+def start_llama_server(gguf: Path, name: str, context: int, parallel: int, threads: int, log: Path) -> Peer:
+    """`llama-server` with `parallel` slots over one unified KV cache of `context` tokens (any slot may use it all)."""
+    binary = LLAMA_CPP / "llama-server"
+    if not binary.exists():
+        raise PeerUnavailable(f"{binary} not built: run `make peers` (~12 min on 2 cores)")
+    port = _free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(context),
+           "-np", str(parallel), "--kv-unified", "-fa", "on", "-t", str(threads or os.cpu_count()),
+           "--no-webui"]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(f"{url}/health", proc, log)
+    except PeerUnavailable:
+        proc.kill()
+        raise
+    extra = {"cache_prompt": False, "ignore_eos": True}
+
+    def generate(prompts: list[list[int]], n: int) -> list[Reading]:
+        return _concurrent(lambda p: _stream_completion(f"{url}/v1", "model", p, n, extra), prompts)
+
+    return Peer(name, time.perf_counter() - t0, proc.pid, url, generate, _stop(proc))
+
+
+GENAI_WORKER = r"""
+import json, sys, threading, time
+import onnxruntime_genai as og
+model = og.Model(sys.argv[1])
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    out = [None] * len(job["prompts"])
+    def go(i):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(job["prompts"][i]) + job["n"], do_sample=False)
+        g = og.Generator(model, params)
+        t0 = time.perf_counter()
+        g.append_tokens(job["prompts"][i])
+        g.generate_next_token()
+        t1 = time.perf_counter()
+        count = 1
+        while not g.is_done():
+            g.generate_next_token()
+            count += 1
+        out[i] = [t1 - t0, (count - 1) / (time.perf_counter() - t1), count]
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(out))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    print(json.dumps(out), flush=True)
+"""
+
+
+def start_genai(package: Path, name: str, log: Path) -> Peer:
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError as e:
+        raise PeerUnavailable(f"onnxruntime-genai is not installed ({e}); pip install 'sharp-attention[genai]'") from e
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-c", GENAI_WORKER, str(package)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=log.open("w"), text=True)  # fmt: skip
+    if not proc.stdout.readline():
+        raise PeerUnavailable(f"did not load: {log.read_text()[-400:].strip()}")
+    lock = threading.Lock()
+
+    def generate(prompts: list[list[int]], n: int) -> list[Reading]:
+        with lock:
+            proc.stdin.write(json.dumps({"prompts": prompts, "n": n}) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker exited: {log.read_text()[-400:].strip()}")
+        return [Reading(*r) for r in json.loads(line)]
+
+    def stop() -> None:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+    return Peer(name, time.perf_counter() - t0, proc.pid, None, generate, stop)
+
+
+# ---- preparing each peer's files -------------------------------------------------------------------------------------
+def _run(cmd: list[str], what: str, log: Path, cwd: Path | None = None) -> None:
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, check=False)
+    if proc.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-1:] or ["no output"]
+        raise PeerUnavailable(f"{what} failed (exit {proc.returncode}): {tail[0][:300]}")
+
+
+CONVERT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf as c
+from conversion import base
+# a tokenizer trained here is in no list of llama.cpp's known pre-tokenizers; it is GPT-2's byte-level scheme
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+c.main()
+"""
+
+
+def convert_gguf(hf: Path, out: Path, outtype: str, log: Path) -> Path:
+    sources = sorted(Path.cwd().glob(LLAMA_SRC_GLOB))
+    if not sources:
+        raise PeerUnavailable("llama.cpp's sources are not unpacked: run `make peers`")
+    target = out / f"model-{outtype}.gguf"
+    _run([sys.executable, "-c", CONVERT, str(sources[-1]), str(hf), "--outtype", outtype, "--outfile", str(target)],
+         f"convert_hf_to_gguf --outtype {outtype}", log)  # fmt: skip
+    return target
+
+
+def genai_build(hf: Path, out: Path, log: Path) -> Path:
+    target = out / "genai-fp32"
+    _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(target), "-p", "fp32",
+          "-e", "cpu", "-c", str(out / "genai-cache")], "onnxruntime_genai.models.builder", log)  # fmt: skip
+    return target
+
+
+def sharp_export(hf: Path, out: Path, norm: str, log: Path) -> Path:
+    target = out / f"{norm}.onnx"
+    extra = ["--ssmax-s", "1.0"] if norm == "ssmax" else []
+    _run([sys.executable, "-m", "sharp.exporter.cli", str(hf), "--norm", norm, "-o", str(target), *extra],
+         f"sharp-export --norm {norm}", log)  # fmt: skip
+    return target
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------------
+def _prompts(count: int, length: int, vocab: int, rng: random.Random) -> list[list[int]]:
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def _fmt(xs: list[float], spec: str) -> str:
+    return f"{statistics.median(xs):{spec}} ({min(xs):{spec}}–{max(xs):{spec}})"
+
+
+def bench(args) -> str:
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-peers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "peers.log"
+    fields, about = SHAPES[args.shape]
+    hf = work / "hf"
+    if not (hf / "config.json").exists():
+        print(f"building {args.shape} in {hf}", flush=True)
+        build_model(hf, args.shape)
+    context = max(args.lengths) + args.new_tokens
+    together = args.concurrent * (max(args.concurrent_lengths, default=0) + args.new_tokens)  # llama-server's cache
+    peers: list[Peer] = []
+
+    def add(name: str, start: Callable[[], Peer]) -> None:
+        print(f"starting {name}", flush=True)
+        try:
+            peers.append(start())
+        except PeerUnavailable as e:
+            peers.append(Peer(name, error=str(e)))
+            print(f"  {name}: {e}", flush=True)
+
+    for norm in args.norms:
+        add(f"sharp-serve {norm}", lambda n=norm: start_sharp(sharp_export(hf, work, n, log), f"sharp-serve {n}",
+                                                              args.threads, work / f"sharp-{n}.log"))  # fmt: skip
+    for outtype in args.gguf:
+        add(f"llama-server {outtype}", lambda t=outtype: start_llama_server(
+            work / f"model-{t}.gguf" if (work / f"model-{t}.gguf").exists() else convert_gguf(hf, work, t, log),
+            f"llama-server {t}", max(context, together), args.concurrent, args.threads,
+            work / f"llama-{t}.log"))  # fmt: skip
+    if not args.no_genai:
+        add("onnxruntime-genai fp32", lambda: start_genai(
+            work / "genai-fp32" if (work / "genai-fp32" / "genai_config.json").exists() else genai_build(hf, work, log),
+            "onnxruntime-genai fp32", work / "genai.log"))  # fmt: skip
+    live = [p for p in peers if p.error is None]
+    rng = random.Random(args.seed)
+    single: dict[tuple[str, int], list[Reading]] = {}
+    many: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    try:
+        for length in args.lengths:
+            for _ in range(args.repeats):
+                for p in live:  # peers take turns within the round
+                    prompt = _prompts(1, length, fields["vocab_size"], rng)
+                    r = p.generate(prompt, args.new_tokens)[0]
+                    single.setdefault((p.name, length), []).append(r)
+                    print(f"{p.name:<24} {length:>6}  TTFT {r.ttft:7.2f} s  decode {r.decode:7.1f} tok/s", flush=True)
+                if args.concurrent > 1 and length in args.concurrent_lengths:
+                    for p in live:
+                        prompts = _prompts(args.concurrent, length, fields["vocab_size"], rng)
+                        t0 = time.perf_counter()
+                        rs = p.generate(prompts, args.new_tokens)
+                        total = sum(r.tokens for r in rs) / (time.perf_counter() - t0)
+                        many.setdefault((p.name, length), []).append((statistics.mean(r.ttft for r in rs), total))
+                        print(f"{p.name:<24} {length:>6}×{args.concurrent} mean TTFT"
+                              f" {many[p.name, length][-1][0]:7.2f} s  {total:7.1f} tok/s", flush=True)  # fmt: skip
+            for p in live:
+                p.rss[length] = p.peak_mib()
+    finally:
+        for p in live:
+            p.stop()
+    return report(args, about, peers, single, many)
+
+
+def report(args, about, peers, single, many) -> str:
+    base = next((p.name for p in peers if p.name == "sharp-serve softmax" and p.error is None), None)
+    rows = []
+    for length in args.lengths:
+        for p in peers:
+            if p.error is not None:
+                if length == args.lengths[0]:
+                    rows.append([p.name, "—", "not run", p.error, "", "", ""])
+                continue
+            rs = single[p.name, length]
+            ttft, dec = [r.ttft for r in rs], [r.decode for r in rs]
+            ratio = ""
+            if base and p.name != base:
+                mine = single[base, length]
+                ratio = (f"{statistics.median(r.ttft for r in mine) / statistics.median(ttft):.2f}× /"
+                         f" {statistics.median(r.decode for r in mine) / statistics.median(dec):.2f}×")  # fmt: skip
+            rows.append([p.name, f"{length:,}", _fmt(ttft, ".2f"), _fmt(dec, ".0f"), ratio,
+                         f"{p.rss[length]:.0f}", f"{p.ready_s:.1f}"])  # fmt: skip
+    header = ["peer", "prompt", "TTFT s (lowest–highest)", "decode tok/s (lowest–highest)",
+              "sharp softmax ÷ peer: TTFT / decode", "peak RSS MiB (up to this length)", "ready s"]  # fmt: skip
+    parts = [
+        "## Long context on CPU against llama.cpp and onnxruntime-genai (sharp-bench peers)",
+        "",
+        f"Measured {today()} on {machine()}. Command: {args.command}. Model: a random-weight Llama, {about}, context"
+        f" {max(args.lengths) + args.new_tokens:,}; one request at a time, a fresh prompt of random token ids,"
+        f" {args.new_tokens} greedy new tokens; medians of {args.repeats} rounds (peers take turns within a round)."
+        " sharp-serve and llama-server through their OpenAI APIs (streamed; TTFT and decode rate at the client),"
+        " onnxruntime-genai through its Python API in its own process. A TTFT ratio below 1 and a decode ratio above"
+        " 1 favour sharp.",
+        "",
+        markdown_table(header, rows),
+    ]
+    if many:
+        crow = []
+        for (name, length), xs in many.items():
+            crow.append([name, f"{length:,}×{args.concurrent}", _fmt([x[0] for x in xs], ".2f"),
+                         _fmt([x[1] for x in xs], ".0f")])  # fmt: skip
+        parts += ["", f"{args.concurrent} concurrent requests:", "",
+                  markdown_table(["peer", "prompts", "mean TTFT s", "output tok/s, all requests"], crow)]  # fmt: skip
+    ratios = []
+    for p in peers:
+        if p.error is None and len(args.lengths) > 1:
+            lo, hi = args.lengths[0], args.lengths[-1]
+            fall = statistics.median(r.decode for r in single[p.name, hi]) / statistics.median(
+                r.decode for r in single[p.name, lo]
+            )
+            ratios.append(f"{p.name} {fall:.2f}")
+    if ratios:
+        parts += ["", f"Decode rate at {args.lengths[-1]:,} ÷ at {args.lengths[0]:,}: " + "; ".join(ratios) + "."]
+    return "\n".join(parts)
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = BenchParser(prog="sharp-bench peers", description=__doc__)
+    ap.add_argument("--shape", choices=SHAPES, default="llama-11m")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--concurrent", type=int, default=8, help="requests at once in the concurrent rows (1: none)")
+    ap.add_argument("--concurrent-lengths", type=int, nargs="*", default=[1024, 4096])
+    ap.add_argument("--norms", nargs="*", choices=NORMS, default=list(NORMS))
+    ap.add_argument("--gguf", nargs="*", choices=["f32", "q8_0", "f16"], default=["f32", "q8_0"])
+    ap.add_argument("--no-genai", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="threads per peer (0: each peer's default, all cores)")
+    ap.add_argument("--workdir", help="keep the model and every peer's files here (reused when present)")
+    ap.add_argument("--seed", type=int, default=0)
+    add_output(ap)
+    args = ap.parse_args(argv)
+    args.command = command_line("peers", [] if argv is None else list(argv))
+    if min(args.lengths) < 2 or args.new_tokens < 2 or args.repeats < 1 or args.concurrent < 1:
+        ap.error("--lengths and --new-tokens must be >= 2, --repeats and --concurrent >= 1")
+    args.lengths = sorted(set(args.lengths))
+    limit = SHAPES[args.shape][0]["max_position_embeddings"]
+    if max(args.lengths) + args.new_tokens > limit:
+        ap.error(f"the longest prompt + --new-tokens must fit {args.shape}'s context of {limit} tokens")
+    body = bench(args)
+    print(body)
+    if (page := output_page(args)) is not None:
+        write_section("peers", body, page)
+    return 0
