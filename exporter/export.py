@@ -16,7 +16,7 @@ import torch
 from onnx import helper
 from torch import Tensor, nn
 
-from sharp.exporter import fallback, tensorrt
+from sharp.exporter import cache_form, fallback, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, STREAMED_BLOCK, translate
 from sharp.models import registry
@@ -139,9 +139,18 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
             )
             if settings.fallback == "streamed":
                 node.attribute.append(helper.make_attribute("block_size", settings.block_size))
+    in_place = settings.kv_cache and not settings.tensorrt  # TensorRT engines own their I/O buffers
+    if in_place:
+        cache_form.rewrite(proto)
+    meta.export["kv_in_place"] = in_place
     functions = [f for f in proto.functions if f.domain not in (SHARP.domain, FALLBACK.domain)]
     if settings.fallback != "none":
-        functions += fallback.functions((registry.get(n) for n in sorted(norms_used)), settings.fallback)
+        norms = [registry.get(n) for n in sorted(norms_used)]
+        bodies = fallback.functions(norms, settings.fallback)
+        if in_place:  # the cache-form overloads take the plain ones' place (they carry those nodes themselves)
+            bodies = [f for f in bodies if (f.domain, f.name) != (SHARP.domain, "SharpAttention")]
+            bodies += cache_form.functions(norms, settings.fallback)
+        functions += bodies
     del proto.functions[:]
     proto.functions.extend(functions)
     imports = {o.domain: o for o in proto.opset_import}

@@ -5,8 +5,10 @@ sharp's native kernel (or has no fallback bodies), the op library itself, named 
 `custom_ops_library` (onnxruntime-genai only loads a library from inside the package directory).
 
 The settings that matter, all derived from the file's sharp metadata: decoder type "decoder" (onnxruntime-genai
-refuses unknown types), `past_present_share_buffer: false` (the graph's presents are past + new keys, not a
-preallocated buffer), the KV names of the generation graph, BOS/EOS/pad ids, the context length.
+refuses unknown types), `past_present_share_buffer` true for a file in the op's cache form (its attention writes a
+step's keys into the past buffer itself, so onnxruntime-genai binds each present to its past: no step copies the
+cache; docs/op.md) and false for the TensorRT form (presents are past + new keys), the KV names of the generation
+graph, BOS/EOS/pad ids, the context length.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def genai_config(meta: ModelMetadata, library_name: str | None) -> dict[str, Any
             "do_sample": False,
             "num_beams": 1,
             "max_length": shape.context_length,
-            "past_present_share_buffer": False,
+            "past_present_share_buffer": bool(meta.export.get("kv_in_place", False)),
             "temperature": 1.0,
             "top_k": 50,
             "top_p": 1.0,

@@ -9,6 +9,8 @@ the graph), and the per-head entropy the attention returns in place of its weigh
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -92,9 +94,47 @@ def metadata(model: nn.Module, tokenizer: HFTokenizer, settings: ExportSettings)
     )
 
 
+def _division_form(norm: nn.Module) -> Callable[[Tensor], Tensor]:
+    """An RMSNorm's forward as x / sqrt(mean(x²) + eps) · weight: the form onnxruntime fuses into one
+    SimplifiedLayerNormalization node (transformers writes x · rsqrt(…), five nodes a norm in every step)."""
+
+    def forward(hidden_states: Tensor) -> Tensor:
+        x = hidden_states.float()
+        scaled = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * scaled.to(hidden_states.dtype)
+
+    return forward
+
+
+@contextmanager
+def fusable_norms(model: nn.Module) -> Iterator[int]:
+    """While tracing, every RMSNorm of the model that computes exactly the division form (checked on random input,
+    so a variant such as (1 + weight) keeps its own forward) runs in that form; yields how many were swapped."""
+    swapped = []
+    probe = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")):
+            continue
+        if not isinstance(weight, Tensor) or weight.dim() != 1:
+            continue
+        form = _division_form(module)
+        x = torch.randn(4, weight.shape[0], generator=probe).to(weight.dtype) * 3
+        with torch.no_grad():
+            if torch.allclose(module(x), form(x), rtol=1e-5, atol=1e-6):
+                module.forward = form
+                swapped.append(module)
+    try:
+        yield len(swapped)
+    finally:
+        for module in swapped:
+            del module.forward
+
+
 def export_hf(model: nn.Module, tokenizer: HFTokenizer, settings: ExportSettings) -> onnx.ModelProto:
     """The ONNX ModelProto of a transformers causal LM running sharp's attention."""
     model = model.eval()
     shape = hf.shape_of(model.config)
-    proto = trace(HFGenerationGraph(model, settings.kv_cache), shape, settings)
+    with fusable_norms(model):
+        proto = trace(HFGenerationGraph(model, settings.kv_cache), shape, settings)
     return finalize(proto, metadata(model, tokenizer, settings), settings)

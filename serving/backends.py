@@ -153,12 +153,16 @@ class Backend(ABC):
 class GraphBackend(Backend):
     """A backend that runs the exported generation graph (flat tensors in, presents out): prefilling sequences
     keep their own cache, running ones share one left-padded `BatchCache` whose memory is slots × the longest.
-    A step's small host arrays are NumPy's (torch's dispatch and thread pool cost more than the work on them)."""
+    A step's small host arrays are NumPy's (torch's dispatch and thread pool cost more than the work on them).
+    `in_place`: the file is in the op's cache form and `forward(..., in_place=True)` writes a decode step's keys
+    into the batch's own buffers (serving/cache.py)."""
+
+    in_place = False
 
     def __init__(self) -> None:
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token()
         self.budget_bytes = 0
-        self._batch = BatchCache()
+        self._batch = self._new_batch()
         self._own: dict[Hashable, list[Cache]] = {}  # caches of sequences prefilling (or run alone)
         self._reserved: dict[Hashable, int] = {}
 
@@ -171,8 +175,14 @@ class GraphBackend(Backend):
         past: list[Cache],
         entropy: bool,
         last: np.ndarray | None = None,
+        in_place: bool = False,
     ) -> StepOutput:
-        """One run of the graph; the logits are each row's at column last[row] (default: the last column)."""
+        """One run of the graph; the logits are each row's at column last[row] (default: the last column).
+        in_place: `past` are buffers with room for this step's keys, and the presents must be those buffers."""
+
+    def _new_batch(self) -> BatchCache:
+        """An empty batch cache; in place, its buffers never hold more keys than the budget."""
+        return BatchCache(self.in_place, limit=self.budget_bytes // self.kv_bytes_per_token or None)
 
     def empty_past(self, batch: int) -> list[Cache]:
         s = self.spec
@@ -182,6 +192,7 @@ class GraphBackend(Backend):
         if budget_bytes < self.kv_bytes_per_token:
             raise BackendError(f"a KV budget of {budget_bytes} bytes holds no token ({self.kv_bytes_per_token} each)")
         self.budget_bytes = budget_bytes
+        self._batch.limit = budget_bytes // self.kv_bytes_per_token
         return budget_bytes
 
     def reserve(self, seq, tokens):
@@ -256,7 +267,7 @@ class GraphBackend(Backend):
         self._batch.leave(seq)
 
     def clear(self):
-        self._batch, self._own, self._reserved = BatchCache(), {}, {}
+        self._batch, self._own, self._reserved = self._new_batch(), {}, {}
 
     def _held(self) -> int:
         """Token slots held: the batch's (padding and free slots included) and the prefilling sequences' own."""
@@ -278,7 +289,9 @@ class GraphBackend(Backend):
                 scattered = np.zeros((len(cache.owners), 1), np.int64)
                 scattered[rows] = tokens
                 tokens = scattered
-            out = self.forward(tokens, cache.attention_mask(), cache.positions(), cache.tensors, entropy)
+            cache.reserve()
+            mask, positions = cache.attention_mask(), cache.positions()
+            out = self.forward(tokens, mask, positions, cache.tensors, entropy, in_place=self.in_place)
             cache.advance(out.presents)
             if rows is None:
                 return StepResult(out.logits, out.entropy)
@@ -293,7 +306,7 @@ class GraphBackend(Backend):
     def _unbatch(self, seqs):
         for seq in seqs:
             self._own[seq] = self._batch.row(seq)
-        self._batch = BatchCache()
+        self._batch = self._new_batch()
 
     def _rebatch(self, seqs):
         for seq in seqs:  # rows that failed keep their own cache until the engine releases them

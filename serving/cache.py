@@ -8,6 +8,11 @@ batch is wide) wait in `settle`, which adds all of them in one copy of the batch
 free slots on the way; free slots are also dropped once they outnumber the live ones. So a step's host time does
 not grow with rows × width each time a sequence comes or goes. A free slot is decoded with the others (one token
 at position 0 that sees only itself; nobody reads its output) until it is reused or dropped.
+
+In place (a file in the op's cache form, docs/op.md): the tensors are buffers with room beyond the batch's width
+(`capacity` keys); a decode step's attention writes each slot's new key into column `width` of the same buffers,
+and `advance` only moves the width — no step copies the cache. When the width reaches the capacity, `reserve`
+moves the batch into buffers with a quarter more room (at least 64 keys): amortised, a copy per width/4 steps.
 """
 
 from __future__ import annotations
@@ -47,11 +52,29 @@ def _left_pad(t: Tensor, width: int) -> Tensor:
     return np.pad(t, ((0, 0), (0, 0), (width - t.shape[2], 0), (0, 0)))
 
 
-class BatchCache:
-    """2 × layers tensors (slots, kv_heads, width, head_dim), each slot's owner and true length (0: free), and the
-    sequences waiting in `settle` for a new slot."""
+GROWTH, MIN_ROOM = 4, 64  # in place: a full buffer grows by a quarter of its width, at least 64 keys
 
-    def __init__(self) -> None:
+
+def _into(sources: tuple[np.ndarray, ...], width: int, room: int) -> np.ndarray:
+    """The rows of `sources` stacked in a zeroed buffer of `room` keys, each right-aligned at column `width`."""
+    first = sources[0]
+    out = np.zeros((sum(s.shape[0] for s in sources), first.shape[1], room, first.shape[3]), first.dtype)
+    row = 0
+    for s in sources:
+        out[row : row + s.shape[0], :, width - s.shape[2] : width] = s
+        row += s.shape[0]
+    return out
+
+
+class BatchCache:
+    """2 × layers tensors (slots, kv_heads, capacity, head_dim), each slot's owner and true length (0: free), and
+    the sequences waiting in `settle` for a new slot. Keys occupy columns [0, width); capacity == width unless in
+    place."""
+
+    def __init__(self, in_place: bool = False, limit: int | None = None) -> None:
+        self.in_place = in_place
+        self.limit = limit  # in place: the most keys (all slots together) larger buffers may hold
+        self._width = 0  # in place: the columns in use (the buffers hold `capacity`)
         self.tensors: list[Tensor] | None = None
         self.owners: list[Hashable | None] = []
         self.lengths: list[int] = []
@@ -63,6 +86,12 @@ class BatchCache:
 
     @property
     def width(self) -> int:
+        if self.tensors is None:
+            return 0
+        return self._width if self.in_place else self.tensors[0].shape[2]
+
+    @property
+    def capacity(self) -> int:
         return self.tensors[0].shape[2] if self.tensors is not None else 0
 
     @property
@@ -76,7 +105,7 @@ class BatchCache:
     def slots(self) -> int:
         """Token slots held, padding and free slots included, pending sequences as they will be held (what the KV
         budget counts)."""
-        width = max([self.width, *(n for _, n in self._pending.values())])
+        width = max([self.capacity, *(n for _, n in self._pending.values())])
         return (len(self.owners) + len(self._pending)) * width
 
     def index(self, keys: list[Hashable]) -> list[int]:
@@ -100,9 +129,9 @@ class BatchCache:
             self._pending[key] = (cache, length)
             return
         slot, width = self.owners.index(None), self.width
-        for t, c in zip(self.tensors, cache, strict=True):
+        for t, c in zip(self.tensors, cache, strict=True):  # columns past the width are nobody's (in place)
             t[slot, :, : width - length] = 0  # a left-behind key of a failed row must not reach a new one
-            t[slot, :, width - length :] = c[0]
+            t[slot, :, width - length : width] = c[0]
         self.owners[slot], self.lengths[slot] = key, length
         self._slot[key] = slot
 
@@ -126,7 +155,15 @@ class BatchCache:
         caches = [c for c, _ in self._pending.values()]
         if keep:
             caches.insert(0, [t if len(keep) == len(self.owners) else t[keep] for t in self.tensors])
-        if len(caches) == 1 and caches[0][0].shape[2] == width:
+        if keep and self.in_place:  # live keys end at the width (not the buffers' end), within its last `width`
+            caches[0] = [t[:, :, max(0, self.width - width) : self.width] for t in caches[0]]
+        if self.in_place:
+            room = width + max(MIN_ROOM, width // GROWTH)
+            if self.limit:  # never past the KV budget for the room (one more column always)
+                room = max(width + 1, min(room, self.limit // len(owners)))
+            self.tensors = [_into(sources, width, room) for sources in zip(*caches, strict=True)]
+            self._width = width
+        elif len(caches) == 1 and caches[0][0].shape[2] == width:
             self.tensors = caches[0]  # nothing to add: no second copy
         else:
             self.tensors = [concat([_left_pad(c[k], width) for c in caches]) for k in range(len(caches[0]))]
@@ -137,13 +174,23 @@ class BatchCache:
         """The sequence's own cache (batch 1, exactly its length wide), to run it alone."""
         if key in self._pending:
             return self._pending[key][0]
-        i, n = self._slot[key], self.lengths[self._slot[key]]
-        return [t[i : i + 1, :, t.shape[2] - n :] for t in self.tensors]
+        i, n, w = self._slot[key], self.lengths[self._slot[key]], self.width
+        return [contiguous(t[i : i + 1, :, w - n : w]) for t in self.tensors]
+
+    def reserve(self) -> None:
+        """In place, before a decode step: room for one more column (a move into larger buffers when full)."""
+        if self.in_place and self.tensors is not None and self.width == self.capacity:
+            self._rebuild()
 
     def advance(self, presents: list[Tensor]) -> None:
-        """After a decode step: the step's presents (one more column) replace the cache; every live slot grew by
-        one, free ones stay empty."""
-        self.tensors = presents
+        """After a decode step: every live slot grew by one, free ones stay empty. The step's presents (one more
+        column) replace the cache, or, in place, are the cache's own buffers with column `width` written."""
+        if self.in_place:
+            if any(p is not t and p.shape != t.shape for p, t in zip(presents, self.tensors, strict=True)):
+                raise RuntimeError("an in-place decode step returned presents that are not the cache's buffers")
+            self._width += 1
+        else:
+            self.tensors = presents
         self.lengths = [n + 1 if owner is not None else 0 for owner, n in zip(self.owners, self.lengths, strict=True)]
 
     def leave(self, key: Hashable) -> None:
@@ -155,8 +202,8 @@ class BatchCache:
             return
         self.owners[slot], self.lengths[slot] = None, 0
         if not self._slot:
-            self.tensors, self.owners, self.lengths = None, [], []
+            self.tensors, self.owners, self.lengths, self._width = None, [], [], 0
             return
         need = max(self.lengths)
-        if need < self.width:
+        if need < self.width and not self.in_place:  # (in place a view would not be contiguous: kept until settle)
             self.tensors = [t[:, :, t.shape[2] - need :] for t in self.tensors]

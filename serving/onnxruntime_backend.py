@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 
 from sharp.exporter import metadata
 from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
@@ -20,7 +21,6 @@ class OnnxRuntimeBackend(GraphBackend):
         self, path: Path, device: str = "cpu", op_library: str | None = None, threads: int = 0, native: bool = True
     ):
         import onnx
-        import onnxruntime as ort
 
         try:
             proto = onnx.load(str(path), load_external_data=False)
@@ -55,11 +55,15 @@ class OnnxRuntimeBackend(GraphBackend):
         except Exception as e:  # e.g. a --fallback none file without a kernel: say which attention was chosen
             raise BackendError(f"{path}: onnxruntime cannot load it ({self.attention}): {e}") from None
         self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
+        self.in_place = bool(meta.export.get("kv_in_place", False))  # the op's cache form (exporter/cache_form.py)
         GraphBackend.__init__(self)
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.present_names = [n for n in self.output_names if n.startswith("present.")]
 
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, in_place=False):
+        if in_place:
+            return self._forward_in_place(input_ids, attention_mask, position_ids, past, entropy)
         feed = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -71,3 +75,22 @@ class OnnxRuntimeBackend(GraphBackend):
         presents = rest[:-1] if entropy else rest
         picked = logits[:, -1] if last is None else logits[np.arange(len(logits)), last]
         return StepOutput(np.ascontiguousarray(picked), presents, rest[-1] if entropy else None)
+
+    def _forward_in_place(self, input_ids, attention_mask, position_ids, past, entropy):
+        """A decode step whose attention writes its keys into `past` itself: each present is bound to its past's
+        memory (onnxruntime's I/O binding), so the kernel writes only the new column and nothing is copied."""
+        binding = self.session.io_binding()
+        small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        for name, array in small.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        binding.bind_output("logits")
+        if entropy:
+            binding.bind_output("attention_entropy")
+        for name, present, buffer in zip(self.past_names, self.present_names, past, strict=True):
+            shared = ort.OrtValue.ortvalue_from_numpy(buffer)  # the array's own memory, in and out
+            binding.bind_ortvalue_input(name, shared)
+            binding.bind_ortvalue_output(present, shared)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()  # in binding order; the presents are `past` (never copied out)
+        logits = outputs[0].numpy()[:, -1]
+        return StepOutput(np.ascontiguousarray(logits), past, outputs[1].numpy() if entropy else None)

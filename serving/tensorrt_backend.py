@@ -54,7 +54,7 @@ class TensorRTBackend(GraphBackend):
         GraphBackend.__init__(self)
 
     @torch.inference_mode()
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, in_place=False):
         from sharp.exporter.build_engine import profile_for
 
         context = self.contexts[profile_for(input_ids.shape[1], past[0].shape[2] if past else 0)]

@@ -55,12 +55,14 @@ def test_each_norm_exports_as_custom_op_and_matches_pytorch(tmp_path, norm, pos,
     assert "check passed" in capsys.readouterr().out
     proto = onnx.load(out)
     ops = [n for n in proto.graph.node if n.domain == "sharp"]
-    assert len(ops) == 2 and all(n.op_type == "SharpAttention" and n.overload == norm for n in ops)
+    assert len(ops) == 2 and all(n.op_type == "SharpAttention" and n.overload == f"cache.{norm}" for n in ops)
+    assert not [n for n in proto.graph.node if n.op_type == "Concat" and n.output[0].startswith("present.")]
     attrs = {a.name for a in ops[0].attribute}
     assert {"norm", "causal", "scale", "poly", "q_heads", "kv_heads"} <= attrs
     assert ("block_size" in attrs) == (fallback == "streamed")
     bodies = {(f.domain, f.name, f.overload) for f in proto.functions}
-    assert ("sharp", "SharpAttention", norm) in bodies
+    assert ("sharp", "SharpAttention", f"cache.{norm}") in bodies and ("sharp", "SharpAttention", norm) not in bodies
+    assert metadata.read(proto).export["kv_in_place"] is True
     meta = metadata.read(proto)
     assert [p.key for p in proto.metadata_props] == ["sharp"]  # one entry, the norm written once per layer
     assert meta.norm == norm and [layer.norm for layer in meta.layers] == [norm, norm]
@@ -112,7 +114,7 @@ def test_per_layer_norms_and_no_kv_cache(tmp_path):
 def test_allowed_norm_changes_on_a_softmax_model(tmp_path, capsys):
     model = _model("softmax")
     out = _export(tmp_path, model, "--norm", "adaptive", "--poly", "-0.05", "0.5", "-2.0", "4.5", "-1.5")
-    assert [n.overload for n in onnx.load(out).graph.node if n.domain == "sharp"] == ["adaptive"] * 2
+    assert [n.overload for n in onnx.load(out).graph.node if n.domain == "sharp"] == ["cache.adaptive"] * 2
     out = _export(tmp_path, model, "--norm", "ssmax", "--ssmax-s", "0.4")
     assert metadata.read(onnx.load(out)).layers[0].parameters["ssmax_s"] == [0.4] * 4
     assert capsys.readouterr().out.count("check passed") == 2
@@ -208,7 +210,7 @@ def test_files_name_their_dimensions_and_carry_only_the_functions_they_call(tmp_
     dims = {d.dim_param for vi in (*proto.graph.input, *proto.graph.output) for d in vi.type.tensor_type.shape.dim}
     assert not any(re.search(r"\bs\d+\b", d) for d in dims), dims
     assert {"batch", "sequence", "past_sequence", "total_sequence"} <= dims
-    assert {"past_sequence + sequence", "sequence + past_sequence"} & dims
+    assert "present_sequence" in dims  # the cache form: a present is as long as its buffer
     called = _called(proto.graph.node).union(*(_called(f.node) for f in proto.functions))
     assert all(f.name in called for f in proto.functions), [f.name for f in proto.functions if f.name not in called]
     assert ("ThresholdSums" in {f.name for f in proto.functions}) == (norm == "entmax")

@@ -45,8 +45,8 @@ class Wrapped:
 class NaNForMarkedRows(Wrapped):
     """Wraps a real backend; a prompt that contains POISON gets NaN logits."""
 
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
-        out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last)
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, **kw):
+        out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last, **kw)
         for row in range(input_ids.shape[0]):
             if input_ids.shape[1] > 1 and (input_ids[row] == POISON).any():  # prompts only, never sampled ids
                 out.logits[row] = float("nan")
@@ -62,13 +62,13 @@ class RaisesForMarkedRows(Wrapped):
         super().__init__(backend)
         self.batch_failures = 0
 
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None):
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, **kw):
         if input_ids.shape[1] > 1 and (input_ids == BREAKS_PREFILL).any():
             raise RuntimeError("prefill refused")
         if any(np.isnan(t).any() for t in past):
             self.batch_failures += input_ids.shape[0] > 1
             raise RuntimeError("non-finite keys in the cache")
-        out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last)
+        out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last, **kw)
         if input_ids.shape[1] > 1:
             for row in range(input_ids.shape[0]):
                 if (input_ids[row] == BREAKS_DECODE).any():
@@ -147,7 +147,8 @@ def test_nan_logits_end_only_that_request(model_files, reference):  # noqa: F811
 
 def test_a_model_failure_ends_only_the_rows_it_fails_on(model_files, reference):  # noqa: F811
     with server(model_files, wrap=RaisesForMarkedRows) as srv, Client(srv.target) as c:
-        with Bystander(srv.target, "bystander", 400) as b:  # still running when the broken rows decode
+        # 1,500 tokens: still running when the broken rows decode (a few steps later), however fast the engine
+        with Bystander(srv.target, "bystander", 1500) as b:
             time.sleep(0.05)
             for marker, where in ((BREAKS_PREFILL, "prefill"), (BREAKS_DECODE, "decode")):
                 with pytest.raises(grpc.RpcError) as err:

@@ -318,7 +318,7 @@ def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tok
     package = tmp_path / "llama-genai"
     assert export_cli.main([str(hf_dirs["llama"]), "--norm", "adaptive", "--genai", "-o", str(package)]) == 0
     config = json.loads((package / "genai_config.json").read_text())
-    assert config["search"]["past_present_share_buffer"] is False and config["model"]["eos_token_id"] == [2]
+    assert config["search"]["past_present_share_buffer"] is True and config["model"]["eos_token_id"] == [2]
     library = config["model"]["decoder"]["session_options"].get("custom_ops_library")
     assert library is None or (package / library).is_file()  # sharp's kernel travels inside the package
     prompt = "The quick brown fox"
@@ -336,7 +336,10 @@ def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tok
     assert _genai_greedy(package, ids, 16) == want
 
 
-def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path):
+@pytest.mark.parametrize("native", [True, False])
+def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path, native):
+    """With sharp's kernel in the package and without (the cache form's fallback bodies), onnxruntime-genai's
+    shared past/present buffers give the model's own greedy tokens."""
     og = pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
     from sharp.models import ModelConfig, SharpLM, save
     from sharp.models.sampling import GREEDY
@@ -349,7 +352,11 @@ def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path):
                 p.normal_(0, 0.2)
     save(model, tmp_path / "tiny.pt")
     package = tmp_path / "tiny-genai"
-    assert export_cli.main([str(tmp_path / "tiny.pt"), "--genai", "-o", str(package)]) == 0
+    flags = [] if native else ["--no-native"]
+    assert export_cli.main([str(tmp_path / "tiny.pt"), "--genai", "-o", str(package), *flags]) == 0
+    config = json.loads((package / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is True
+    assert ("custom_ops_library" in config["model"]["decoder"]["session_options"]) == native
     prompt = "def main(): ✓"
     assert list(og.Tokenizer(og.Model(str(package))).encode(prompt)) == BYTES.encode(prompt, bos=False)
     ids = BYTES.encode(prompt)
@@ -389,3 +396,36 @@ def test_bos_and_eos_come_from_the_model_directory(tmp_path):
 
     with pytest.raises(ValueError, match="no tokenizer"):
         load_tokenizer(tmp_path, config)
+
+
+def test_rms_norms_export_in_the_form_onnxruntime_fuses_and_only_those_that_compute_it(hf_dirs, exported, tmp_path):
+    """Every RMSNorm of a Llama export (two per layer and the final one) becomes one SimplifiedLayerNormalization in
+    onnxruntime's optimized graph — five nodes fewer each in every step — while a norm computing something else
+    (a (1 + weight) variant) keeps its own forward."""
+    import collections
+
+    import onnx
+    import onnxruntime as ort
+
+    from sharp.exporter.hf import fusable_norms
+    from sharp.plugins.onnxruntime import library_path
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.register_custom_ops_library(library_path())
+    ort.InferenceSession(str(exported["llama"]), options, providers=["CPUExecutionProvider"])
+    kinds = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node)
+    layers = transformers.AutoConfig.from_pretrained(hf_dirs["llama"]).num_hidden_layers
+    assert kinds["SimplifiedLayerNormalization"] == 2 * layers + 1 and kinds["ReduceMean"] == 0
+
+    class OffsetRMSNorm(torch.nn.Module):  # Gemma's form: x / rms · (1 + weight)
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.full((8,), 0.5)), 1e-6
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
+
+    norm = OffsetRMSNorm()
+    with fusable_norms(torch.nn.Sequential(norm)) as swapped:
+        assert swapped == 0 and "forward" not in vars(norm)

@@ -371,3 +371,79 @@ def test_adaptive_reads_the_threshold_attribute(library):
     np.testing.assert_allclose(h_nat, h_body, atol=2e-5, rtol=0)
     o_default, _ = session(one_op_model("adaptive", True, None), library).run(None, x)
     assert np.abs(o_default - o_nat).max() > 1e-2
+
+
+def cache_form_model(norm: str, fallback_mode: str | None) -> bytes:
+    """One attention node in the cache form (exporter/cache_form.py): this step's K/V, the past buffers, W."""
+    from sharp.exporter import cache_form
+
+    attrs = dict(norm=norm, causal=1, scale=D**-0.5, poly=list(PAPER_POLY), q_heads=HQ, kv_heads=HKV)
+    names = [*OP_INPUTS, *cache_form.CACHE_INPUTS]
+    node = helper.make_node("SharpAttention", names, ["O", "entropy", "present_key", "present_value"], domain="sharp",
+                            **attrs)  # fmt: skip
+    node.overload = cache_form.overload(norm)
+    kinds = {"key_mask": TensorProto.BOOL, "past_length": TensorProto.INT64}
+    graph_inputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in names]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output]
+    entry = registry.get(norm)
+    functions = []
+    if fallback_mode:
+        functions = [*fallback.functions([entry], fallback_mode), *cache_form.functions([entry], fallback_mode)]
+    model = helper.make_model(
+        helper.make_graph([node], "cache_form", graph_inputs, outputs),
+        opset_imports=[helper.make_opsetid(d, v) for d, v in (("", 18), ("sharp", 1), ("sharp.fallback", 1))],
+        functions=functions,
+        ir_version=10,
+    )
+    return model.SerializeToString()
+
+
+def _cache_inputs(x: dict[str, np.ndarray], w: int, room: int) -> dict[str, np.ndarray]:
+    """x's last LQ keys as this step's, the W before them in buffers of `room` keys (garbage after W)."""
+    feed = dict(x)
+    buffers = {}
+    for name, past in (("K", "past_key"), ("V", "past_value")):
+        full = x[name]
+        buffer = np.full((B, HKV, room, D), 7.0, np.float32)  # columns past W hold nobody's keys
+        buffer[:, :, :w] = full[:, :, :w]
+        buffers[past] = buffer
+        feed[name] = np.ascontiguousarray(full[:, :, w:])
+    return {**feed, **buffers, "past_length": np.array([w], np.int64)}
+
+
+@pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)
+def test_cache_form_writes_in_place_and_attends_as_the_concat_did(library, norm):
+    """The cache form equals the plain op over past + new keys, natively and through its fallback body; its
+    presents are the past with the new keys at [W, W + Lq) — fed a buffer with room and given the past's own memory
+    as present (I/O binding), the kernel writes exactly those columns and nothing else."""
+    x = inputs(lq=LQ, lk=LK)
+    w = LK - LQ
+    o_ref, h_ref = session(one_op_model(norm.name, True), library).run(None, x)
+    exact = _cache_inputs(x, w, w)  # S = W: a plain run, presents = past + new
+    for lib, mode in ((library, None), (None, "dense")):
+        o, h, pk, pv = session(cache_form_model(norm.name, mode), lib).run(None, exact)
+        np.testing.assert_allclose(o, o_ref, atol=2e-6, rtol=0)
+        np.testing.assert_allclose(h, h_ref, atol=2e-6, rtol=0)
+        np.testing.assert_array_equal(pk, x["K"])
+        np.testing.assert_array_equal(pv, x["V"])
+    room = _cache_inputs(x, w, LK + 9)  # a buffer with room: presents as long as it
+    o, _, pk, _ = session(cache_form_model(norm.name, "dense"), None).run(None, room)
+    np.testing.assert_allclose(o, o_ref, atol=2e-6, rtol=0)
+    assert pk.shape[2] == LK + 9 and (pk[:, :, :LK] == x["K"]).all() and (pk[:, :, LK:] == 7.0).all()
+    sess = session(cache_form_model(norm.name, None), library)
+    binding = sess.io_binding()
+    for name, value in room.items():
+        if name not in ("past_key", "past_value"):
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("O")
+    binding.bind_output("entropy")
+    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+        shared = ort.OrtValue.ortvalue_from_numpy(room[past])
+        binding.bind_ortvalue_input(past, shared)
+        binding.bind_ortvalue_output(present, shared)
+    sess.run_with_iobinding(binding)
+    o, h = (v.numpy() for v in binding.get_outputs()[:2])  # in binding order
+    np.testing.assert_allclose(o, o_ref, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(h, h_ref, atol=2e-6, rtol=0)
+    for past, full in (("past_key", x["K"]), ("past_value", x["V"])):  # written in the caller's own array
+        assert (room[past][:, :, :LK] == full).all() and (room[past][:, :, LK:] == 7.0).all()

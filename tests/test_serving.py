@@ -396,6 +396,32 @@ def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference
     assert list(got["b"]) == reference(b_prompt, 5)
 
 
+def test_decode_steps_write_into_the_batch_buffers_and_match_the_model(model_files, reference):
+    """A file in the op's cache form decodes in place: the batch's buffers stay the same arrays step after step
+    (their column `width` written by the kernel, bound as each layer's present) until the room runs out and they
+    move once into larger ones; two sequences of different lengths, joining at different steps, get the model's own
+    greedy tokens."""
+    be = load_backend(model_files["onnxruntime"])
+    assert be.in_place
+    eng = Engine(be, EngineConfig())  # stepped by hand
+    got: dict[str, list] = {"a": [], "b": []}
+    prompts = {"a": [256, *range(1, 30)], "b": [256, 5, 6]}
+    eng.submit(_req(eng, prompts["a"], 150), lambda ev: isinstance(ev, Delta) and got["a"].extend(ev.token_ids))
+    eng.step()
+    eng.submit(_req(eng, prompts["b"], 100), lambda ev: isinstance(ev, Delta) and got["b"].extend(ev.token_ids))
+    buffers, moves, widths = None, 0, []
+    while not eng.idle():
+        eng.step()
+        cache = be._batch
+        if cache.tensors is not None:
+            assert cache.width <= cache.capacity  # the next step's `reserve` makes room when they are equal
+            moves += buffers is not None and cache.tensors[0] is not buffers
+            buffers = cache.tensors[0]
+            widths.append(cache.width)
+    assert got["a"] == reference(prompts["a"], 150) and got["b"] == reference(prompts["b"], 100)
+    assert 1 <= moves <= 4 and widths == sorted(widths)  # a handful of moves for ~150 steps, not one per step
+
+
 def _own_cache(length: int, fill: float, kind: str = "numpy") -> list:
     """One sequence's cache for BatchCache: 2 layers × keys/values of (1, kv_heads 2, length, head_dim 4), as
     NumPy arrays (onnxruntime) or torch tensors (the TensorRT backend's cache)."""

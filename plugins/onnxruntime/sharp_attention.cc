@@ -40,10 +40,15 @@ struct NormEntry {
 
 #include "norm_table.h"
 
-// The op's input slots (docs/op.md), in order.
-enum Slot { kQ, kK, kV, kKeyMask, kAlibi, kAlpha, kQueryScale, kSsaN, kSsaB, kSsmaxS, kNumSlots };
+// The op's input slots (docs/op.md), in order; the last three make the cache form (a KV cache written in place).
+enum Slot {
+  kQ, kK, kV, kKeyMask, kAlibi, kAlpha, kQueryScale, kSsaN, kSsaB, kSsmaxS, kPastKey, kPastValue, kPastLength,
+  kNumSlots
+};
 constexpr const char* kSlotNames[kNumSlots] = {"Q",     "K",           "V",     "key_mask", "alibi_slopes",
-                                               "alpha", "query_scale", "ssa_n", "ssa_b",    "ssmax_s"};
+                                               "alpha", "query_scale", "ssa_n", "ssa_b",    "ssmax_s",
+                                               "past_key", "past_value", "past_length"};
+enum OutputSlot { kO, kEntropy, kPresentKey, kPresentValue, kNumOutputs };
 constexpr int64_t kQueryTile = 64;  // query rows per task
 constexpr int64_t kKeyBlock = 64;   // keys per P·V GEMM when entmax skips blocks without support
 constexpr int kMaxThresholdPasses = 100;
@@ -202,6 +207,7 @@ struct Problem {
   const char* mask_full;  // per batch row: key_mask is all true (the common case: no padding)
   const float* param[2];
   int64_t batch, hq, hkv, lq, lk, d, dv, tiles;
+  int64_t kstride;  // keys between one (batch, KV head)'s K/V rows and the next: lk, or the cache form's buffer
   float scale;
   float *out, *entropy;
 };
@@ -351,7 +357,7 @@ void run_tile(const Problem& p, int64_t task) {
   ws.copy.resize(stride);
   StridedMatrix s(ws.logits.data(), rows, kend, Eigen::OuterStride<>(stride));
   ConstMatrix q(p.q + (bh * p.lq + r0) * p.d, rows, p.d);
-  ConstMatrix k(p.k + (b * p.hkv + kvh) * p.lk * p.d, kend, p.d);
+  ConstMatrix k(p.k + (b * p.hkv + kvh) * p.kstride * p.d, kend, p.d);
   s.noalias() = q * k.transpose();
 
   // Per-head parameters; entmax with α = 1 is softmax.
@@ -413,7 +419,7 @@ void run_tile(const Problem& p, int64_t task) {
 
   // O = W V / Z over the key blocks that carry weight (softmax: all of them).
   Matrix o(out, rows, p.dv);
-  const float* vbase = p.v + (b * p.hkv + kvh) * p.lk * p.dv;
+  const float* vbase = p.v + (b * p.hkv + kvh) * p.kstride * p.dv;
   if (!entmax) {
     o.noalias() = s * ConstMatrix(vbase, kend, p.dv);
   } else {
@@ -456,6 +462,19 @@ void run_tile(const Problem& p, int64_t task) {
   }
 }
 
+// The cache form's write: `rows` (batch × KV head) rows of `s` keys in `past` become rows of `stride` keys in
+// `present` with this step's `lq` keys at [w, w + lq). When the runtime gave present the past's own buffer (I/O
+// binding, onnxruntime-genai's shared past/present) only those keys are written: nothing is read or copied.
+void write_cache(float* present, const float* past, const float* fresh, int64_t rows, int64_t s, int64_t w,
+                 int64_t lq, int64_t stride, int64_t d) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = present + r * stride * d;
+    const float* src = past + r * s * d;
+    if (dst != src) std::copy(src, src + s * d, dst);
+    std::copy(fresh + r * lq * d, fresh + (r + 1) * lq * d, dst + w * d);
+  }
+}
+
 void run_task(void* problem, size_t task) { run_tile(*static_cast<const Problem*>(problem), static_cast<int64_t>(task)); }
 
 // ---- the kernel ----------------------------------------------------------------------------------------------
@@ -474,12 +493,55 @@ struct Kernel {
       if (t[s].shape.size() != 4 || !t[s].present())
         invalid(std::string("input ") + kSlotNames[s] + " must have rank 4, got shape " + shape_string(t[s].shape));
     const int64_t batch = t[kQ].shape[0], hq = t[kQ].shape[1], lq = t[kQ].shape[2], d = t[kQ].shape[3];
-    const int64_t hkv = t[kK].shape[1], lk = t[kK].shape[2], dv = t[kV].shape[3];
+    const int64_t hkv = t[kK].shape[1], dv = t[kV].shape[3];
+    int64_t lk = t[kK].shape[2];
     if (hq != a.q_heads) invalid("Q has " + std::to_string(hq) + " heads, the node says q_heads " + std::to_string(a.q_heads));
     if (hkv != a.kv_heads)
       invalid("K has " + std::to_string(hkv) + " heads, the node says kv_heads " + std::to_string(a.kv_heads));
     expect_shape(t[kK], kK, {batch, hkv, lk, d});
     expect_shape(t[kV], kV, {batch, hkv, lk, dv});
+    const float *keys = t[kK].f(), *values = t[kV].f();
+    int64_t kstride = lk;
+    std::vector<float> scratch[2];  // the cache form's keys and values when no present output is asked for
+    const bool cache_form = t[kPastKey].present() || t[kPastValue].present() || t[kPastLength].present();
+    if (cache_form) {  // K, V: this step's keys; written into the cache at [W, W + Lq), attention over [0, W + Lq)
+      if (!t[kPastKey].present() || !t[kPastValue].present() || !t[kPastLength].present())
+        invalid("the cache form needs past_key, past_value and past_length together");
+      if (lk != lq) invalid("in the cache form K holds this step's " + std::to_string(lq) + " keys, got " + std::to_string(lk));
+      const Tensor& pl = t[kPastLength];
+      if (pl.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || (pl.shape.size() > 1) || (pl.shape.size() == 1 && pl.shape[0] != 1))
+        invalid("input past_length must be one int64 (shape () or (1,)), got shape " + shape_string(pl.shape));
+      const int64_t w = *static_cast<const int64_t*>(pl.data);
+      const Tensor &pk = t[kPastKey], &pv = t[kPastValue];
+      if (pk.shape.size() != 4) invalid("input past_key must have rank 4, got shape " + shape_string(pk.shape));
+      const int64_t s = pk.shape[2];
+      expect_shape(pk, kPastKey, {batch, hkv, s, d});
+      expect_shape(pv, kPastValue, {batch, hkv, s, dv});
+      for (int slot : {kPastKey, kPastValue})
+        if (t[slot].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) invalid(std::string("input ") + kSlotNames[slot] + " must be float32");
+      if (w < 0 || w > s)
+        invalid("past_length " + std::to_string(w) + " must be in [0, " + std::to_string(s) + "] (past_key's keys)");
+      kstride = std::max(s, w + lq);
+      lk = w + lq;
+      float* present[2];
+      const int64_t present_shape[2][4] = {{batch, hkv, kstride, d}, {batch, hkv, kstride, dv}};
+      size_t outputs = 0;
+      check(api.KernelContext_GetOutputCount(ctx, &outputs));
+      for (int i = 0; i < 2; ++i) {
+        OrtValue* value = nullptr;
+        if (outputs > static_cast<size_t>(kPresentKey + i))
+          check(api.KernelContext_GetOutput(ctx, kPresentKey + i, present_shape[i], 4, &value));
+        if (value != nullptr) {
+          check(api.GetTensorMutableData(value, reinterpret_cast<void**>(&present[i])));
+        } else {  // no present asked for: a scratch copy still holds the keys attention reads
+          scratch[i].resize(static_cast<size_t>(batch * hkv * kstride * (i ? dv : d)));
+          present[i] = scratch[i].data();
+        }
+      }
+      write_cache(present[0], pk.f(), keys, batch * hkv, s, w, lq, kstride, d);
+      write_cache(present[1], pv.f(), values, batch * hkv, s, w, lq, kstride, dv);
+      keys = present[0], values = present[1];
+    }
     if (lq > lk) invalid("Q has " + std::to_string(lq) + " rows but K only " + std::to_string(lk) + " keys (Lq <= Lk)");
     if (t[kKeyMask].present()) expect_shape(t[kKeyMask], kKeyMask, {batch, lk});
     if (t[kAlibi].present()) expect_shape(t[kAlibi], kAlibi, {hq});
@@ -500,7 +562,7 @@ struct Kernel {
       expect_shape(param, a.param_slot[i], {hq});
       p.param[i] = param.f();
     }
-    p.q = t[kQ].f(), p.k = t[kK].f(), p.v = t[kV].f();
+    p.q = t[kQ].f(), p.k = keys, p.v = values, p.kstride = kstride;
     p.alibi = t[kAlibi].present() ? t[kAlibi].f() : nullptr;
     // λ is read only by norms that take it (the registry's query_scale flag), as the fallback bodies do.
     p.query_scale = a.norm->query_scale ? t[kQueryScale].f() : nullptr;
@@ -564,12 +626,13 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   const char* GetName() const { return "SharpAttention"; }
   size_t GetInputTypeCount() const { return kNumSlots; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
-    return i == kKeyMask ? ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (i == kKeyMask) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    return i == kPastLength ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i <= kV ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
-  size_t GetOutputTypeCount() const { return 2; }
+  size_t GetOutputTypeCount() const { return kNumOutputs; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
