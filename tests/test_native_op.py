@@ -192,6 +192,21 @@ def test_the_widest_variant_this_cpu_runs_is_loaded_and_a_wider_one_refused(libr
         np.testing.assert_allclose(h_wide, h_base, atol=2e-5, rtol=0)
 
 
+def test_per_key_exp_and_log_are_vectorised(library):
+    """The per-key passes run exp and log on Eigen's packets: the library imports no scalar expf (Eigen 3.4 never
+    vectorises `select`, and an exp under a select once ran through libm one key at a time — half the prefill).
+    Scalar logf and pow remain, once per row and per threshold bracket."""
+    import shutil
+    import subprocess
+
+    nm = shutil.which("nm")
+    assert nm, "binutils' nm is needed to read the library's imports"
+    imports = subprocess.run([nm, "-D", "--undefined-only", library], capture_output=True, text=True, check=True).stdout
+    names = {line.split()[-1].split("@")[0] for line in imports.splitlines() if line.strip()}
+    assert "logf" in names, sorted(names)  # the parse sees libm's imports
+    assert {"expf", "exp", "__expf_finite"} & names == set(), sorted(names)
+
+
 @pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)
 def test_a_long_prefill_over_many_tiles_and_blocks(library, norm):
     """600 queries on 600 keys: ten query tiles, ten 64-key blocks, causal, left padding in the second row."""

@@ -2,10 +2,10 @@
 //
 // Work is split into tasks of (batch, query head, query tile). A task computes its tile's logits against every
 // key it can see with one GEMM (Eigen), normalises each row in place (softmax family: max-relative softmax and
-// entropy; entmax family: safeguarded Halley/Newton threshold, as in docs/attention.md), then multiplies by V
-// with GEMMs over the key blocks that carry weight. Extra memory is one (tile × visible keys) buffer per thread:
-// O(L · tile), never O(Lq · Lk). Tasks run on ORT's intra-op thread pool and write disjoint outputs, so results
-// do not depend on the thread count.
+// entropy; entmax family: safeguarded Halley/Newton threshold, as in docs/attention.md; exp and log on Eigen's
+// packets), then multiplies by V with GEMMs over the key blocks that carry weight. Extra memory is one
+// (tile × visible keys) buffer per thread: O(L · tile), never O(Lq · Lk). Tasks run on ORT's intra-op thread pool
+// and write disjoint outputs, so results do not depend on the thread count.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
@@ -213,7 +213,7 @@ struct Problem {
 };
 
 struct Workspace {  // one per thread, grown on demand and reused (no allocation per tile once warm)
-  AlignedFloats logits, shifted, copy;
+  AlignedFloats logits, shifted;
   AlignedFloats candidates, powers;
   std::vector<double> row_sum;
   std::vector<char> live_block;
@@ -233,19 +233,57 @@ bool degenerate_row(Row r, float max, float* entropy, float* sum) {
   return true;
 }
 
-// Softmax of row t[0, n) in place (masked entries −inf): weights e^{t−m}; returns Λ = Σ e^{t−m} and writes the
-// max-relative entropy log Λ − K'/Λ, K' = Σ e^{t−m} (t − m). `tmp` holds n floats.
-float softmax_row(float* t, int64_t n, float* entropy, float* tmp) {
-  Row r(t, n), shifted(tmp, n);
-  float lam;
-  const float max = r.maxCoeff();
-  if (degenerate_row(r, max, entropy, &lam)) return lam;
-  shifted = r - max;
-  r = (shifted > kNegInf).select(shifted.exp(), 0.0f);
-  lam = r.sum();
-  const float kp = (r > 0.0f).select(r * shifted, 0.0f).sum();
-  *entropy = std::log(lam) - kp / lam;
-  return lam;
+// ---- row passes: Eigen's packet math, so exp and log run vectorised (Eigen 3.4 never vectorises `select`, and
+// a select around exp() falls back to scalar libm) ----
+namespace ei = Eigen::internal;
+using Packet = ei::packet_traits<float>::type;
+constexpr int64_t kLanes = ei::unpacket_traits<Packet>::size;
+
+// f over src[0, n) packet by packet, results to dst[0, n) (may equal src). Rows start 64-byte aligned; the last
+// partial packet goes through a buffer padded with −inf (every pass below maps −inf to −inf or to a zero weight).
+template <typename F>
+void map_row(const float* src, float* dst, int64_t n, F&& f) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) ei::pstore(dst + j, f(ei::pload<Packet>(src + j)));
+  if (j < n) {
+    alignas(64) float tail[kLanes];
+    std::fill(tail, tail + kLanes, kNegInf);
+    std::copy(src + j, src + n, tail);
+    ei::pstore(tail, f(ei::pload<Packet>(tail)));
+    std::copy(tail, tail + (n - j), dst + j);
+  }
+}
+
+Packet visible(Packet x) { return ei::pcmp_lt(ei::pset1<Packet>(kNegInf), x); }  // all ones where x > −inf
+
+// max of z[0, n): NaN if any entry is NaN (the row is then degenerate).
+float row_max(float* z, int64_t n) {
+  Packet m = ei::pset1<Packet>(kNegInf);
+  map_row(z, z, n, [&](Packet x) {
+    m = ei::pmax<Eigen::PropagateNaN>(m, x);
+    return x;
+  });
+  alignas(64) float lanes[kLanes];
+  ei::pstore(lanes, m);
+  float out = kNegInf;
+  for (float v : lanes) out = std::isnan(v) || std::isnan(out) ? kNaN : std::max(out, v);
+  return out;
+}
+
+// dst = e^{x}, x = β (src − m), over [0, n) (−inf → exactly 0); returns Λ = Σ dst and writes K' = Σ dst · x, the
+// two sums of the max-relative entropy log Λ − K'/Λ.
+float exp_pass(const float* src, float* dst, int64_t n, float m, float beta, float* kp) {
+  const Packet vm = ei::pset1<Packet>(m), vb = ei::pset1<Packet>(beta);
+  Packet lam = ei::pset1<Packet>(0.0f), k = lam;
+  map_row(src, dst, n, [&](Packet t) {
+    const Packet x = ei::pmul(ei::psub(t, vm), vb), live = visible(x);
+    const Packet e = ei::pand(live, ei::pexp(x));
+    lam = ei::padd(lam, e);
+    k = ei::padd(k, ei::pand(live, ei::pmul(e, x)));
+    return e;
+  });
+  *kp = ei::predux(k);
+  return ei::predux(lam);
 }
 
 // β(H) of the adaptive norm: max(poly(H), 1) above the threshold, else 1 (poly highest power first).
@@ -269,36 +307,49 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
   r -= umax;
   const double inv = 1.0 / am1;
   // Only u > −1 can ever be in the support (τ ≥ −1): the threshold passes run over those alone.
-  ws.candidates.clear();
-  int64_t visible = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    visible += z[j] > kNegInf;
-    if (z[j] > -1.0f) ws.candidates.push_back(z[j]);
+  const Packet zero = ei::pset1<Packet>(0.0f), one = ei::pset1<Packet>(1.0f), minus_one = ei::pset1<Packet>(-1.0f);
+  if (static_cast<int64_t>(ws.candidates.size()) < n) ws.candidates.resize(n), ws.powers.resize(n);
+  float* cand = ws.candidates.data();
+  int64_t m = 0, j = 0;
+  Packet seen = zero;  // visible keys, per lane
+  for (; j + kLanes <= n; j += kLanes) {
+    const Packet u = ei::pload<Packet>(z + j);
+    seen = ei::padd(seen, ei::pand(visible(u), one));
+    if (ei::predux_any(ei::pcmp_lt(minus_one, u)))
+      for (int64_t l = j; l < j + kLanes; ++l)
+        if (z[l] > -1.0f) cand[m++] = z[l];
   }
-  const int64_t m = static_cast<int64_t>(ws.candidates.size());
-  ws.powers.resize(m);
-  Row c(ws.candidates.data(), m), pw(ws.powers.data(), m);
+  int64_t visible_keys = static_cast<int64_t>(ei::predux(seen));
+  for (; j < n; ++j) {
+    visible_keys += z[j] > kNegInf;
+    if (z[j] > -1.0f) cand[m++] = z[j];
+  }
+  const Packet e0 = ei::pset1<Packet>(static_cast<float>(inv)), e1 = ei::pset1<Packet>(static_cast<float>(inv - 1.0)),
+               e2 = ei::pset1<Packet>(static_cast<float>(inv - 2.0));
   const double eps4 = 4.0 * std::numeric_limits<float>::epsilon();
-  double lo = -1.0, hi = -std::pow(static_cast<double>(visible), -static_cast<double>(am1));
+  double lo = -1.0, hi = -std::pow(static_cast<double>(visible_keys), -static_cast<double>(am1));
   double tau = lo;
   for (int pass = 0; pass < kMaxThresholdPasses; ++pass) {
-    const float tf = static_cast<float>(tau);
-    double s, s1, s2 = 0.0;
-    if (inv == 2.0) {  // α = 1.5: d², d, 1
-      pw = (c - tf).max(0.0f);
-      s = pw.square().sum();
-      s1 = pw.sum();
-      s2 = static_cast<double>((pw > 0.0f).count());
-    } else if (inv == 1.0) {  // α = 2: d, 1 (Newton)
-      pw = (c - tf).max(0.0f);
-      s = pw.sum();
-      s1 = static_cast<double>((pw > 0.0f).count());
-    } else {  // d^inv, d^(inv−1) (and d^(inv−2) for Halley) from log d; never d^(inv−2) · d², which overflows
-      pw = (c > tf).select((c - tf).log(), 0.0f);
-      s = (c > tf).select((pw * static_cast<float>(inv)).exp(), 0.0f).sum();
-      s1 = (c > tf).select((pw * static_cast<float>(inv - 1.0)).exp(), 0.0f).sum();
-      if (inv >= 2.0) s2 = (c > tf).select((pw * static_cast<float>(inv - 2.0)).exp(), 0.0f).sum();
-    }
+    const Packet vt = ei::pset1<Packet>(static_cast<float>(tau));
+    Packet ps = zero, ps1 = zero, ps2 = zero;  // S + 1 and the sums of its derivatives (padding: d = 0)
+    map_row(cand, ws.powers.data(), m, [&](Packet c) {
+      const Packet d = ei::pmax(ei::psub(c, vt), zero), live = ei::pcmp_lt(zero, d);
+      if (inv == 2.0) {  // α = 1.5: d², d, 1
+        ps = ei::pmadd(d, d, ps);
+        ps1 = ei::padd(ps1, d);
+        ps2 = ei::padd(ps2, ei::pand(live, one));
+      } else if (inv == 1.0) {  // α = 2: d, 1 (Newton)
+        ps = ei::padd(ps, d);
+        ps1 = ei::padd(ps1, ei::pand(live, one));
+      } else if (ei::predux_any(live)) {  // d^inv, d^(inv−1) (and d^(inv−2) for Halley) from log d; never
+        const Packet ld = ei::plog(d);                // d^(inv−2) · d², which overflows
+        ps = ei::padd(ps, ei::pand(live, ei::pexp(ei::pmul(ld, e0))));
+        ps1 = ei::padd(ps1, ei::pand(live, ei::pexp(ei::pmul(ld, e1))));
+        if (inv >= 2.0) ps2 = ei::padd(ps2, ei::pand(live, ei::pexp(ei::pmul(ld, e2))));
+      }
+      return d;
+    });
+    const double s = ei::predux(ps), s1 = ei::predux(ps1), s2 = ei::predux(ps2);
     const double f = s - 1.0;
     if (f > 0) {
       lo = tau;
@@ -322,15 +373,24 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
     tau = next;
     if (done) break;
   }
-  const float t = static_cast<float>(tau);
-  r = (r - t).max(0.0f);  // masked: −inf − τ clamps to 0
-  if (inv == 2.0) {
-    r = r.square();
-  } else if (inv != 1.0) {
-    r = (r > 0.0f).select((r.log() * static_cast<float>(inv)).exp(), 0.0f);
-  }
-  zsum = r.sum();
-  const float plogp = (r > 0.0f).select(r * r.log(), 0.0f).sum();
+  // p = [u − τ]_+^inv (masked: −inf − τ clamps to 0), Z = Σ p and Σ p log p in one pass.
+  const Packet vt = ei::pset1<Packet>(static_cast<float>(tau));
+  Packet pz = zero, pl = zero;
+  map_row(z, z, n, [&](Packet u) {
+    const Packet d = ei::pmax(ei::psub(u, vt), zero);
+    if (!ei::predux_any(ei::pcmp_lt(zero, d))) return zero;  // most of a sparse row: no transcendentals
+    Packet w = d;
+    if (inv == 2.0) {
+      w = ei::pmul(d, d);
+    } else if (inv != 1.0) {
+      w = ei::pand(ei::pcmp_lt(zero, d), ei::pexp(ei::pmul(ei::plog(d), e0)));
+    }
+    pz = ei::padd(pz, w);
+    pl = ei::padd(pl, ei::pand(ei::pcmp_lt(zero, w), ei::pmul(w, ei::plog(w))));
+    return w;
+  });
+  zsum = ei::predux(pz);
+  const float plogp = ei::predux(pl);
   *entropy = std::log(zsum) - plogp / zsum;
   return zsum;
 }
@@ -354,7 +414,6 @@ void run_tile(const Problem& p, int64_t task) {
   ws.logits.resize(static_cast<size_t>(rows * stride));
   ws.row_sum.resize(rows);
   ws.shifted.resize(stride);
-  ws.copy.resize(stride);
   StridedMatrix s(ws.logits.data(), rows, kend, Eigen::OuterStride<>(stride));
   ConstMatrix q(p.q + (bh * p.lq + r0) * p.d, rows, p.d);
   ConstMatrix k(p.k + (b * p.hkv + kvh) * p.kstride * p.d, kend, p.d);
@@ -371,50 +430,68 @@ void run_tile(const Problem& p, int64_t task) {
     const int64_t n = a.causal ? pos + 1 : p.lk;  // keys [0, n) may be visible
     const float lambda = p.query_scale ? p.query_scale[bh * p.lq + r0 + i] : 1.0f;
     float* z = ws.logits.data() + i * stride;
-    Row zr(z, kend);
+    Row zr(z, n);  // keys [n, kend) are causally hidden
     if (slope != 0.0f) {
-      zr = lambda * (p.scale * zr + slope * (Eigen::ArrayXf::LinSpaced(kend, 0, kend - 1) - float(pos)));
+      zr = lambda * (p.scale * zr + slope * (Eigen::ArrayXf::LinSpaced(n, 0, n - 1) - float(pos)));
     } else {
       zr *= p.scale * lambda;
     }
-    int64_t visible = n;
-    std::fill(z + n, z + kend, kNegInf);  // causally hidden
+    int64_t visible_keys = n;
     if (mask != nullptr && !p.mask_full[b]) {
       for (int64_t j = 0; j < n; ++j) {
         if (!mask[j]) {
           z[j] = kNegInf;
-          --visible;
+          --visible_keys;
         }
       }
     }
     float* h_out = ent + i;
     if (entmax) {
+      std::fill(z + n, z + kend, kNegInf);
       ws.row_sum[i] = entmax_row(z, kend, p0 - 1.0f, h_out, ws);
       continue;
     }
-    Row t(z, kend);
     switch (a.norm->transform) {
       case Transform::kLogNScale: {
-        const float factor = p0 * std::log(static_cast<float>(std::max<int64_t>(visible, 1)));
-        t = (t > kNegInf).select(t * factor, kNegInf);
+        const Packet factor = ei::pset1<Packet>(p0 * std::log(static_cast<float>(std::max<int64_t>(visible_keys, 1))));
+        map_row(z, z, n, [&](Packet x) { return ei::pselect(visible(x), ei::pmul(x, factor), x); });
         break;
       }
-      case Transform::kSignedLog:
-        t = (t > kNegInf).select(t.sign() * p0 * (t.abs() * p1 + 1.0f).log(), kNegInf);  // vectorised log(1 + x)
-        break;
-      case Transform::kEntropyBeta: {
-        std::copy(z, z + kend, ws.copy.begin());
-        float h0;
-        softmax_row(ws.copy.data(), kend, &h0, ws.shifted.data());
-        const float beta = adaptive_beta(a, h0);
-        if (beta != 1.0f) t = (t > kNegInf).select(t * beta, kNegInf);
+      case Transform::kSignedLog: {  // sign(t) p0 log(1 + p1 |t|)
+        const Packet vp0 = ei::pset1<Packet>(p0), vp1 = ei::pset1<Packet>(p1), one = ei::pset1<Packet>(1.0f);
+        const Packet sign_bit = ei::pset1<Packet>(-0.0f);
+        map_row(z, z, n, [&](Packet x) {
+          const Packet y = ei::pmul(vp0, ei::plog(ei::padd(ei::pmul(ei::pabs(x), vp1), one)));
+          return ei::pselect(visible(x), ei::pxor(y, ei::pand(x, sign_bit)), x);
+        });
         break;
       }
+      case Transform::kEntropyBeta:
       case Transform::kIdentity:
       case Transform::kNone:
         break;
     }
-    ws.row_sum[i] = softmax_row(z, kend, h_out, ws.shifted.data());
+    const float max = row_max(z, n);
+    float lam, kp;
+    if (degenerate_row(Row(z, kend), max, h_out, &lam)) {
+      ws.row_sum[i] = lam;
+      continue;
+    }
+    if (a.norm->transform == Transform::kEntropyBeta) {  // β from the plain softmax's entropy, then softmax(β t)
+      float* plain = ws.shifted.data();
+      lam = exp_pass(z, plain, n, max, 1.0f, &kp);
+      const float beta = adaptive_beta(a, std::log(lam) - kp / lam);
+      if (beta == 1.0f) {
+        std::copy(plain, plain + n, z);
+      } else {
+        lam = exp_pass(z, z, n, max, beta, &kp);
+      }
+    } else {
+      lam = exp_pass(z, z, n, max, 1.0f, &kp);
+    }
+    *h_out = std::log(lam) - kp / lam;
+    ws.row_sum[i] = lam;
+    std::fill(z + n, z + kend, 0.0f);
   }
 
   // O = W V / Z over the key blocks that carry weight (softmax: all of them).
