@@ -121,9 +121,15 @@ class AttentionSettings:
 
 
 def sharpen(config: PretrainedConfig, norm: str, poly: tuple[float, ...] | None = None, **values: float) -> None:
-    """Set the normalizer of a softmax-trained model to `norm`, an inference-time change the registry allows."""
+    """Set the normalizer of the model to `norm`: the one its config already names (kept with its stored values when
+    nothing new is given), or an inference-time change the registry allows from what the weights were trained
+    with — softmax, unless the config names a learned norm (entmax, SSA, …), which admits only itself."""
+    current = AttentionSettings.of(config)
     given = [name for name, value in values.items() if value is not None]
-    if (why := registry.norm_change_problem("softmax", norm, given)) is not None:
+    if norm == current.norm and not given and poly is None:
+        return
+    trained = "softmax" if registry.can_export_as("softmax", current.norm) else current.norm
+    if (why := registry.norm_change_problem(trained, norm, given)) is not None:
         raise UnsupportedModel(why)
     params = tuple((k, float(v)) for k, v in values.items() if v is not None)
     settings = AttentionSettings(norm, tuple(poly) if poly else nz.PAPER_POLY, params)

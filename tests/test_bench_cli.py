@@ -3,11 +3,13 @@ recorded as given, one-line mistakes, and `kernels --smoke` choosing the interpr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import onnx
 import pytest
 
 from sharp.benchmarks import COMMANDS, main
@@ -174,11 +176,15 @@ def test_peers_runs_sharp_serve_end_to_end_and_names_a_peer_it_cannot_build(tmp_
     monkeypatch.setattr(peers, "LLAMA_SRC_GLOB", "nowhere/llama.cpp")
     page = tmp_path / "page.md"
     argv = ["--lengths", "16", "48", "--new-tokens", "16", "--repeats", "1", "--concurrent", "2",
-            "--concurrent-lengths", "16", "--norms", "softmax", "--gguf", "f32", "--no-genai",
+            "--concurrent-lengths", "16", "--norms", "softmax", "entmax", "--gguf", "f32", "--no-genai",
             "--workdir", str(tmp_path / "work"), "--write", str(page)]  # fmt: skip
     assert peers.run(argv) == 0
     text = page.read_text()
     assert "| llama-server f32 | — | not run | llama.cpp's sources are not unpacked: run `make peers` |" in text
-    rows = [line for line in text.splitlines() if line.startswith("| sharp-serve softmax |")]
-    assert len(rows) == 3 and all("not run" not in r for r in rows)  # 16, 48 and 16×2
+    for norm in ("softmax", "entmax"):
+        rows = [line for line in text.splitlines() if line.startswith(f"| sharp-serve {norm} |")]
+        assert len(rows) == 3 and all("not run" not in r for r in rows)  # 16, 48 and 16×2
     assert (tmp_path / "work" / "hf" / "tokenizer.json").exists() and (tmp_path / "work" / "softmax.onnx").exists()
+    props = onnx.load(tmp_path / "work" / "entmax.onnx", load_external_data=False).metadata_props
+    layers = json.loads({p.key: p.value for p in props}["sharp"])["layers"]
+    assert layers[0] == {"norm": "entmax", "parameters": {"alpha": [1.5] * 6}}  # the learned norm, per head

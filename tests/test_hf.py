@@ -8,6 +8,7 @@ save_pretrained; the tokenizer is a byte-level BPE trained here with `tokenizers
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,29 @@ def test_only_inference_time_norms_on_pretrained_models():
         hf.sharpen(config, "ssmax")
     hf.sharpen(config, "ssmax", ssmax_s=1.25)
     assert config.sharp_attention == {"norm": "ssmax", "ssmax_s": 1.25}
+    hf.sharpen(config, "ssmax")  # the configured norm: kept with its stored value (a saved model re-exported)
+    assert config.sharp_attention == {"norm": "ssmax", "ssmax_s": 1.25}
+    hf.sharpen(config, "adaptive")  # the weights are softmax's: another inference-time change
+    assert config.sharp_attention["norm"] == "adaptive"
+    learned = transformers.LlamaConfig(**SIZES, sharp_attention={"norm": "entmax", "alpha": 1.3})
+    hf.sharpen(learned, "entmax")
+    assert learned.sharp_attention == {"norm": "entmax", "alpha": 1.3}
+    with pytest.raises(hf.UnsupportedModel, match="cannot export a entmax model as adaptive"):
+        hf.sharpen(learned, "adaptive")
+
+
+def test_a_directory_whose_config_names_a_learned_norm_exports_with_it(hf_dirs, tmp_path):
+    """config.json's sharp_attention (as a model trained with entmax carries it) is the norm sharp-export writes,
+    with its value for every head, and the file's check against the PyTorch model passes."""
+    src = hf_dirs["llama"]
+    model = tmp_path / "entmax-llama"
+    shutil.copytree(src, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "sharp_attention": {"norm": "entmax", "alpha": 1.3}}))
+    out = tmp_path / "entmax.onnx"
+    assert export_cli.main([str(model), "-o", str(out)]) == 0
+    meta = metadata.read(out)
+    assert meta.norm == "entmax" and meta.layers[0].parameters == {"alpha": [1.3] * 4}
 
 
 def test_sharp_export_cli_on_a_model_directory(hf_dirs, tmp_path, capsys):

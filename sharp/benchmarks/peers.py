@@ -2,7 +2,10 @@
 
 One random-weight Llama of a real model's shape (built with transformers from a config, a byte-level BPE trained
 here on Python's own sources), the same weights given to each peer as that peer's users prepare them:
-- sharp-serve: `sharp-export HF_DIR --norm N` (softmax, adaptive, ssmax), served over its OpenAI API;
+- sharp-serve: `sharp-export HF_DIR --norm N` (softmax, and the inference-time changes adaptive and ssmax), served
+  over its OpenAI API; the learned norms entmax and SSA run the same weights with the norm and one value per
+  parameter for all heads in config.json's `sharp_attention` (as a model trained with them would carry it: a
+  softmax model's export to them is refused), for sharp's own rows only;
 - llama.cpp's `llama-server` (built by `make peers`): weights converted with llama.cpp's own `convert_hf_to_gguf.py`
   (f32 and q8_0), flash attention on, its default KV cache (f16), one slot per concurrent request over a unified
   cache, through its OpenAI API;
@@ -68,7 +71,8 @@ SHAPES = {  # name -> (transformers LlamaConfig fields, what it is)
         "Llama-3.2-1B's shape: 16 layers, hidden 2,048, 32 / 8 heads, SwiGLU 8,192 (vocab 4,096 here)",
     ),
 }  # fmt: skip
-NORMS = ("softmax", "adaptive", "ssmax")
+NORMS = ("softmax", "adaptive", "ssmax", "entmax", "ssa")
+LEARNED = {"entmax": {"alpha": 1.5}, "ssa": {"ssa_n": 1.5, "ssa_b": 1.0}}  # per-head values: ModelConfig's inits
 BOS, EOS = "<s>", "</s>"
 
 
@@ -354,11 +358,25 @@ def genai_build(hf: Path, out: Path, log: Path) -> Path:
     return target
 
 
+def learned(hf: Path, out: Path, norm: str) -> Path:
+    """The model as if trained with a learned norm: its files, with config.json's sharp_attention naming the norm."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in hf.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    config = json.loads((hf / "config.json").read_text())
+    config["sharp_attention"] = {"norm": norm, **LEARNED[norm]}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
 def sharp_export(hf: Path, out: Path, norm: str, log: Path) -> Path:
     target = out / f"{norm}.onnx"
-    extra = ["--ssmax-s", "1.0"] if norm == "ssmax" else []
-    _run([sys.executable, "-m", "sharp.exporter.cli", str(hf), "--norm", norm, "-o", str(target), *extra],
-         f"sharp-export --norm {norm}", log)  # fmt: skip
+    if norm in LEARNED:
+        args = [str(learned(hf, out / f"hf-{norm}", norm))]
+    else:
+        args = [str(hf), "--norm", norm, *(["--ssmax-s", "1.0"] if norm == "ssmax" else [])]
+    _run([sys.executable, "-m", "sharp.exporter.cli", *args, "-o", str(target)], f"sharp-export ({norm})", log)
     return target
 
 
