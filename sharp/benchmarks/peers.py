@@ -216,25 +216,40 @@ def _concurrent(one: Callable[[list[int]], Reading], prompts: list[list[int]]) -
     return out  # type: ignore[return-value]
 
 
+def _start_openai_server(
+    name: str,
+    cmd: list[str],
+    base: str,
+    ready: str,
+    api: str,
+    model: str,
+    extra: dict,
+    log: Path,
+    output_to_log: bool = False,
+) -> Peer:
+    """Start a server, wait until `base + ready` answers, and drive its OpenAI completions API at `base + api`."""
+    t0 = time.perf_counter()
+    with log.open("w") as sink:
+        out = sink if output_to_log else subprocess.DEVNULL
+        proc = subprocess.Popen(cmd, stdout=out, stderr=sink if not output_to_log else subprocess.STDOUT)
+    try:
+        _wait_http(base + ready, proc, log)
+    except PeerUnavailable:
+        proc.kill()
+        raise
+
+    def generate(prompts: list[list[int]], n: int) -> list[Reading]:
+        return _concurrent(lambda p: _stream_completion(base + api, model, p, n, extra), prompts)
+
+    return Peer(name, time.perf_counter() - t0, proc.pid, base + api, generate, _stop(proc))
+
+
 def start_sharp(onnx: Path, name: str, threads: int, log: Path) -> Peer:
     port = _free_port()
     cmd = [sys.executable, "-m", "sharp.serving.cli", str(onnx), "--port=0", "--metrics-port=-1",
            f"--http-port={port}", "--kv-cache-mb=4096", "--max-batch=8", "--log-level=warning",
            *([f"--threads={threads}"] if threads else [])]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-        _wait_http(f"{url}/models", proc, log)
-    except PeerUnavailable:
-        proc.kill()
-        raise
-    model = onnx.stem
-
-    def generate(prompts: list[list[int]], n: int) -> list[Reading]:
-        return _concurrent(lambda p: _stream_completion(url, model, p, n, {}), prompts)
-
-    return Peer(name, time.perf_counter() - t0, proc.pid, url, generate, _stop(proc))
+    return _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, {}, log)
 
 
 def start_llama_server(gguf: Path, name: str, context: int, parallel: int, threads: int, log: Path) -> Peer:
@@ -246,20 +261,9 @@ def start_llama_server(gguf: Path, name: str, context: int, parallel: int, threa
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(context),
            "-np", str(parallel), "--kv-unified", "-fa", "on", "-t", str(threads or os.cpu_count()),
            "--no-webui"]  # fmt: skip
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_http(f"{url}/health", proc, log)
-    except PeerUnavailable:
-        proc.kill()
-        raise
     extra = {"cache_prompt": False, "ignore_eos": True}
-
-    def generate(prompts: list[list[int]], n: int) -> list[Reading]:
-        return _concurrent(lambda p: _stream_completion(f"{url}/v1", "model", p, n, extra), prompts)
-
-    return Peer(name, time.perf_counter() - t0, proc.pid, url, generate, _stop(proc))
+    return _start_openai_server(name, cmd, f"http://127.0.0.1:{port}", "/health", "/v1", "model", extra, log,
+                                output_to_log=True)  # fmt: skip
 
 
 GENAI_WORKER = r"""
