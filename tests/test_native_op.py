@@ -217,6 +217,18 @@ def test_a_long_prefill_over_many_tiles_and_blocks(library, norm):
     np.testing.assert_allclose(h_nat, h_ref, atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)
+def test_decode_rows_of_a_gqa_group_over_many_key_blocks(library, norm):
+    """1 and 3 new queries (a GQA group's 2 and 6 rows: the kernel's per-row matrix-vector path, 512 keys a pass)
+    and 5 (10 rows: its GEMM) against 1,100 keys — three passes, the last partial — with left padding."""
+    for lq in (1, 3, 5):
+        x = inputs(seed=20 + lq, lq=lq, lk=1100)
+        o_ref, h_ref = torch_reference(norm, x, True)
+        o_nat, h_nat = session(one_op_model(norm.name, True, None), library).run(None, x)
+        np.testing.assert_allclose(o_nat, o_ref, atol=2e-5, rtol=0, err_msg=f"lq={lq}")
+        np.testing.assert_allclose(h_nat, h_ref, atol=2e-5, rtol=0, err_msg=f"lq={lq}")
+
+
 @pytest.mark.parametrize("norm", ["entmax", "asentmax"])
 def test_entmax_alpha_one_heads_are_softmax(library, norm):
     x = inputs(seed=1)

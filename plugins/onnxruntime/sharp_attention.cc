@@ -1,11 +1,13 @@
 // sharp::SharpAttention (opset 1) for ONNX Runtime's CPU execution provider, per docs/op.md.
 //
-// Work is split into tasks of (batch, query head, query tile). A task computes its tile's logits against every
-// key it can see with one GEMM (Eigen), normalises each row in place (softmax family: max-relative softmax and
-// entropy; entmax family: safeguarded Halley/Newton threshold, as in docs/attention.md; exp and log on Eigen's
-// packets), then multiplies by V with GEMMs over the key blocks that carry weight. Extra memory is one
-// (tile × visible keys) buffer per thread: O(L · tile), never O(Lq · Lk). Tasks run on ORT's intra-op thread pool
-// and write disjoint outputs, so results do not depend on the thread count.
+// Work is split into tasks of (batch, KV head, query tile), the tile's rows of every query head sharing that KV
+// head stacked (GQA: K and V are read once per group). A task computes its rows' logits against every key they can
+// see with one GEMM (Eigen; a few rows — decode — with matrix-vector products a block of keys at a time),
+// normalises each row in place (softmax family: max-relative softmax and entropy; entmax family: safeguarded
+// Halley/Newton threshold, as in docs/attention.md; exp and log on Eigen's packets), then multiplies by V with
+// GEMMs over the key blocks that carry weight. Extra memory is one (stacked rows × visible keys) buffer per thread:
+// O(L · tile), never O(Lq · Lk). Tasks run on ORT's intra-op thread pool and write disjoint outputs, so results
+// do not depend on the thread count.
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
 
@@ -49,7 +51,9 @@ constexpr const char* kSlotNames[kNumSlots] = {"Q",     "K",           "V",     
                                                "alpha", "query_scale", "ssa_n", "ssa_b",    "ssmax_s",
                                                "past_key", "past_value", "past_length"};
 enum OutputSlot { kO, kEntropy, kPresentKey, kPresentValue, kNumOutputs };
-constexpr int64_t kQueryTile = 64;  // query rows per task
+constexpr int64_t kQueryTile = 64;  // query rows per task, over a GQA group's heads
+constexpr int64_t kSkinnyRows = 8;       // at most this many stacked rows: block-wise matrix-vector products
+constexpr int64_t kKeysPerPass = 512;    // keys per block there (128 KiB of K at D = 64: stays in L2)
 constexpr int64_t kKeyBlock = 64;   // keys per P·V GEMM when entmax skips blocks without support
 constexpr int kMaxThresholdPasses = 100;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -206,14 +210,14 @@ struct Problem {
   const bool* key_mask;
   const char* mask_full;  // per batch row: key_mask is all true (the common case: no padding)
   const float* param[2];
-  int64_t batch, hq, hkv, lq, lk, d, dv, tiles;
+  int64_t batch, hq, hkv, lq, lk, d, dv, tiles, tile_rows;
   int64_t kstride;  // keys between one (batch, KV head)'s K/V rows and the next: lk, or the cache form's buffer
   float scale;
   float *out, *entropy;
 };
 
 struct Workspace {  // one per thread, grown on demand and reused (no allocation per tile once warm)
-  AlignedFloats logits, shifted;
+  AlignedFloats logits, shifted, stack;  // stack: a GQA group's query rows, then its output rows
   AlignedFloats candidates, powers;
   std::vector<double> row_sum;
   std::vector<char> live_block;
@@ -395,40 +399,66 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
   return zsum;
 }
 
+// A task is one (batch, KV head, query tile): the tile's rows of every query head sharing that KV head, stacked
+// (GQA), so K and V are read once per group instead of once per query head.
 void run_tile(const Problem& p, int64_t task) {
   const Attributes& a = *p.a;
-  const int64_t tile = task % p.tiles, bh = task / p.tiles, h = bh % p.hq, b = bh / p.hq;
-  const int64_t kvh = h / (p.hq / p.hkv);
-  const int64_t r0 = tile * kQueryTile, r1 = std::min(p.lq, r0 + kQueryTile), rows = r1 - r0;
-  const int64_t offset = p.lk - p.lq;  // query row i sits at position offset + i
+  const int64_t tile = task % p.tiles, bk = task / p.tiles, kvh = bk % p.hkv, b = bk / p.hkv;
+  const int64_t group = p.hq / p.hkv, h0 = kvh * group;
+  const int64_t r0 = tile * p.tile_rows, r1 = std::min(p.lq, r0 + p.tile_rows), rows = r1 - r0;
+  const int64_t stacked = group * rows;  // row i: query head h0 + i / rows, query row r0 + i % rows
+  const int64_t offset = p.lk - p.lq;    // query row r sits at position offset + r
   const int64_t kend = a.causal ? std::min(p.lk, offset + r1) : p.lk;
-  float* out = p.out + (bh * p.lq + r0) * p.dv;
-  float* ent = p.entropy + bh * p.lq + r0;
+  const auto head_rows = [&](int64_t g) { return (b * p.hq + h0 + g) * p.lq + r0; };  // first row of head h0 + g
   if (kend == 0) {
-    std::fill(out, out + rows * p.dv, 0.0f);
-    std::fill(ent, ent + rows, 0.0f);
+    for (int64_t g = 0; g < group; ++g) {
+      std::fill(p.out + head_rows(g) * p.dv, p.out + (head_rows(g) + rows) * p.dv, 0.0f);
+      std::fill(p.entropy + head_rows(g), p.entropy + head_rows(g) + rows, 0.0f);
+    }
     return;
   }
   Workspace& ws = tls_workspace;
   const int64_t stride = (kend + kAlign - 1) / kAlign * kAlign;
-  ws.logits.resize(static_cast<size_t>(rows * stride));
-  ws.row_sum.resize(rows);
+  ws.logits.resize(static_cast<size_t>(stacked * stride));
+  ws.row_sum.resize(stacked);
   ws.shifted.resize(stride);
-  StridedMatrix s(ws.logits.data(), rows, kend, Eigen::OuterStride<>(stride));
-  ConstMatrix q(p.q + (bh * p.lq + r0) * p.d, rows, p.d);
-  ConstMatrix k(p.k + (b * p.hkv + kvh) * p.kstride * p.d, kend, p.d);
-  s.noalias() = q * k.transpose();
+  ws.stack.resize(static_cast<size_t>(stacked * std::max(p.d, p.dv)));
+  // Each head's rows are contiguous in Q: one head needs no copy, a group is stacked into the workspace.
+  const float* qs = p.q + head_rows(0) * p.d;
+  if (group > 1) {
+    for (int64_t g = 0; g < group; ++g)
+      std::copy(p.q + head_rows(g) * p.d, p.q + (head_rows(g) + rows) * p.d, ws.stack.data() + g * rows * p.d);
+    qs = ws.stack.data();
+  }
+  StridedMatrix s(ws.logits.data(), stacked, kend, Eigen::OuterStride<>(stride));
+  ConstMatrix q(qs, stacked, p.d), k(p.k + (b * p.hkv + kvh) * p.kstride * p.d, kend, p.d);
+  // Few rows (decode): one matrix-vector product per row, a block of keys at a time, so each block is read from
+  // memory once for the whole group (a GEMM would pack all of K for a handful of rows).
+  const bool skinny = stacked <= kSkinnyRows;
+  if (skinny) {
+    for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
+      const int64_t len = std::min(kKeysPerPass, kend - j0);
+      const auto kb = k.middleRows(j0, len);
+      for (int64_t i = 0; i < stacked; ++i) s.row(i).segment(j0, len).noalias() = q.row(i) * kb.transpose();
+    }
+  } else {
+    s.noalias() = q * k.transpose();
+  }
 
-  // Per-head parameters; entmax with α = 1 is softmax.
-  const float p0 = a.norm->num_params > 0 ? p.param[0][h] : 0.0f;
-  const float p1 = a.norm->num_params > 1 ? p.param[1][h] : 0.0f;
-  const bool entmax = a.norm->family == Family::kEntmax && p0 != 1.0f;
-  const float slope = p.alibi ? p.alibi[h] : 0.0f;
   const bool* mask = p.key_mask ? p.key_mask + b * p.lk : nullptr;
-  for (int64_t i = 0; i < rows; ++i) {
-    const int64_t pos = offset + r0 + i;
+  bool any_entmax = false;
+  for (int64_t i = 0; i < stacked; ++i) {
+    const int64_t g = i / rows, h = h0 + g, r = r0 + i % rows;
+    // Per-head parameters; entmax with α = 1 is softmax.
+    const float p0 = a.norm->num_params > 0 ? p.param[0][h] : 0.0f;
+    const float p1 = a.norm->num_params > 1 ? p.param[1][h] : 0.0f;
+    const bool entmax = a.norm->family == Family::kEntmax && p0 != 1.0f;
+    any_entmax |= entmax;
+    const float slope = p.alibi ? p.alibi[h] : 0.0f;
+    float* ent = p.entropy + head_rows(g) + i % rows;
+    const int64_t pos = offset + r;
     const int64_t n = a.causal ? pos + 1 : p.lk;  // keys [0, n) may be visible
-    const float lambda = p.query_scale ? p.query_scale[bh * p.lq + r0 + i] : 1.0f;
+    const float lambda = p.query_scale ? p.query_scale[head_rows(g) + i % rows] : 1.0f;
     float* z = ws.logits.data() + i * stride;
     Row zr(z, n);  // keys [n, kend) are causally hidden
     if (slope != 0.0f) {
@@ -445,7 +475,7 @@ void run_tile(const Problem& p, int64_t task) {
         }
       }
     }
-    float* h_out = ent + i;
+    float* h_out = ent;
     if (entmax) {
       std::fill(z + n, z + kend, kNegInf);
       ws.row_sum[i] = entmax_row(z, kend, p0 - 1.0f, h_out, ws);
@@ -494,16 +524,23 @@ void run_tile(const Problem& p, int64_t task) {
     std::fill(z + n, z + kend, 0.0f);
   }
 
-  // O = W V / Z over the key blocks that carry weight (softmax: all of them).
-  Matrix o(out, rows, p.dv);
-  const float* vbase = p.v + (b * p.hkv + kvh) * p.kstride * p.dv;
-  if (!entmax) {
-    o.noalias() = s * ConstMatrix(vbase, kend, p.dv);
+  // O = W V / Z over the key blocks that carry weight (softmax: all of them), into the stack, then each head's rows.
+  Matrix o(ws.stack.data(), stacked, p.dv);
+  ConstMatrix v(p.v + (b * p.hkv + kvh) * p.kstride * p.dv, kend, p.dv);
+  if (!any_entmax && skinny) {  // as for the logits: a block of values at a time for every row
+    o.setZero();
+    for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
+      const int64_t len = std::min(kKeysPerPass, kend - j0);
+      const auto vb = v.middleRows(j0, len);
+      for (int64_t i = 0; i < stacked; ++i) o.row(i).noalias() += s.row(i).segment(j0, len) * vb;
+    }
+  } else if (!any_entmax) {
+    o.noalias() = s * v;
   } else {
     o.setZero();
     const int64_t blocks = (kend + kKeyBlock - 1) / kKeyBlock;
     ws.live_block.assign(blocks, 0);
-    for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t i = 0; i < stacked; ++i) {
       const float* w = ws.logits.data() + i * stride;
       for (int64_t blk = 0; blk < blocks; ++blk) {
         if (ws.live_block[blk]) continue;
@@ -523,18 +560,19 @@ void run_tile(const Problem& p, int64_t task) {
       int64_t end = blk;
       while (end < blocks && ws.live_block[end]) ++end;
       const int64_t j0 = blk * kKeyBlock, j1 = std::min(kend, end * kKeyBlock);
-      o.noalias() += s.middleCols(j0, j1 - j0) * ConstMatrix(vbase + j0 * p.dv, j1 - j0, p.dv);
+      o.noalias() += s.middleCols(j0, j1 - j0) * v.middleRows(j0, j1 - j0);
       blk = end;
     }
   }
-  for (int64_t i = 0; i < rows; ++i) {
+  for (int64_t i = 0; i < stacked; ++i) {
     const double z = ws.row_sum[i];
+    Eigen::Map<Eigen::RowVectorXf> dst(p.out + (head_rows(i / rows) + i % rows) * p.dv, p.dv);
     if (z > 0) {
-      o.row(i) *= static_cast<float>(1.0 / z);
+      dst = o.row(i) * static_cast<float>(1.0 / z);
     } else if (z == 0) {
-      o.row(i).setZero();
+      dst.setZero();
     } else {
-      o.row(i).setConstant(std::numeric_limits<float>::quiet_NaN());
+      dst.setConstant(std::numeric_limits<float>::quiet_NaN());
     }
   }
 }
@@ -650,7 +688,8 @@ struct Kernel {
     p.mask_full = mask_full.data();
     p.batch = batch, p.hq = hq, p.hkv = hkv, p.lq = lq, p.lk = lk, p.d = d, p.dv = dv;
     p.scale = std::isnan(a.scale) ? 1.0f / std::sqrt(static_cast<float>(d)) : a.scale;
-    p.tiles = (lq + kQueryTile - 1) / kQueryTile;
+    p.tile_rows = std::max<int64_t>(1, kQueryTile / (hq / hkv));  // a GQA group's stacked rows: about kQueryTile
+    p.tiles = (lq + p.tile_rows - 1) / p.tile_rows;
 
     const int64_t out_shape[4] = {batch, hq, lq, dv};
     OrtValue* o = nullptr;
@@ -668,7 +707,7 @@ struct Kernel {
       discard.resize(static_cast<size_t>(batch * hq * lq));
       p.entropy = discard.data();
     }
-    const size_t tasks = static_cast<size_t>(batch * hq * p.tiles);
+    const size_t tasks = static_cast<size_t>(batch * hkv * p.tiles);
     if (tasks == 0) return;
     if (tasks == 1) {
       run_task(&p, 0);
