@@ -166,6 +166,14 @@ def parser() -> argparse.ArgumentParser:
         " files, sharp's op library unless --no-native)",
     )
     ap.add_argument(
+        "--genai-isa",
+        choices=["portable", "this-cpu"],
+        help="which build of sharp's op library a --genai package ships: portable (default: the baseline, any CPU of"
+        " the architecture) or this-cpu (the widest this machine runs, e.g. AVX2 — attention up to ~2.7× faster,"
+        " but the package then runs only on CPUs with those instructions: onnxruntime-genai cannot check, and a"
+        " lesser CPU dies on the first one)",
+    )
+    ap.add_argument(
         "--tensorrt",
         action="store_true",
         help="write the TensorRT form of the op: nodes TensorRT's ONNX parser maps to sharp's AOT plugin (int32 key"
@@ -287,8 +295,11 @@ def _export(args) -> int:
         tensorrt=args.tensorrt,
     )
     # sharp's native onnxruntime library takes the standard form only: a TensorRT-form file runs its fallback bodies
-    try:  # a --genai package ships the baseline library: it runs on any CPU of the architecture
-        library, attention = choose_library(args.native, tensorrt_form=args.tensorrt, portable=args.genai)
+    if args.genai_isa and not args.genai:
+        raise UsageError("--genai-isa chooses the op library a --genai package ships; add --genai")
+    portable = args.genai and args.genai_isa != "this-cpu"  # the baseline runs on any CPU of the architecture
+    try:
+        library, attention = choose_library(args.native, tensorrt_form=args.tensorrt, portable=portable)
     except NativeOpUnavailable as e:
         raise UsageError(str(e)) from None
     if args.genai and args.fallback == "none" and library is None:

@@ -139,6 +139,7 @@ def test_fallback_none_needs_a_plugin(tmp_path):
         ("nan-alpha", [], "blocks.1.attn: alpha must be finite and >= 1 for every head"),
         ("read-only", [], "is a read-only file; choose another output path"),
         ("ssa", ["--genai", "-o", "OUT/x.onnx"], "--genai writes a package directory"),
+        ("ssa", ["--genai-isa", "this-cpu"], "--genai-isa chooses the op library a --genai package ships; add --genai"),
         ("softmax", ["--norm", "ssmax"], "needs --ssmax-s"),
         ("max-retrieval", [], "is not a language model"),
         ("ssa", ["-o", "/nonexistent-dir/x.onnx"], "not a writable directory"),

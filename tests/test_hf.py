@@ -360,10 +360,13 @@ def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tok
     assert _genai_greedy(package, ids, 16) == want
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path, native):
-    """With sharp's kernel in the package and without (the cache form's fallback bodies), onnxruntime-genai's
-    shared past/present buffers give the model's own greedy tokens."""
+@pytest.mark.parametrize("isa", ["portable", "this-cpu", None])
+def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path, isa):
+    """With sharp's kernel in the package — the baseline build, or with --genai-isa this-cpu the widest this CPU
+    runs — and without (None: the cache form's fallback bodies), onnxruntime-genai's shared past/present buffers
+    give the model's own greedy tokens."""
+    from sharp.plugins.onnxruntime import library_isa, library_path
+
     og = pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
     from sharp.models import ModelConfig, SharpLM, save
     from sharp.models.sampling import GREEDY
@@ -376,11 +379,15 @@ def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path, nati
                 p.normal_(0, 0.2)
     save(model, tmp_path / "tiny.pt")
     package = tmp_path / "tiny-genai"
-    flags = [] if native else ["--no-native"]
+    flags = {"portable": [], "this-cpu": ["--genai-isa", "this-cpu"], None: ["--no-native"]}[isa]
     assert export_cli.main([str(tmp_path / "tiny.pt"), "--genai", "-o", str(package), *flags]) == 0
     config = json.loads((package / "genai_config.json").read_text())
     assert config["search"]["past_present_share_buffer"] is True
-    assert ("custom_ops_library" in config["model"]["decoder"]["session_options"]) == native
+    shipped = config["model"]["decoder"]["session_options"].get("custom_ops_library")
+    assert (shipped is not None) == (isa is not None)
+    if isa is not None:
+        want = library_path(portable=isa == "portable")
+        assert library_isa(package / shipped) == library_isa(want) and shipped == Path(want).name
     prompt = "def main(): ✓"
     assert list(og.Tokenizer(og.Model(str(package))).encode(prompt)) == BYTES.encode(prompt, bos=False)
     ids = BYTES.encode(prompt)
