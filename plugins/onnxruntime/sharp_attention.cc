@@ -218,7 +218,7 @@ struct Problem {
 
 struct Workspace {  // one per thread, grown on demand and reused (no allocation per tile once warm)
   AlignedFloats logits, shifted, stack;  // stack: a GQA group's query rows, then its output rows
-  AlignedFloats candidates, powers;
+  AlignedFloats candidates;
   std::vector<double> row_sum;
   std::vector<char> live_block;
 };
@@ -258,15 +258,25 @@ void map_row(const float* src, float* dst, int64_t n, F&& f) {
   }
 }
 
+// f over src[0, n) packet by packet, reading only (the same −inf-padded last packet as map_row).
+template <typename F>
+void scan_row(const float* src, int64_t n, F&& f) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) f(ei::pload<Packet>(src + j));
+  if (j < n) {
+    alignas(64) float tail[kLanes];
+    std::fill(tail, tail + kLanes, kNegInf);
+    std::copy(src + j, src + n, tail);
+    f(ei::pload<Packet>(tail));
+  }
+}
+
 Packet visible(Packet x) { return ei::pcmp_lt(ei::pset1<Packet>(kNegInf), x); }  // all ones where x > −inf
 
 // max of z[0, n): NaN if any entry is NaN (the row is then degenerate).
-float row_max(float* z, int64_t n) {
+float row_max(const float* z, int64_t n) {
   Packet m = ei::pset1<Packet>(kNegInf);
-  map_row(z, z, n, [&](Packet x) {
-    m = ei::pmax<Eigen::PropagateNaN>(m, x);
-    return x;
-  });
+  scan_row(z, n, [&](Packet x) { m = ei::pmax<Eigen::PropagateNaN>(m, x); });
   alignas(64) float lanes[kLanes];
   ei::pstore(lanes, m);
   float out = kNegInf;
@@ -312,7 +322,7 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
   const double inv = 1.0 / am1;
   // Only u > −1 can ever be in the support (τ ≥ −1): the threshold passes run over those alone.
   const Packet zero = ei::pset1<Packet>(0.0f), one = ei::pset1<Packet>(1.0f), minus_one = ei::pset1<Packet>(-1.0f);
-  if (static_cast<int64_t>(ws.candidates.size()) < n) ws.candidates.resize(n), ws.powers.resize(n);
+  if (static_cast<int64_t>(ws.candidates.size()) < n) ws.candidates.resize(n);
   float* cand = ws.candidates.data();
   int64_t m = 0, j = 0;
   Packet seen = zero;  // visible keys, per lane
@@ -336,7 +346,7 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
   for (int pass = 0; pass < kMaxThresholdPasses; ++pass) {
     const Packet vt = ei::pset1<Packet>(static_cast<float>(tau));
     Packet ps = zero, ps1 = zero, ps2 = zero;  // S + 1 and the sums of its derivatives (padding: d = 0)
-    map_row(cand, ws.powers.data(), m, [&](Packet c) {
+    scan_row(cand, m, [&](Packet c) {
       const Packet d = ei::pmax(ei::psub(c, vt), zero), live = ei::pcmp_lt(zero, d);
       if (inv == 2.0) {  // α = 1.5: d², d, 1
         ps = ei::pmadd(d, d, ps);
@@ -351,7 +361,6 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
         ps1 = ei::padd(ps1, ei::pand(live, ei::pexp(ei::pmul(ld, e1))));
         if (inv >= 2.0) ps2 = ei::padd(ps2, ei::pand(live, ei::pexp(ei::pmul(ld, e2))));
       }
-      return d;
     });
     const double s = ei::predux(ps), s1 = ei::predux(ps1), s2 = ei::predux(ps2);
     const double f = s - 1.0;
@@ -381,13 +390,13 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
   const Packet vt = ei::pset1<Packet>(static_cast<float>(tau));
   Packet pz = zero, pl = zero;
   map_row(z, z, n, [&](Packet u) {
-    const Packet d = ei::pmax(ei::psub(u, vt), zero);
-    if (!ei::predux_any(ei::pcmp_lt(zero, d))) return zero;  // most of a sparse row: no transcendentals
+    const Packet d = ei::pmax(ei::psub(u, vt), zero), live = ei::pcmp_lt(zero, d);
+    if (!ei::predux_any(live)) return zero;  // most of a sparse row: no transcendentals
     Packet w = d;
     if (inv == 2.0) {
       w = ei::pmul(d, d);
     } else if (inv != 1.0) {
-      w = ei::pand(ei::pcmp_lt(zero, d), ei::pexp(ei::pmul(ei::plog(d), e0)));
+      w = ei::pand(live, ei::pexp(ei::pmul(ei::plog(d), e0)));
     }
     pz = ei::padd(pz, w);
     pl = ei::padd(pl, ei::pand(ei::pcmp_lt(zero, w), ei::pmul(w, ei::plog(w))));
