@@ -92,6 +92,10 @@ def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_t
         assert float(cells[8]) > 0 and float(cells[9]) >= 1  # host µs per step; rows per decode step
         low, high = map(float, cells[10].split("–"))
         assert low <= float(cells[3]) <= high  # the rounds' spread holds the median
+    for name in ("HTTP (openai SDK, streaming), closed loop C=1", "HTTP (openai SDK, streaming), closed loop C=4"):
+        assert rows[name][1] == "8/0" and float(rows[name][3]) > 0, rows[name]  # the OpenAI API under the same load
+        per_request = lambda cells: float(cells[3]) / float(cells[2])  # out tok/s ÷ req/s: tokens per request
+        assert per_request(rows[name]) == pytest.approx(per_request(rows["gRPC, closed loop C=1"]), rel=0.05)
     assert float(rows["gRPC, closed loop C=4, --max-batch 1"][9]) == 1
     assert float(rows["gRPC, closed loop C=4"][9]) > 1  # continuous batching: several rows per decode step
     assert rows["in-process engine, C=4"][8] == "—"  # no server to read counters from

@@ -1,12 +1,13 @@
-"""`sharp-bench serve`: a gRPC load generator against sharp-serve, with its baselines in the same run.
+"""`sharp-bench serve`: a gRPC and HTTP load generator against sharp-serve, with its baselines in the same run.
 
 sharp-serve runs in its own process, as users run it; the load generator (this process) streams over loopback
 gRPC. Closed loop (each of C clients sends its next request when the previous one ends) at concurrency 1/4/16/64
 and open loop (Poisson arrivals at --rate), measured at the client from streamed chunks: completed/failed,
 requests/s, output tokens/s, time to first token and inter-token latency p50/p99; and from the server's own
 counters, the engine's host time per step with the model's forwards taken out, and rows per decode step.
-Baselines side by side: continuous batching vs `--max-batch 1`, the gRPC path vs the engine called in-process,
-and `--entropy-metrics head` vs `off` (what the attention metrics cost). Every cell is the median of --repeats.
+Baselines side by side: continuous batching vs `--max-batch 1`, the gRPC path vs the engine called in-process
+and vs the OpenAI-compatible HTTP API driven by the official `openai` SDK (streaming), and `--entropy-metrics head`
+vs `off` (what the attention metrics cost). Every cell is the median of --repeats.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ COUNTERS = {  # what a run reads back from the server's /metrics
 
 @dataclass
 class Served:
-    """A sharp-serve process: its gRPC target and metrics endpoint."""
+    """A sharp-serve process: its gRPC target, metrics endpoint and OpenAI API base URL."""
 
     target: str
     metrics_url: str
+    openai_url: str
 
     def engine_stats(self) -> dict[str, float]:
         from prometheus_client.parser import text_string_to_metric_families
@@ -106,6 +108,7 @@ def sharp_serve(model: Path, max_batch: int, entropy: str, native: bool = True) 
         f"--max-batch={max_batch}",
         "--max-queue=4096",
         f"--entropy-metrics={entropy}",
+        "--http-port=0",
         "--log-level=warning",
         *([] if native else ["--no-native"]),
     ]
@@ -114,11 +117,12 @@ def sharp_serve(model: Path, max_batch: int, entropy: str, native: bool = True) 
         try:
             line = proc.stdout.readline()
             found = re.search(r" on (\S+?):(\d+), metrics (http://\S+/metrics)", line)
-            if found is None:
+            api = re.search(r"OpenAI API (http://\S+/v1)", line)
+            if found is None or api is None:
                 proc.wait(timeout=60)
                 log.seek(0)
                 raise RuntimeError(f"sharp-serve did not start: {(line + log.read()).strip()[-800:]}")
-            yield Served(f"{found[1]}:{found[2]}", found[3])
+            yield Served(f"{found[1]}:{found[2]}", found[3], api[1])
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -135,15 +139,17 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[str]:
 
 
 async def _one(send, prompt: str, new_tokens: int, run: Run) -> None:
-    """send(prompt, n) yields (token_count, done) per chunk; records TTFT and inter-token gaps."""
+    """send(prompt, n) yields (token_count, timed) per chunk; records TTFT and inter-token gaps of timed chunks
+    (an untimed count is a total the stream reports at its end)."""
     start = last = time.perf_counter()
     got = 0
     try:
-        async for n in send(prompt, new_tokens):
+        async for n, timed in send(prompt, new_tokens):
             now = time.perf_counter()
-            if n:
+            if n and timed:
                 (run.ttft if got == 0 else run.itl).append(now - (start if got == 0 else last))
-                got, last = got + n, now
+                last = now
+            got += n
         run.completed += 1
         run.tokens += got
     except Exception:
@@ -153,7 +159,27 @@ async def _one(send, prompt: str, new_tokens: int, run: Run) -> None:
 def grpc_sender(client: AsyncClient):
     async def send(prompt, n):
         async for chunk in client.generate_stream(prompt, max_new_tokens=n, temperature=0):
-            yield len(chunk.token_ids)
+            yield len(chunk.token_ids), True
+
+    return send
+
+
+def http_sender(client, model: str):
+    """Streams from the OpenAI API with the official SDK (an `openai.AsyncOpenAI`). A chunk's tokens are not
+    numbered in OpenAI's stream: a chunk with text counts one (the engine sends one per step to a reader that keeps
+    up), and the usage chunk at the end brings the count to the server's."""
+
+    async def send(prompt, n):
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=n, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+        counted = 0
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                counted += 1
+                yield 1, True
+            elif chunk.usage is not None:
+                yield chunk.usage.completion_tokens - counted, False
 
     return send
 
@@ -163,7 +189,7 @@ def engine_sender(engine: Engine):
         req = validate(make_request(prompt, max_new_tokens=n, temperature=0.0), engine.limits, engine.tokenizer.encode)
         async for ev in engine.stream(req):
             if isinstance(ev, Delta):
-                yield len(ev.token_ids)
+                yield len(ev.token_ids), True
             elif not isinstance(ev, Finished):
                 raise RuntimeError(ev.message)
 
@@ -236,13 +262,19 @@ class Scenario:
     entropy: str = "head"
     in_process: bool = False
     native: bool = True
+    http: bool = False  # the OpenAI API through the openai SDK, not gRPC
 
 
-def _served(model: Path, max_batch: int, entropy: str, native: bool, scenario) -> Run:
+def _served(model: Path, max_batch: int, entropy: str, native: bool, scenario, http: bool = False) -> Run:
     """One run against a fresh sharp-serve process, with the engine's counters read back at its end."""
     with sharp_serve(model, max_batch, entropy, native) as srv:
 
         async def go():
+            if http:
+                import openai
+
+                async with openai.AsyncOpenAI(base_url=srv.openai_url, api_key="none", max_retries=0) as client:
+                    return await scenario(http_sender(client, model.stem))  # sharp-serve names it so
             async with AsyncClient(srv.target) as client:
                 return await scenario(grpc_sender(client))
 
@@ -267,6 +299,10 @@ def bench(model: Path, args) -> str:
             native=False,
         ),
         Scenario(f"gRPC, closed loop C={c}, --entropy-metrics off", closed(c), args.max_batch, entropy="off"),
+        *(
+            Scenario(f"HTTP (openai SDK, streaming), closed loop C={k}", closed(k), args.max_batch, http=True)
+            for k in sorted({1, c})
+        ),
         Scenario(
             f"gRPC, open loop Poisson {args.rate:g} req/s",
             lambda s: open_loop(s, prompts, args.rate, n),
@@ -279,7 +315,7 @@ def bench(model: Path, args) -> str:
             if sc.in_process:
                 run = _in_process(model, sc.max_batch, sc.load)
             else:
-                run = _served(model, sc.max_batch, sc.entropy, sc.native, sc.load)
+                run = _served(model, sc.max_batch, sc.entropy, sc.native, sc.load, sc.http)
             by_name[sc.name].append(run)
             print(f"round {repeat + 1}/{args.repeats}: {sc.name}: {run.tokens / run.seconds:.0f} tok/s", flush=True)
     rows = [_row(name, runs) for name, runs in by_name.items()]
@@ -301,7 +337,8 @@ def bench(model: Path, args) -> str:
         "",
         f"Measured {today()} on {where}. Command: {args.command}. Model: {args.model_source},"
         " onnxruntime CPU backend with sharp's native kernel unless stated. sharp-serve runs in its own process"
-        " (a fresh one per run); the load generator streams from this one over loopback gRPC."
+        " (a fresh one per run); the load generator streams from this one over loopback gRPC, or over its"
+        " OpenAI-compatible HTTP API with the official openai SDK in the HTTP rows."
         f" {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
         f" tokens each, --max-batch {args.max_batch} unless stated; medians of {args.repeats} rounds (each"
         " round runs every scenario once, in the order of the table; the last column is the rounds' spread)."
