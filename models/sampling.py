@@ -13,8 +13,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. These defaults are the defaults of
-    every generation request (the server's and `SharpLM.generate`'s alike)."""
+    """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters, top_p 0 keeps only the most likely
+    token. These defaults are the defaults of every generation request (the server's and `SharpLM.generate`'s
+    alike)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -26,8 +27,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not math.isfinite(self.top_p) or not 0 <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -85,12 +86,44 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
         probs = _softmax(ranked)
         # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
         drop = (np.cumsum(probs, -1) - probs) >= params.top_p
+        drop[..., 0] = False
         np.put_along_axis(scores, order, np.where(drop, -np.inf, ranked), -1)
     cdf = np.cumsum(_softmax(scores), -1)
     rng = rng if rng is not None else generator(None)
     u = rng.random(len(cdf))[:, None] * cdf[:, -1:]
     # the first token whose cumulative mass passes u: a token of weight 0 is never drawn
     return np.minimum((cdf <= u).sum(-1), cdf.shape[-1] - 1)
+
+
+MAX_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's bound)
+
+
+@dataclass(frozen=True)
+class Logprobs:
+    """Rows of log-probabilities: each row's chosen token's (R,) and its `top` most likely tokens' ids and
+    log-probabilities (R, top), most likely first."""
+
+    chosen: np.ndarray
+    top_ids: np.ndarray
+    top: np.ndarray
+
+
+def token_logprobs(logits: np.ndarray, chosen: np.ndarray, top: int) -> Logprobs:
+    """The log-softmax of logits (R, V) at `chosen` (R,) ids, and each row's `top` largest, in one batched pass
+    (no loop over rows): the model's own distribution, before temperature, top-k and top-p."""
+    x = np.asarray(logits, np.float32)
+    peak = x.max(-1, keepdims=True)
+    lse = peak + np.log(np.exp(x - peak).sum(-1, keepdims=True, dtype=np.float64)).astype(np.float32)
+    rows = np.arange(len(x))
+    picked = x[rows, chosen] - lse[:, 0]
+    top = min(top, x.shape[-1])
+    if top == 0:
+        return Logprobs(picked, np.empty((len(x), 0), np.int64), np.empty((len(x), 0), np.float32))
+    ids = np.argpartition(-x, top - 1, axis=-1)[:, :top]
+    vals = np.take_along_axis(x, ids, -1)
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    ids = np.take_along_axis(ids, order, -1)
+    return Logprobs(picked, ids, np.take_along_axis(vals, order, -1) - lse)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:

@@ -113,6 +113,9 @@ def _gpt2_chars() -> list[str]:
     return [chr(b) for b in printable] + [chr(256 + i) for i in range(256 - len(printable))]
 
 
+_GPT2_BYTE = dict(zip(_gpt2_chars(), _gpt2_bytes(), strict=True))  # a byte-level piece's character → its byte
+
+
 class _HFStream:
     def __init__(self, tokenizer: HFTokenizer):
         from tokenizers.decoders import DecodeStream
@@ -165,6 +168,29 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes a token stands for alone: a byte-level piece mapped back to its bytes, a `<0xNN>` byte-fallback
+        piece as that byte, a SentencePiece `▁` as a space, a special token as its text; b"" outside the vocabulary."""
+        piece = self.backend.id_to_token(token)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            try:
+                return bytes(_GPT2_BYTE[c] for c in piece)
+            except KeyError:  # an added token spelled outside the byte alphabet
+                return piece.encode("utf-8")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes((int(piece[3:5], 16),))
+            except ValueError:
+                pass
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the pieces are spelled in the GPT-2 byte alphabet (a ByteLevel decoder)."""
+        return '"ByteLevel"' in json.dumps(json.loads(self.json).get("decoder"))
 
     @property
     def bos_text(self) -> str:

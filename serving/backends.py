@@ -52,26 +52,30 @@ class StepOutput:
     logits: np.ndarray  # (B, V) float32 at each row's last position
     presents: list[Cache]  # 2 × layers of (B, kv_heads, past + L, head_dim)
     entropy: np.ndarray | None  # (B, layers, heads, L) nats, when asked
+    every: np.ndarray | None = None  # (B, L, V) float32 logits at every position, when asked
 
 
 @dataclass
 class StepResult:
     """What the engine receives from a prefill chunk or a decode step: the last position's logits (B, V) and the
     per-head entropy (B, layers, heads, L) of the rows that ran, in order, and the sequences the model failed on
-    (left out of both)."""
+    (left out of both); a prefill chunk that asked for them, its logits at every position (n, V) (`scores`)."""
 
     logits: np.ndarray
     entropy: np.ndarray | None
     failed: list[Hashable] = field(default_factory=list)
+    scores: np.ndarray | None = None
 
 
 @dataclass
 class Chunk:
-    """A prefill chunk: the reserved sequence's prompt tokens start..start+n−1 as ids (1, n) int64."""
+    """A prefill chunk: the reserved sequence's prompt tokens start..start+n−1 as ids (1, n) int64; `scores`: return
+    the logits at every position (to score the prompt), not only the last."""
 
     seq: Hashable
     ids: np.ndarray
     start: int
+    scores: bool = False
 
 
 class Backend(ABC):
@@ -88,15 +92,16 @@ class Backend(ABC):
         """Room for `seq` to hold `tokens` tokens, or False (nothing reserved) when that does not fit now."""
 
     @abstractmethod
-    def prefill(self, seq: Hashable, ids: np.ndarray, start: int, entropy: bool) -> StepResult:
-        """ids (1, n): the reserved sequence's prompt tokens start..start+n−1, after its first `start`."""
+    def prefill(self, seq: Hashable, ids: np.ndarray, start: int, entropy: bool, scores: bool = False) -> StepResult:
+        """ids (1, n): the reserved sequence's prompt tokens start..start+n−1, after its first `start`; `scores`: the
+        result's `scores` are the logits at every position."""
 
     def prefill_many(self, chunks: list[Chunk], entropy: bool) -> list[StepResult | None]:
         """Each chunk's `prefill`, in order; None for a chunk the model failed on (the others are unaffected)."""
         results: list[StepResult | None] = []
         for c in chunks:
             try:
-                results.append(self.prefill(c.seq, c.ids, c.start, entropy))
+                results.append(self.prefill(c.seq, c.ids, c.start, entropy, c.scores))
             except Exception:
                 log.exception("prefill failed")
                 results.append(None)
@@ -176,9 +181,11 @@ class GraphBackend(Backend):
         entropy: bool,
         last: np.ndarray | None = None,
         in_place: bool = False,
+        every: bool = False,
     ) -> StepOutput:
         """One run of the graph; the logits are each row's at column last[row] (default: the last column).
-        in_place: `past` are buffers with room for this step's keys, and the presents must be those buffers."""
+        in_place: `past` are buffers with room for this step's keys, and the presents must be those buffers.
+        every: the output's `every` holds the logits at every column too."""
 
     def _new_batch(self) -> BatchCache:
         """An empty batch cache; in place, its buffers never hold more keys than the budget."""
@@ -202,14 +209,13 @@ class GraphBackend(Backend):
         self._reserved = wanted
         return True
 
-    def prefill(self, seq, ids, start, entropy):
+    def prefill(self, seq, ids, start, entropy, scores=False):
         n = ids.shape[1]
         past = self._own.get(seq) or self.empty_past(1)
-        out = self.forward(
-            ids, np.ones((1, start + n), np.int64), np.arange(start, start + n, dtype=np.int64)[None], past, entropy
-        )
+        positions = np.arange(start, start + n, dtype=np.int64)[None]
+        out = self.forward(ids, np.ones((1, start + n), np.int64), positions, past, entropy, every=scores)
         self._own[seq] = out.presents
-        return StepResult(out.logits, out.entropy)
+        return StepResult(out.logits, out.entropy, scores=out.every[0] if scores else None)
 
     def prefill_many(self, chunks, entropy):
         """Chunks that start at the same position run as one batch, right-padded to the longest: a padding token
@@ -248,13 +254,15 @@ class GraphBackend(Backend):
             past,
             entropy,
             last=np.asarray(lengths) - 1,
+            every=any(c.scores for c in chunks),
         )
         results = []
         for row, (c, n) in enumerate(zip(chunks, lengths, strict=True)):
             own = [p[row : row + 1, :, : start + n] for p in out.presents]
             self._own[c.seq] = own if n == width else [arrays.contiguous(p) for p in own]
             ent = None if out.entropy is None else out.entropy[row : row + 1, ..., :n]
-            results.append(StepResult(out.logits[row : row + 1], ent))
+            every = out.every[row, :n] if c.scores else None
+            results.append(StepResult(out.logits[row : row + 1], ent, scores=every))
         return results
 
     def join(self, seq):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 import grpc
 import numpy as np
 
-from sharp.models.sampling import generator, sample_rows
+from sharp.models.sampling import generator, sample_rows, token_logprobs
 from sharp.models.tokenizer import TextStream
 from sharp.serving.backends import PAGE_SIZE, Backend, Chunk
 from sharp.serving.metrics import ServingMetrics
@@ -75,9 +75,28 @@ class EngineConfig:
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability under the model and the most likely tokens at its position (id, log-probability),
+    most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Delta:
+    """New tokens and their text; `logprobs`: one per token, when the request asked; `prompt_logprobs`: the
+    prompt's tokens after the first, on a request's first Delta, when it asked."""
+
     token_ids: list[int]
     text: str
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+    def __add__(self, later: Delta) -> Delta:
+        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        return Delta(self.token_ids + later.token_ids, self.text + later.text, logprobs, self.prompt_logprobs)
 
 
 @dataclass
@@ -142,6 +161,7 @@ class Sequence:
     detokenizer: TextStream
     length: int = 0  # prompt tokens prefilled so far
     generated: list[int] = field(default_factory=list)
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)  # with prompt_logprobs: tokens 2 … length
     cancelled: bool = False
     done: bool = False
     last_token_time: float = 0.0
@@ -159,6 +179,15 @@ class Sequence:
     def reserved(self) -> int:
         """Tokens of cache this sequence may need."""
         return self.prompt_len + self.request.max_new_tokens
+
+
+def _token_logprobs(lp, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """Rows of `token_logprobs` as TokenLogprob objects, row i with its top[i] alternatives."""
+    ids, vals = lp.top_ids.tolist(), lp.top.tolist()
+    return [
+        TokenLogprob(t, c, list(zip(i[:k], v[:k], strict=True)))
+        for t, c, i, v, k in zip(tokens, lp.chosen.tolist(), ids, vals, top, strict=True)
+    ]
 
 
 class _Courier:
@@ -293,7 +322,7 @@ class Engine:
                     nxt = events.get_nowait()
                     if not isinstance(nxt, Delta):
                         break
-                    ev, nxt = Delta(ev.token_ids + nxt.token_ids, ev.text + nxt.text), None
+                    ev, nxt = ev + nxt, None
                 yield ev
                 if not isinstance(ev, Delta):
                     return
@@ -415,7 +444,7 @@ class Engine:
                 break
             n = min(budget, seq.prompt_len - seq.length)
             ids = np.array([seq.request.prompt_ids[seq.length : seq.length + n]], np.int64)
-            chunks.append(Chunk(seq, ids, seq.length))
+            chunks.append(Chunk(seq, ids, seq.length, seq.request.prompt_logprobs is not None))
             budget -= n
         if not chunks:
             return
@@ -432,9 +461,16 @@ class Engine:
             seq.length = chunk.start + n
             self._stats.prompt_tokens[seq.request.api] += n
             self._record_entropy([seq], out.entropy, [chunk.start])
+            if out.scores is not None:
+                self._score_prompt(seq, out.scores, chunk.start)
             if seq.length == seq.prompt_len:
                 self._prefilling.remove(seq)
-                self._emit(seq, sample_rows(out.logits[0:1], [seq.request.sampling], [seq.generator])[0])
+                if seq.request.max_new_tokens == 0:  # scored, nothing to generate: its cache is freed now
+                    self._outbox.append((seq, Delta([], "", None, seq.prompt_scores)))
+                    self._finish(seq, "length")
+                else:
+                    token = sample_rows(out.logits[0:1], [seq.request.sampling], [seq.generator])[0]
+                    self._emit(seq, token, *self._logprobs([seq], out.logits[0:1], [token]))
                 if seq.done:
                     self.backend.release(seq)
                 else:
@@ -462,17 +498,43 @@ class Engine:
         self._stats.decode_batch = len(seqs)
         self._record_entropy(kept, out.entropy, [s.cached for s in kept])
         chosen = sample_rows(out.logits, [s.request.sampling for s in kept], [s.generator for s in kept])
-        for s, token in zip(kept, chosen, strict=True):
-            self._emit(s, token)
+        for s, token, logprob in zip(kept, chosen, self._logprobs(kept, out.logits, chosen), strict=True):
+            self._emit(s, token, logprob)
         self._leave([s for s in seqs if s.done])
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits: np.ndarray, chosen: list[int | None]) -> list[TokenLogprob | None]:
+        """The chosen tokens' log-probabilities for the rows whose request asked (None for the others), in one
+        batched pass over those rows only."""
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.request.logprobs is not None and chosen[i] is not None]
+        if not rows:
+            return out
+        top = [seqs[i].request.logprobs for i in rows]
+        lp = token_logprobs(logits[rows], np.array([chosen[i] for i in rows]), max(top))
+        for i, made in zip(rows, _token_logprobs(lp, [chosen[i] for i in rows], top), strict=True):
+            out[i] = made
+        return out
+
+    def _score_prompt(self, seq: Sequence, scores: np.ndarray, start: int) -> None:
+        """Log-probabilities of the prompt tokens that the chunk's positions predict (scores (n, V) from `start`)."""
+        ids = seq.request.prompt_ids
+        n = min(len(scores), len(ids) - 1 - start)  # the prompt's last position predicts the first new token
+        if n <= 0:
+            return
+        targets = list(ids[start + 1 : start + 1 + n])
+        k = seq.request.prompt_logprobs
+        lp = token_logprobs(scores[:n], np.array(targets), k)
+        seq.prompt_scores += _token_logprobs(lp, targets, [k] * n)
 
     def _fail_forward(self, seq: Sequence, where: str) -> None:
         log.error("model forward failed for request %r (%s)", seq.request.request_id, where)
         self._fail(seq, grpc.StatusCode.INTERNAL, f"the model failed on this request ({where}); see the server log")
 
-    def _emit(self, seq: Sequence, token: int | None) -> None:
-        """Send the sampled token of `seq` and finish the sequence when a stop condition holds; None: its logits
-        were unusable (it ends alone, the batch goes on)."""
+    def _emit(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None = None) -> None:
+        """Send the sampled token of `seq` (and its log-probability, when asked) and finish the sequence when a stop
+        condition holds; None: its logits were unusable (it ends alone, the batch goes on). A first token carries
+        the prompt's log-probabilities, when asked."""
         if token is None:
             self._fail(
                 seq,
@@ -499,7 +561,8 @@ class Engine:
             reason = "length"
         if reason is not None:
             text += seq.text.finish(seq.detokenizer.finish())
-        self._outbox.append((seq, Delta([token], text)))
+        prompt = seq.prompt_scores if len(seq.generated) == 1 and seq.request.prompt_logprobs is not None else None
+        self._outbox.append((seq, Delta([token], text, None if logprob is None else [logprob], prompt)))
         if reason is not None:
             self._finish(seq, reason)
 

@@ -61,7 +61,7 @@ class OnnxRuntimeBackend(GraphBackend):
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.present_names = [n for n in self.output_names if n.startswith("present.")]
 
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, in_place=False):
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, in_place=False, every=False):
         if in_place:
             return self._forward_in_place(input_ids, attention_mask, position_ids, past, entropy)
         feed = {
@@ -74,7 +74,8 @@ class OnnxRuntimeBackend(GraphBackend):
         logits, *rest = self.session.run(names, feed)
         presents = rest[:-1] if entropy else rest
         picked = logits[:, -1] if last is None else logits[np.arange(len(logits)), last]
-        return StepOutput(np.ascontiguousarray(picked), presents, rest[-1] if entropy else None)
+        ent = rest[-1] if entropy else None
+        return StepOutput(np.ascontiguousarray(picked), presents, ent, logits if every else None)
 
     def _forward_in_place(self, input_ids, attention_mask, position_ids, past, entropy):
         """A decode step whose attention writes its keys into `past` itself: each present is bound to its past's

@@ -11,6 +11,7 @@ its request (its slot and cache are freed at the next engine step). sharp's own 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -19,17 +20,19 @@ import os
 import ssl
 import tempfile
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+import typing
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sharp.models.tokenizer import ChatTemplateError, render_chat
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
-from sharp.serving.engine import Delta, Engine, Event, Failed, Finished
+from sharp.serving.engine import Delta, Engine, Event, Failed, Finished, TokenLogprob
 from sharp.serving.requests import GenerationRequest, RequestError, validate
 from sharp.serving.stats import RequestOutcome
 from sharp.v1 import generator_pb2 as pb
@@ -55,6 +58,9 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=0, lt=2**64)]
 
 
+OPEN_PATHS = frozenset(("/health", "/metrics"))  # answered without the bearer token
+
+
 def http_status(code: grpc.StatusCode, transient: bool = False) -> int:
     """The HTTP status of a refusal or failure with this gRPC status (docs/serving.md has the table)."""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -72,13 +78,29 @@ def http_status(code: grpc.StatusCode, transient: bool = False) -> int:
 class APIError(Exception):
     """A refusal or failure, answered in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None = None,
+        param: str | None = None,
+        outcome: str = "invalid_argument",
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
+        self.outcome = outcome  # the gRPC status name it is counted under (sharp_requests_total's status)
 
     @classmethod
-    def of(cls, code: grpc.StatusCode, message: str, transient: bool = False) -> APIError:
-        return cls(http_status(code, transient), message, code.name.lower())
+    def of(
+        cls,
+        code: grpc.StatusCode,
+        message: str,
+        transient: bool = False,
+        param: str | None = None,
+        reason: str | None = None,
+    ) -> APIError:
+        """A gRPC status as OpenAI's error: its HTTP status, `reason` (or the status's name) as the code."""
+        return cls(http_status(code, transient), message, reason or code.name.lower(), param, code.name.lower())
 
     def body(self) -> dict[str, Any]:
         kind = ERROR_TYPE.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -96,12 +118,37 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+_B = TypeVar("_B", bound=_Body)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize body (text prompts)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool = False  # a padding field of OpenAI's streams: nothing to pad here
 
 
 class SharpOptions(_Body):
     attention_stats: bool = False
+
+
+class ResponseFormat(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)  # json_schema's schema, refused anyway
+    type: str
+
+
+Refusal = tuple[str, str]  # (field, why): a field set to something sharp does not do
 
 
 class _Generation(_Body):
@@ -121,17 +168,25 @@ class _Generation(_Body):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # accepted, changing nothing: who asks, where to bill, what to keep for them (nothing is kept)
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
     sharp: SharpOptions = SharpOptions()
 
-    def refused(self) -> tuple[str, str] | None:
-        """(field, why) for a field set to something sharp does not do."""
+    def refused(self) -> Refusal | None:
         if self.n != 1:
             return "n", "n must be 1: one choice per request (send several requests, they batch together)"
         if self.presence_penalty or self.frequency_penalty:
-            return "presence_penalty", "presence_penalty and frequency_penalty are not supported (only 0)"
+            name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
+            return name, "presence_penalty and frequency_penalty are not supported (only 0)"
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
+        if self.store:
+            return "store", "store: true is not supported: the server keeps no completions"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream: true"
         return None
@@ -153,48 +208,72 @@ class _Generation(_Body):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[TokenId] | list[str]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     echo: bool = False
     best_of: int | None = None
     logprobs: int | None = None
     suffix: str | None = None
 
-    def refused(self) -> tuple[str, str] | None:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) != 1:
+    def refused(self) -> Refusal | None:
+        if isinstance(self.prompt, list) and len(self.prompt) > 1 and isinstance(self.prompt[0], str | list):
             return "prompt", "one prompt per request (send several requests, they batch together)"
-        for name, ok in (("echo", not self.echo), ("best_of", self.best_of in (None, 1))):
-            if not ok:
-                return name, f"{name} is not supported"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of must be 1"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens: 0 only with echo: true (to score the prompt)"
         return super().refused()
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        """The prompt: a string or token ids (a batch of one unwrapped)."""
+        nested = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list)
+        return self.prompt[0] if nested else self.prompt
 
     def to_message(self) -> pb.GenerateRequest:
         msg = self.message(self.max_tokens)
-        prompt = self.prompt
+        prompt = self.single_prompt
         if isinstance(prompt, str):
             msg.prompt = prompt
-        elif prompt and isinstance(prompt[0], str):
-            msg.prompt = prompt[0]
         else:
             msg.input_ids.extend(prompt)
+        if self.logprobs is not None:
+            msg.logprobs = self.logprobs
+        if self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            msg.prompt_logprobs = self.logprobs or 0  # max_tokens 0 runs the prompt only: as a scoring request
         return msg
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Body):
+    model_config = ConfigDict(extra="allow", strict=True)  # image_url, input_audio, file: refused by type
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    # what clients send back from a reply (the SDK's model_dump, LangChain, agent frameworks): accepted when empty
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def refused(self, where: str) -> Refusal | None:
+        for i, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.type != "text" or part.text is None:
+                return f"{where}.content[{i}]", f"{part.type!r} content parts are not supported (text only)"
+        for name in ("tool_calls", "function_call", "audio"):
+            if getattr(self, name):
+                return f"{where}.{name}", f"{name} in messages are not supported (this server calls no tools)"
+        return None
 
     def for_template(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        content = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or ())
         return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
 
 
@@ -203,16 +282,53 @@ class ChatRequest(_Generation):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
 
-    def refused(self) -> tuple[str, str] | None:
-        if self.logprobs or self.top_logprobs is not None:
-            return "logprobs", "logprobs are not supported"
+    def refused(self) -> Refusal | None:
+        if self.top_logprobs and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "max_tokens", "give max_completion_tokens or max_tokens, not both"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format", f"response_format {self.response_format.type!r} is not supported (only 'text')"
+        if (self.tools or self.functions) and self.tool_choice != "none":
+            return "tools", "tools are not supported (only with tool_choice: 'none')"
+        if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice must be 'none' or 'auto' (this server calls no tools)"
+        if self.modalities not in (None, ["text"]) or self.audio:
+            return "modalities", "only text output is supported"
+        for name in ("prediction", "reasoning_effort", "web_search_options"):
+            if getattr(self, name):
+                return name, f"{name} is not supported"
+        for i, m in enumerate(self.messages):
+            if (refusal := m.refused(f"messages[{i}]")) is not None:
+                return refusal
+        if self.max_completion_tokens == 0 or self.max_tokens == 0:
+            return "max_completion_tokens", "max_completion_tokens must be >= 1"
         return super().refused()
+
+    def to_message(self, prompt: str) -> pb.GenerateRequest:
+        msg = self.message(self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens)
+        msg.prompt = prompt
+        if self.logprobs:
+            msg.logprobs = self.top_logprobs or 0
+        return msg
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the model rules out is reported at this, as vLLM reports it
+
+
 def _usage(ev: Finished) -> dict[str, int]:
     return {
         "prompt_tokens": ev.prompt_tokens,
@@ -229,6 +345,52 @@ def _extension(ev: Finished, norm: str) -> dict[str, Any]:
     return {"sharp": {"attention_stats": {"norm": norm, "positions": ev.positions, "heads": heads}}}
 
 
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+class _Logprobs:
+    """One choice's log-probabilities in OpenAI's shapes: tokens as strings (a piece that is not UTF-8 alone as
+    `bytes:\\xNN…`, chat's `bytes` arrays exact), completions' text offsets into the choice's text (counted by
+    decoding the tokens in order, as the text itself is decoded)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.text = tokenizer.stream()
+        self.offset = 0
+
+    def string(self, token: int) -> str:
+        raw = self.tokenizer.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def completion(self, ids: list[int], items: list[TokenLogprob | None]) -> dict[str, Any]:
+        """`items[i]` for ids[i]; None: nothing predicts it (a prompt's first token)."""
+        offsets = []
+        for t in ids:
+            offsets.append(self.offset)
+            self.offset += len(self.text.step(t))
+        return {
+            "tokens": [self.string(t) for t in ids],
+            "token_logprobs": [None if x is None else _lp(x.logprob) for x in items],
+            "top_logprobs": [None if x is None else {self.string(i): _lp(v) for i, v in x.top} for x in items],
+            "text_offset": offsets,
+        }
+
+    def chat(self, items: list[TokenLogprob]) -> dict[str, Any]:
+        def entry(token: int, value: float) -> dict[str, Any]:
+            return {
+                "token": self.string(token),
+                "logprob": _lp(value),
+                "bytes": list(self.tokenizer.token_bytes(token)),
+            }
+
+        content = [entry(x.token, x.logprob) | {"top_logprobs": [entry(i, v) for i, v in x.top]} for x in items]
+        return {"content": content, "refusal": None}
+
+
 @dataclasses.dataclass
 class _Reply:
     """The envelope of one response's objects: completions and chat differ only in these names."""
@@ -243,15 +405,51 @@ class _Reply:
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {"id": prefix + self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def choice(self, text: str | None, finish: str | None, chunk: bool, role: bool = False) -> dict[str, Any]:
+    def choice(
+        self, text: str | None, finish: str | None, chunk: bool, role: bool = False, logprobs: dict | None = None
+    ) -> dict[str, Any]:
         """One choice: a completion's text, a chat chunk's delta (`role`: the first, naming it) or a chat message."""
         if not self.chat:
             body = {"text": text or ""}
         elif chunk:
             body = {"delta": ({"role": "assistant"} if role else {}) | ({} if text is None else {"content": text})}
         else:
-            body = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
+            body = {"message": {"role": "assistant", "content": text, "refusal": None}}
+        return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish}
+
+
+@dataclasses.dataclass
+class _Choice:
+    """What one request asked to see of its tokens, and how: echo the prompt, log-probabilities (the choice's
+    `logprobs` object per piece of text)."""
+
+    chat: bool
+    echo_text: str | None  # the prompt, when echoed
+    logprobs: bool
+    shapes: _Logprobs
+    prompt_ids: tuple[int, ...] = ()
+
+    def piece(self, ev: Delta, first: bool) -> tuple[str, dict | None]:
+        """The text and the logprobs object of one Delta (the first: with the echoed prompt)."""
+        text = ev.text
+        ids, items = list(ev.token_ids), list(ev.logprobs or ())
+        if first and self.echo_text is not None:
+            text = self.echo_text + text
+            ids = list(self.prompt_ids) + ids
+            items = [None, *(ev.prompt_logprobs or ()), *items]
+        if not self.logprobs:
+            return text, None
+        return text, self.shapes.chat(items) if self.chat else self.shapes.completion(ids, items)
+
+
+def _join(pieces: list[dict | None], chat: bool) -> dict | None:
+    """The logprobs objects of a choice's pieces as one."""
+    real = [p for p in pieces if p is not None]
+    if not real:
+        return None
+    if chat:
+        return {"content": [c for p in real for c in p["content"]], "refusal": None}
+    return {k: [v for p in real for v in p[k]] for k in real[0]}
 
 
 def _sse(obj: Any) -> bytes:
@@ -259,11 +457,72 @@ def _sse(obj: Any) -> bytes:
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
-class OpenAIServer:
-    """The HTTP API of one engine on the running event loop; `start` binds, `stop` closes."""
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "input_ids": "prompt", "prompt_logprobs": "logprobs"}
+CHAT_NAMES = {"prompt": "messages", "input_ids": "messages", "logprobs": "top_logprobs"}
+UNION_HINTS = {  # what a field of several shapes takes, for a value that fits none of them
+    "prompt": "a string, an array of token ids, or an array of one string or one token-id array",
+    "content": "a string or an array of content parts",
+    "stop": "a string or an array of strings",
+    "tool_choice": "a string or an object",
+    "function_call": "a string or an object",
+}
 
-    def __init__(self, engine: Engine, calls: Calls, auth_token: str | None):
-        self.engine, self.calls = engine, calls
+
+def _field_names(*models: type[BaseModel]) -> frozenset[str]:
+    names, todo = set(), list(models)
+    while todo:
+        model = todo.pop()
+        for name, info in model.model_fields.items():
+            names.add(name)
+            kinds, seen = [info.annotation], []
+            while kinds:  # the annotation, its union's members, their items
+                kind = kinds.pop()
+                seen.append(kind)
+                kinds += typing.get_args(kind)
+            todo += [t for t in seen if isinstance(t, type) and issubclass(t, BaseModel)]
+    return frozenset(names)
+
+
+FIELDS = _field_names(CompletionRequest, ChatRequest)
+
+
+def _refusal(e: ValidationError) -> APIError:
+    """The first problem pydantic found, in the request's own words: a JSON path (`messages[1].content`), never
+    the validator's union branches or internals."""
+    first = e.errors(include_url=False)[0]
+    where, union, loc = "", False, first["loc"]
+    unknown = first["type"] == "extra_forbidden"  # the last item is the unknown field's own name
+    for i, part in enumerate(loc):
+        if unknown and i == len(loc) - 1:
+            where += f".{part}" if where else str(part)
+            continue
+        if isinstance(part, int):
+            where += f"[{part}]"
+        elif part in FIELDS and not (union and part in ("str", "int")):
+            where += f".{part}" if where else part
+        else:
+            union = True  # a branch of a union (str, list[int], function-after[…], …)
+    where = where or "body"
+    last = where.rsplit(".", 1)[-1].split("[")[0]
+    if unknown:
+        return APIError(400, f"{where}: unknown field", "unknown_parameter", where)
+    if first["type"] == "json_invalid":
+        return APIError(400, "the body is not valid JSON", "invalid_json", None)
+    if union and last in UNION_HINTS:
+        return APIError(400, f"{where}: must be {UNION_HINTS[last]}", "invalid_type", where)
+    why = first["msg"].replace("Input should be", "must be").replace("Field required", "required")
+    code = "missing_required_parameter" if first["type"] == "missing" else "invalid_type"
+    return APIError(400, f"{where}: {why}", code, where)
+
+
+class OpenAIServer:
+    """The HTTP API of one engine on the running event loop; `start` binds, `stop` closes. `serving()` is the
+    server's health (GET /health answers it, as grpc.health does)."""
+
+    def __init__(
+        self, engine: Engine, calls: Calls, auth_token: str | None, serving: Callable[[], bool] = lambda: True
+    ):
+        self.engine, self.calls, self.serving = engine, calls, serving
         self.token = auth_token.encode() if auth_token else None
         self.started = int(time.time())
         self.runner: web.AppRunner | None = None
@@ -275,8 +534,14 @@ class OpenAIServer:
             client_max_size=JSON_EXPANSION * self.engine.request_bytes(),
         )
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     async def start(self, host: str, port: int, tls: tuple[bytes, bytes] | None) -> int:
@@ -313,30 +578,92 @@ class OpenAIServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
+        """The token guards the API; /health and /metrics are for probes and Prometheus, as on their own ports."""
+        if request.path in OPEN_PATHS:
+            return await handler(request)
         if self.token is not None and not bearer_matches(request.headers.get("Authorization"), self.token):
-            raise APIError(401, "missing or wrong bearer token (Authorization: Bearer <token>)", "unauthenticated")
+            raise APIError(401, "missing or wrong bearer token (Authorization: Bearer <token>)", "invalid_api_key")
         return await handler(request)
 
     # ---- routes ----
+    def _model(self) -> dict[str, Any]:
+        spec = self.engine.spec
+        return {"id": spec.name, "object": "model", "created": self.started, "owned_by": "sharp",
+                "max_model_len": spec.context_length}  # fmt: skip
+
     async def models(self, request: web.Request) -> web.Response:
         self._serving()
-        model = {"id": self.engine.spec.name, "object": "model", "created": self.started, "owned_by": "sharp"}
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response({"object": "list", "data": [self._model()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._serving()
+        name = request.match_info["model"]
+        if name != self.engine.spec.name:
+            raise APIError(404, f"model {name!r} is not served here; GET /v1/models lists it", "model_not_found")
+        return web.json_response(self._model())
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.serving() and not self.engine.draining:
+            return web.Response(text="ok\n")
+        return web.Response(status=503, text="not serving\n")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.engine.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        self._serving()
+        body = await self._read(request, TokenizeRequest)
+        if len(body.prompt) > self.engine.limits.max_prompt_bytes:
+            raise APIError(400, f"prompt of {len(body.prompt)}+ bytes; at most {self.engine.limits.max_prompt_bytes}",
+                           "invalid_value", "prompt")  # fmt: skip
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt, body.add_special_tokens)
+        return web.json_response({"count": len(ids), "max_model_len": self.engine.spec.context_length, "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        self._serving()
+        body = await self._read(request, DetokenizeRequest)
+        vocab = self.engine.spec.vocab_size
+        if bad := [t for t in body.tokens if t >= vocab]:
+            raise APIError(400, f"tokens {bad[:3]} outside the vocabulary [0, {vocab})", "invalid_value", "tokens")
+        return web.json_response({"prompt": self.engine.tokenizer.decode(body.tokens)})
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """What a client needs to tokenize as the server does (lm-evaluation-harness's remote tokenizer reads it)."""
+        tok = self.engine.tokenizer
+        return web.json_response(
+            {
+                "tokenizer_class": type(tok).__name__,
+                "bos_token": getattr(tok, "bos_text", "") or None,
+                "eos_token": getattr(tok, "eos_text", "") or None,
+                "pad_token": None,
+                "chat_template": tok.chat_template,
+                "model_max_length": self.engine.spec.context_length,
+                "vocab_size": self.engine.spec.vocab_size,
+            }
+        )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._parse(request, CompletionRequest)
-        return await self._generate(request, body, body.to_message(), self.engine.tokenizer.encode, chat=False)
+        tokenizer = self.engine.tokenizer
+        prompt = body.single_prompt
+        echo = (prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))) if body.echo else None
+        choice = _Choice(False, echo, body.logprobs is not None, _Logprobs(tokenizer))
+        return await self._generate(request, body, body.to_message(), tokenizer.encode, choice, COMPLETION_NAMES)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._parse(request, ChatRequest)
         try:
             prompt = render_chat(self.engine.tokenizer, [m.for_template() for m in body.messages])
         except ChatTemplateError as e:
-            raise self._refuse(APIError(400, str(e), "invalid_argument", "messages")) from None
-        msg = body.message(body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens)
-        msg.prompt = prompt
+            raise self._refuse(APIError(400, str(e), "invalid_value", "messages", "invalid_argument")) from None
         tokenizer = self.engine.tokenizer
-        return await self._generate(request, body, msg, lambda text: tokenizer.encode(text, bos=False), chat=True)
+        names = CHAT_NAMES | {
+            "max_new_tokens": "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+        }
+        choice = _Choice(True, None, body.logprobs, _Logprobs(tokenizer))
+        encode = lambda text: tokenizer.encode(text, bos=False)  # the template wrote BOS, if any
+        return await self._generate(request, body, body.to_message(prompt), encode, choice, names)
 
     # ---- helpers ----
     def _serving(self) -> None:
@@ -345,52 +672,73 @@ class OpenAIServer:
 
     def _refuse(self, error: APIError) -> APIError:
         """Count a refusal made before the one validation (as that validation's are counted)."""
-        self.engine.metrics.log_outcome(RequestOutcome(error.code or "invalid_argument", "http"))
+        self.engine.metrics.log_outcome(RequestOutcome(error.outcome, "http"))
         return error
 
-    async def _parse(self, request: web.Request, kind: type[_Generation]) -> _Generation:
+    async def _read(self, request: web.Request, kind: type[_B]) -> _B:
         raw = await request.read()  # over client_max_size: aiohttp's 413
         try:
-            body = kind.model_validate_json(raw)
+            return kind.model_validate_json(raw)
         except ValidationError as e:
-            first = e.errors(include_url=False)[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            why = "unsupported field" if first["type"] == "extra_forbidden" else first["msg"]
-            raise self._refuse(APIError(400, f"{where}: {why}", "invalid_argument", where or None)) from None
+            raise _refusal(e) from None
+
+    async def _parse(self, request: web.Request, kind: type[_Generation]) -> _Generation:
+        try:
+            body = await self._read(request, kind)
+        except APIError as e:
+            raise self._refuse(e) from None
         if (refusal := body.refused()) is not None:
-            raise self._refuse(APIError(400, refusal[1], "invalid_argument", refusal[0]))
+            raise self._refuse(APIError(400, refusal[1], "unsupported_value", refusal[0], "invalid_argument"))
         if body.model != self.engine.spec.name:
             raise self._refuse(
-                APIError(404, f"model {body.model!r} is not served here; GET /v1/models lists it", "not_found", "model")
+                APIError(
+                    404,
+                    f"model {body.model!r} is not served here; GET /v1/models lists it",
+                    "model_not_found",
+                    "model",
+                    "not_found",
+                )
             )
         return body
 
     async def _generate(
-        self, request: web.Request, body: _Generation, msg: pb.GenerateRequest, encode, chat: bool
+        self,
+        request: web.Request,
+        body: _Generation,
+        msg: pb.GenerateRequest,
+        encode,
+        choice: _Choice,
+        names: dict[str, str],
     ) -> web.StreamResponse:
         if (request_id := request.headers.get("X-Request-Id")) is not None:
             msg.request_id = request_id
         limits = self.engine.limits
-        events = self.calls.events(lambda: validate(msg, limits, encode, api="http"), "http", len(msg.prompt))
+        events = self.calls.events(
+            lambda: validate(msg, limits, encode, api="http", names=names), "http", len(msg.prompt)
+        )
         async with contextlib.aclosing(events):
             try:
                 req, first = await anext(events)
             except RequestError as e:
-                raise APIError.of(e.code, e.message, e.transient) from None
+                raise APIError.of(e.code, e.message, e.transient, e.field, e.reason) from None
             if isinstance(first, Failed):  # before any text: the status line can still say so
                 raise APIError.of(first.code, first.message)
-            reply = _Reply(chat, req.request_id, self.engine.spec.name)
+            choice.prompt_ids = req.prompt_ids
+            reply = _Reply(choice.chat, req.request_id, self.engine.spec.name)
             if body.stream:
-                return await self._stream(request, body, reply, req, first, events)
-            text = []
+                return await self._stream(request, body, reply, choice, first, events)
+            text, pieces = [], []
             ev = first
             while isinstance(ev, Delta):
-                text.append(ev.text)
+                piece, logprobs = choice.piece(ev, first=not pieces)
+                text.append(piece)
+                pieces.append(logprobs)
                 _, ev = await anext(events)
             if isinstance(ev, Failed):
                 raise APIError.of(ev.code, ev.message)
+            finish = FINISH_REASON[ev.reason]
             out = reply.envelope(chunk=False) | {
-                "choices": [reply.choice("".join(text), FINISH_REASON[ev.reason], chunk=False)],
+                "choices": [reply.choice("".join(text), finish, chunk=False, logprobs=_join(pieces, choice.chat))],
                 "usage": _usage(ev),
             }
             return web.json_response(out | _extension(ev, self.engine.spec.norm))
@@ -400,27 +748,35 @@ class OpenAIServer:
         request: web.Request,
         body: _Generation,
         reply: _Reply,
-        req: GenerationRequest,
+        choice: _Choice,
         first: Event,
         events: AsyncIterator[tuple[GenerationRequest, Event]],
     ) -> web.StreamResponse:
         """Server-sent events as OpenAI sends them: a chunk per piece of text, one with the finish reason, one with
-        the usage when stream_options.include_usage, then `data: [DONE]`; sharp's extension in the last chunk."""
+        the usage when stream_options.include_usage, then `data: [DONE]`; sharp's extension in the last chunk.
+        Log-probabilities of tokens whose text is held back (a stop string may be starting) travel with the next
+        chunk that has text."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         usage = body.stream_options is not None and body.stream_options.include_usage
         base = reply.envelope(chunk=True) | ({"usage": None} if usage else {})
         if reply.chat:  # the first chunk names the role
             await resp.write(_sse(base | {"choices": [reply.choice("", None, chunk=True, role=True)]}))
-        ev = first
+        ev, held, sent = first, [], False
         while isinstance(ev, Delta):
-            if ev.text:
-                await resp.write(_sse(base | {"choices": [reply.choice(ev.text, None, chunk=True)]}))
+            text, logprobs = choice.piece(ev, first=not sent)
+            sent = True
+            held.append(logprobs)
+            if text:
+                chunk = reply.choice(text, None, chunk=True, logprobs=_join(held, choice.chat))
+                await resp.write(_sse(base | {"choices": [chunk]}))
+                held = []
             _, ev = await anext(events)
         if isinstance(ev, Failed):  # the status line is sent: the error travels as an event, as OpenAI's does
             await resp.write(_sse(APIError.of(ev.code, ev.message).body()))
         else:
-            last = [base | {"choices": [reply.choice(None, FINISH_REASON[ev.reason], chunk=True)]}]
+            finish = reply.choice(None, FINISH_REASON[ev.reason], chunk=True, logprobs=_join(held, choice.chat))
+            last = [base | {"choices": [finish]}]
             if usage:
                 last.append(base | {"choices": [], "usage": _usage(ev)})
             last[-1] |= _extension(ev, self.engine.spec.norm)

@@ -8,13 +8,14 @@ temperature, top_k and top_p from `SamplingParams()`, max_new_tokens from the se
 
 from __future__ import annotations
 
+import re
 import secrets
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
-from sharp.models.sampling import SamplingParams
+from sharp.models.sampling import MAX_LOGPROBS, SamplingParams
 from sharp.v1 import generator_pb2 as pb
 
 DEFAULT_SAMPLING = SamplingParams()
@@ -23,11 +24,20 @@ MAX_REQUEST_ID = 128
 
 class RequestError(Exception):
     """A request that is refused: `code` is the gRPC status the server answers with; `transient`: the same request
-    may succeed later (a full queue, HTTP 429), rather than never on this server (HTTP 413 for too large)."""
+    may succeed later (a full queue, HTTP 429), rather than never on this server (HTTP 413 for too large);
+    `field`: the request field at fault, in the caller's API's words; `reason`: why, as a word OpenAI's error codes
+    use (invalid_value, context_length_exceeded, …)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, transient: bool = False):
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        transient: bool = False,
+        field: str | None = None,
+        reason: str | None = None,
+    ):
         super().__init__(message)
-        self.code, self.message, self.transient = code, message, transient
+        self.code, self.message, self.transient, self.field, self.reason = code, message, transient, field, reason
 
 
 @dataclass(frozen=True)
@@ -57,37 +67,52 @@ class GenerationRequest:
     attention_stats: bool
     request_id: str
     api: str = "grpc"  # the door it came in by (serving.stats.APIS), for the metrics
+    logprobs: int | None = None  # alternatives per generated token; None: no log-probabilities
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
 
 
-def validate(msg: pb.GenerateRequest, limits: Limits, encode, api: str = "grpc") -> GenerationRequest:
+GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are the message's own
+
+
+def validate(
+    msg: pb.GenerateRequest, limits: Limits, encode, api: str = "grpc", names: dict[str, str] = GRPC_NAMES
+) -> GenerationRequest:
     """The typed request for `msg`; `encode(text)` tokenizes a prompt (BOS included). Sizes are checked before
     any work that grows with them (a prompt's bytes before it is tokenized, the id count before the ids). The HTTP
-    API builds the same message from its JSON body, so both are checked here alike."""
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    API builds the same message from its JSON body, so both are checked here alike; `names` maps the message's field
+    names to what the caller's API calls them, so a refusal names the field the client sent."""
+    name = _Names(names)
     if msg.prompt and msg.input_ids:
-        raise RequestError(invalid, "give either prompt or input_ids, not both")
+        raise name.error("prompt", "give either prompt or input_ids, not both")
     if len(msg.request_id) > MAX_REQUEST_ID:
-        raise RequestError(invalid, f"request_id of {len(msg.request_id)} characters; at most {MAX_REQUEST_ID}")
+        raise name.error("request_id", f"{{request_id}} of {len(msg.request_id)} characters; at most {MAX_REQUEST_ID}")
     if len(msg.stop) > limits.max_stop_strings:
-        raise RequestError(
-            invalid, f"{len(msg.stop)} stop strings; at most {limits.max_stop_strings} (--max-stop-strings)"
+        raise name.error(
+            "stop", f"{len(msg.stop)} {{stop}} strings; at most {limits.max_stop_strings} (--max-stop-strings)"
         )
     for s in msg.stop:
         if len(s) > limits.max_stop_length:
-            raise RequestError(
-                invalid, f"a stop string of {len(s)} characters; at most {limits.max_stop_length} (--max-stop-length)"
+            raise name.error(
+                "stop",
+                f"a {{stop}} string of {len(s)} characters; at most {limits.max_stop_length} (--max-stop-length)",
             )
     if msg.prompt:
         size = len(msg.prompt) if len(msg.prompt) > limits.max_prompt_bytes else len(msg.prompt.encode("utf-8"))
         if size > limits.max_prompt_bytes:
-            raise RequestError(
-                invalid, f"prompt of {size}+ bytes; at most {limits.max_prompt_bytes} (--max-prompt-bytes)"
+            raise name.error(
+                "prompt", f"{{prompt}} of {size}+ bytes; at most {limits.max_prompt_bytes} (--max-prompt-bytes)"
             )
     elif len(msg.input_ids) > limits.context_length:
-        raise RequestError(
+        raise name.error(
+            "input_ids",
+            f"{len(msg.input_ids)} tokens of {{input_ids}} exceed the model's context of {limits.context_length}"
+            " tokens",
             grpc.StatusCode.OUT_OF_RANGE,
-            f"{len(msg.input_ids)} input_ids exceed the model's context of {limits.context_length} tokens",
+            "context_length_exceeded",
         )
+    for field in ("logprobs", "prompt_logprobs"):
+        if msg.HasField(field) and not 0 <= getattr(msg, field) <= MAX_LOGPROBS:
+            raise name.error(field, f"{{{field}}} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, field)}")
     ids = tuple(encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)
     sampling = SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else DEFAULT_SAMPLING.temperature,
@@ -103,38 +128,68 @@ def validate(msg: pb.GenerateRequest, limits: Limits, encode, api: str = "grpc")
         attention_stats=msg.return_attention_stats,
         request_id=msg.request_id or uuid.uuid4().hex,
         api=api,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
-    _check(req, limits)
+    _check(req, limits, name)
     return req
 
 
-def _check(req: GenerationRequest, limits: Limits) -> None:
+@dataclass(frozen=True)
+class _Names:
+    """Refusals in the words of the caller's API: `{field}` in a message becomes that API's name for it."""
+
+    names: dict[str, str]
+
+    def __call__(self, field: str) -> str:
+        return self.names.get(field, field)
+
+    def error(
+        self,
+        field: str,
+        message: str,
+        code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+        reason: str = "invalid_value",
+        transient: bool = False,
+    ) -> RequestError:
+        text = re.sub(r"\{(\w+)\}", lambda m: self(m.group(1)), message)
+        return RequestError(code, text, transient, self(field), reason)
+
+
+def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
     """Raise RequestError for a request that can never run, with the allowed range."""
-    invalid = grpc.StatusCode.INVALID_ARGUMENT
     if not req.prompt_ids:
-        raise RequestError(invalid, "empty prompt: give a non-empty prompt or input_ids")
+        raise name.error("prompt", "empty {prompt}: give a non-empty {prompt} or {input_ids}")
     bad = [t for t in req.prompt_ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise RequestError(invalid, f"input_ids {bad[:3]} outside the vocabulary [0, {limits.vocab_size})")
-    if not 1 <= req.max_new_tokens <= limits.max_new_tokens_limit:
-        raise RequestError(
-            invalid, f"max_new_tokens must be in [1, {limits.max_new_tokens_limit}], got {req.max_new_tokens}"
+        raise name.error("input_ids", f"{{input_ids}} {bad[:3]} outside the vocabulary [0, {limits.vocab_size})")
+    lowest = 0 if req.prompt_logprobs is not None else 1  # 0: score the prompt, generate nothing
+    if not lowest <= req.max_new_tokens <= limits.max_new_tokens_limit:
+        scoring = " (0 only when scoring the prompt)" if lowest else ""
+        raise name.error(
+            "max_new_tokens",
+            f"{{max_new_tokens}} must be in [{lowest}, {limits.max_new_tokens_limit}]{scoring}, got"
+            f" {req.max_new_tokens}",
         )
     try:
         req.sampling.check()
     except ValueError as e:
-        raise RequestError(invalid, str(e)) from None
+        raise name.error(str(e).split()[0], str(e)) from None
     total = len(req.prompt_ids) + req.max_new_tokens
     if total > limits.context_length:
-        raise RequestError(
-            grpc.StatusCode.OUT_OF_RANGE,
-            f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) exceeds the"
+        raise name.error(
+            "prompt",
+            f"{{prompt}} ({len(req.prompt_ids)} tokens) + {{max_new_tokens}} ({req.max_new_tokens}) exceeds the"
             f" model's context of {limits.context_length} tokens",
+            grpc.StatusCode.OUT_OF_RANGE,
+            "context_length_exceeded",
         )
     need = total * limits.kv_bytes_per_token
     if need > limits.kv_budget_bytes:
-        raise RequestError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        raise name.error(
+            "prompt",
             f"this request needs {need / 2**20:.1f} MiB of KV cache; the server's budget is"
             f" {limits.kv_budget_bytes / 2**20:g} MiB (--kv-cache-mb)",
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "context_length_exceeded",
         )

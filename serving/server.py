@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
-from sharp.serving.engine import Delta, Engine, Failed, Finished, option
+from sharp.serving.engine import Delta, Engine, Failed, Finished, TokenLogprob, option
 from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.requests import RequestError, validate
 from sharp.serving.warmup import WarmUp, warm_up
@@ -116,6 +116,15 @@ def _stats(ev: Finished, norm: str) -> pb.AttentionStats | None:
     return pb.AttentionStats(norm=norm, positions=ev.positions, heads=heads)
 
 
+def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=t.token, logprob=t.logprob, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in t.top]
+        )
+        for t in items or ()
+    ]
+
+
 class GeneratorService(pb_grpc.GeneratorServicer):
     def __init__(self, engine: Engine, calls: Calls):
         self.engine, self.calls = engine, calls
@@ -137,11 +146,13 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             await context.abort(e.code, e.message)
 
     async def Generate(self, request, context):
-        ids, text = [], []
+        ids, text, logprobs, prompt_logprobs = [], [], [], []
         async for req, ev in self._events(request, context):
             if isinstance(ev, Delta):
                 ids += ev.token_ids
                 text.append(ev.text)
+                logprobs += _logprobs(ev.logprobs)
+                prompt_logprobs += _logprobs(ev.prompt_logprobs)
             else:
                 return pb.GenerateResponse(
                     request_id=req.request_id,
@@ -150,12 +161,20 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     finish_reason=FINISH[ev.reason],
                     usage=pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
                     attention_stats=_stats(ev, self.engine.spec.norm),
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
 
     async def GenerateStream(self, request, context):
         async for req, ev in self._events(request, context):
             if isinstance(ev, Delta):
-                yield pb.GenerateChunk(request_id=req.request_id, text=ev.text, token_ids=ev.token_ids)
+                yield pb.GenerateChunk(
+                    request_id=req.request_id,
+                    text=ev.text,
+                    token_ids=ev.token_ids,
+                    logprobs=_logprobs(ev.logprobs),
+                    prompt_logprobs=_logprobs(ev.prompt_logprobs),
+                )
             else:
                 yield pb.GenerateChunk(
                     request_id=req.request_id,
@@ -358,7 +377,8 @@ class SharpServer:
         if cfg.http_port is not None:  # before the engine runs: requests wait in its queue meanwhile, as gRPC's do
             from sharp.serving.openai_api import OpenAIServer  # aiohttp and pydantic load only when it is on
 
-            self.http = OpenAIServer(self.engine, self.calls, cfg.auth_token)
+            serving = lambda: self.health.statuses.get("") == health_pb2.HealthCheckResponse.SERVING
+            self.http = OpenAIServer(self.engine, self.calls, cfg.auth_token, serving)
             tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
             self.http_port = await self.http.start(http_host, cfg.http_port, tls)
         if cfg.warm_up:  # in a worker thread: probes keep being answered (NOT_SERVING) meanwhile

@@ -54,7 +54,7 @@ class TensorRTBackend(GraphBackend):
         GraphBackend.__init__(self)
 
     @torch.inference_mode()
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, in_place=False):
+    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, in_place=False, every=False):
         from sharp.exporter.build_engine import profile_for
 
         context = self.contexts[profile_for(input_ids.shape[1], past[0].shape[2] if past else 0)]
@@ -78,4 +78,5 @@ class TensorRTBackend(GraphBackend):
         logits = results["logits"]
         rows = torch.arange(len(logits), device=logits.device)
         picked = logits[:, -1] if last is None else logits[rows, torch.as_tensor(last, device=logits.device)]
-        return StepOutput(picked.float().cpu().numpy(), presents, ent)
+        full = logits.float().cpu().numpy() if every else None
+        return StepOutput(picked.float().cpu().numpy(), presents, ent, full)

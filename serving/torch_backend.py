@@ -89,7 +89,9 @@ class TorchBackend(Backend):
         return "streamed" if keys >= STREAMED_FROM_KEYS else "reference"
 
     @torch.inference_mode()
-    def _run(self, seqs: list[Hashable], ids: np.ndarray, positions: np.ndarray, entropy: bool) -> StepResult:
+    def _run(
+        self, seqs: list[Hashable], ids: np.ndarray, positions: np.ndarray, entropy: bool, scores: bool = False
+    ) -> StepResult:
         step = self.cache.step(seqs, ids.shape[1])
         out = self.model.step(
             torch.from_numpy(ids).to(self.device),
@@ -100,10 +102,12 @@ class TorchBackend(Backend):
         )
         step.commit()  # only a step that ran through every layer counts; a failed one can run again
         ent = out.entropy.float().cpu().numpy() if entropy else None
-        return StepResult(out.logits[:, -1].float().cpu().numpy(), ent)
+        every = out.logits[0].float().cpu().numpy() if scores else None
+        return StepResult(out.logits[:, -1].float().cpu().numpy(), ent, scores=every)
 
-    def prefill(self, seq, ids, start, entropy):
-        return self._run([seq], ids, np.arange(start, start + ids.shape[1], dtype=np.int64)[None], entropy)
+    def prefill(self, seq, ids, start, entropy, scores=False):
+        positions = np.arange(start, start + ids.shape[1], dtype=np.int64)[None]
+        return self._run([seq], ids, positions, entropy, scores)
 
     def _decode_step(self, seqs, tokens, entropy):
         positions = np.array([[self.cache.lengths[s]] for s in seqs], np.int64)

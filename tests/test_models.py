@@ -150,7 +150,7 @@ def test_generate_greedy_seeded_and_limits():
     with pytest.raises(ValueError, match="exceeds the context limit 64"):
         model.generate(prompt, 63)
     with pytest.raises(ValueError, match="top_p must be in"):
-        model.generate(prompt, 3, SamplingParams(top_p=0.0))
+        model.generate(prompt, 3, SamplingParams(top_p=1.5))
     assert tok.decode(tok.encode("héllo")) == "héllo"
 
 
@@ -160,6 +160,7 @@ def test_sampling_filters():
     assert int(sample(logits, SamplingParams(temperature=0.0))[0]) == 1
     assert all(int(sample(logits, SamplingParams(top_k=1), g)[0]) == 1 for _ in range(20))
     assert all(int(sample(logits, SamplingParams(top_p=0.01), g)[0]) == 1 for _ in range(20))
+    assert all(int(sample(logits, SamplingParams(top_p=0.0), g)[0]) == 1 for _ in range(20))  # OpenAI's 0: argmax
     drawn = [int(sample(logits, SamplingParams(top_k=2), g)[0]) for _ in range(2000)]
     assert set(drawn) == {1, 2}
     assert 0.66 < drawn.count(1) / 2000 < 0.80  # e³ / (e³ + e²) = 0.731
@@ -222,3 +223,19 @@ def test_max_retrieval_model(norm):
     if norm == "softmax":  # inference-time sharpening changes the attention
         _, ent_ad = model(x, q, norm="adaptive", return_entropy=True)
         assert (ent_ad <= ent + 1e-6).all()
+
+
+def test_token_logprobs_are_the_log_softmax_and_its_top_k_in_order():
+    import torch
+
+    from sharp.models.sampling import token_logprobs
+
+    logits = np.random.default_rng(0).normal(0, 4, (5, 300)).astype(np.float32)
+    logits[2, 7] = -np.inf  # a token the model rules out
+    chosen = np.array([3, 0, 7, 299, 150])
+    lp = token_logprobs(logits, chosen, 4)
+    ref = torch.log_softmax(torch.from_numpy(logits).double(), -1)
+    assert np.allclose(lp.chosen, ref[np.arange(5), chosen].numpy(), atol=1e-5) and lp.chosen[2] == -np.inf
+    top = ref.topk(4)
+    assert (lp.top_ids == top.indices.numpy()).all() and np.allclose(lp.top, top.values.numpy(), atol=1e-5)
+    assert token_logprobs(logits, chosen, 0).top.shape == (5, 0)

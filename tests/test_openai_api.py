@@ -228,40 +228,70 @@ def test_bearer_token_and_tls_guard_the_http_api_as_they_guard_grpc(model_files)
             httpx.get(f"http://127.0.0.1:{srv.server.http_port}/v1/models", headers={"authorization": "Bearer s3cret"})
 
 
-BAD = [  # body changes, status, what the message says
-    ({"temperature": -1}, 400, ">= 0"),
-    ({"temperature": "hot"}, 400, "temperature"),
-    ({"max_tokens": "ten"}, 400, "max_tokens"),
-    ({"max_tokens": True}, 400, "max_tokens"),
-    ({"max_tokens": 0}, 400, "[1, 1000]"),
-    ({"top_p": 1.5}, 400, "(0, 1]"),
-    ({"seed": -1}, 400, "seed"),
-    ({"prompt": [300]}, 400, "vocabulary"),
-    ({"prompt": ""}, 400, "empty prompt"),
-    ({"prompt": "x" * 3500, "max_tokens": 1000}, 400, "context of 4096"),
-    ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
-    ({"n": 2}, 400, "n must be 1"),
-    ({"logprobs": 3}, 400, "logprobs"),
-    ({"stop": ["s"] * 17}, 400, "at most 16"),
-    ({"stream_options": {"include_usage": True}}, 400, "only allowed with stream"),
-    ({"frobnicate": 1}, 400, "frobnicate: unsupported field"),
-    ({"sharp": {"attention_stats": "yes"}}, 400, "sharp.attention_stats"),
-    ({"model": "gpt-4"}, 404, "'gpt-4' is not served here"),
+BAD = [  # body changes, status, what the message says, the param it names, OpenAI's code
+    ({"temperature": -1}, 400, ">= 0", "temperature", "invalid_value"),
+    ({"temperature": "hot"}, 400, "temperature: must be a valid number", "temperature", "invalid_type"),
+    ({"max_tokens": "ten"}, 400, "max_tokens: must be a valid integer", "max_tokens", "invalid_type"),
+    ({"max_tokens": True}, 400, "max_tokens", "max_tokens", "invalid_type"),
+    ({"max_tokens": 0}, 400, "max_tokens: 0 only with echo", "max_tokens", "unsupported_value"),
+    ({"max_tokens": 1001}, 400, "max_tokens must be in [1, 1000]", "max_tokens", "invalid_value"),
+    ({"top_p": 1.5}, 400, "[0, 1]", "top_p", "invalid_value"),
+    ({"seed": -1}, 400, "seed", "seed", "invalid_type"),
+    ({"prompt": [300]}, 400, "prompt [300] outside the vocabulary", "prompt", "invalid_value"),
+    ({"prompt": [[1], [2]]}, 400, "one prompt per request", "prompt", "unsupported_value"),
+    ({"prompt": {"text": "x"}}, 400, "prompt: must be a string, an array of token ids", "prompt", "invalid_type"),
+    ({"prompt": ""}, 400, "empty prompt", "prompt", "invalid_value"),
+    ({"prompt": "x" * 3500, "max_tokens": 1000}, 400, "context of 4096", "prompt", "context_length_exceeded"),
+    ({"prompt": [1] * 5000}, 400, "exceed the model's context", "prompt", "context_length_exceeded"),
+    ({"prompt": ["a", "b"]}, 400, "one prompt per request", "prompt", "unsupported_value"),
+    ({"n": 2}, 400, "n must be 1", "n", "unsupported_value"),
+    ({"logprobs": 21}, 400, "logprobs must be in [0, 20]", "logprobs", "invalid_value"),
+    ({"stop": ["s"] * 17}, 400, "at most 16", "stop", "invalid_value"),
+    ({"stop": 3}, 400, "stop: must be a string or an array of strings", "stop", "invalid_type"),
+    ({"stream_options": {"include_usage": True}}, 400, "only allowed with stream", "stream_options", None),
+    ({"frobnicate": 1}, 400, "frobnicate: unknown field", "frobnicate", "unknown_parameter"),
+    ({"sharp": {"attention_stats": "yes"}}, 400, "sharp.attention_stats", "sharp.attention_stats", "invalid_type"),
+    ({"store": True}, 400, "store: true is not supported", "store", "unsupported_value"),
+    ({"model": "gpt-4"}, 404, "'gpt-4' is not served here", "model", "model_not_found"),
 ]
+CHAT_BAD = [  # chat body changes (messages: system, user), what the message says, the param it names
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "input_audio", "text": "b", "input_audio": {}}]}]},
+     "'input_audio' content parts are not supported", "messages[0].content[1]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "'image_url' content parts are not supported", "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": 5}]}, "must be a string or an array of content parts",
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "unknown field", "messages[0].colour"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "must be 'system', 'developer'", "messages[0].role"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
+     "tool_calls in messages are not supported", "messages[0].tool_calls"),
+    ({"response_format": {"type": "json_object"}}, "'json_object' is not supported", "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported", "tools"),
+    ({"tool_choice": "required"}, "tool_choice must be 'none' or 'auto'", "tool_choice"),
+    ({"top_logprobs": 3}, "top_logprobs needs logprobs: true", "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 30}, "top_logprobs must be in [0, 20]", "top_logprobs"),
+    ({"max_completion_tokens": 2000}, "max_completion_tokens must be in [1, 1000]", "max_completion_tokens"),
+    ({"max_tokens": 2000}, "max_tokens must be in [1, 1000]", "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x" * 3500}], "max_tokens": 1000}, "context of 4096", "messages"),
+]  # fmt: skip
 
 
 def test_bad_requests_get_their_status_in_openai_shape_and_the_server_stays_healthy(model_files):  # noqa: F811
     with serving(model_files, server=HTTP, max_new_tokens_limit=1000) as srv:
-        for change, status, says in BAD:
+        for change, status, says, param, code in BAD:
             for stream in (False,) if "stream_options" in change else (False, True):
                 r = post(srv, "completions", {"model": "tiny", "prompt": "ok", "stream": stream} | change)
                 assert r.status_code == status, (change, r.text)
                 error = r.json()["error"]
                 assert says in error["message"], (change, error)
                 assert error["type"] == "invalid_request_error" and set(error) == {"message", "type", "param", "code"}
+                assert (error["param"], error["code"]) == (param, code or error["code"]), (change, error)
+                assert not re.search(r"\.str\b|list\[|function-|constrained", error["message"]), error
         for body, status in ((b"{not json", 400), (b'{"model": "tiny"}', 400), (b"x" * (8 << 20), 413)):
             r = post(srv, "completions", body)
             assert r.status_code == status and "error" in r.json(), r.text
+        assert post(srv, "completions", {"model": "tiny"}).json()["error"]["message"] == "prompt: required"
         assert post(srv, "embeddings", {}).status_code == 404
         assert httpx.get(f"http://127.0.0.1:{srv.server.http_port}/v1/completions").status_code == 405
         with pytest.raises(openai.BadRequestError):  # the client's own exception classes work on our answers
@@ -269,9 +299,49 @@ def test_bad_requests_get_their_status_in_openai_shape_and_the_server_stays_heal
         assert api(srv).completions.create(model="tiny", prompt="fine", max_tokens=3).usage.completion_tokens >= 1
         m = scrape(srv)
         count = lambda status: sample_value(m, "sharp_requests", "sharp_requests_total", api="http", status=status)
-        assert count("not_found") == 2 and count("out_of_range") == 2 and count("ok") == 1
-        assert count("invalid_argument") == 2 * (len(BAD) - 3) + 1 + 2 + 1  # the JSON ones and the client's own
+        assert count("not_found") == 2 and count("out_of_range") == 4 and count("ok") == 1
+        # each twice but stream_options; three malformed bodies; the client's own
+        assert count("invalid_argument") == 2 * (len(BAD) - 3) - 1 + 3 + 1
         assert sample_value(m, "sharp_requests", "sharp_requests_total", api="grpc") == 0
+
+
+def test_chat_refuses_what_changes_the_output_naming_the_field(chat_files):
+    base = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    with serving(chat_files, server=HTTP, max_new_tokens_limit=1000) as srv:
+        for change, says, param in CHAT_BAD:
+            r = post(srv, "chat/completions", base | change)
+            assert r.status_code == 400, (change, r.text)
+            error = r.json()["error"]
+            assert says in error["message"] and error["param"] == param, (change, error)
+
+
+def test_fields_clients_send_at_their_neutral_values_are_accepted(chat_files):
+    """What the SDK's objects, LangChain and agent frameworks send back, and standard fields at values that change
+    nothing, give the same text as the bare request."""
+    messages = [
+        {"role": "system", "content": "be brief", "name": "rules"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo", "refusal": None, "annotations": [], "audio": None,
+         "function_call": None, "tool_calls": []},
+        {"role": "user", "content": [{"type": "text", "text": "and?"}]},
+    ]  # fmt: skip
+    neutral = {
+        "response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "parallel_tool_calls": True,
+        "store": False, "metadata": {"k": "v"}, "logprobs": False, "top_logprobs": 0, "service_tier": "auto",
+        "user": "u", "safety_identifier": "s", "prompt_cache_key": "p", "modalities": ["text"], "n": 1,
+        "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "stream_options": None,
+    }  # fmt: skip
+    with serving(chat_files, server=HTTP) as srv:
+        bare = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0}
+        want = post(srv, "chat/completions", bare).json()["choices"][0]["message"]["content"]
+        r = post(srv, "chat/completions", bare | neutral)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+        for top_p in (0, 0.0):  # OpenAI's range is [0, 1]: 0 keeps the most likely token only (greedy)
+            hot = bare | {"temperature": 1.5, "top_p": top_p, "seed": 3}
+            assert post(srv, "chat/completions", hot).json()["choices"][0]["message"]["content"] == want
+        ok = post(srv, "completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "best_of": 1, "suffix": ""})
+        assert ok.status_code == 200, ok.text
 
 
 class SlowSteps(SlowEndless):
@@ -436,3 +506,150 @@ def test_sharp_serve_sigterm_drains_http_and_grpc_together(model_files):  # noqa
             oa.models.list()
     finally:
         proc.kill()
+
+
+def _log_softmax(model, ids: list[int]):
+    """The model's own log-probabilities (positions, V) over `ids`, in PyTorch."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([ids]))
+    return torch.log_softmax(getattr(out, "logits", out).double(), -1)[0]
+
+
+def test_logprobs_and_echo_equal_the_models_own_log_softmax(model_files):  # noqa: F811
+    """Completions echo and score the prompt (in chunks: prefill_chunk 16 < the prompt), report generated tokens'
+    log-probabilities and top alternatives, streamed or not, and gRPC carries the same numbers."""
+    from sharp.models import load
+
+    model = load(model_files["torch"])
+    prompt = "def main():\n    return sorted(x for x in range(10))\n"
+    ids = BYTES.encode(prompt)
+    with serving(model_files, server=HTTP, prefill_chunk=16) as srv:
+        oa = api(srv)
+        scored = oa.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+        choice = scored.choices[0]
+        assert choice.text == prompt and scored.usage.completion_tokens == 0 and choice.finish_reason == "length"
+        ref = _log_softmax(model, ids)
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
+        want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+        assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+        for i in range(1, len(ids)):
+            top = ref[i - 1].topk(3)
+            got = lp.top_logprobs[i]
+            assert list(got.values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert list(got) == [_token_string(t) for t in top.indices.tolist()]
+        assert lp.tokens == [_token_string(t) for t in ids] and lp.tokens[1] == "d"
+        assert [prompt[o : o + 1] for o in lp.text_offset[1:]] == list(prompt) and lp.text_offset[0] == 0
+        assert srv.server.engine.idle() and srv.server.engine.backend.kv_usage() == 0  # nothing held after scoring
+
+        made = oa.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+        gen = made.choices[0].logprobs
+        new = BYTES.encode(prompt) + [c for t in gen.tokens for c in _token_bytes(t)]
+        full = _log_softmax(model, new)
+        assert len(gen.tokens) == 8 and gen.text_offset[0] == 0
+        assert gen.token_logprobs == pytest.approx([full[len(ids) - 1 + i, new[len(ids) + i]].item() for i in range(8)],
+                                                   abs=1e-4)  # fmt: skip
+        assert all(max(top.values()) == tok for tok, top in zip(gen.token_logprobs, gen.top_logprobs, strict=True))
+        busy = iter(oa.completions.create(model="tiny", prompt="x", max_tokens=300, temperature=0, stream=True))
+        next(busy)  # a row that asks for nothing shares the decode steps (and is the batch's first row)
+        beside = oa.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+        busy.close()
+        assert beside.choices[0].logprobs.token_logprobs == pytest.approx(gen.token_logprobs, abs=1e-5)
+        assert beside.choices[0].logprobs.top_logprobs == gen.top_logprobs or all(
+            list(a) == list(b) for a, b in zip(beside.choices[0].logprobs.top_logprobs, gen.top_logprobs, strict=True)
+        )
+        chunks = list(oa.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
+                                            echo=True, stream=True))  # fmt: skip
+        streamed = [
+            t for ch in chunks for t in (ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs else [])
+        ]
+        assert streamed == [None, *lp.token_logprobs[1:], *gen.token_logprobs]
+        assert "".join(ch.choices[0].text for ch in chunks) == prompt + made.choices[0].text
+
+        echoed = oa.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0, echo=True)
+        assert echoed.choices[0].text.startswith(prompt) and echoed.choices[0].logprobs is None
+
+        with Client(srv.target) as c:
+            stub_reply = c.stub.Generate(pb.GenerateRequest(input_ids=ids, max_new_tokens=0, prompt_logprobs=1))
+        assert [x.logprob for x in stub_reply.prompt_logprobs] == pytest.approx(want, abs=1e-4)
+        assert [x.token_id for x in stub_reply.prompt_logprobs] == ids[1:] and not stub_reply.token_ids
+        assert [x.top[0].token_id for x in stub_reply.prompt_logprobs] == ref[:-1].argmax(-1).tolist()
+
+
+def test_chat_logprobs_in_openais_shape_with_exact_bytes(chat_files, reference):  # noqa: F811
+    messages = [{"role": "user", "content": "hi"}]
+    with serving(chat_files, server=HTTP) as srv:
+        oa = api(srv)
+        r = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)  # fmt: skip
+        content = r.choices[0].logprobs.content
+        ids = srv.server.engine.tokenizer.encode(render_chat(srv.server.engine.tokenizer, messages), bos=False)
+        made = reference(ids, 6)
+        assert [bytes(c.bytes) for c in content] == [bytes([t]) for t in made]
+        assert all(c.top_logprobs[0].logprob == c.logprob and len(c.top_logprobs) == 2 for c in content)
+        assert b"".join(bytes(c.bytes) for c in content).decode("utf-8", "replace") == r.choices[0].message.content
+        chunks = list(oa.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, stream=True))  # fmt: skip
+        streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+        assert [c.logprob for c in streamed] == [c.logprob for c in content]
+        assert all(c.top_logprobs == [] for c in streamed)
+        plain = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert plain.choices[0].logprobs is None
+
+
+def _token_string(token: int) -> str:
+    raw = BYTES.token_bytes(token)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _token_bytes(text: str) -> bytes:
+    if text.startswith("bytes:"):
+        return bytes(int(text[i + 2 : i + 4], 16) for i in range(6, len(text), 4))
+    return text.encode()
+
+
+def test_routes_clients_and_probes_call(chat_files):
+    """GET /v1/models/{id} (the SDK's models.retrieve), /health and /metrics beside the API (open without the
+    token, as on their own ports), vLLM's /tokenize, /detokenize and /tokenizer_info (lm-eval's remote tokenizer)."""
+    with serving(chat_files, server=HTTP | {"auth_token": "s3cret"}) as srv:
+        base = f"http://127.0.0.1:{srv.server.http_port}"
+        oa = api(srv, "s3cret")
+        model = oa.models.retrieve("tiny")
+        assert model.id == "tiny" and model.object == "model"
+        with pytest.raises(openai.NotFoundError):
+            oa.models.retrieve("gpt-4")
+        assert httpx.get(f"{base}/health").status_code == 200
+        metrics = httpx.get(f"{base}/metrics")
+        assert metrics.status_code == 200 and "sharp_requests_total" in metrics.text
+        assert re.search(r"^sharp_queue_capacity(\{[^}]*\})? 256\.0$", metrics.text, re.M)
+        auth = {"authorization": "Bearer s3cret"}
+        assert httpx.post(f"{base}/tokenize", json={"prompt": "hi"}).status_code == 401
+        tok = httpx.post(f"{base}/tokenize", json={"prompt": "hi<eos>", "add_special_tokens": False}, headers=auth)
+        assert tok.json() == {"count": 3, "max_model_len": 4096, "tokens": [ord("h"), ord("i"), BYTES.eos]}
+        with_bos = httpx.post(f"{base}/tokenize", json={"prompt": "hi"}, headers=auth).json()["tokens"]
+        assert with_bos == [BYTES.bos, ord("h"), ord("i")]
+        assert httpx.post(f"{base}/detokenize", json={"tokens": with_bos}, headers=auth).json() == {"prompt": "hi"}
+        bad = httpx.post(f"{base}/detokenize", json={"tokens": [9999]}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        info = httpx.get(f"{base}/tokenizer_info", headers=auth).json()
+        assert (info["eos_token"], info["bos_token"], info["chat_template"]) == ("<eos>", "<bos>", TEMPLATE)
+        srv.server.engine.draining = True
+        assert httpx.get(f"{base}/health").status_code == 503
+        srv.server.engine.draining = False
+        assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_a_token_the_model_rules_out_is_reported_at_the_floor_in_valid_json():
+    from sharp.serving.engine import TokenLogprob
+    from sharp.serving.openai_api import LOGPROB_FLOOR, _Logprobs
+
+    ruled_out = TokenLogprob(ord("a"), float("-inf"), [(ord("b"), 0.0), (ord("c"), float("-inf"))])
+    shapes = _Logprobs(BYTES)
+    for got in (shapes.completion([ord("a")], [ruled_out]), shapes.chat([ruled_out])):
+        text = json.dumps(got, allow_nan=False)  # raises on -inf: JSON has no infinities
+        assert str(LOGPROB_FLOOR) in text and "Infinity" not in text

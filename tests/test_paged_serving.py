@@ -148,8 +148,8 @@ def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(m
     if backend == "torch":
         real_prefill = be.prefill
 
-        def refuses_prompt(seq, ids, start, entropy):
-            out = real_prefill(seq, ids, start, entropy)
+        def refuses_prompt(seq, ids, start, entropy, scores=False):
+            out = real_prefill(seq, ids, start, entropy, scores)
             if REFUSED in ids:
                 raise RuntimeError("prefill refused")
             return out

@@ -1,0 +1,124 @@
+"""Real clients against a real sharp-serve on loopback: the official `openai` SDK (sync and async, streamed and not,
+a conversation carried on with the SDK's own reply objects), LangChain's `ChatOpenAI`, and lm-evaluation-harness's
+`local-completions` model scoring and generating on a task written here (no download), its loglikelihoods checked
+against the model's own log-softmax in PyTorch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+from test_openai_api import HTTP, _log_softmax, api, chat_files  # noqa: F401
+from test_serving import model_files, reference, serving  # noqa: F401
+
+from sharp.models import load
+from sharp.models.tokenizer import render_chat
+
+
+def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objects(chat_files, reference):  # noqa: F811
+    with serving(chat_files, server=HTTP) as srv:
+        oa = api(srv)
+        tok = srv.server.engine.tokenizer
+        messages: list[dict] = [{"role": "system", "content": "be brief"}]
+        for turn in ("hi", "and then?", "bye"):
+            messages.append({"role": "user", "content": turn})
+            reply = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+            ids = tok.encode(render_chat(tok, [{"role": m["role"], "content": m["content"]} for m in messages]),
+                             bos=False)  # fmt: skip
+            assert reply.choices[0].message.content == tok.decode(reference(ids, 5))
+            messages.append(reply.choices[0].message.model_dump())  # refusal, annotations, audio, tool_calls: None
+        assert set(messages[-1]) >= {"refusal", "tool_calls", "audio"} and len(messages) == 7
+
+        async def run() -> tuple[str, str]:
+            aoa = openai.AsyncOpenAI(base_url=oa.base_url, api_key="none", max_retries=0)
+            whole = await aoa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+            stream = await aoa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                       stream=True)  # fmt: skip
+            parts = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
+            done = await aoa.completions.create(model="tiny", prompt="x = ", max_tokens=4, temperature=0)
+            assert done.choices[0].text == oa.completions.create(model="tiny", prompt="x = ", max_tokens=4,
+                                                                 temperature=0).choices[0].text  # fmt: skip
+            await aoa.close()
+            return whole.choices[0].message.content, "".join(parts)
+
+        whole, streamed = asyncio.run(run())
+        assert whole == streamed
+        sync = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
+        assert sync.choices[0].message.content == whole
+
+
+def test_langchain_chat_openai_invokes_streams_and_keeps_history(chat_files):  # noqa: F811
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    with serving(chat_files, server=HTTP) as srv:
+        oa = api(srv)
+        llm = ChatOpenAI(model="tiny", base_url=str(oa.base_url), api_key="none", temperature=0, max_tokens=5,
+                         max_retries=0)  # fmt: skip
+        history = [SystemMessage("be brief"), HumanMessage("hi")]
+        first = llm.invoke(history)
+        direct = oa.chat.completions.create(model="tiny", max_tokens=5, temperature=0,
+                                            messages=[{"role": "system", "content": "be brief"},
+                                                      {"role": "user", "content": "hi"}])  # fmt: skip
+        assert first.content == direct.choices[0].message.content
+        assert first.usage_metadata["output_tokens"] == 5
+        assert "".join(chunk.content for chunk in llm.stream(history)) == first.content
+        history += [first, HumanMessage("more")]  # the AIMessage goes back as LangChain serializes it
+        second = llm.invoke(history)
+        again = oa.chat.completions.create(model="tiny", max_tokens=5, temperature=0, messages=[
+            {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": first.content}, {"role": "user", "content": "more"}])  # fmt: skip
+        assert isinstance(second, AIMessage) and second.content == again.choices[0].message.content
+
+
+DOCS = [{"q": "def main():", "a": " return 0"}, {"q": "hello", "a": " world"}, {"q": "x = 1", "a": "\nprint(x)"}]
+
+
+def _task(tmp_path, name: str, output: str, extra: str) -> None:
+    (tmp_path / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tmp_path / 'docs.jsonl'}\n"
+        f"test_split: test\noutput_type: {output}\ndoc_to_text: '{{{{q}}}}'\ndoc_to_target: '{{{{a}}}}'\n{extra}"
+    )
+
+
+def test_lm_eval_local_completions_scores_and_generates(chat_files, model_files, tmp_path, monkeypatch):  # noqa: F811
+    """lm-eval asks /tokenizer_info and /tokenize (its remote tokenizer), scores with echo + logprobs and generates
+    until a stop string; each loglikelihood equals the continuation's log-probability under the model in PyTorch."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    metrics = "metric_list:\n  - metric: {}\n    aggregation: {}\n    higher_is_better: {}\n"
+    _task(tmp_path, "sharp_ll", "loglikelihood", metrics.format("acc", "mean", "true"))
+    until = "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n"
+    _task(tmp_path, "sharp_gen", "generate_until", until + metrics.format("exact_match", "mean", "true"))
+    model = load(model_files["torch"])
+    with serving(chat_files, server=HTTP) as srv:
+        url = f"http://127.0.0.1:{srv.server.http_port}/v1/completions"
+        out = lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=f"model=tiny,base_url={url},tokenizer_backend=remote,max_retries=1",
+            tasks=["sharp_ll", "sharp_gen"],
+            task_manager=TaskManager(include_path=str(tmp_path)),
+            log_samples=True,
+        )
+        oa = api(srv)
+        for sample in out["samples"]["sharp_gen"]:
+            q = sample["doc"]["q"]
+            direct = oa.completions.create(model="tiny", prompt=list(q.encode()), max_tokens=8, temperature=0,
+                                           stop=["\n"], seed=1234)  # fmt: skip
+            assert sample["resps"][0][0] == direct.choices[0].text
+    assert {"sharp_ll", "sharp_gen"} <= set(out["results"])
+    assert len(out["samples"]["sharp_ll"]) == len(DOCS)
+    for sample in out["samples"]["sharp_ll"]:
+        context, continuation = (x.encode() for x in sample["arguments"][0])
+        ids = list(context + continuation)  # the byte tokenizer, no BOS (lm-eval's add_bos_token is off)
+        ref = _log_softmax(model, ids)
+        want = sum(ref[i - 1, ids[i]].item() for i in range(len(context), len(ids)))
+        greedy = all(ref[i - 1].argmax().item() == ids[i] for i in range(len(context), len(ids)))
+        (got, got_greedy), = sample["resps"][0]  # fmt: skip
+        assert got == pytest.approx(want, abs=1e-4) and got_greedy == greedy
