@@ -290,6 +290,7 @@ class GraphBackend(Backend):
             cache.settle()
             if cache.free and (self._held() + len(cache.owners)) * self.kv_bytes_per_token > self.budget_bytes:
                 cache.compact()  # this step's column would take the free slots past the budget
+            cache.reserve()  # a move to larger buffers drops free slots: the rows are numbered after it
             slots = cache.index(seqs)
             rows = None  # every slot live, in the engine's order: nothing to scatter or gather
             if slots != list(range(len(cache.owners))):
@@ -297,7 +298,6 @@ class GraphBackend(Backend):
                 scattered = np.zeros((len(cache.owners), 1), np.int64)
                 scattered[rows] = tokens
                 tokens = scattered
-            cache.reserve()
             mask, positions = cache.attention_mask(), cache.positions()
             out = self.forward(tokens, mask, positions, cache.tensors, entropy, in_place=self.in_place)
             cache.advance(out.presents)

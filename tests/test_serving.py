@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures as cf
 import dataclasses
 import json
+import logging
 import math
 import os
 import random
@@ -420,6 +421,28 @@ def test_decode_steps_write_into_the_batch_buffers_and_match_the_model(model_fil
             widths.append(cache.width)
     assert got["a"] == reference(prompts["a"], 150) and got["b"] == reference(prompts["b"], 100)
     assert 1 <= moves <= 4 and widths == sorted(widths)  # a handful of moves for ~150 steps, not one per step
+
+
+def test_a_buffer_that_fills_beside_a_free_slot_moves_before_the_step_is_laid_out(model_files, reference, caplog):
+    """A row left (a free slot, not yet dropped) when the in-place buffers run out of room: the move drops the free
+    slot and renumbers the rows, so the step's tokens must be laid out after it — else the batched step fails on a
+    shape mismatch and every row reruns alone (a warning, and a step's work twice)."""
+    be = load_backend(model_files["onnxruntime"])
+    eng = Engine(be, EngineConfig())  # stepped by hand
+    prompts = {k: [256, 40 + i, 41 + i] for i, k in enumerate("abcd")}
+    lengths = {"a": 4, "b": 90, "c": 90, "d": 90}  # a leaves early; the rest outgrow the first buffers (64 columns)
+    got: dict[str, list] = {k: [] for k in prompts}
+    for k, ids in prompts.items():
+        eng.submit(_req(eng, ids, lengths[k]), lambda ev, k=k: isinstance(ev, Delta) and got[k].extend(ev.token_ids))
+    moved_beside_a_free_slot = False
+    with caplog.at_level(logging.WARNING, logger="sharp.serving"):
+        while not eng.idle():
+            cache = be._batch
+            moved_beside_a_free_slot |= cache.tensors is not None and cache.free > 0 and cache.width == cache.capacity
+            eng.step()
+    assert moved_beside_a_free_slot  # the case this test is for happened
+    assert not [r for r in caplog.records if "one by one" in r.getMessage()]
+    assert all(got[k] == reference(prompts[k], lengths[k]) for k in prompts)
 
 
 def _own_cache(length: int, fill: float, kind: str = "numpy") -> list:
