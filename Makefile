@@ -16,7 +16,8 @@ NATIVE_SOURCES := $(wildcard plugins/onnxruntime/*.cc plugins/onnxruntime/*.h) p
 
 $(STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) $(NATIVE_SOURCES) | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[dev,kernels,deploy,hf,genai]'
+	@# setuptools warns every editable install that the checkout's own sharp/ could shadow the package: it is the package
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev,kernels,deploy,hf,genai]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -1,56 +1,45 @@
-"""The Prometheus endpoint: an HTTP server with bounded concurrency and socket timeouts, so idle or slow
-connections cannot pile up threads (prometheus-client's own server spends one thread per connection, forever)."""
+"""The Prometheus endpoint, served from the event loop (aiohttp): a connection costs a socket, not a thread, and
+there is no small fixed number of slots, so idle or slow connections cannot lock scrapes out; an idle keep-alive
+connection is closed after --http-keepalive-timeout, and a scrape is rendered in a worker thread."""
 
 from __future__ import annotations
 
-import threading
-from http.server import HTTPServer
-from socketserver import ThreadingMixIn
+import asyncio
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import MetricsHandler
+from prometheus_client.exposition import choose_encoder
 
 
-class MetricsServer(ThreadingMixIn, HTTPServer):
-    """Serves `registry` at any path; at most `max_connections` at once (more are closed at once), each with a
-    `timeout`-second socket timeout."""
+class MetricsServer:
+    """Serves `registry` at any path (GET), in the text format or OpenMetrics as the scraper's Accept asks."""
 
-    daemon_threads = True
+    def __init__(self, registry: CollectorRegistry, keepalive: float):
+        self.registry, self.keepalive = registry, keepalive
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, max_connections: int = 8, timeout: float = 5):
-        handler = type("Handler", (MetricsHandler.factory(registry),), {"timeout": timeout, "log_message": _quiet})
-        self.slots = threading.BoundedSemaphore(max_connections)
-        super().__init__((host, port), handler)
-        self.thread = threading.Thread(target=self.serve_forever, name="sharp-metrics", daemon=True)
+    async def _scrape(self, request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        body = await asyncio.to_thread(encoder, self.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
-    @property
-    def port(self) -> int:
-        return self.server_address[1]
-
-    def process_request(self, request, client_address) -> None:
-        if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)  # over the bound: refuse rather than queue
-            return
+    async def start(self, host: str, port: int) -> int:
+        app = web.Application()
+        app.router.add_get("/{path:.*}", self._scrape)
+        self.runner = web.AppRunner(
+            app, access_log=None, keepalive_timeout=self.keepalive, auto_decompress=False, shutdown_timeout=1
+        )
+        await self.runner.setup()
         try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
+            await web.TCPSite(self.runner, host, port, reuse_port=False).start()
+        except OSError:
+            await self.stop()
             raise
+        self.port = self.runner.addresses[0][1]
+        return self.port
 
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-    def start(self) -> MetricsServer:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-
-
-def _quiet(self, *args) -> None:  # no access log on stderr
-    return None
+    async def stop(self) -> None:
+        runner, self.runner = self.runner, None  # once, even when a drain and an exit both stop it
+        if runner is not None:
+            await runner.cleanup()

@@ -22,10 +22,13 @@ import tempfile
 import time
 import typing
 from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
 from typing import Annotated, Any, Literal, TypeVar
 
 import grpc
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,6 +43,7 @@ from sharp.v1 import generator_pb2 as pb
 log = logging.getLogger("sharp.serving")
 
 JSON_EXPANSION = 6  # a body may spell each prompt character as a \uXXXX escape
+PARSE_OFF_LOOP = 1 << 16  # bytes: a larger body is parsed in a worker thread (the loop serves every stream)
 SHUTDOWN_SECONDS = 5.0  # after a drain, what open connections get to close
 FINISH_REASON = {"eos": "stop", "stop": "stop", "length": "length"}  # OpenAI has no separate end-of-sequence reason
 ERROR_TYPE = {
@@ -47,7 +51,9 @@ ERROR_TYPE = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -515,14 +521,60 @@ def _refusal(e: ValidationError) -> APIError:
     return APIError(400, f"{where}: {why}", code, where)
 
 
+@dataclasses.dataclass(frozen=True)
+class HTTPTimeouts:
+    """How long a connection may idle between requests, and how long a request's body may take to arrive."""
+
+    keepalive: float = 75.0
+    body: float = 30.0
+
+
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, answering a request its parser refuses (malformed framing, bad method, a
+    header too long) in OpenAI's JSON error shape, without echoing the offending bytes, logged as one line."""
+
+    def handle_error(self, request, status=500, exc=None, message=None):
+        if status >= 500:
+            log.error("HTTP %d for a request from %s: %s", status, request.remote, type(exc).__name__)
+        else:
+            log.info("refused a malformed HTTP request from %s (%s)", request.remote, type(exc).__name__)
+        if request.writer.output_size > 0:  # a response has begun: the connection is beyond repair
+            raise ConnectionError("response already started")
+        what = "malformed HTTP request" if status == 400 else HTTPStatus(status).phrase
+        resp = web.json_response(APIError(status, what, "bad_request" if status == 400 else None).body(), status=status)
+        resp.force_close()
+        return resp
+
+
+class _Server(Server):
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        server.__class__ = _Server  # the same server, whose connections get _Handler
+        return server
+
+
+def _client_gone(e: BaseException) -> bool:
+    return isinstance(e, ConnectionResetError | ConnectionAbortedError | BrokenPipeError)
+
+
 class OpenAIServer:
     """The HTTP API of one engine on the running event loop; `start` binds, `stop` closes. `serving()` is the
     server's health (GET /health answers it, as grpc.health does)."""
 
     def __init__(
-        self, engine: Engine, calls: Calls, auth_token: str | None, serving: Callable[[], bool] = lambda: True
+        self,
+        engine: Engine,
+        calls: Calls,
+        auth_token: str | None,
+        serving: Callable[[], bool] = lambda: True,
+        timeouts: HTTPTimeouts = HTTPTimeouts(),
     ):
-        self.engine, self.calls, self.serving = engine, calls, serving
+        self.engine, self.calls, self.serving, self.timeouts = engine, calls, serving, timeouts
         self.token = auth_token.encode() if auth_token else None
         self.started = int(time.time())
         self.runner: web.AppRunner | None = None
@@ -530,7 +582,7 @@ class OpenAIServer:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[self._errors, self._auth],
+            middlewares=[self._errors, self._headers, self._auth],
             client_max_size=JSON_EXPANSION * self.engine.request_bytes(),
         )
         app.router.add_get("/v1/models", self.models)
@@ -546,8 +598,14 @@ class OpenAIServer:
 
     async def start(self, host: str, port: int, tls: tuple[bytes, bytes] | None) -> int:
         # handler_cancellation: a client that disconnects cancels its handler, so its request is cancelled too
-        self.runner = web.AppRunner(
-            self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_SECONDS
+        # auto_decompress off: a compressed body is refused, never inflated (a gzip bomb costs nothing)
+        self.runner = _Runner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_SECONDS,
+            auto_decompress=False,
+            keepalive_timeout=self.timeouts.keepalive,
         )
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=_ssl_context(*tls) if tls else None, reuse_port=False)
@@ -556,25 +614,52 @@ class OpenAIServer:
         return self.port
 
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
+        runner, self.runner = self.runner, None  # once, even when a drain and an exit both stop it
+        if runner is not None:
+            await runner.cleanup()
 
     # ---- middlewares ----
     @web.middleware
     async def _errors(self, request: web.Request, handler):
-        """Every error in OpenAI's shape: ours, aiohttp's (404 path, 405 method, 413 body) and a bug's (500)."""
+        """Every error in OpenAI's shape: ours, aiohttp's (404 path, 405 method, 413 body) and a bug's (500). A
+        refusal before the body was read closes the connection: the rest of the body is never read."""
         try:
             return await handler(request)
         except APIError as e:
-            return e.response()
+            resp = e.response()
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return APIError(e.status, e.reason if e.status != 413 else _too_large(e)).response()
-        except Exception:
+            resp = APIError(e.status, e.reason if e.status != 413 else _too_large(e)).response()
+        except Exception as e:
+            if _client_gone(e):  # the client left mid-response: nothing to answer, nothing wrong here
+                log.info("HTTP client went away: %s %s (%s)", request.method, request.path, type(e).__name__)
+                raise
             log.exception("HTTP handler failed: %s %s", request.method, request.path)
-            return APIError(500, "internal error; see the server log").response()
+            resp = APIError(500, "internal error; see the server log").response()
+        if request.can_read_body:
+            resp.force_close()
+        return resp
+
+    @web.middleware
+    async def _headers(self, request: web.Request, handler):
+        """Before anything reads them: every header UTF-8 (a bearer token or request id of other bytes is a 400,
+        not a failure), a body only as identity-encoded JSON (a compressed body could be a bomb; any other type is
+        what a web page may send cross-site without a CORS preflight)."""
+        for name, value in request.headers.items():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, f"header {name!r} is not valid UTF-8", "invalid_header") from None
+        if request.method == "POST":
+            encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+            if encoding != "identity":
+                raise APIError(415, f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed",
+                               "unsupported_content_encoding")  # fmt: skip
+            if request.content_type != "application/json":
+                raise APIError(415, f"Content-Type must be application/json, got {request.content_type!r}",
+                               "unsupported_media_type")  # fmt: skip
+        return await handler(request)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -676,8 +761,20 @@ class OpenAIServer:
         return error
 
     async def _read(self, request: web.Request, kind: type[_B]) -> _B:
-        raw = await request.read()  # over client_max_size: aiohttp's 413
+        """The body as `kind`: read within the body timeout (over client_max_size: aiohttp's 413), a chat with more
+        messages than the context has tokens refused unparsed, a large body parsed off the event loop."""
         try:
+            raw = await asyncio.wait_for(request.read(), self.timeouts.body)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.timeouts.body:g} s",
+                           "request_timeout") from None  # fmt: skip
+        context = self.engine.spec.context_length
+        if kind is ChatRequest and (count := raw.count(b'"role"')) > context:
+            raise APIError(400, f"messages: {count} messages cannot fit the model's context of {context} tokens",
+                           "context_length_exceeded", "messages")  # fmt: skip
+        try:
+            if len(raw) > PARSE_OFF_LOOP:
+                return await asyncio.to_thread(kind.model_validate_json, raw)
             return kind.model_validate_json(raw)
         except ValidationError as e:
             raise _refusal(e) from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import inspect
 import logging
 import math
 import socket
@@ -59,6 +60,10 @@ class ServerConfig:
         " port (0: any free port); same token, TLS, limits and metrics as gRPC",
     )
     http_host: str | None = option(None, "address of the HTTP API (default: --host)")
+    http_keepalive_timeout: float = option(
+        75.0, "seconds an idle keep-alive connection is held (the HTTP API and the metrics port)"
+    )
+    http_body_timeout: float = option(30.0, "seconds an HTTP client has to send a request's body (then 408)")
 
     def check(self) -> None:
         """Raise ValueError naming the first setting out of range (in backquotes: the CLI names its flag)."""
@@ -67,10 +72,12 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535):
                 raise ValueError(f"`{name}` must be in [0, 65535] (0: any free port), got {value!r}")
-        timeout = self.drain_timeout
-        number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
-        if not (number and math.isfinite(timeout) and timeout >= 0):
-            raise ValueError(f"`drain_timeout` must be a finite number of seconds >= 0, got {timeout!r}")
+        for name, least in (("drain_timeout", 0), ("http_keepalive_timeout", 1e-3), ("http_body_timeout", 1e-3)):
+            timeout = getattr(self, name)
+            number = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+            if not (number and math.isfinite(timeout) and timeout >= least):
+                above = ">= 0" if least == 0 else "> 0"
+                raise ValueError(f"`{name}` must be a finite number of seconds {above}, got {timeout!r}")
         taken: dict[tuple[str, int], str] = {}  # fixed ports by address
         hosts = {"metrics_port": self.metrics_host, "http_port": self.http_host}
         for name in ports:
@@ -264,6 +271,14 @@ class Guard(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             inner = handler.unary_stream
 
+            if not inspect.isasyncgenfunction(inner):  # a coroutine that writes with context.write (health Watch)
+
+                async def written(request, context):
+                    await refuse(request, context)
+                    await inner(request, context)
+
+                return grpc.unary_stream_rpc_method_handler(written, load, handler.response_serializer)
+
             async def stream(request, context):
                 await refuse(request, context)
                 async for item in inner(request, context):
@@ -359,15 +374,12 @@ class SharpServer:
         if cfg.http_port is not None and (problem := bind_problem(http_host, cfg.http_port)) is not None:
             raise OSError(f"cannot serve HTTP on {http_host}:{cfg.http_port}: {problem}")
         if cfg.metrics_port is not None:
+            metrics_host = cfg.metrics_host or cfg.host
+            self._metrics_http = MetricsServer(self.engine.metrics.registry, cfg.http_keepalive_timeout)
             try:
-                self._metrics_http = MetricsServer(
-                    cfg.metrics_host or cfg.host, cfg.metrics_port, self.engine.metrics.registry
-                )
+                self.metrics_port = await self._metrics_http.start(metrics_host, cfg.metrics_port)
             except OSError as e:
-                raise OSError(
-                    f"cannot serve metrics on {cfg.metrics_host or cfg.host}:{cfg.metrics_port}: {e.strerror}"
-                ) from None
-            self.metrics_port = self._metrics_http.start().port
+                raise OSError(f"cannot serve metrics on {metrics_host}:{cfg.metrics_port}: {e.strerror}") from None
         log.info("%s: %s", self.engine.spec.name, self.engine.backend.attention)  # the ports are ours: starting
         for name in ("", SERVICE):  # until the engine runs (and, with warm_up, has run the model's shapes)
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -375,10 +387,11 @@ class SharpServer:
         if cfg.health_port is not None:
             await self._start_health(cfg.host, cfg.health_port)
         if cfg.http_port is not None:  # before the engine runs: requests wait in its queue meanwhile, as gRPC's do
-            from sharp.serving.openai_api import OpenAIServer  # aiohttp and pydantic load only when it is on
+            from sharp.serving.openai_api import HTTPTimeouts, OpenAIServer  # aiohttp, pydantic: only when it is on
 
             serving = lambda: self.health.statuses.get("") == health_pb2.HealthCheckResponse.SERVING
-            self.http = OpenAIServer(self.engine, self.calls, cfg.auth_token, serving)
+            timeouts = HTTPTimeouts(cfg.http_keepalive_timeout, cfg.http_body_timeout)
+            self.http = OpenAIServer(self.engine, self.calls, cfg.auth_token, serving, timeouts)
             tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
             self.http_port = await self.http.start(http_host, cfg.http_port, tls)
         if cfg.warm_up:  # in a worker thread: probes keep being answered (NOT_SERVING) meanwhile
@@ -428,7 +441,7 @@ class SharpServer:
             await self.http.stop()
         self.engine.stop()
         if self._metrics_http is not None:
-            self._metrics_http.stop()
+            await self._metrics_http.stop()
             self._metrics_http = None
 
     async def wait(self) -> None:
