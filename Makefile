@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools triton-oldest peers wheelhouse test test-gpu lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest peers wheelhouse image test test-gpu lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -68,6 +68,15 @@ wheelhouse: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
+
+# The CPU image (deploy/docker/Dockerfile.cpu) with docker or podman, whichever exists; IMAGE_ARGS for build arguments
+# (mirrors, a local base: docs/deploy.md). deploy/smoke.sh IMAGE runs it as a user would. Not part of `make test`.
+IMAGE ?= sharp-serve-cpu:0.1.0
+IMAGE_ENGINE ?= $(shell command -v docker || command -v podman)
+IMAGE_ARGS ?=
+image:
+	@test -n "$(IMAGE_ENGINE)" || { echo "make image: needs docker or podman" >&2; exit 2; }
+	$(IMAGE_ENGINE) build -f deploy/docker/Dockerfile.cpu -t $(IMAGE) $(IMAGE_ARGS) .
 
 # The GPU selection (tests/test_gpu.py): kernels, the paged cache and serving at 4K-32K keys; refuses without CUDA.
 # On a GPU image with sharp installed: make test-gpu GPU_PYTHON=python3

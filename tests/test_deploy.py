@@ -248,6 +248,18 @@ def test_images_are_hadolint_clean():
     for f in files:
         text = f.read_text()
         assert re.search(r"^USER 10001", text, re.M) and "AS build" in text and "AS baked" in text
+        stages = re.findall(r"^FROM \S+ AS (\S+)", text, re.M)
+        assert stages[-1] == "runtime", stages  # `docker build` with no --target builds what the docs promise
+        # a check run in WORKDIR /src must import the installed package, not the source tree's sharp/ beside it
+        assert not re.search(r"python3? -c", text) and "python -P -c" in text.replace("python3 -P", "python -P")
+        assert {"TORCH_INDEX", "PYPI_INDEX"} <= set(re.findall(r"^ARG (\w+)", text, re.M))  # mirrors, no hard-coding
+
+
+def test_image_scripts_parse_and_refuse_a_wrong_call():
+    for script in ("smoke.sh", "docker/debootstrap-base.sh"):
+        assert subprocess.run(["bash", "-n", str(DEPLOY / script)]).returncode == 0, script
+    r = subprocess.run([str(DEPLOY / "smoke.sh")], capture_output=True, text=True)
+    assert r.returncode == 2 and "usage: deploy/smoke.sh IMAGE" in r.stderr
 
 
 def test_dashboard_queries_only_exported_series_and_recorded_rules(model_files):  # noqa: F811
