@@ -189,7 +189,7 @@ def test_idle_keepalive_and_slow_bodies_time_out(model_files):  # noqa: F811
 def test_scrapes_work_under_an_idle_and_slow_connection_flood(model_files):  # noqa: F811
     with server(model_files) as srv:
         port = srv.server.metrics_port
-        before = threading.active_count()
+        before, rss = threading.active_count(), _rss()
         idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(300)]
         slow = []
         for _ in range(50):  # ask for the page and never read it
@@ -203,8 +203,28 @@ def test_scrapes_work_under_an_idle_and_slow_connection_flood(model_files):  # n
             assert "sharp_requests_total" in text
         workers = min(32, (os.cpu_count() or 1) + 4)  # the event loop's default executor renders the pages
         assert threading.active_count() <= before + workers < 350  # no thread per connection
+        assert _rss() - rss < 64 << 20  # and no per-connection memory to speak of (each slow reader's page included)
         for s in idle + slow:
             s.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_client_that_leaves_mid_stream_is_no_error(model_files, caplog):  # noqa: F811
+    body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2000, "stream": true}'
+    with server(model_files, **HTTP) as srv:
+        s = socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=30)
+        s.sendall(post_head("/v1/completions", len(body)) + b"\r\n" + body)
+        assert b"data: " in s.recv(4096)
+        s.close()
+        deadline = time.monotonic() + 30
+        while srv.server.calls.inflight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.server.calls.inflight == 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
 def test_grpc_health_watch_streams_serving_then_not_serving_on_drain(model_files):  # noqa: F811
@@ -217,3 +237,18 @@ def test_grpc_health_watch_streams_serving_then_not_serving_on_drain(model_files
         assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
         channel.close()
         drain.join(timeout=60)
+
+
+def test_a_reset_mid_response_is_one_info_line_not_a_traceback(caplog):
+    """When a write meets a closed connection (the race a cancelled handler does not always win), the error is
+    the client's leaving: logged as one INFO line and handed back to aiohttp, which drops the connection."""
+    from aiohttp.test_utils import make_mocked_request
+
+    async def leaves(request):
+        raise ConnectionResetError("Cannot write to closing transport")
+
+    api = openai_api.OpenAIServer.__new__(openai_api.OpenAIServer)  # the middleware needs no engine
+    request = make_mocked_request("POST", "/v1/completions")
+    with caplog.at_level(logging.INFO, logger="sharp.serving"), pytest.raises(ConnectionResetError):
+        asyncio.run(api._errors(request, leaves))
+    assert [r.levelno for r in caplog.records] == [logging.INFO] and not caplog.records[0].exc_info
