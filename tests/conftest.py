@@ -2,11 +2,72 @@
 before triton is first imported. On a GPU, prefill tiles are not tuned (every tile is checked by its own test, and
 the tuner's tests turn it on) and nothing is written to the user's tile cache."""
 
+import dataclasses
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SHARP_TRITON_AUTOTUNE", "0")
 os.environ.setdefault("SHARP_TILE_CACHE", "0")
+
+
+# ---- shared fixtures: defined once here, so a session-scoped model is built once per session (a fixture imported
+# into several modules is registered, and built, once per module) -------------------------------------------------
+CONTEXT = 4096
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot open with a tool') }}{% endif %}"
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def model_files(tmp_path_factory) -> dict[str, Path]:
+    """A tiny SSA language model over bytes: its checkpoint and its ONNX export (with a KV cache)."""
+    import onnx
+
+    from sharp.exporter.export import ExportSettings, export_model
+    from sharp.models import ModelConfig, SharpLM, load, save
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=258, dim=32, layers=2, heads=2, norm="ssa", context_length=CONTEXT)
+    model = SharpLM(cfg)
+    with torch.no_grad():  # a wider init than training's: varied greedy text, top-2 logit gaps ≫ float error
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    d = tmp_path_factory.mktemp("serving")
+    save(model, d / "tiny.pt")
+    onnx.save(export_model(load(d / "tiny.pt"), ExportSettings(norm="ssa")), d / "tiny.onnx")
+    return {"torch": d / "tiny.pt", "onnxruntime": d / "tiny.onnx"}
+
+
+@pytest.fixture(scope="session")
+def reference(model_files):
+    """The model's own greedy tokens: reference(ids, n)."""
+    from sharp.models import load
+    from sharp.models.sampling import GREEDY
+
+    model = load(model_files["torch"])
+    return lambda ids, n: model.generate(list(ids), n, GREEDY)
+
+
+@pytest.fixture(scope="session")
+def chat_files(model_files, tmp_path_factory) -> dict[str, Path]:
+    """The same model with a tokenizer.json form of its byte tokenizer and a chat template in the file's metadata
+    (as a transformers export carries them), so chat runs without a model hub."""
+    import onnx
+
+    from sharp.exporter import metadata
+    from sharp.models.tokenizer import BYTES, HFTokenizer
+
+    proto = onnx.load(model_files["onnxruntime"])
+    tok = HFTokenizer(BYTES.tokenizer_json(), BYTES.bos, (BYTES.eos,), BYTES.vocab_size, chat_template=CHAT_TEMPLATE)
+    dataclasses.replace(metadata.read(proto), tokenizer=tok).write(proto)
+    path = tmp_path_factory.mktemp("chat") / "tiny.onnx"  # served as "tiny", as the plain model
+    onnx.save(proto, path)
+    return {"onnxruntime": path}

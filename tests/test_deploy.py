@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from test_serving import model_files, serving  # noqa: F401  (fixtures)
+from test_serving import serving
 
 from sharp.serving import Client
 from sharp.serving.cli import serve_parser
@@ -262,7 +262,7 @@ def test_image_scripts_parse_and_refuse_a_wrong_call():
     assert r.returncode == 2 and "usage: deploy/smoke.sh IMAGE" in r.stderr
 
 
-def test_dashboard_queries_only_exported_series_and_recorded_rules(model_files):  # noqa: F811
+def test_dashboard_queries_only_exported_series_and_recorded_rules(model_files):
     """Every metric the dashboard names is one sharp-serve exposes or a rule records."""
     dashboard = json.loads((DEPLOY / "grafana" / "sharp-serve.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
@@ -306,7 +306,7 @@ def wait_for(base: str, promql: str, ok, timeout: float = 60) -> list[dict]:
         time.sleep(0.5)
 
 
-def test_real_prometheus_scrapes_sharp_serve_and_records_what_clients_saw(model_files, tmp_path):  # noqa: F811
+def test_real_prometheus_scrapes_sharp_serve_and_records_what_clients_saw(model_files, tmp_path):
     prometheus = tool("prometheus")
     rules = write_rules(tmp_path)
     with serving(model_files) as srv:

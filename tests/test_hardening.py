@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_serving import model_files, reference, sample_value, scrape  # noqa: F401  (fixtures and helpers)
+from test_serving import sample_value, scrape
 
 from sharp.serving import BackgroundServer, Client, Engine, EngineConfig, ServerConfig, ServingMetrics, load_backend
 from sharp.serving.text import StopText
@@ -90,7 +90,7 @@ class SlowEndless(Wrapped):
 
 
 @contextmanager
-def server(model_files, wrap=None, engine: dict | None = None, **config):  # noqa: F811
+def server(model_files, wrap=None, engine: dict | None = None, **config):
     be = load_backend(model_files["onnxruntime"])
     be = wrap(be).backend if wrap else be
     eng = Engine(be, EngineConfig(**(engine or {})), ServingMetrics(be.spec, entropy="head"))
@@ -122,14 +122,14 @@ class Bystander:
         self.thread.join(timeout=120)
         self.client.close()
 
-    def check(self, reference) -> None:  # noqa: F811
+    def check(self, reference) -> None:
         self.thread.join(timeout=120)
         assert self.error is None, self.error
         ids = self.client.tokenize(self.prompt, add_bos=True)
         assert self.tokens == reference(ids, self.n)
 
 
-def test_nan_logits_end_only_that_request(model_files, reference):  # noqa: F811
+def test_nan_logits_end_only_that_request(model_files, reference):
     with server(model_files, wrap=NaNForMarkedRows) as srv, Client(srv.target) as c:
         with Bystander(srv.target, "bystander", 60) as b:
             time.sleep(0.05)
@@ -145,7 +145,7 @@ def test_nan_logits_end_only_that_request(model_files, reference):  # noqa: F811
     assert sample_value(m, "sharp_running_requests", "sharp_running_requests") == 0
 
 
-def test_a_model_failure_ends_only_the_rows_it_fails_on(model_files, reference):  # noqa: F811
+def test_a_model_failure_ends_only_the_rows_it_fails_on(model_files, reference):
     with server(model_files, wrap=RaisesForMarkedRows) as srv, Client(srv.target) as c:
         # 1,500 tokens: still running when the broken rows decode (a few steps later), however fast the engine
         with Bystander(srv.target, "bystander", 1500) as b:
@@ -180,7 +180,7 @@ class BlockingEncode:
         return self.inner.encode(text, bos=bos)
 
 
-def test_a_call_cancelled_before_the_engine_is_counted_once(model_files):  # noqa: F811
+def test_a_call_cancelled_before_the_engine_is_counted_once(model_files):
     with server(model_files, engine={"max_prompt_bytes": 1 << 18}) as srv, Client(srv.target) as c:
         engine = srv.server.engine
         engine.tokenizer = blocker = BlockingEncode(engine.tokenizer)
@@ -204,7 +204,7 @@ def test_a_call_cancelled_before_the_engine_is_counted_once(model_files):  # noq
     assert set(counted.values()) == {0}, counted
 
 
-def test_a_tiny_temperature_samples_greedily(model_files, reference):  # noqa: F811
+def test_a_tiny_temperature_samples_greedily(model_files, reference):
     with server(model_files) as srv, Client(srv.target) as c:
         ids = c.tokenize("tiny", add_bos=True)
         r = c.generate("tiny", max_new_tokens=12, temperature=1e-38)
@@ -241,7 +241,7 @@ requests = st.fixed_dictionaries(
 )
 
 
-def test_fuzzed_requests_get_a_status_and_never_disturb_a_bystander(model_files, reference):  # noqa: F811
+def test_fuzzed_requests_get_a_status_and_never_disturb_a_bystander(model_files, reference):
     with (
         server(model_files, engine=dict(max_stop_length=64, max_stop_strings=8)) as srv,
         Client(srv.target, timeout=30) as c,
@@ -275,7 +275,7 @@ def test_fuzzed_requests_get_a_status_and_never_disturb_a_bystander(model_files,
     assert sample_value(m, "sharp_queue_size", "sharp_queue_size") == 0
 
 
-def test_stop_matching_is_linear_and_limits_are_enforced(model_files):  # noqa: F811
+def test_stop_matching_is_linear_and_limits_are_enforced(model_files):
     s = StopText(("abcabd", "x" * 200))
     text = "".join(s.push(ch) for ch in "abcabcabd")
     assert text == "abc" and s.stopped  # KMP: the overlapping restart at "abc|abd" is found
@@ -304,7 +304,7 @@ def test_stop_matching_is_linear_and_limits_are_enforced(model_files):  # noqa: 
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-def test_cancels_deadlines_and_killed_clients_leave_nothing_behind(model_files):  # noqa: F811
+def test_cancels_deadlines_and_killed_clients_leave_nothing_behind(model_files):
     threads_before = threading.active_count()
     with server(model_files, wrap=SlowEndless, engine=dict(max_queue=1024)) as srv:
         rss_after_first = None
@@ -359,7 +359,7 @@ time.sleep(600)
 """
 
 
-def test_metrics_endpoint_bounds_idle_connections(model_files):  # noqa: F811
+def test_metrics_endpoint_bounds_idle_connections(model_files):
     with server(model_files) as srv:
         before = threading.active_count()
         idle = [socket.create_connection(("127.0.0.1", srv.server.metrics_port)) for _ in range(100)]
@@ -378,7 +378,7 @@ def test_metrics_endpoint_bounds_idle_connections(model_files):  # noqa: F811
                 time.sleep(0.2)
 
 
-def test_protocol_surface(model_files):  # noqa: F811
+def test_protocol_surface(model_files):
     with server(model_files, auth_token="tok3n") as srv:
         channel = grpc.insecure_channel(srv.target)
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -408,7 +408,7 @@ def test_protocol_surface(model_files):  # noqa: F811
         channel.close()
 
 
-def test_status_series_exist_before_any_request(model_files):  # noqa: F811
+def test_status_series_exist_before_any_request(model_files):
     with server(model_files) as srv:
         m = scrape(srv)
     statuses = {s.labels["status"] for s in m["sharp_requests"].samples if s.name == "sharp_requests_total"}
@@ -424,7 +424,7 @@ class SleepyDecode(Wrapped):
         return self.inner(input_ids, *args, **kw)
 
 
-def test_the_engine_counts_decode_forwards_as_forward_time(model_files):  # noqa: F811
+def test_the_engine_counts_decode_forwards_as_forward_time(model_files):
     """busy − forward is what sharp-bench serve reports as host overhead: a slow model must not show up there."""
     with server(model_files, SleepyDecode) as srv, Client(srv.target) as c:
         n = c.generate("sleepy", max_new_tokens=12, temperature=0).usage.completion_tokens

@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_hardening import server
-from test_serving import model_files, scrape  # noqa: F401
+from test_serving import scrape
 
 from sharp.serving import openai_api
 
@@ -71,7 +71,7 @@ def _bomb(inflated: int) -> bytes:
     return b"".join(parts) + z.flush()
 
 
-def test_a_gzip_bomb_is_refused_without_inflating_it(model_files, caplog):  # noqa: F811
+def test_a_gzip_bomb_is_refused_without_inflating_it(model_files, caplog):
     """A body that inflates to 256 MiB costs the server no more CPU than an identity body of its compressed size;
     the connection is closed rather than drained. Corrupt gzip gets the same answer."""
     bomb = _bomb(256 << 20)
@@ -101,7 +101,7 @@ def test_a_gzip_bomb_is_refused_without_inflating_it(model_files, caplog):  # no
     ("header", "value"),
     [(b"Authorization", b"Bearer \xff\xfe"), (b"X-Request-Id", b"\xff\xfe"), (b"X-Anything", b"caf\xe9")],
 )
-def test_header_bytes_that_are_not_utf8_get_a_400_not_a_500(model_files, caplog, header, value):  # noqa: F811
+def test_header_bytes_that_are_not_utf8_get_a_400_not_a_500(model_files, caplog, header, value):
     body = b'{"model": "tiny", "prompt": "x", "max_tokens": 1}'
     with server(model_files, auth_token="s3cret", **HTTP) as srv:
         status, _, answer = raw(srv.server.http_port, post_head("/v1/completions", len(body), header + b": " + value),
@@ -117,7 +117,7 @@ def test_header_bytes_that_are_not_utf8_get_a_400_not_a_500(model_files, caplog,
     "content_type",
     [b"text/plain", b"application/x-www-form-urlencoded", b"multipart/form-data; boundary=x", b""],
 )
-def test_only_json_bodies_are_read(model_files, content_type):  # noqa: F811
+def test_only_json_bodies_are_read(model_files, content_type):
     """What a web page can send cross-site without a CORS preflight (text/plain, a form) never runs a generation."""
     body = b'{"model": "tiny", "prompt": "x", "max_tokens": 1}'
     with server(model_files, **HTTP) as srv:
@@ -130,7 +130,7 @@ def test_only_json_bodies_are_read(model_files, content_type):  # noqa: F811
         assert sum(s.value for s in m["sharp_requests"].samples if s.labels.get("status") == "ok") == 1
 
 
-def test_big_chat_bodies_are_parsed_off_the_event_loop_and_hopeless_ones_not_at_all(model_files, monkeypatch):  # noqa: F811
+def test_big_chat_bodies_are_parsed_off_the_event_loop_and_hopeless_ones_not_at_all(model_files, monkeypatch):
     parsed_on_loop: list[bool] = []
     original = openai_api.ChatRequest.model_validate_json
 
@@ -158,7 +158,7 @@ def test_big_chat_bodies_are_parsed_off_the_event_loop_and_hopeless_ones_not_at_
         assert parsed_on_loop == [False, True]  # the big one in a worker thread, the small one inline
 
 
-def test_malformed_framing_gets_json_without_the_bytes_and_no_traceback(model_files, caplog):  # noqa: F811
+def test_malformed_framing_gets_json_without_the_bytes_and_no_traceback(model_files, caplog):
     with server(model_files, **HTTP) as srv:
         port = srv.server.http_port
         for junk in (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n",
@@ -172,7 +172,7 @@ def test_malformed_framing_gets_json_without_the_bytes_and_no_traceback(model_fi
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
-def test_idle_keepalive_and_slow_bodies_time_out(model_files):  # noqa: F811
+def test_idle_keepalive_and_slow_bodies_time_out(model_files):
     with server(model_files, **HTTP, http_keepalive_timeout=0.5, http_body_timeout=0.5) as srv:
         port = srv.server.http_port
         s = socket.create_connection(("127.0.0.1", port), timeout=30)
@@ -186,7 +186,7 @@ def test_idle_keepalive_and_slow_bodies_time_out(model_files):  # noqa: F811
         assert status == 408 and json.loads(answer)["error"]["code"] == "request_timeout"
 
 
-def test_scrapes_work_under_an_idle_and_slow_connection_flood(model_files):  # noqa: F811
+def test_scrapes_work_under_an_idle_and_slow_connection_flood(model_files):
     with server(model_files) as srv:
         port = srv.server.metrics_port
         before, rss = threading.active_count(), _rss()
@@ -213,7 +213,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def test_a_client_that_leaves_mid_stream_is_no_error(model_files, caplog):  # noqa: F811
+def test_a_client_that_leaves_mid_stream_is_no_error(model_files, caplog):
     body = b'{"model": "tiny", "prompt": "x", "max_tokens": 2000, "stream": true}'
     with server(model_files, **HTTP) as srv:
         s = socket.create_connection(("127.0.0.1", srv.server.http_port), timeout=30)
@@ -227,7 +227,7 @@ def test_a_client_that_leaves_mid_stream_is_no_error(model_files, caplog):  # no
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
-def test_grpc_health_watch_streams_serving_then_not_serving_on_drain(model_files):  # noqa: F811
+def test_grpc_health_watch_streams_serving_then_not_serving_on_drain(model_files):
     with server(model_files) as srv:
         channel = grpc.insecure_channel(srv.target)
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)

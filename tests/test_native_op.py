@@ -20,7 +20,6 @@ import onnxruntime as ort
 import pytest
 import torch
 from onnx import TensorProto, helper
-from test_serving import model_files, reference  # noqa: F401  (fixtures)
 
 from sharp.exporter import fallback
 from sharp.exporter.export import ExportSettings, export_model
@@ -374,7 +373,7 @@ def _served_tokens(path: Path, prompts: list[str], n: int, **backend) -> list[li
         return [list(f.result().token_ids) for f in calls]
 
 
-def test_a_fallback_none_file_is_served_end_to_end(library, model_files, reference, tmp_path, monkeypatch):  # noqa: F811
+def test_a_fallback_none_file_is_served_end_to_end(library, model_files, reference, tmp_path, monkeypatch):
     """A file with no fallback body runs only through the kernel: sharp-serve's greedy tokens equal the PyTorch
     model's, as do those of the same model's dense-fallback file served with --no-native."""
     bare = tmp_path / "bare.onnx"

@@ -15,17 +15,15 @@ import signal
 import ssl
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import onnx
 import openai
 import pytest
+from conftest import CHAT_TEMPLATE
 from google.protobuf import json_format
 from test_hardening import BREAKS_PREFILL, Bystander, RaisesForMarkedRows, SlowEndless, server
-from test_serving import model_files, reference, sample_value, scrape, serving, start_sharp_serve  # noqa: F401
+from test_serving import sample_value, scrape, serving, start_sharp_serve
 
-from sharp.exporter import metadata
 from sharp.exporter.genai import tokenizer_files
 from sharp.models.tokenizer import BYTES, ChatTemplateError, HFTokenizer, render_chat
 from sharp.serving import Client
@@ -33,22 +31,8 @@ from sharp.serving.cli import client_main
 from sharp.v1 import generator_pb2 as pb
 
 HTTP = {"http_port": 0}
-TEMPLATE = (
-    "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('a conversation cannot open with a tool') }}{% endif %}"
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+TEMPLATE = CHAT_TEMPLATE
 PROMPT = "def main():\n"
-
-
-@pytest.fixture(scope="module")
-def chat_files(model_files, tmp_path_factory) -> dict[str, Path]:  # noqa: F811
-    proto = onnx.load(model_files["onnxruntime"])
-    tok = HFTokenizer(BYTES.tokenizer_json(), BYTES.bos, (BYTES.eos,), BYTES.vocab_size, chat_template=TEMPLATE)
-    dataclasses.replace(metadata.read(proto), tokenizer=tok).write(proto)
-    path = tmp_path_factory.mktemp("chat") / "tiny.onnx"  # served as "tiny", as the plain model
-    onnx.save(proto, path)
-    return {"onnxruntime": path}
 
 
 def api(srv, token: str = "none", scheme: str = "http", **kw) -> openai.OpenAI:
@@ -62,7 +46,7 @@ def post(srv, path: str, body, **headers) -> httpx.Response:
     return httpx.post(url, content=content, headers={"content-type": "application/json", **headers}, timeout=60)
 
 
-def test_completions_equal_grpc_and_sharp_client_streamed_or_not(model_files, reference, capsys):  # noqa: F811
+def test_completions_equal_grpc_and_sharp_client_streamed_or_not(model_files, reference, capsys):
     with serving(model_files, server=HTTP) as srv, Client(srv.target) as c:
         grpc_reply = c.generate(PROMPT, max_new_tokens=16, temperature=0)
         ids = BYTES.encode(PROMPT)
@@ -108,7 +92,7 @@ def test_completions_equal_grpc_and_sharp_client_streamed_or_not(model_files, re
         assert seeded[0].text == seeded[1].text == c.generate("x", max_new_tokens=12, seed=5, top_k=50).text
 
 
-def test_chat_renders_the_model_template_and_runs_the_rendered_tokens(chat_files, reference):  # noqa: F811
+def test_chat_renders_the_model_template_and_runs_the_rendered_tokens(chat_files, reference):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     with serving(chat_files, server=HTTP) as srv:
         tok = srv.server.engine.tokenizer
@@ -144,7 +128,7 @@ def test_chat_renders_the_model_template_and_runs_the_rendered_tokens(chat_files
         assert "cannot open with a tool" in err.value.message
 
 
-def test_chat_without_a_template_is_refused_with_the_reason(model_files):  # noqa: F811
+def test_chat_without_a_template_is_refused_with_the_reason(model_files):
     with serving(model_files, server=HTTP) as srv:
         with pytest.raises(openai.BadRequestError) as err:
             api(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
@@ -176,7 +160,7 @@ def test_chat_template_travels_in_the_tokenizer_and_from_a_model_directory(tmp_p
         render_chat(sandboxed, [{"role": "user", "content": "q"}])
 
 
-def test_entropy_extension_equals_grpc_attention_stats(model_files):  # noqa: F811
+def test_entropy_extension_equals_grpc_attention_stats(model_files):
     with serving(model_files, server=HTTP) as srv, Client(srv.target) as c:
         stats = c.generate(PROMPT, max_new_tokens=8, temperature=0, attention_stats=True).attention_stats
         want = json_format.MessageToDict(
@@ -206,7 +190,7 @@ def test_entropy_extension_equals_grpc_attention_stats(model_files):  # noqa: F8
         assert "sharp" not in (oa.completions.create(model="tiny", prompt="x", max_tokens=2).model_extra or {})
 
 
-def test_bearer_token_and_tls_guard_the_http_api_as_they_guard_grpc(model_files):  # noqa: F811
+def test_bearer_token_and_tls_guard_the_http_api_as_they_guard_grpc(model_files):
     import trustme
 
     ca = trustme.CA()
@@ -277,7 +261,7 @@ CHAT_BAD = [  # chat body changes (messages: system, user), what the message say
 ]  # fmt: skip
 
 
-def test_bad_requests_get_their_status_in_openai_shape_and_the_server_stays_healthy(model_files):  # noqa: F811
+def test_bad_requests_get_their_status_in_openai_shape_and_the_server_stays_healthy(model_files):
     with serving(model_files, server=HTTP, max_new_tokens_limit=1000) as srv:
         for change, status, says, param, code in BAD:
             for stream in (False,) if "stream_options" in change else (False, True):
@@ -354,7 +338,7 @@ class SlowSteps(SlowEndless):
         return super().forward(input_ids, *args, **kw)
 
 
-def test_kv_budget_queue_and_drain_get_413_429_and_503(model_files):  # noqa: F811
+def test_kv_budget_queue_and_drain_get_413_429_and_503(model_files):
     engine = dict(max_batch=1, max_queue=1, kv_cache_mb=1.5)
     with server(model_files, SlowSteps, engine=engine, drain_timeout=1.0, **HTTP) as srv:
         oa = api(srv)
@@ -402,7 +386,7 @@ def _wait_until_cancelled(srv, cancelled: int) -> dict:
     return m
 
 
-def test_a_client_that_disconnects_mid_stream_or_mid_wait_frees_its_slot_and_cache(model_files):  # noqa: F811
+def test_a_client_that_disconnects_mid_stream_or_mid_wait_frees_its_slot_and_cache(model_files):
     with server(model_files, SlowEndless, **HTTP) as srv:
         stream = api(srv).completions.create(model="tiny", prompt="endless", max_tokens=3000, stream=True)
         chunks = iter(stream)
@@ -417,7 +401,7 @@ def test_a_client_that_disconnects_mid_stream_or_mid_wait_frees_its_slot_and_cac
         assert srv.server.calls.inflight == 0 and srv.server.engine.idle()
 
 
-def test_model_failure_is_a_500_for_that_request_only(model_files, reference):  # noqa: F811
+def test_model_failure_is_a_500_for_that_request_only(model_files, reference):
     with server(model_files, RaisesForMarkedRows, **HTTP) as srv, Bystander(srv.target, "bystander", 40) as b:
         oa = api(srv)
         for stream in (False, True):
@@ -430,7 +414,7 @@ def test_model_failure_is_a_500_for_that_request_only(model_files, reference):  
         assert sample_value(m, "sharp_requests", "sharp_requests_total", api="http", status="internal") == 2
 
 
-def test_http_and_grpc_streams_interleave_in_one_batch_and_metrics_add_up(model_files, reference):  # noqa: F811
+def test_http_and_grpc_streams_interleave_in_one_batch_and_metrics_add_up(model_files, reference):
     prompts = [f"row {i}: " + "y" * i for i in range(8)]
     with serving(model_files, server=HTTP, max_batch=8) as srv, Client(srv.target) as c:
         oa = api(srv)
@@ -485,7 +469,7 @@ def test_http_and_grpc_streams_interleave_in_one_batch_and_metrics_add_up(model_
         assert sample_value(m, "sharp_requests", "sharp_requests_total") == 8
 
 
-def test_sharp_serve_sigterm_drains_http_and_grpc_together(model_files):  # noqa: F811
+def test_sharp_serve_sigterm_drains_http_and_grpc_together(model_files):
     proc, line = start_sharp_serve(model_files["onnxruntime"], "--http-port", "0")
     try:
         port = re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
@@ -517,7 +501,7 @@ def _log_softmax(model, ids: list[int]):
     return torch.log_softmax(getattr(out, "logits", out).double(), -1)[0]
 
 
-def test_logprobs_and_echo_equal_the_models_own_log_softmax(model_files):  # noqa: F811
+def test_logprobs_and_echo_equal_the_models_own_log_softmax(model_files):
     """Completions echo and score the prompt (in chunks: prefill_chunk 16 < the prompt), report generated tokens'
     log-probabilities and top alternatives, streamed or not, and gRPC carries the same numbers."""
     from sharp.models import load
@@ -578,7 +562,7 @@ def test_logprobs_and_echo_equal_the_models_own_log_softmax(model_files):  # noq
         assert [x.top[0].token_id for x in stub_reply.prompt_logprobs] == ref[:-1].argmax(-1).tolist()
 
 
-def test_chat_logprobs_in_openais_shape_with_exact_bytes(chat_files, reference):  # noqa: F811
+def test_chat_logprobs_in_openais_shape_with_exact_bytes(chat_files, reference):
     messages = [{"role": "user", "content": "hi"}]
     with serving(chat_files, server=HTTP) as srv:
         oa = api(srv)

@@ -10,14 +10,14 @@ import json
 
 import openai
 import pytest
-from test_openai_api import HTTP, _log_softmax, api, chat_files  # noqa: F401
-from test_serving import model_files, reference, serving  # noqa: F401
+from test_openai_api import HTTP, _log_softmax, api
+from test_serving import serving
 
 from sharp.models import load
 from sharp.models.tokenizer import render_chat
 
 
-def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objects(chat_files, reference):  # noqa: F811
+def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objects(chat_files, reference):
     with serving(chat_files, server=HTTP) as srv:
         oa = api(srv)
         tok = srv.server.engine.tokenizer
@@ -49,7 +49,7 @@ def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objec
         assert sync.choices[0].message.content == whole
 
 
-def test_langchain_chat_openai_invokes_streams_and_keeps_history(chat_files):  # noqa: F811
+def test_langchain_chat_openai_invokes_streams_and_keeps_history(chat_files):
     from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
     from langchain_openai import ChatOpenAI
 
@@ -83,7 +83,7 @@ def _task(tmp_path, name: str, output: str, extra: str) -> None:
     )
 
 
-def test_lm_eval_local_completions_scores_and_generates(chat_files, model_files, tmp_path, monkeypatch):  # noqa: F811
+def test_lm_eval_local_completions_scores_and_generates(chat_files, model_files, tmp_path, monkeypatch):
     """lm-eval asks /tokenizer_info and /tokenize (its remote tokenizer), scores with echo + logprobs and generates
     until a stop string; each loglikelihood equals the continuation's log-probability under the model in PyTorch."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 from devices import DEVICE
-from test_serving import _req, model_files, reference  # noqa: F401  (fixtures and helpers)
+from test_serving import _req
 
 from sharp.models import ModelConfig, SharpLM
 from sharp.serving import Engine, EngineConfig, RequestError, load_backend
@@ -53,7 +53,7 @@ def _pages(be) -> int:
     return be.cache.allocator.num_pages - be.cache.allocator.free_pages
 
 
-def test_continuous_batching_on_pages_is_copy_free_and_returns_every_page(model_files, reference):  # noqa: F811
+def test_continuous_batching_on_pages_is_copy_free_and_returns_every_page(model_files, reference):
     be = load_backend(model_files["torch"], "torch")
     eng = Engine(be, EngineConfig(prefill_chunk=48, kv_cache_mb=1))
     pools = [t.data_ptr() for t in (*be.cache.keys, *be.cache.values)]
@@ -88,7 +88,7 @@ def test_continuous_batching_on_pages_is_copy_free_and_returns_every_page(model_
     assert "gone" not in ends and 0 < len(tokens["gone"]) < 100
 
 
-def test_the_budget_is_counted_in_pages(model_files):  # noqa: F811
+def test_the_budget_is_counted_in_pages(model_files):
     be = load_backend(model_files["torch"], "torch")
     per_page = PAGE_SIZE * be.kv_bytes_per_token
     eng = Engine(be, EngineConfig(kv_cache_mb=10.5 * per_page / 2**20))  # 10 pages (the half page is not usable)
@@ -111,7 +111,7 @@ def test_the_budget_is_counted_in_pages(model_files):  # noqa: F811
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(model_files, reference, backend):  # noqa: F811
+def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(model_files, reference, backend):
     """Two bystanders decode beside a row the model fails on. On the paged cache the stand-in raises after the model
     ran (every layer wrote its keys into the pages): the rows run again alone, writing the same slots. On the graph
     backends' shared cache it raises before, as a failing forward does. Either way the bystanders' tokens stay
@@ -187,7 +187,7 @@ def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(m
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_triton_paged_kernels_in_the_engine(model_files, reference, dtype):  # noqa: F811
+def test_triton_paged_kernels_in_the_engine(model_files, reference, dtype):
     """The torch backend with impl='triton' (on the GPU when there is one, else the CPU interpreter): prefill
     chunks and batched decode steps of sequences with different lengths run the paged kernel and generate the
     model's own tokens (fp32 reference), with fp32 and with bf16 weights and cache — the precision the backend serves

@@ -32,9 +32,6 @@ import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
-from sharp.exporter.export import ExportSettings, export_model
-from sharp.models import ModelConfig, SharpLM, load, save
-from sharp.models.sampling import GREEDY
 from sharp.models.tokenizer import BYTES
 from sharp.serving import (
     BackgroundServer,
@@ -55,29 +52,6 @@ from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
 CONTEXT = 4096
-
-
-@pytest.fixture(scope="session")
-def model_files(tmp_path_factory) -> dict[str, Path]:
-    import onnx
-
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=258, dim=32, layers=2, heads=2, norm="ssa", context_length=CONTEXT)
-    model = SharpLM(cfg)
-    with torch.no_grad():  # a wider init than training's: varied greedy text, top-2 logit gaps ≫ float error
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    d = tmp_path_factory.mktemp("serving")
-    save(model, d / "tiny.pt")
-    onnx.save(export_model(load(d / "tiny.pt"), ExportSettings(norm="ssa")), d / "tiny.onnx")
-    return {"torch": d / "tiny.pt", "onnxruntime": d / "tiny.onnx"}
-
-
-@pytest.fixture(scope="session")
-def reference(model_files):
-    model = load(model_files["torch"])
-    return lambda ids, n: model.generate(list(ids), n, GREEDY)
 
 
 @contextmanager
