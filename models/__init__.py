@@ -7,7 +7,7 @@ configs, tokenizers, sampling, as an ONNX server does — never imports torch.
 from importlib import import_module
 
 _HOMES = {
-    "IMPLS": "attention",
+    "available_impls": "attention",
     "attend": "attention",
     "CheckpointError": "checkpoint",
     "load": "checkpoint",

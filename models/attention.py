@@ -22,7 +22,7 @@ from sharp.models.streamed import streamed_attention
 
 ImplFn = Callable[..., tuple[Tensor, Tensor | None]]  # (problem, block_size, entropy) → (output, entropy or None)
 STREAMED_BLOCK = 128  # keys per block of impl="streamed" when block_size is not given
-IMPLS: tuple[str, ...] = ("reference", "streamed", "triton")
+BUILTIN_IMPLS: tuple[str, ...] = ("reference", "streamed")  # in this layer; others come by entry point
 
 
 def _reference(problem: AttentionProblem, block_size: int | None, with_entropy: bool) -> tuple[Tensor, Tensor]:
@@ -44,6 +44,13 @@ IMPL_GROUP = "sharp.attention_impls"  # attend(impl=NAME)
 PAGED_IMPL_GROUP = "sharp.paged_attention_impls"  # paged attention over a KV cache's pages (models/kvcache.py)
 
 
+def available_impls() -> tuple[str, ...]:
+    """Every `impl` attend takes here: the built-in ones, then those installed packages register in the
+    `sharp.attention_impls` entry-point group (sharp's own Triton kernels as "triton", or a third party's)."""
+    installed = sorted({ep.name for ep in entry_points(group=IMPL_GROUP)} - set(BUILTIN_IMPLS))
+    return (*BUILTIN_IMPLS, *installed)
+
+
 @functools.cache
 def registered_impl(group: str, name: str) -> ImplFn:
     """The implementation a higher layer (e.g. sharp.plugins.triton) registers as entry point `name` of `group`,
@@ -53,6 +60,12 @@ def registered_impl(group: str, name: str) -> ImplFn:
     if not found:
         raise ValueError(f"{name!r} is not installed here for {group} (pip install 'sharp-attention[kernels]')")
     return found[0].load()
+
+
+@functools.cache
+def _installed() -> tuple:
+    """The entry points of the impl group, scanned once (a scan costs milliseconds: more than a decode step)."""
+    return tuple(entry_points(group=IMPL_GROUP))
 
 
 def attend(
@@ -85,8 +98,8 @@ def attend(
     Returns the output (B, Hq, Lq, D) in q's dtype, and with `return_entropy` the entropy (B, Hq, Lq) in
     nats of each attention row, in the compute dtype (fp32 for half inputs).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
+    if impl not in BUILTIN_IMPLS and not any(ep.name == impl for ep in _installed()):
+        raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(available_impls())}")
     problem = build_problem(
         q,
         k,

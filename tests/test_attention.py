@@ -223,3 +223,33 @@ def test_streamed_entmax_at_large_alpha_relies_on_the_narrowed_bracket(alpha):
     o_str, h_str = attend(q, k, v, impl="streamed", block_size=16, **kw)
     torch.testing.assert_close(o_str, o_ref, atol=2e-5, rtol=0)
     torch.testing.assert_close(h_str, h_ref, atol=2e-5, rtol=0)
+
+
+def test_a_third_implementation_registered_by_entry_point_is_taken(tmp_path, monkeypatch):
+    """attend(impl=NAME) runs whatever an installed package registers in `sharp.attention_impls` — not only the
+    names sharp ships — and lists it among the valid ones."""
+    from sharp.models import attention
+
+    (tmp_path / "third_impl.py").write_text(
+        "from sharp.models.attention import _reference\n"
+        "def run(problem, block_size, with_entropy):\n"
+        "    out, ent = _reference(problem, block_size, with_entropy)\n"
+        "    return 2 * out, ent\n"
+    )
+    info = tmp_path / "third_impl-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: third-impl\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[sharp.attention_impls]\ndoubled = third_impl:run\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for cached in (attention._installed, attention.registered_impl):
+        cached.cache_clear()
+    try:
+        q, k, v, _ = _qkv()
+        assert torch.equal(attend(q, k, v, impl="doubled"), 2 * attend(q, k, v))
+        assert "doubled" in attention.available_impls()[2:]
+        with pytest.raises(ValueError, match=r"valid: reference, streamed, .*doubled"):
+            attend(q, k, v, impl="tripled")
+    finally:
+        monkeypatch.undo()
+        for cached in (attention._installed, attention.registered_impl):
+            cached.cache_clear()
