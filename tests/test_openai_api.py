@@ -2,7 +2,8 @@
 against real sharp-serve servers on loopback, beside real gRPC clients on the same server and engine.
 
 The chat model is the test suite's tiny model with a tokenizer.json form of its byte tokenizer and a chat template
-written into the file's metadata (the way a transformers export carries them), so chat runs without a model hub.
+written into the file's metadata (the way a transformers export carries them; conftest.py's `chat_files`), so chat runs
+without a model hub.
 """
 
 from __future__ import annotations
