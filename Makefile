@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools triton-oldest peers wheelhouse image test test-gpu lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest peers wheelhouse image test test-fast test-gpu lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -68,6 +68,10 @@ wheelhouse: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
+
+# The inner loop: everything but the tests marked slow (the wheel build, the AOT compile, real Prometheus, lm-eval).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q -m 'not gpu and not slow'
 
 # The CPU image (deploy/docker/Dockerfile.cpu) with docker or podman, whichever exists; IMAGE_ARGS for build arguments
 # (mirrors, a local base: docs/deploy.md). deploy/smoke.sh IMAGE runs it as a user would. Not part of `make test`.

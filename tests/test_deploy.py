@@ -306,6 +306,7 @@ def wait_for(base: str, promql: str, ok, timeout: float = 60) -> list[dict]:
         time.sleep(0.5)
 
 
+@pytest.mark.slow
 def test_real_prometheus_scrapes_sharp_serve_and_records_what_clients_saw(model_files, tmp_path):
     prometheus = tool("prometheus")
     rules = write_rules(tmp_path)

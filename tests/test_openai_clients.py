@@ -83,6 +83,7 @@ def _task(tmp_path, name: str, output: str, extra: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions_scores_and_generates(chat_files, model_files, tmp_path, monkeypatch):
     """lm-eval asks /tokenizer_info and /tokenize (its remote tokenizer), scores with echo + logprobs and generates
     until a stop string; each loglikelihood equals the continuation's log-probability under the model in PyTorch."""

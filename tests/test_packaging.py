@@ -13,6 +13,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,6 +22,7 @@ def _run(args, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=600, check=False, **kw)
 
 
+@pytest.mark.slow
 def test_wheel_installed_outside_the_tree_runs_the_demo(tmp_path):
     src = tmp_path / "src"  # a copy of the tracked files: the build never writes into the checkout
     tracked = _run(["git", "ls-files"], cwd=ROOT).stdout.split()
