@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import warnings
 from collections.abc import Callable
@@ -23,9 +24,10 @@ import onnx
 import torch
 
 from sharp.exporter import metadata
-from sharp.exporter.export import ExportSettings
+from sharp.exporter.export import EXPORTABLE, ExportSettings
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import STREAMED_BLOCK
+from sharp.exporter.precision import BOUNDS, QUANT_BLOCK, QUANTIZED, Agreement, PrecisionError, check_block
 from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load
 from sharp.models.config import ModelShape
@@ -155,7 +157,21 @@ def parser() -> argparse.ArgumentParser:
         choices=[18],
         help="ONNX opset of the standard ops (18; converting would inline the custom op away)",
     )
-    ap.add_argument("--dtype", choices=["fp32"], default="fp32")
+    ap.add_argument(
+        "--weights",
+        "--dtype",
+        dest="dtype",
+        choices=EXPORTABLE,
+        default="fp32",
+        help="precision of the weights: fp32 (as traced), int8 or int4 (blockwise weight-only MatMulNBits through"
+        " onnxruntime's quantizer; int4 keeps the value and down projections at 8 bits). The check then compares"
+        " the file with the fp32 model on text against the bounds of docs/op.md and refuses a file outside them",
+    )
+    ap.add_argument(
+        "--quant-block",
+        type=int,
+        help=f"weights per quantization scale of int8/int4 (a power of two >= 16; default {QUANT_BLOCK})",
+    )
     ap.add_argument(
         "--block-size", type=int, default=STREAMED_BLOCK, help="keys per Loop iteration of --fallback streamed"
     )
@@ -200,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_libraries()
         try:
             return _export(args)
-        except (UsageError, CheckpointError) as e:
+        except (UsageError, CheckpointError, PrecisionError) as e:
             print(f"sharp-export: {e}", file=sys.stderr)
             return 2
 
@@ -270,6 +286,17 @@ def _check_package_dir(model: Path, out: Path) -> None:
         raise UsageError(f"cannot write {out}: {parent} is not a writable directory")
 
 
+def _check_precision(args) -> None:
+    if args.quant_block is not None and args.dtype not in QUANTIZED:
+        raise UsageError(f"--quant-block sets the blocks of int8/int4 weights; --weights {args.dtype} has none")
+    if args.dtype in QUANTIZED and args.tensorrt:
+        raise UsageError(
+            f"--weights {args.dtype} writes onnxruntime's MatMulNBits, which TensorRT cannot parse; --tensorrt files"
+            " are fp32 (TensorRT builds fp16/bf16 engines from them: sharp-build-engine --fp16|--bf16)"
+        )
+    check_block(args.quant_block or QUANT_BLOCK)
+
+
 def _export(args) -> int:
     if args.genai:
         out = args.output or args.model.with_name(args.model.stem + "-genai")
@@ -283,6 +310,7 @@ def _export(args) -> int:
         _check_output(args.model, out)  # before any work: never after 20 s of it, never over the input
     if args.block_size < 1:
         raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
+    _check_precision(args)
     meta, export, reference = (_load_transformers if args.model.is_dir() else _load_sharplm)(args)
     norm = meta.norm
     settings = ExportSettings(
@@ -291,6 +319,7 @@ def _export(args) -> int:
         opset=args.opset,
         kv_cache=args.kv_cache,
         dtype=args.dtype,
+        quant_block=args.quant_block or QUANT_BLOCK,
         block_size=args.block_size,
         tensorrt=args.tensorrt,
     )
@@ -307,33 +336,50 @@ def _export(args) -> int:
             f"--genai --fallback none needs sharp's op library in the package, and there is none ({attention})"
         )
     proto = export(settings)
-    if args.genai:
-        from sharp.exporter.genai import MODEL_FILE, write_package
+    # Written beside `out` under a temporary name, checked there, and only then moved into place: a file that fails
+    # its check is never left where a server would pick it up, and an existing `out` is kept.
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        if args.genai:
+            from sharp.exporter.genai import MODEL_FILE, write_package
 
-        files = write_package(proto, metadata.read(proto), out, library)
-        print(f"wrote {out}/: {', '.join(f.name for f in files)}")
-        out = out / MODEL_FILE
-    else:
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        try:
-            onnx.save(proto, tmp)
-            tmp.replace(out)  # atomic: `out` is either the old file or the whole new one
-        except PermissionError as e:
-            raise UsageError(f"cannot write {out}: {e.strerror}") from None
-        finally:
+            write_package(proto, metadata.read(proto), tmp, library)
+            written = tmp / MODEL_FILE
+        else:
+            try:
+                onnx.save(proto, tmp)
+            except PermissionError as e:
+                raise UsageError(f"cannot write {out}: {e.strerror}") from None
+            written = tmp
+        del proto
+        size = written.stat().st_size / 2**20
+        if args.check and (status := _run_check(args, written, meta.shape, reference, library, attention)) != 0:
+            print(f"sharp-export: {out} not written", file=sys.stderr)
+            return status
+        tmp.replace(out)  # atomic: `out` is either the old file (or empty directory) or the whole new one
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
             tmp.unlink(missing_ok=True)
     shape = meta.shape
+    where = f"{out}/: {', '.join(sorted(f.name for f in out.iterdir()))}; {out / MODEL_FILE}" if args.genai else out
     print(
-        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): {shape.layers} × sharp::SharpAttention[{norm}], "
+        f"wrote {where} ({size:.1f} MiB): {shape.layers} × sharp::SharpAttention[{norm}], {args.dtype} weights, "
         f"fallback {args.fallback}, opset {args.opset}" + (", TensorRT form" if args.tensorrt else "")
     )
-    if not args.check:
-        return 0
-    onnx.checker.check_model(str(out), full_check=True)
+    return 0
+
+
+def _run_check(args, path: Path, shape: ModelShape, reference: Reference, library: str | None, attention: str) -> int:
+    """The export check of the file at `path`: 0 when it passes, 1 with the numbers when it does not."""
+    onnx.checker.check_model(str(path), full_check=True)
     if args.fallback == "none" and library is None:
         print(f"check: onnx.checker passed; not run (no fallback body and no kernel; {attention})")
         return 0
-    rows = verify(out, shape, args.kv_cache, reference, library)
+    if args.dtype in BOUNDS:
+        return _judge_precision(args.dtype, verify_text(path, shape, args.kv_cache, reference, library), attention)
+    rows = verify(path, shape, args.kv_cache, reference, library)
     print(f"{'check':<22}{'max |Δ logits|':>16}{'max |Δ entropy|':>17}")
     for name, dl, de in rows:
         print(f"{name:<22}{dl:>16.2e}{de:>17.2e}")
@@ -343,6 +389,87 @@ def _export(args) -> int:
         return 1
     print(f"check passed (tolerance {TOLERANCE:.0e}, onnxruntime CPU; {attention})")
     return 0
+
+
+def _judge_precision(precision: str, rows: list[tuple[str, Agreement]], attention: str) -> int:
+    bound = BOUNDS[precision]
+    print(
+        f"{'check (' + precision + ')':<24}{'positions':>10}{'max |Δ logit|':>15}{'top-1':>8}"
+        f"{'top-1 confident':>17}{'mean KL':>10}{'mean |Δ ent|':>14}{'max |Δ ent|':>13}"
+    )
+    for name, a in rows:
+        confident = f"{a.confident_top1:.1%} of {a.confident}" if a.confident else "none"
+        print(
+            f"{name:<24}{a.positions:>10}{a.max_logit_error:>15.3f}{a.top1:>8.1%}{confident:>17}"
+            f"{a.kl:>10.2e}{a.entropy_error:>14.2e}{a.max_entropy_error:>13.2e}"
+        )
+    total = rows[-1][1]
+    if problems := total.problems(bound):
+        print(f"check FAILED ({precision}): {'; '.join(problems)}", file=sys.stderr)
+        return 1
+    print(
+        f"check passed ({precision}: mean KL <= {bound.kl:.0e}, top-1 >= {bound.top1:.0%} where fp32 is confident,"
+        f" mean |Δ entropy| <= {bound.entropy:.0e}; docs/op.md; onnxruntime CPU; {attention})"
+    )
+    return 0
+
+
+TEXT_LENGTH = 256  # tokens per window of the precision check's text
+DECODE_STEPS = 32
+
+
+def verify_text(
+    path: Path, shape: ModelShape, kv_cache: bool, reference: Reference, library: str | None = None
+) -> list[tuple[str, Agreement]]:
+    """A precision file against the fp32 model on held-out text (models/corpus.py): two windows prefilled, and
+    the second's last DECODE_STEPS tokens decoded one at a time on a cache; the last row is all of them."""
+    from sharp.exporter.export import io_names
+    from sharp.models.corpus import validation_text
+
+    tokens = metadata.read(onnx.load(str(path), load_external_data=False)).tokenizer.encode(
+        validation_text(), bos=False
+    )
+    length = min(TEXT_LENGTH, shape.context_length - 1, len(tokens) // 2)
+    ids = torch.tensor([tokens[:length], tokens[length : 2 * length]])
+    ref_logits, ref_entropy = (t.numpy() for t in reference(ids))
+    sess = _session(path, library)
+    names, _ = io_names(shape.layers, kv_cache)
+
+    def run(x: np.ndarray, past: list[np.ndarray], start: int):
+        batch, n = x.shape
+        feed = {
+            "input_ids": x,
+            "attention_mask": np.ones((batch, start + n), np.int64),
+            "position_ids": np.tile(np.arange(start, start + n), (batch, 1)),
+        }
+        if kv_cache:
+            feed.update(zip(names[3:], past, strict=True))
+        return sess.run(None, feed)
+
+    empty = [np.zeros((2, shape.kv_heads, 0, shape.head_dim), np.float32) for _ in range(2 * shape.layers)]
+    got = run(ids.numpy(), empty, 0)
+    logits, entropy = [got[0]], [got[-1]]
+    rows = [(f"prefill 2×{length} text", Agreement.of(ref_logits, got[0], ref_entropy, got[-1]))]
+    if kv_cache:
+        steps = min(DECODE_STEPS, length - 1)
+        start = length - steps
+        got = run(ids[1:, :start].numpy(), [p[1:] for p in empty], 0)
+        step_logits, step_entropy = [], []
+        for t in range(start, length):
+            got = run(ids[1:, t : t + 1].numpy(), got[1:-1], t)
+            step_logits.append(got[0])
+            step_entropy.append(got[-1])
+        step_logits, step_entropy = np.concatenate(step_logits, 1), np.concatenate(step_entropy, -1)
+        ref_l, ref_e = ref_logits[1:, start:], ref_entropy[1:, ..., start:]
+        rows.append((f"decode {steps} steps", Agreement.of(ref_l, step_logits, ref_e, step_entropy)))
+        logits.append(step_logits)
+        entropy.append(step_entropy)
+        ref_logits = np.concatenate([ref_logits.reshape(-1, ref_logits.shape[-1]), ref_l.reshape(-1, ref_l.shape[-1])])
+        ref_entropy = np.concatenate([ref_entropy.ravel(), ref_e.ravel()])
+    all_logits = np.concatenate([x.reshape(-1, x.shape[-1]) for x in logits])
+    all_entropy = np.concatenate([x.ravel() for x in entropy])
+    rows.append(("all", Agreement.of(ref_logits, all_logits, ref_entropy, all_entropy)))
+    return rows
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ from torch import Tensor, nn
 from sharp.exporter import cache_form, fallback, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, STREAMED_BLOCK, translate
+from sharp.exporter.precision import QUANT_BLOCK, QUANTIZED, check_block, quantize
 from sharp.models import registry
 from sharp.models.config import ModelShape
 from sharp.models.layers import use_custom_op
 from sharp.models.lm import SharpLM
 
 FALLBACKS = (*fallback.MODES, "none")
+EXPORTABLE = ("fp32", *QUANTIZED)  # the precisions of exporter/precision.py this exporter writes
 NATIVE_OPSET = BODY_OPSET  # the main graph is exported at the opset the bodies are written in
 
 
@@ -34,7 +36,8 @@ class ExportSettings:
     fallback: str = "dense"
     opset: int = 18
     kv_cache: bool = True
-    dtype: str = "fp32"
+    dtype: str = "fp32"  # the weights' precision (exporter/precision.py)
+    quant_block: int = QUANT_BLOCK  # weights per scale of int8/int4
     block_size: int = STREAMED_BLOCK  # keys per Loop iteration of the streamed fallback
     tensorrt: bool = False  # write the TensorRT form of the op (exporter/tensorrt.py)
 
@@ -45,8 +48,12 @@ class ExportSettings:
             raise ValueError(f"opset {self.opset} is not supported; sharp-export writes opset {NATIVE_OPSET}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.dtype != "fp32":
-            raise ValueError(f"dtype {self.dtype!r} is not supported yet; valid: fp32")
+        if self.dtype not in EXPORTABLE:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; valid: {', '.join(EXPORTABLE)}")
+        if self.dtype in QUANTIZED:
+            if self.tensorrt:
+                raise ValueError(f"{self.dtype} weights are MatMulNBits, an onnxruntime operator TensorRT cannot parse")
+            check_block(self.quant_block)
 
 
 class GenerationGraph(nn.Module):
@@ -164,6 +171,8 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
         mode = settings.fallback if settings.fallback != "none" else None
         tensorrt.rewrite(proto, mode, settings.block_size)
     name_dimensions(proto)
+    if settings.dtype in QUANTIZED:
+        proto = quantize(proto, settings.dtype, settings.quant_block)
     meta.write(proto)
     return proto
 

@@ -6,7 +6,11 @@ A file carries a single metadata entry, key `sharp`, holding JSON:
      "config": {...ModelConfig without its norm fields...},
      "layers": [{"norm": "ssa", "parameters": {"ssa_n": [per head], "ssa_b": [...]}}, ...],
      "tokenizer": {"kind": "bytes", "bos": 256, "eos": 257, "vocab_size": 258},
-     "export": {"fallback": "dense", "opset": 18, "kv_cache": true, "dtype": "fp32", "block_size": 256}}
+     "export": {"fallback": "dense", "opset": 18, "kv_cache": true, "dtype": "fp32", "quant_block": 32,
+                "block_size": 256}}
+
+`export.dtype` is the weights' precision (fp32, int8, int4; exporter/precision.py), `quant_block` the weights per
+scale of the integer ones.
 
 A transformers model (sharp-export HF_DIR) adds `"architecture": "transformers"`, its config.json as `config`,
 the sizes serving needs as `shape` ({"layers", "heads", "kv_heads", "head_dim", "vocab_size", "context_length"})
@@ -65,6 +69,11 @@ class ModelMetadata:
     @property
     def shape(self) -> ModelShape:
         return self.hf_shape if self.architecture == "transformers" else self.model_config().shape
+
+    @property
+    def precision(self) -> str:
+        """The weights' precision (files from before precisions existed are fp32)."""
+        return str(self.export.get("dtype", "fp32"))
 
     @property
     def norm(self) -> str:

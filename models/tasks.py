@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from sharp.models.corpus import VALIDATION
+
 IGNORE = -100
 BOS = 256
 # delimiters (bytes outside any alphabet we use)
@@ -91,7 +93,7 @@ class TextData:
         if len(data) < 1024:
             raise ValueError(f"{path}: {len(data)} bytes of text; need at least 1024")
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int64)
-        cut = int(len(t) * 0.9)
+        cut = int(len(t) * VALIDATION)
         self.train, self.val = t[:cut], t[cut:]
 
     def batch(self, batch: int, length: int, g: torch.Generator, split: str = "train") -> Batch:

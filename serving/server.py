@@ -221,6 +221,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             max_stop_strings=c.max_stop_strings,
             max_stop_length=c.max_stop_length,
             attention=self.engine.backend.attention,
+            precision=s.precision,
         )
 
 
@@ -380,7 +381,9 @@ class SharpServer:
                 self.metrics_port = await self._metrics_http.start(metrics_host, cfg.metrics_port)
             except OSError as e:
                 raise OSError(f"cannot serve metrics on {metrics_host}:{cfg.metrics_port}: {e.strerror}") from None
-        log.info("%s: %s", self.engine.spec.name, self.engine.backend.attention)  # the ports are ours: starting
+        spec = self.engine.spec
+        # the ports are ours: starting
+        log.info("%s: %s weights; %s", spec.name, spec.precision, self.engine.backend.attention)
         for name in ("", SERVICE):  # until the engine runs (and, with warm_up, has run the model's shapes)
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()

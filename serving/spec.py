@@ -27,6 +27,11 @@ class ModelSpec:
         return self.metadata.norm
 
     @property
+    def precision(self) -> str:
+        """The weights' precision: fp32, int8, int4 … (exporter/precision.py)."""
+        return self.metadata.precision
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self.metadata.tokenizer
 

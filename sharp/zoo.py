@@ -9,80 +9,23 @@ models/zoo/README.md, the model card, with the measured losses and the learned S
 from __future__ import annotations
 
 import argparse
-import sysconfig
 from pathlib import Path
 
 import torch
 
 from sharp.benchmarks.harness import machine, today
 from sharp.models.checkpoint import load, zoo_dir
+from sharp.models.corpus import STDLIB_MODULES, stdlib_corpus
 from sharp.models.tasks import TextData
 from sharp.models.train import main as train_main
 
 ZOO = zoo_dir()
-# A fixed list (not a directory walk) so the corpus is the same on every CPython 3.10+
-STDLIB_MODULES = [
-    "abc.py",
-    "argparse.py",
-    "ast.py",
-    "base64.py",
-    "bisect.py",
-    "calendar.py",
-    "codecs.py",
-    "collections/__init__.py",
-    "contextlib.py",
-    "copy.py",
-    "csv.py",
-    "dataclasses.py",
-    "datetime.py",
-    "decimal.py",
-    "difflib.py",
-    "enum.py",
-    "fnmatch.py",
-    "fractions.py",
-    "functools.py",
-    "glob.py",
-    "gzip.py",
-    "heapq.py",
-    "hmac.py",
-    "inspect.py",
-    "ipaddress.py",
-    "json/decoder.py",
-    "json/encoder.py",
-    "locale.py",
-    "logging/__init__.py",
-    "operator.py",
-    "os.py",
-    "pathlib.py",
-    "pprint.py",
-    "queue.py",
-    "random.py",
-    "re/__init__.py",
-    "shlex.py",
-    "shutil.py",
-    "socket.py",
-    "statistics.py",
-    "string.py",
-    "subprocess.py",
-    "tempfile.py",
-    "textwrap.py",
-    "threading.py",
-    "tokenize.py",
-    "traceback.py",
-    "typing.py",
-    "uuid.py",
-    "warnings.py",
-    "weakref.py",
-    "zipfile.py",
-]
 ARCH = ["--layers", "4", "--heads", "4", "--dim", "128", "--pos", "rope", "--context", "2048"]
 
 
 def build_corpus(out: Path) -> Path:
-    """Concatenate the listed standard-library modules that exist here (skipping any that do not)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    parts = [(root / m).read_bytes() for m in STDLIB_MODULES if (root / m).is_file()]
-    out.write_bytes(b"\n".join(parts))
+    """Write the corpus (models/corpus.py) to `out`."""
+    out.write_bytes(stdlib_corpus())
     return out
 
 

@@ -189,7 +189,7 @@ def test_the_command_prints_only_its_own_lines(tmp_path):
     )
     assert proc.returncode == 0 and proc.stderr == ""
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("wrote ") and lines[-1].startswith("check passed")
+    assert lines[-2].startswith("check passed") and lines[-1].startswith("wrote ")  # checked before it is written
     assert all(re.match(r"(wrote|check|prefill|decode) ", line) for line in lines), lines
 
 

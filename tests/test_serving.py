@@ -760,7 +760,7 @@ def test_sharp_serve_logs_one_json_object_per_event_and_reports_its_attention(mo
         proc.kill()
     assert re.fullmatch(r"attention: the native sharp::SharpAttention kernel \(x86-64-v[23]\)", attention), attention
     first = lines[0]
-    assert first["level"] == "info" and first["logger"] == "sharp.serving" and first["message"] == f"tiny: {attention}"
+    assert first["level"] == "info" and first["logger"] == "sharp.serving" and first["message"] == f"tiny: fp32 weights; {attention}"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
 
 
