@@ -24,10 +24,10 @@ import onnx
 import torch
 
 from sharp.exporter import metadata
-from sharp.exporter.export import EXPORTABLE, ExportSettings
+from sharp.exporter.export import ExportSettings
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import STREAMED_BLOCK
-from sharp.exporter.precision import BOUNDS, QUANT_BLOCK, QUANTIZED, Agreement, PrecisionError, check_block
+from sharp.exporter.precision import BOUNDS, EXPORTABLE, QUANT_BLOCK, QUANTIZED, Agreement, PrecisionError, check_block
 from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load
 from sharp.models.config import ModelShape

@@ -19,14 +19,13 @@ from torch import Tensor, nn
 from sharp.exporter import cache_form, fallback, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, STREAMED_BLOCK, translate
-from sharp.exporter.precision import QUANT_BLOCK, QUANTIZED, check_block, quantize
+from sharp.exporter.precision import EXPORTABLE, QUANT_BLOCK, QUANTIZED, check_block, quantize
 from sharp.models import registry
 from sharp.models.config import ModelShape
 from sharp.models.layers import use_custom_op
 from sharp.models.lm import SharpLM
 
 FALLBACKS = (*fallback.MODES, "none")
-EXPORTABLE = ("fp32", *QUANTIZED)  # the precisions of exporter/precision.py this exporter writes
 NATIVE_OPSET = BODY_OPSET  # the main graph is exported at the opset the bodies are written in
 
 

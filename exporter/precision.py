@@ -24,6 +24,7 @@ import onnx
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 QUANTIZED = {"int8": 8, "int4": 4}  # precision → bits of the projections
+EXPORTABLE = ("fp32", *QUANTIZED)  # what sharp-export writes today
 QUANT_BLOCK = 32
 KEEP_8BIT = ("v_proj", "down_proj", "down")  # module names (transformers, SharpLM) int4 keeps at 8 bits
 _ACCURACY_LEVEL = 4

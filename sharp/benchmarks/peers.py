@@ -50,6 +50,7 @@ from sharp.benchmarks.harness import (
     today,
     write_section,
 )
+from sharp.exporter.precision import EXPORTABLE
 
 LLAMA_CPP = Path("build/peers/llama.cpp/bin")  # `make peers`
 LLAMA_SRC_GLOB = "build/peers/llama_cpp_python-*/vendor/llama.cpp"
@@ -355,10 +356,12 @@ def convert_gguf(hf: Path, out: Path, outtype: str, log: Path) -> Path:
     return target
 
 
-def genai_build(hf: Path, out: Path, log: Path) -> Path:
-    target = out / "genai-fp32"
-    _run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(target), "-p", "fp32",
-          "-e", "cpu", "-c", str(out / "genai-cache")], "onnxruntime_genai.models.builder", log)  # fmt: skip
+def genai_build(hf: Path, out: Path, log: Path, precision: str = "fp32") -> Path:
+    """The builder's export at `precision` (fp32, or int4: its own MatMulNBits recipe with its CPU defaults)."""
+    target = out / f"genai-{precision}"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(target), "-p", precision,
+           "-e", "cpu", "-c", str(out / "genai-cache")]  # fmt: skip
+    _run(cmd, f"onnxruntime_genai.models.builder -p {precision}", log)
     return target
 
 
@@ -374,13 +377,15 @@ def learned(hf: Path, out: Path, norm: str) -> Path:
     return out
 
 
-def sharp_export(hf: Path, out: Path, norm: str, log: Path) -> Path:
-    target = out / f"{norm}.onnx"
+def sharp_export(hf: Path, out: Path, norm: str, log: Path, weights: str = "fp32") -> Path:
+    target = out / (f"{norm}.onnx" if weights == "fp32" else f"{norm}-{weights}.onnx")
     if norm in LEARNED:
         args = [str(learned(hf, out / f"hf-{norm}", norm))]
     else:
         args = [str(hf), "--norm", norm, *(["--ssmax-s", "1.0"] if norm == "ssmax" else [])]
-    _run([sys.executable, "-m", "sharp.exporter.cli", *args, "-o", str(target)], f"sharp-export ({norm})", log)
+    if not target.exists():
+        _run([sys.executable, "-m", "sharp.exporter.cli", *args, "-o", str(target), "--weights", weights],
+             f"sharp-export ({norm}, {weights})", log)  # fmt: skip
     return target
 
 
@@ -415,17 +420,21 @@ def bench(args) -> str:
             print(f"  {name}: {e}", flush=True)
 
     for norm in args.norms:
-        add(f"sharp-serve {norm}", lambda n=norm: start_sharp(sharp_export(hf, work, n, log), f"sharp-serve {n}",
-                                                              args.threads, work / f"sharp-{n}.log"))  # fmt: skip
+        for w in args.weights:
+            name = f"sharp-serve {norm}" + ("" if w == "fp32" else f" {w}")
+            log_file = work / f"{name.replace(' ', '-')}.log"
+            add(name, lambda n=norm, w=w, name=name, f=log_file: start_sharp(
+                sharp_export(hf, work, n, log, w), name, args.threads, f))  # fmt: skip
     for outtype in args.gguf:
         add(f"llama-server {outtype}", lambda t=outtype: start_llama_server(
             work / f"model-{t}.gguf" if (work / f"model-{t}.gguf").exists() else convert_gguf(hf, work, t, log),
             f"llama-server {t}", max(context, together), args.concurrent, args.threads,
             work / f"llama-{t}.log"))  # fmt: skip
-    if not args.no_genai:
-        add("onnxruntime-genai fp32", lambda: start_genai(
-            work / "genai-fp32" if (work / "genai-fp32" / "genai_config.json").exists() else genai_build(hf, work, log),
-            "onnxruntime-genai fp32", work / "genai.log"))  # fmt: skip
+    for p in [] if args.no_genai else args.genai_precision:
+        built = work / f"genai-{p}"
+        add(f"onnxruntime-genai {p}", lambda p=p, b=built: start_genai(
+            b if (b / "genai_config.json").exists() else genai_build(hf, work, log, p),
+            f"onnxruntime-genai {p}", work / f"genai-{p}.log"))  # fmt: skip
     live = [p for p in peers if p.error is None]
     rng = random.Random(args.seed)
     single: dict[tuple[str, int], list[Reading]] = {}
@@ -517,6 +526,10 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrent-lengths", type=int, nargs="*", default=[1024, 4096])
     ap.add_argument("--norms", nargs="*", choices=NORMS, default=list(NORMS))
     ap.add_argument("--gguf", nargs="*", choices=["f32", "q8_0", "f16"], default=["f32", "q8_0"])
+    ap.add_argument("--weights", nargs="+", choices=EXPORTABLE, default=["fp32"], help="sharp-export --weights of"
+                    " sharp-serve's rows (each norm at each)")  # fmt: skip
+    ap.add_argument("--genai-precision", nargs="+", choices=["fp32", "int4"], default=["fp32"],
+                    help="onnxruntime-genai builder precisions")  # fmt: skip
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="threads per peer (0: each peer's default, all cores)")
     ap.add_argument("--workdir", help="keep the model and every peer's files here (reused when present)")
