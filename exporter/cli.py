@@ -27,7 +27,16 @@ from sharp.exporter import metadata
 from sharp.exporter.export import ExportSettings
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import STREAMED_BLOCK
-from sharp.exporter.precision import BOUNDS, EXPORTABLE, QUANT_BLOCK, QUANTIZED, Agreement, PrecisionError, check_block
+from sharp.exporter.precision import (
+    BOUNDS,
+    CPU_RUNS,
+    EXPORTABLE,
+    QUANT_BLOCK,
+    QUANTIZED,
+    Agreement,
+    PrecisionError,
+    check_block,
+)
 from sharp.models import registry
 from sharp.models.checkpoint import CheckpointError, load
 from sharp.models.config import ModelShape
@@ -69,14 +78,21 @@ def _check_output(model: Path, out: Path) -> None:
         raise UsageError(f"cannot write {out}: {out.parent} is not a writable directory")
 
 
-def _session(path: Path, library: str | None):
+def _cuda() -> bool:
+    import onnxruntime as ort
+
+    return "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def _session(path: Path, library: str | None, cuda: bool = False):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if library:
         opts.register_custom_ops_library(library)
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if cuda else ["CPUExecutionProvider"]
+    return ort.InferenceSession(str(path), opts, providers=providers)
 
 
 Reference = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # ids → logits, entropy (whole sequence)
@@ -163,9 +179,11 @@ def parser() -> argparse.ArgumentParser:
         dest="dtype",
         choices=EXPORTABLE,
         default="fp32",
-        help="precision of the weights: fp32 (as traced), int8 or int4 (blockwise weight-only MatMulNBits through"
-        " onnxruntime's quantizer; int4 keeps the value and down projections at 8 bits). The check then compares"
-        " the file with the fp32 model on text against the bounds of docs/op.md and refuses a file outside them",
+        help="precision of the weights: fp32 (as traced); fp16 or bf16 (the graph computes in it; I/O, the KV cache"
+        " and the attention op stay fp32); int8 or int4 (blockwise weight-only MatMulNBits through onnxruntime's"
+        " quantizer; int4 keeps the value and down projections at 8 bits). The check then compares the file with"
+        " the fp32 model on text against the bounds of docs/op.md and refuses a file outside them (bf16 needs"
+        " onnxruntime-gpu for that: the CPU provider cannot run it)",
     )
     ap.add_argument(
         "--quant-block",
@@ -289,10 +307,15 @@ def _check_package_dir(model: Path, out: Path) -> None:
 def _check_precision(args) -> None:
     if args.quant_block is not None and args.dtype not in QUANTIZED:
         raise UsageError(f"--quant-block sets the blocks of int8/int4 weights; --weights {args.dtype} has none")
-    if args.dtype in QUANTIZED and args.tensorrt:
+    if args.dtype != "fp32" and args.tensorrt:
         raise UsageError(
-            f"--weights {args.dtype} writes onnxruntime's MatMulNBits, which TensorRT cannot parse; --tensorrt files"
-            " are fp32 (TensorRT builds fp16/bf16 engines from them: sharp-build-engine --fp16|--bf16)"
+            f"--weights {args.dtype} --tensorrt: TensorRT files are fp32 and sharp-build-engine --fp16|--bf16 builds"
+            " the engine's precision (int8/int4 would be onnxruntime's MatMulNBits, which TensorRT cannot parse)"
+        )
+    if args.check and args.dtype not in CPU_RUNS and not _cuda():
+        raise UsageError(
+            f"--weights {args.dtype}: onnxruntime's CPU provider cannot run the check ({args.dtype} Pow, ReduceMean …)"
+            " and onnxruntime-gpu is not installed; export where it is, or add --no-check to write it unchecked"
         )
     check_block(args.quant_block or QUANT_BLOCK)
 
@@ -378,7 +401,9 @@ def _run_check(args, path: Path, shape: ModelShape, reference: Reference, librar
         print(f"check: onnx.checker passed; not run (no fallback body and no kernel; {attention})")
         return 0
     if args.dtype in BOUNDS:
-        return _judge_precision(args.dtype, verify_text(path, shape, args.kv_cache, reference, library), attention)
+        cuda = args.dtype not in CPU_RUNS
+        rows = verify_text(path, shape, args.kv_cache, reference, library, cuda)
+        return _judge_precision(args.dtype, rows, attention + (" (onnxruntime CUDA)" if cuda else ""))
     rows = verify(path, shape, args.kv_cache, reference, library)
     print(f"{'check':<22}{'max |Δ logits|':>16}{'max |Δ entropy|':>17}")
     for name, dl, de in rows:
@@ -419,7 +444,7 @@ DECODE_STEPS = 32
 
 
 def verify_text(
-    path: Path, shape: ModelShape, kv_cache: bool, reference: Reference, library: str | None = None
+    path: Path, shape: ModelShape, kv_cache: bool, reference: Reference, library: str | None = None, cuda: bool = False
 ) -> list[tuple[str, Agreement]]:
     """A precision file against the fp32 model on held-out text (models/corpus.py): two windows prefilled, and
     the second's last DECODE_STEPS tokens decoded one at a time on a cache; the last row is all of them."""
@@ -432,7 +457,7 @@ def verify_text(
     length = min(TEXT_LENGTH, shape.context_length - 1, len(tokens) // 2)
     ids = torch.tensor([tokens[:length], tokens[length : 2 * length]])
     ref_logits, ref_entropy = (t.numpy() for t in reference(ids))
-    sess = _session(path, library)
+    sess = _session(path, library, cuda)
     names, _ = io_names(shape.layers, kv_cache)
 
     def run(x: np.ndarray, past: list[np.ndarray], start: int):

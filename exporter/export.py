@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from sharp.exporter import cache_form, fallback, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, STREAMED_BLOCK, translate
-from sharp.exporter.precision import EXPORTABLE, QUANT_BLOCK, QUANTIZED, check_block, quantize
+from sharp.exporter.precision import EXPORTABLE, HALF, QUANT_BLOCK, QUANTIZED, check_block, quantize, to_half
 from sharp.models import registry
 from sharp.models.config import ModelShape
 from sharp.models.layers import use_custom_op
@@ -49,9 +49,9 @@ class ExportSettings:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.dtype not in EXPORTABLE:
             raise ValueError(f"dtype {self.dtype!r} is not supported; valid: {', '.join(EXPORTABLE)}")
+        if self.dtype != "fp32" and self.tensorrt:
+            raise ValueError("--tensorrt files are fp32 (sharp-build-engine chooses the engine's precision)")
         if self.dtype in QUANTIZED:
-            if self.tensorrt:
-                raise ValueError(f"{self.dtype} weights are MatMulNBits, an onnxruntime operator TensorRT cannot parse")
             check_block(self.quant_block)
 
 
@@ -172,6 +172,8 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
     name_dimensions(proto)
     if settings.dtype in QUANTIZED:
         proto = quantize(proto, settings.dtype, settings.quant_block)
+    elif settings.dtype in HALF:
+        proto = to_half(proto, settings.dtype)
     meta.write(proto)
     return proto
 

@@ -1,14 +1,15 @@
 """The weight precision of an exported file (`sharp-export --weights`), and how close it must stay to fp32.
 
-fp32 is the graph as traced. int8 and int4 are weight-only and blockwise: onnxruntime's own quantizer
-(`MatMulNBitsQuantizer`) turns every MatMul with a constant 2-D weight — the projections and an untied LM head —
-into `com.microsoft::MatMulNBits` (asymmetric, `block` weights per scale, accuracy level 4: the kernel quantizes
-each activation block to int8 for its dot products, as onnxruntime-genai's builder does for CPU — at level 0 the
-8-bit kernel runs at a sixth of the speed). Under int4 the value and MLP down projections stay at 8 bits (the
-choice of llama.cpp's Q4_K_M: their error reaches the residual stream unattenuated; on the trained zoo model it
-lifts top-1 agreement from 94.5% to 96.3%). The embedding stays fp32: the quantizer's Gather form needs opset 21
-and the file's fallback bodies are opset 18 — and a tied LM head, a Transpose of it, stays fp32 with it. Norms and
-the attention op are untouched; activations stay fp32.
+fp32 is the graph as traced. fp16 and bf16 compute in half precision (`to_half`). int8 and int4 are
+weight-only and blockwise: onnxruntime's own quantizer (`MatMulNBitsQuantizer`) turns every MatMul with a constant
+2-D weight — the projections and an untied LM head — into `com.microsoft::MatMulNBits` (asymmetric, `block`
+weights per scale, accuracy level 4: the kernel quantizes each activation block to int8 for its dot products, as
+onnxruntime-genai's builder does for CPU — at level 0 the 8-bit kernel runs at a sixth of the speed). Under int4
+the value and MLP down projections stay at 8 bits (the choice of llama.cpp's Q4_K_M: their error reaches the
+residual stream unattenuated; on the trained zoo model it lifts top-1 agreement from 94.5% to 96.3%). The
+embedding stays fp32: the quantizer's Gather form needs opset 21 and the file's fallback bodies are opset 18 — and a
+tied LM head, a Transpose of it, stays fp32 with it. Norms and the attention op are untouched; activations stay
+fp32.
 
 A precision file is judged against the fp32 PyTorch model on text by `Agreement` and `BOUNDS` (docs/op.md).
 """
@@ -21,10 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 
 PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 QUANTIZED = {"int8": 8, "int4": 4}  # precision → bits of the projections
-EXPORTABLE = ("fp32", *QUANTIZED)  # what sharp-export writes today
+HALF = ("fp16", "bf16")
+EXPORTABLE = ("fp32", *HALF, *QUANTIZED)
 QUANT_BLOCK = 32
 KEEP_8BIT = ("v_proj", "down_proj", "down")  # module names (transformers, SharpLM) int4 keeps at 8 bits
 _ACCURACY_LEVEL = 4
@@ -82,6 +85,80 @@ def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -
     return proto
 
 
+def _rotary_nodes(graph: onnx.GraphProto) -> list[str]:
+    """Names of the nodes between `position_ids` and a Cos/Sin: the rotary angles. In fp16 an angle of 4,000 rad
+    is rounded to 2 rad, so these stay fp32 and only the cos/sin values (in [-1, 1]) enter the half graph."""
+    producers = {out: n for n in graph.node for out in n.output}
+    after, frontier = set(), {"position_ids"}
+    while frontier:
+        nxt = {o for n in graph.node if set(n.input) & frontier for o in n.output} - after
+        after |= nxt
+        frontier = nxt
+    keep, stack = set(), [n for n in graph.node if n.op_type in ("Cos", "Sin")]
+    while stack:
+        node = stack.pop()
+        if node.name in keep or not (set(node.output) & after):
+            continue
+        keep.add(node.name)
+        stack += [producers[i] for i in node.input if i in producers]
+    return sorted(keep)
+
+
+def to_half(proto: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    """`proto` computing in fp16 or bf16 through onnxruntime's float16 converter: weights and activations in half
+    precision; graph inputs and outputs (logits, entropy, the KV cache) stay fp32, and so do the attention op (its
+    contract is fp32; Casts around it — its kernels and fallback bodies accumulate in fp32 anyway) and the rotary
+    angles. bf16 is the converter's fp16 graph retyped, with the weights rounded from fp32 (not from fp16)."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    fp32 = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer} if precision == "bf16" else {}
+    blocked = [*DEFAULT_OP_BLOCK_LIST, "SharpAttention"]
+    proto = convert_float_to_float16(
+        proto,
+        keep_io_types=True,
+        disable_shape_infer=True,
+        op_block_list=blocked,
+        node_block_list=_rotary_nodes(proto.graph),
+    )
+    if precision == "bf16":
+        _retype_bf16(proto, fp32)
+    OnnxModel(proto).topological_sort()  # the converter appends its Casts at the end
+    del proto.graph.value_info[:]  # some carry the converter's guesses; onnxruntime infers them again
+    return proto
+
+
+def _bf16(values: np.ndarray, name: str) -> onnx.TensorProto:
+    """`values` rounded to bfloat16 (round to nearest even on the upper 16 bits of the fp32 pattern)."""
+    bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    t = onnx.TensorProto(name=name, data_type=onnx.TensorProto.BFLOAT16, dims=values.shape)
+    t.raw_data = rounded.tobytes()
+    return t
+
+
+def _retype_bf16(proto: onnx.ModelProto, fp32: dict[str, np.ndarray]) -> None:
+    half, bf16 = onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16
+
+    def tensor(t: onnx.TensorProto) -> onnx.TensorProto:
+        if t.data_type != half:
+            return t
+        return _bf16(fp32[t.name] if t.name in fp32 else numpy_helper.to_array(t).astype(np.float32), t.name)
+
+    inits = [tensor(t) for t in proto.graph.initializer]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(inits)
+    for node in proto.graph.node:
+        for a in node.attribute:
+            if a.name == "to" and a.i == half:
+                a.i = bf16
+            elif a.type == onnx.AttributeProto.TENSOR and a.t.data_type == half:
+                a.t.CopyFrom(tensor(a.t))
+    for vi in (*proto.graph.input, *proto.graph.output):
+        if vi.type.tensor_type.elem_type == half:
+            vi.type.tensor_type.elem_type = bf16
+
+
 @dataclass(frozen=True)
 class Bound:
     """How far a file at a precision may drift from the fp32 model on the check's text (docs/op.md)."""
@@ -91,7 +168,13 @@ class Bound:
     entropy: float  # mean |Δ attention entropy|, nats
 
 
-BOUNDS = {"int8": Bound(kl=5e-3, top1=0.99, entropy=0.02), "int4": Bound(kl=5e-2, top1=0.95, entropy=0.2)}
+BOUNDS = {
+    "fp16": Bound(kl=1e-3, top1=0.99, entropy=0.01),
+    "bf16": Bound(kl=1e-2, top1=0.98, entropy=0.05),  # estimated from fp16's (8× coarser); not run on a CPU
+    "int8": Bound(kl=5e-3, top1=0.99, entropy=0.02),
+    "int4": Bound(kl=5e-2, top1=0.95, entropy=0.2),
+}
+CPU_RUNS = ("fp32", "fp16", "int8", "int4")  # onnxruntime's CPU provider has no bfloat16 Pow, ReduceMean, …
 CONFIDENT = 0.5
 
 

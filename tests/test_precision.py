@@ -28,7 +28,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 def zoo_files(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("precision")
     files = {}
-    for weights in ("fp32", "int8", "int4"):
+    for weights in ("fp32", "fp16", "int8", "int4"):
         files[weights] = d / f"zoo-{weights}.onnx"
         assert export_main([str(ZOO), "-o", str(files[weights]), "--weights", weights]) == 0
     return files
@@ -104,6 +104,38 @@ def test_agreement_measures(tmp_path):
     assert len(nan.problems(Bound(1e9, 0.0, 1e9))) >= 1  # NaN logits never pass
 
 
+def test_fp16_computes_in_half_but_keeps_io_attention_and_rotary_angles_in_fp32(zoo_files):
+    proto = onnx.shape_inference.infer_shapes(onnx.load(str(zoo_files["fp16"])))
+    assert metadata.read(proto).precision == "fp16"
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in (*proto.graph.value_info, *proto.graph.input)}
+    types |= {i.name: i.data_type for i in proto.graph.initializer}
+    half, single = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    weights = [types[n.input[1]] for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in types]
+    assert len(weights) >= 28 and set(weights) == {half}  # every projection (the tied head's Transpose too)
+    attention = [n for n in proto.graph.node if n.op_type == "SharpAttention"]
+    assert len(attention) == 4 and all(types[n.input[i]] == single for n in attention for i in range(3))
+    trig = [n for n in proto.graph.node if n.op_type in ("Cos", "Sin")]
+    assert trig and all(types[n.input[0]] == single for n in trig)  # angles of 4,000 rad need fp32
+    assert {o.type.tensor_type.elem_type for o in proto.graph.output} == {single}  # logits, entropy, presents
+
+
+def test_bf16_files_round_from_fp32_and_pass_the_checker(tmp_path, capsys):
+    import torch
+
+    ties = torch.from_numpy(np.array([0x3F808000, 0x3F818000, 0xBF808000], np.uint32).view(np.float32))
+    x = torch.cat([torch.randn(1000) * torch.logspace(-30, 30, 1000), ties])  # exact halves: to the even neighbour
+    got = precision._bf16(x.numpy(), "x")
+    want = x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.uint16)
+    assert np.array_equal(np.frombuffer(got.raw_data, np.uint16), want)  # round to nearest even, as torch does
+    out = tmp_path / "zoo-bf16.onnx"
+    assert export_main([str(ZOO), "-o", str(out), "--weights", "bf16", "--no-check"]) == 0
+    onnx.checker.check_model(str(out), full_check=True)
+    proto = onnx.load(str(out))
+    assert metadata.read(proto).precision == "bf16"
+    kinds = {i.data_type for i in proto.graph.initializer if len(i.dims) == 2}
+    assert onnx.TensorProto.BFLOAT16 in kinds and onnx.TensorProto.FLOAT16 not in kinds
+
+
 def test_the_bounds_are_the_documented_ones():
     """docs/op.md's precision table is the code's BOUNDS (a bound widened in one place fails here)."""
     text = (DOCS / "op.md").read_text()
@@ -118,6 +150,8 @@ def test_precision_mistakes_exit_2_with_one_line(tmp_path, capsys):
     out = tmp_path / "x.onnx"
     for args, says in (
         (["--weights", "int4", "--tensorrt"], "TensorRT cannot parse"),
+        (["--weights", "fp16", "--tensorrt"], "TensorRT files are fp32"),
+        (["--weights", "bf16"], "add --no-check to write it unchecked"),
         (["--weights", "int8", "--quant-block", "24"], "power of two >= 16"),
         (["--weights", "int4", "--quant-block", "8"], "power of two >= 16"),
         (["--quant-block", "64"], "--weights fp32 has none"),

@@ -485,7 +485,8 @@ def report(args, about, peers, single, many) -> str:
     header = ["peer", "prompt", "TTFT s (lowest–highest)", "decode tok/s (lowest–highest)",
               "sharp softmax ÷ peer: TTFT / decode", "peak RSS MiB (up to this length)", "ready s"]  # fmt: skip
     parts = [
-        "## Long context on CPU against llama.cpp and onnxruntime-genai (sharp-bench peers)",
+        ("## Long context" if args.shape == "llama-11m" else f"## The {args.shape} shape")
+        + " on CPU against llama.cpp and onnxruntime-genai (sharp-bench peers)",
         "",
         f"Measured {today()} on {machine()}. Command: {args.command}. Model: a random-weight Llama, {about}, context"
         f" {max(args.lengths) + args.new_tokens:,}; one request at a time, a fresh prompt of random token ids,"
@@ -545,6 +546,6 @@ def run(argv: list[str] | None = None) -> int:
         ap.error(f"the longest prompt + --new-tokens must fit {args.shape}'s context of {limit} tokens")
     body = bench(args)
     print(body)
-    if (page := output_page(args)) is not None:
-        write_section("peers", body, page)
+    if (page := output_page(args)) is not None:  # a section per model shape: the long-context run keeps its own
+        write_section("peers" if args.shape == "llama-11m" else f"peers --shape {args.shape}", body, page)
     return 0
