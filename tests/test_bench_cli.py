@@ -152,8 +152,10 @@ def test_peers_report_holds_each_peers_medians_ratios_to_sharp_and_the_reason_a_
 
     from sharp.benchmarks.peers import Peer, Reading, report
 
-    args = SimpleNamespace(lengths=[1024, 4096], new_tokens=64, repeats=2, concurrent=8, command="`x`")
-    ours, theirs = Peer("sharp-serve softmax", ready_s=1.5), Peer("llama-server f32", ready_s=0.2)
+    args = SimpleNamespace(
+        lengths=[1024, 4096], new_tokens=64, repeats=2, concurrent=8, command="`x`", shape="llama-11m"
+    )
+    ours, theirs = Peer("sharp-serve softmax", ready_s=1.5, disk_mib=40.4), Peer("llama-server f32", ready_s=0.2)
     ours.rss, theirs.rss = {1024: 200.0, 4096: 210.0}, {1024: 150.0, 4096: 160.0}
     missing = Peer("onnxruntime-genai fp32", error="onnxruntime-genai is not installed")
     single = {
@@ -164,9 +166,9 @@ def test_peers_report_holds_each_peers_medians_ratios_to_sharp_and_the_reason_a_
     }
     many = {("llama-server f32", 1024): [(0.5, 800.0), (0.7, 900.0)]}
     text = report(args, "a model", [ours, theirs, missing], single, many)
-    assert "| sharp-serve softmax | 1,024 | 0.30 (0.20–0.40) | 200 (100–300) |  | 200 | 1.5 |" in text
-    assert "| llama-server f32 | 1,024 | 0.60 (0.60–0.60) | 400 (400–400) | 0.50× / 0.50× | 150 | 0.2 |" in text
-    assert "| llama-server f32 | 4,096 | 2.00 (2.00–2.00) | 50 (50–50) | 0.50× / 2.00× | 160 | 0.2 |" in text
+    assert "| sharp-serve softmax | 1,024 | 0.30 (0.20–0.40) | 200 (100–300) |  | 200 | 40 | 1.5 |" in text
+    assert "| llama-server f32 | 1,024 | 0.60 (0.60–0.60) | 400 (400–400) | 0.50× / 0.50× | 150 | nan | 0.2 |" in text
+    assert "| llama-server f32 | 4,096 | 2.00 (2.00–2.00) | 50 (50–50) | 0.50× / 2.00× | 160 | nan | 0.2 |" in text
     assert "| onnxruntime-genai fp32 | — | not run | onnxruntime-genai is not installed |" in text
     assert "| llama-server f32 | 1,024×8 | 0.60 (0.50–0.70) | 850 (800–900) |" in text
     assert "sharp-serve softmax 0.50; llama-server f32 0.12" in text  # decode at 4,096 ÷ at 1,024

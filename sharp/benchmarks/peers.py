@@ -134,6 +134,7 @@ class Peer:
     stop: Callable[[], None] = lambda: None
     rss: dict[int, float] = field(default_factory=dict)  # prompt length -> peak RSS MiB after it
     error: str | None = None
+    disk_mib: float = float("nan")  # the model files it loads
 
     def peak_mib(self) -> float:
         if self.pid is None:
@@ -245,12 +246,20 @@ def _start_openai_server(
     return Peer(name, time.perf_counter() - t0, proc.pid, base + api, generate, _stop(proc))
 
 
+def _mib(path: Path) -> float:
+    """Size of a file, or of the files in a directory."""
+    files = [f for f in path.iterdir() if f.is_file()] if path.is_dir() else [path]
+    return sum(f.stat().st_size for f in files) / 2**20
+
+
 def start_sharp(onnx: Path, name: str, threads: int, log: Path) -> Peer:
     port = _free_port()
     cmd = [sys.executable, "-m", "sharp.serving.cli", str(onnx), "--port=0", "--metrics-port=-1",
            f"--http-port={port}", "--kv-cache-mb=4096", "--max-batch=8", "--log-level=warning",
            *([f"--threads={threads}"] if threads else [])]  # fmt: skip
-    return _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, {}, log)
+    peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, {}, log)
+    peer.disk_mib = _mib(onnx)
+    return peer
 
 
 def start_llama_server(gguf: Path, name: str, context: int, parallel: int, threads: int, log: Path) -> Peer:
@@ -263,8 +272,10 @@ def start_llama_server(gguf: Path, name: str, context: int, parallel: int, threa
            "-np", str(parallel), "--kv-unified", "-fa", "on", "-t", str(threads or os.cpu_count()),
            "--no-webui"]  # fmt: skip
     extra = {"cache_prompt": False, "ignore_eos": True}
-    return _start_openai_server(name, cmd, f"http://127.0.0.1:{port}", "/health", "/v1", "model", extra, log,
+    peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}", "/health", "/v1", "model", extra, log,
                                 output_to_log=True)  # fmt: skip
+    peer.disk_mib = _mib(gguf)
+    return peer
 
 
 GENAI_WORKER = r"""
@@ -320,7 +331,7 @@ def start_genai(package: Path, name: str, log: Path) -> Peer:
         proc.stdin.close()
         proc.wait(timeout=60)
 
-    return Peer(name, time.perf_counter() - t0, proc.pid, None, generate, stop)
+    return Peer(name, time.perf_counter() - t0, proc.pid, None, generate, stop, disk_mib=_mib(package))
 
 
 # ---- preparing each peer's files -------------------------------------------------------------------------------------
@@ -471,7 +482,7 @@ def report(args, about, peers, single, many) -> str:
         for p in peers:
             if p.error is not None:
                 if length == args.lengths[0]:
-                    rows.append([p.name, "—", "not run", p.error, "", "", ""])
+                    rows.append([p.name, "—", "not run", p.error, "", "", "", ""])
                 continue
             rs = single[p.name, length]
             ttft, dec = [r.ttft for r in rs], [r.decode for r in rs]
@@ -481,9 +492,10 @@ def report(args, about, peers, single, many) -> str:
                 ratio = (f"{statistics.median(r.ttft for r in mine) / statistics.median(ttft):.2f}× /"
                          f" {statistics.median(r.decode for r in mine) / statistics.median(dec):.2f}×")  # fmt: skip
             rows.append([p.name, f"{length:,}", _fmt(ttft, ".2f"), _fmt(dec, ".0f"), ratio,
-                         f"{p.rss[length]:.0f}", f"{p.ready_s:.1f}"])  # fmt: skip
+                         f"{p.rss[length]:.0f}", f"{p.disk_mib:.0f}", f"{p.ready_s:.1f}"])  # fmt: skip
     header = ["peer", "prompt", "TTFT s (lowest–highest)", "decode tok/s (lowest–highest)",
-              "sharp softmax ÷ peer: TTFT / decode", "peak RSS MiB (up to this length)", "ready s"]  # fmt: skip
+              "sharp softmax ÷ peer: TTFT / decode", "peak RSS MiB (up to this length)", "model MiB on disk",
+              "ready s"]  # fmt: skip
     parts = [
         ("## Long context" if args.shape == "llama-11m" else f"## The {args.shape} shape")
         + " on CPU against llama.cpp and onnxruntime-genai (sharp-bench peers)",
