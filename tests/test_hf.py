@@ -460,3 +460,15 @@ def test_rms_norms_export_in_the_form_onnxruntime_fuses_and_only_those_that_comp
     norm = OffsetRMSNorm()
     with fusable_norms(torch.nn.Sequential(norm)) as swapped:
         assert swapped == 0 and "forward" not in vars(norm)
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp16"])
+def test_a_transformers_model_exports_checks_and_serves_at_a_lower_precision(hf_dirs, tmp_path, weights):
+    out = tmp_path / f"llama-{weights}.onnx"
+    assert export_cli.main([str(hf_dirs["llama"]), "-o", str(out), "--weights", weights]) == 0
+    backend = load_backend(out)
+    engine = Engine(backend, EngineConfig(), ServingMetrics(backend.spec))
+    with BackgroundServer(engine, ServerConfig(port=0, metrics_port=None)) as srv, Client(srv.target) as c:
+        assert c.info().precision == weights
+        r = c.generate("The quick brown fox", max_new_tokens=8, temperature=0, stop=[])
+        assert r.usage.completion_tokens == 8
