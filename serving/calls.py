@@ -37,7 +37,7 @@ class Calls:
             async for ev in events:  # the engine's stream ends after its Finished or Failed event
                 yield req, ev
         except RequestError as e:
-            self.engine.metrics.log_outcome(RequestOutcome(e.code.name.lower(), api))
+            self.engine.metrics.log_outcome(RequestOutcome(e.code.value, api))
             raise
         except asyncio.CancelledError:
             if not submitted:

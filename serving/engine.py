@@ -19,7 +19,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, fields
 
-import grpc
 import numpy as np
 
 from sharp.models.sampling import generator, sample_rows, token_logprobs
@@ -28,6 +27,7 @@ from sharp.serving.backends import PAGE_SIZE, Backend, Chunk
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.requests import GenerationRequest, Limits, RequestError
 from sharp.serving.stats import RequestOutcome, StepStats
+from sharp.serving.status import Status
 from sharp.serving.text import StopText
 
 log = logging.getLogger("sharp.serving")
@@ -118,7 +118,7 @@ class Finished:
 
 @dataclass
 class Failed:
-    code: grpc.StatusCode
+    code: Status
     message: str
 
 
@@ -249,7 +249,7 @@ class Engine:
         self._end_seconds = 0.0  # the previous step's _end_step, counted in the next step's busy time
         self._cond = threading.Condition()
         self._stopping = False
-        self._ending: tuple[grpc.StatusCode, str] | None = None  # end_all's request to the engine thread
+        self._ending: tuple[Status, str] | None = None  # end_all's request to the engine thread
         self.draining = False
         self._thread = threading.Thread(target=self._loop, name="sharp-engine", daemon=True)
 
@@ -279,13 +279,13 @@ class Engine:
         with self._cond:
             if self.draining or self._stopping:
                 raise RequestError(
-                    grpc.StatusCode.UNAVAILABLE,
+                    Status.UNAVAILABLE,
                     "the server is draining and accepts no new requests; retry elsewhere",
                     transient=True,
                 )
             if len(self._waiting) >= self.config.max_queue:
                 raise RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Status.RESOURCE_EXHAUSTED,
                     f"queue full: {len(self._waiting)} requests waiting (--max-queue)",
                     transient=True,
                 )
@@ -340,7 +340,7 @@ class Engine:
             + (1 << 16)
         )
 
-    def end_all(self, code: grpc.StatusCode, message: str) -> None:
+    def end_all(self, code: Status, message: str) -> None:
         """End every unfinished request with `code` (from any thread; the engine thread does it): a drain's
         deadline."""
         with self._cond:
@@ -529,7 +529,7 @@ class Engine:
 
     def _fail_forward(self, seq: Sequence, where: str) -> None:
         log.error("model forward failed for request %r (%s)", seq.request.request_id, where)
-        self._fail(seq, grpc.StatusCode.INTERNAL, f"the model failed on this request ({where}); see the server log")
+        self._fail(seq, Status.INTERNAL, f"the model failed on this request ({where}); see the server log")
 
     def _emit(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None = None) -> None:
         """Send the sampled token of `seq` (and its log-probability, when asked) and finish the sequence when a stop
@@ -538,7 +538,7 @@ class Engine:
         if token is None:
             self._fail(
                 seq,
-                grpc.StatusCode.INTERNAL,
+                Status.INTERNAL,
                 f"the model produced non-finite logits for this request after {len(seq.generated)} tokens",
             )
             return
@@ -580,16 +580,14 @@ class Engine:
         self._outbox.append((seq, summary))
         self._stats.outcomes.append(RequestOutcome("ok", seq.request.api, time.perf_counter() - seq.arrival))
 
-    def _fail(self, seq: Sequence, code: grpc.StatusCode, message: str) -> None:
+    def _fail(self, seq: Sequence, code: Status, message: str) -> None:
         """End one sequence with `code`; the caller drops it from the batch (it is marked done)."""
         with self._cond:
             seq.done = True
         self._outbox.append((seq, Failed(code, message)))
-        self._stats.outcomes.append(
-            RequestOutcome(code.name.lower(), seq.request.api, time.perf_counter() - seq.arrival)
-        )
+        self._stats.outcomes.append(RequestOutcome(code.value, seq.request.api, time.perf_counter() - seq.arrival))
 
-    def _fail_all(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
+    def _fail_all(self, message: str, code: Status = Status.INTERNAL) -> None:
         """End every unfinished sequence with `code`; those that finished this step keep their answer."""
         with self._cond:
             seqs = [s for s in (*self._waiting, *self._prefilling, *self._running) if not s.done]
@@ -602,7 +600,5 @@ class Engine:
         self._outbox = [(q, ev) for q, ev in self._outbox if q not in failing]
         for s in seqs:
             self._outbox.append((s, Failed(code, message)))
-            self._stats.outcomes.append(
-                RequestOutcome(code.name.lower(), s.request.api, time.perf_counter() - s.arrival)
-            )
+            self._stats.outcomes.append(RequestOutcome(code.value, s.request.api, time.perf_counter() - s.arrival))
         self._end_step()

@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from typing import Annotated, Any, Literal, TypeVar
 
-import grpc
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
@@ -38,6 +37,7 @@ from sharp.serving.calls import Calls
 from sharp.serving.engine import Delta, Engine, Event, Failed, Finished, TokenLogprob
 from sharp.serving.requests import GenerationRequest, RequestError, validate
 from sharp.serving.stats import RequestOutcome
+from sharp.serving.status import Status
 from sharp.v1 import generator_pb2 as pb
 
 log = logging.getLogger("sharp.serving")
@@ -67,18 +67,19 @@ Seed = Annotated[int, Field(ge=0, lt=2**64)]
 OPEN_PATHS = frozenset(("/health", "/metrics"))  # answered without the bearer token
 
 
-def http_status(code: grpc.StatusCode, transient: bool = False) -> int:
-    """The HTTP status of a refusal or failure with this gRPC status (docs/serving.md has the table)."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return 429 if transient else 413  # a full queue passes; a request larger than the KV budget never fits
-    return {
-        grpc.StatusCode.INVALID_ARGUMENT: 400,
-        grpc.StatusCode.OUT_OF_RANGE: 400,
-        grpc.StatusCode.NOT_FOUND: 404,
-        grpc.StatusCode.UNAUTHENTICATED: 401,
-        grpc.StatusCode.UNAVAILABLE: 503,
-        grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    }.get(code, 500)
+HTTP_STATUS = {  # docs/serving.md has the table
+    Status.INVALID_ARGUMENT: 400,
+    Status.OUT_OF_RANGE: 400,
+    Status.RESOURCE_EXHAUSTED: 413,
+    Status.UNAVAILABLE: 503,
+    Status.INTERNAL: 500,
+}
+
+
+def http_status(code: Status, transient: bool = False) -> int:
+    """The HTTP status of a refusal or failure: a full queue passes (429); a request larger than the KV budget
+    never fits (413)."""
+    return 429 if code is Status.RESOURCE_EXHAUSTED and transient else HTTP_STATUS[code]
 
 
 class APIError(Exception):
@@ -94,19 +95,19 @@ class APIError(Exception):
     ):
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
-        self.outcome = outcome  # the gRPC status name it is counted under (sharp_requests_total's status)
+        self.outcome = outcome  # the Status it is counted under (sharp_requests_total's status label)
 
     @classmethod
     def of(
         cls,
-        code: grpc.StatusCode,
+        code: Status,
         message: str,
         transient: bool = False,
         param: str | None = None,
         reason: str | None = None,
     ) -> APIError:
-        """A gRPC status as OpenAI's error: its HTTP status, `reason` (or the status's name) as the code."""
-        return cls(http_status(code, transient), message, reason or code.name.lower(), param, code.name.lower())
+        """A Status as OpenAI's error: its HTTP status, `reason` (or the status's name) as the code."""
+        return cls(http_status(code, transient), message, reason or code.value, param, code.value)
 
     def body(self) -> dict[str, Any]:
         kind = ERROR_TYPE.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")

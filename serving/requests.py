@@ -13,9 +13,8 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-import grpc
-
 from sharp.models.sampling import MAX_LOGPROBS, SamplingParams
+from sharp.serving.status import Status
 from sharp.v1 import generator_pb2 as pb
 
 DEFAULT_SAMPLING = SamplingParams()
@@ -30,7 +29,7 @@ class RequestError(Exception):
 
     def __init__(
         self,
-        code: grpc.StatusCode,
+        code: Status,
         message: str,
         transient: bool = False,
         field: str | None = None,
@@ -107,7 +106,7 @@ def validate(
             "input_ids",
             f"{len(msg.input_ids)} tokens of {{input_ids}} exceed the model's context of {limits.context_length}"
             " tokens",
-            grpc.StatusCode.OUT_OF_RANGE,
+            Status.OUT_OF_RANGE,
             "context_length_exceeded",
         )
     for field in ("logprobs", "prompt_logprobs"):
@@ -148,7 +147,7 @@ class _Names:
         self,
         field: str,
         message: str,
-        code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT,
+        code: Status = Status.INVALID_ARGUMENT,
         reason: str = "invalid_value",
         transient: bool = False,
     ) -> RequestError:
@@ -181,7 +180,7 @@ def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
             "prompt",
             f"{{prompt}} ({len(req.prompt_ids)} tokens) + {{max_new_tokens}} ({req.max_new_tokens}) exceeds the"
             f" model's context of {limits.context_length} tokens",
-            grpc.StatusCode.OUT_OF_RANGE,
+            Status.OUT_OF_RANGE,
             "context_length_exceeded",
         )
     need = total * limits.kv_bytes_per_token
@@ -190,6 +189,6 @@ def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
             "prompt",
             f"this request needs {need / 2**20:.1f} MiB of KV cache; the server's budget is"
             f" {limits.kv_budget_bytes / 2**20:g} MiB (--kv-cache-mb)",
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Status.RESOURCE_EXHAUSTED,
             "context_length_exceeded",
         )

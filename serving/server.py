@@ -27,6 +27,7 @@ from sharp.serving.calls import Calls
 from sharp.serving.engine import Delta, Engine, Failed, Finished, TokenLogprob, option
 from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.requests import RequestError, validate
+from sharp.serving.status import Status
 from sharp.serving.warmup import WarmUp, warm_up
 from sharp.v1 import generator_pb2 as pb
 from sharp.v1 import generator_pb2_grpc as pb_grpc
@@ -35,6 +36,7 @@ log = logging.getLogger("sharp.serving")
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Generator"
 DRAIN_DEADLINE = "the server is draining: drain deadline reached before this request finished"
+GRPC_CODES = {status: getattr(grpc.StatusCode, status.name) for status in Status}  # the names are gRPC's own
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 
 
@@ -147,10 +149,10 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             async with contextlib.aclosing(events):
                 async for req, ev in events:
                     if isinstance(ev, Failed):
-                        await context.abort(ev.code, ev.message)
+                        await context.abort(GRPC_CODES[ev.code], ev.message)
                     yield req, ev
         except RequestError as e:
-            await context.abort(e.code, e.message)
+            await context.abort(GRPC_CODES[e.code], e.message)
 
     async def Generate(self, request, context):
         ids, text, logprobs, prompt_logprobs = [], [], [], []
@@ -429,7 +431,7 @@ class SharpServer:
         while (self.calls.inflight or not self.engine.idle()) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         if self.calls.inflight or not self.engine.idle():  # the deadline: calls end with a status that says so
-            self.engine.end_all(grpc.StatusCode.UNAVAILABLE, DRAIN_DEADLINE)
+            self.engine.end_all(Status.UNAVAILABLE, DRAIN_DEADLINE)
             deadline = loop.time() + 5
             while self.calls.inflight and loop.time() < deadline:
                 await asyncio.sleep(0.02)

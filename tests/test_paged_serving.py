@@ -9,7 +9,6 @@ on purpose here).
 
 from __future__ import annotations
 
-import grpc
 import pytest
 import torch
 from devices import DEVICE
@@ -19,6 +18,7 @@ from sharp.models import ModelConfig, SharpLM
 from sharp.serving import Engine, EngineConfig, RequestError, load_backend
 from sharp.serving.backends import PAGE_SIZE
 from sharp.serving.engine import Delta, Failed, Finished
+from sharp.serving.status import Status
 
 MARK = 250  # a prompt holding this id makes the wrapped model raise in every decode step it is part of
 REFUSED = 249  # ... makes its prefill raise
@@ -107,7 +107,7 @@ def test_the_budget_is_counted_in_pages(model_files):
     _req(eng, [256] * 100, 60)  # 160 tokens = the whole pool: accepted
     with pytest.raises(RequestError) as err:
         _req(eng, [256] * 100, 61)  # 161 tokens need an 11th page
-    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
+    assert err.value.code is Status.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
@@ -177,7 +177,7 @@ def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(m
     assert isinstance(ends["refused"], Failed) and "prefill" in ends["refused"].message
     assert batches[0] == 3 and 1 in batches  # batched beside the bystanders first, then alone
     assert decode_rows.count(1) == 3 and decode_rows[-1] == 2  # one round alone, then the survivors batch again
-    assert isinstance(ends["broken"], Failed) and ends["broken"].code == grpc.StatusCode.INTERNAL
+    assert isinstance(ends["broken"], Failed) and ends["broken"].code is Status.INTERNAL
     assert "decode" in ends["broken"].message
     for name in ("first", "last"):
         assert isinstance(ends[name], Finished)

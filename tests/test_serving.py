@@ -48,6 +48,7 @@ from sharp.serving.cache import BatchCache
 from sharp.serving.client import make_request
 from sharp.serving.engine import Delta, Finished
 from sharp.serving.requests import validate
+from sharp.serving.status import Status
 from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
@@ -570,7 +571,7 @@ def test_kv_budget_admits_only_what_fits(model_files):
     assert len(done) == 4 and max(usage) <= 1.0 and max(usage) > 0.5
     with pytest.raises(RequestError) as err:
         _req(eng, [256] * 10, 600)
-    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
+    assert err.value.code is Status.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
 
 
 @pytest.mark.parametrize("seed", range(170, 181))  # 170, 177, 180: a free slot would pass the budget
@@ -760,7 +761,8 @@ def test_sharp_serve_logs_one_json_object_per_event_and_reports_its_attention(mo
         proc.kill()
     assert re.fullmatch(r"attention: the native sharp::SharpAttention kernel \(x86-64-v[23]\)", attention), attention
     first = lines[0]
-    assert first["level"] == "info" and first["logger"] == "sharp.serving" and first["message"] == f"tiny: fp32 weights; {attention}"
+    assert first["level"] == "info" and first["logger"] == "sharp.serving"
+    assert first["message"] == f"tiny: fp32 weights; {attention}"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
 
 
@@ -933,3 +935,19 @@ def test_server_config_checks_itself_as_the_engine_config_does(model_files, conf
     engine = Engine(load_backend(model_files["onnxruntime"]), EngineConfig())
     with pytest.raises(ValueError, match=re.escape(says)):
         SharpServer(engine, ServerConfig(**config))
+
+
+def test_grpc_stays_at_the_grpc_edge():
+    """The engine, request validation, the backends and the HTTP API speak `Status`, not gRPC: only the gRPC edge
+    imports grpc (the HTTP API still builds the proto's request message; the transport-neutral request is next)."""
+    import ast
+
+    edge = {"server.py", "client.py", "calls.py", "auth.py", "cli.py", "__init__.py"}
+    root = Path(__file__).resolve().parents[1] / "serving"
+    for path in sorted(root.glob("*.py")):
+        if path.name in edge:
+            continue
+        tree = ast.parse(path.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(m == "grpc" or m.startswith("grpc.") for m in imported), path.name
