@@ -35,10 +35,9 @@ from sharp.models.tokenizer import ChatTemplateError, render_chat
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
 from sharp.serving.engine import Delta, Engine, Event, Failed, Finished, TokenLogprob
-from sharp.serving.requests import GenerationRequest, RequestError, validate
+from sharp.serving.requests import GenerationRequest, RequestError, RequestParams, validate
 from sharp.serving.stats import RequestOutcome
 from sharp.serving.status import Status
-from sharp.v1 import generator_pb2 as pb
 
 log = logging.getLogger("sharp.serving")
 
@@ -198,20 +197,17 @@ class _Generation(_Body):
             return "stream_options", "stream_options is only allowed with stream: true"
         return None
 
-    def message(self, max_tokens: int | None) -> pb.GenerateRequest:
-        """Every field but the prompt, as the gRPC request carries it."""
-        msg = pb.GenerateRequest(
+    def params(self, max_tokens: int | None) -> RequestParams:
+        """Every field but the prompt, as the engine's transport-neutral request."""
+        return RequestParams(
+            max_new_tokens=max_tokens,
+            temperature=self.temperature,
             top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             return_attention_stats=self.sharp.attention_stats,
         )
-        for name, value in (("max_new_tokens", max_tokens), ("temperature", self.temperature)):
-            if value is not None:
-                setattr(msg, name, value)
-        for name in ("top_p", "seed"):
-            if (value := getattr(self, name)) is not None:
-                setattr(msg, name, value)
-        return msg
 
 
 class CompletionRequest(_Generation):
@@ -238,15 +234,14 @@ class CompletionRequest(_Generation):
         nested = isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list)
         return self.prompt[0] if nested else self.prompt
 
-    def to_message(self) -> pb.GenerateRequest:
-        msg = self.message(self.max_tokens)
+    def to_params(self) -> RequestParams:
+        msg = self.params(self.max_tokens)
         prompt = self.single_prompt
         if isinstance(prompt, str):
             msg.prompt = prompt
         else:
-            msg.input_ids.extend(prompt)
-        if self.logprobs is not None:
-            msg.logprobs = self.logprobs
+            msg.input_ids = prompt
+        msg.logprobs = self.logprobs
         if self.echo and (self.logprobs is not None or self.max_tokens == 0):
             msg.prompt_logprobs = self.logprobs or 0  # max_tokens 0 runs the prompt only: as a scoring request
         return msg
@@ -324,8 +319,8 @@ class ChatRequest(_Generation):
             return "max_completion_tokens", "max_completion_tokens must be >= 1"
         return super().refused()
 
-    def to_message(self, prompt: str) -> pb.GenerateRequest:
-        msg = self.message(self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens)
+    def to_params(self, prompt: str) -> RequestParams:
+        msg = self.params(self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens)
         msg.prompt = prompt
         if self.logprobs:
             msg.logprobs = self.top_logprobs or 0
@@ -535,6 +530,9 @@ class _Handler(RequestHandler):
     header too long) in OpenAI's JSON error shape, without echoing the offending bytes, logged as one line."""
 
     def handle_error(self, request, status=500, exc=None, message=None):
+        if exc is not None and _client_gone(exc):  # a write to a client that has left (aiohttp's own reset error)
+            log.info("the client %s left before its response was written", request.remote)
+            raise ConnectionError("the client left")  # aiohttp drops the connection quietly
         if status >= 500:
             log.error("HTTP %d for a request from %s: %s", status, request.remote, type(exc).__name__)
         else:
@@ -735,7 +733,7 @@ class OpenAIServer:
         prompt = body.single_prompt
         echo = (prompt if isinstance(prompt, str) else tokenizer.decode(list(prompt))) if body.echo else None
         choice = _Choice(False, echo, body.logprobs is not None, _Logprobs(tokenizer))
-        return await self._generate(request, body, body.to_message(), tokenizer.encode, choice, COMPLETION_NAMES)
+        return await self._generate(request, body, body.to_params(), tokenizer.encode, choice, COMPLETION_NAMES)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._parse(request, ChatRequest)
@@ -749,7 +747,7 @@ class OpenAIServer:
         }
         choice = _Choice(True, None, body.logprobs, _Logprobs(tokenizer))
         encode = lambda text: tokenizer.encode(text, bos=False)  # the template wrote BOS, if any
-        return await self._generate(request, body, body.to_message(prompt), encode, choice, names)
+        return await self._generate(request, body, body.to_params(prompt), encode, choice, names)
 
     # ---- helpers ----
     def _serving(self) -> None:
@@ -803,7 +801,7 @@ class OpenAIServer:
         self,
         request: web.Request,
         body: _Generation,
-        msg: pb.GenerateRequest,
+        msg: RequestParams,
         encode,
         choice: _Choice,
         names: dict[str, str],

@@ -1,5 +1,6 @@
-"""One validation for generation requests: a `GenerateRequest` message becomes a `GenerationRequest` with every
-default applied, or a `RequestError` carrying the gRPC status and a message that names the allowed range.
+"""One validation for generation requests: a transport-neutral `RequestParams` (each API builds it from its own
+message) becomes a `GenerationRequest` with every default applied, or a `RequestError` carrying a `Status` and a
+message that names the allowed range.
 
 Each field's default is decided here and nowhere else (the proto comments state the same values):
 temperature, top_k and top_p from `SamplingParams()`, max_new_tokens from the server's
@@ -11,11 +12,11 @@ from __future__ import annotations
 import re
 import secrets
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sharp.models.sampling import MAX_LOGPROBS, SamplingParams
 from sharp.serving.status import Status
-from sharp.v1 import generator_pb2 as pb
 
 DEFAULT_SAMPLING = SamplingParams()
 MAX_REQUEST_ID = 128
@@ -70,16 +71,37 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
 
 
-GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are the message's own
+@dataclass
+class RequestParams:
+    """What a client asks for, in no transport's shape (vLLM's SamplingParams with the prompt beside it): each API
+    builds one from its own message (server.py from the gRPC request, openai_api.py from the JSON body) and
+    `validate` checks it. None (and the empty defaults) mean the server's default; the field names are the gRPC
+    message's, which are the names refusals use unless the API maps them."""
+
+    prompt: str = ""
+    input_ids: Sequence[int] = ()
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    return_attention_stats: bool = False
+    request_id: str = ""
+    logprobs: int | None = None  # alternatives per generated token
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens
+
+
+GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are RequestParams' own
 
 
 def validate(
-    msg: pb.GenerateRequest, limits: Limits, encode, api: str = "grpc", names: dict[str, str] = GRPC_NAMES
+    msg: RequestParams, limits: Limits, encode, api: str = "grpc", names: dict[str, str] = GRPC_NAMES
 ) -> GenerationRequest:
     """The typed request for `msg`; `encode(text)` tokenizes a prompt (BOS included). Sizes are checked before
-    any work that grows with them (a prompt's bytes before it is tokenized, the id count before the ids). The HTTP
-    API builds the same message from its JSON body, so both are checked here alike; `names` maps the message's field
-    names to what the caller's API calls them, so a refusal names the field the client sent."""
+    any work that grows with them (a prompt's bytes before it is tokenized, the id count before the ids). Every API
+    builds the same RequestParams, so all are checked here alike; `names` maps its field names to what the caller's
+    API calls them, so a refusal names the field the client sent."""
     name = _Names(names)
     if msg.prompt and msg.input_ids:
         raise name.error("prompt", "give either prompt or input_ids, not both")
@@ -110,25 +132,25 @@ def validate(
             "context_length_exceeded",
         )
     for field in ("logprobs", "prompt_logprobs"):
-        if msg.HasField(field) and not 0 <= getattr(msg, field) <= MAX_LOGPROBS:
+        if getattr(msg, field) is not None and not 0 <= getattr(msg, field) <= MAX_LOGPROBS:
             raise name.error(field, f"{{{field}}} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, field)}")
     ids = tuple(encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)
     sampling = SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else DEFAULT_SAMPLING.temperature,
+        temperature=DEFAULT_SAMPLING.temperature if msg.temperature is None else msg.temperature,
         top_k=msg.top_k,
-        top_p=msg.top_p if msg.HasField("top_p") else DEFAULT_SAMPLING.top_p,
+        top_p=DEFAULT_SAMPLING.top_p if msg.top_p is None else msg.top_p,
     )
     req = GenerationRequest(
         prompt_ids=ids,
-        max_new_tokens=msg.max_new_tokens if msg.HasField("max_new_tokens") else limits.default_max_new_tokens,
+        max_new_tokens=limits.default_max_new_tokens if msg.max_new_tokens is None else msg.max_new_tokens,
         sampling=sampling,
-        seed=msg.seed if msg.HasField("seed") else secrets.randbits(63),
+        seed=secrets.randbits(63) if msg.seed is None else msg.seed,
         stop=tuple(s for s in msg.stop if s),
         attention_stats=msg.return_attention_stats,
         request_id=msg.request_id or uuid.uuid4().hex,
         api=api,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        logprobs=msg.logprobs,
+        prompt_logprobs=msg.prompt_logprobs,
     )
     _check(req, limits, name)
     return req

@@ -26,7 +26,7 @@ from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
 from sharp.serving.engine import Delta, Engine, Failed, Finished, TokenLogprob, option
 from sharp.serving.metrics_http import MetricsServer
-from sharp.serving.requests import RequestError, validate
+from sharp.serving.requests import RequestError, RequestParams, validate
 from sharp.serving.status import Status
 from sharp.serving.warmup import WarmUp, warm_up
 from sharp.v1 import generator_pb2 as pb
@@ -37,6 +37,25 @@ log = logging.getLogger("sharp.serving")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Generator"
 DRAIN_DEADLINE = "the server is draining: drain deadline reached before this request finished"
 GRPC_CODES = {status: getattr(grpc.StatusCode, status.name) for status in Status}  # the names are gRPC's own
+_OPTIONAL = ("max_new_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs")
+
+
+def params_of(msg: pb.GenerateRequest) -> RequestParams:
+    """The transport-neutral request of a gRPC GenerateRequest (an unset optional field is None)."""
+    params = RequestParams(
+        prompt=msg.prompt,
+        input_ids=msg.input_ids,
+        top_k=msg.top_k,
+        stop=msg.stop,
+        return_attention_stats=msg.return_attention_stats,
+        request_id=msg.request_id,
+    )
+    for name in _OPTIONAL:
+        if msg.HasField(name):
+            setattr(params, name, getattr(msg, name))
+    return params
+
+
 FINISH = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP, "eos": pb.FINISH_REASON_EOS}
 
 
@@ -143,7 +162,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         once, by serving.calls or the engine)."""
         engine = self.engine
         events = self.calls.events(
-            lambda: validate(msg, engine.limits, engine.tokenizer.encode), "grpc", len(msg.prompt)
+            lambda: validate(params_of(msg), engine.limits, engine.tokenizer.encode), "grpc", len(msg.prompt)
         )
         try:
             async with contextlib.aclosing(events):

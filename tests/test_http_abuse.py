@@ -227,6 +227,21 @@ def test_a_client_that_leaves_mid_stream_is_no_error(model_files, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
+def test_a_write_to_a_departed_client_is_a_quiet_disconnect_not_a_500(caplog):
+    """The race the test above can lose: the handler's write fails with aiohttp's own reset error, which reaches
+    the connection handler's error hook; it must drop the connection quietly (INFO), never log an HTTP 500."""
+    from types import SimpleNamespace
+
+    from aiohttp import ClientConnectionResetError
+
+    from sharp.serving.openai_api import _Handler
+
+    request = SimpleNamespace(remote="127.0.0.1", writer=SimpleNamespace(output_size=0))
+    with caplog.at_level(logging.INFO, logger="sharp.serving"), pytest.raises(ConnectionError):
+        _Handler.handle_error(None, request, 500, ClientConnectionResetError("Cannot write to closing transport"))
+    assert [r.levelno for r in caplog.records] == [logging.INFO] and "left" in caplog.records[0].getMessage()
+
+
 def test_grpc_health_watch_streams_serving_then_not_serving_on_drain(model_files):
     with server(model_files) as srv:
         channel = grpc.insecure_channel(srv.target)

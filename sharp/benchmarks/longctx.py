@@ -30,9 +30,8 @@ from sharp.benchmarks.harness import (
 from sharp.models import ModelConfig, SharpLM, save
 from sharp.models.registry import NORMS
 from sharp.serving.backends import load_backend
-from sharp.serving.client import make_request
 from sharp.serving.engine import Delta, Engine, EngineConfig
-from sharp.serving.requests import validate
+from sharp.serving.requests import RequestParams, validate
 
 SHAPES = {
     "demo": dict(vocab_size=258, dim=128, layers=4, heads=4, kv_heads=4),
@@ -50,9 +49,8 @@ def _serve_once(path: Path, device: str, prompt: int, new_tokens: int, chunk: in
         backend, EngineConfig(kv_cache_mb=kv_mb, prefill_chunk=chunk, max_new_tokens_limit=max(new_tokens, 64))
     )
     ids = torch.randint(0, min(backend.spec.vocab_size, 256), (prompt,), generator=torch.Generator().manual_seed(0))
-    request = validate(
-        make_request(ids.tolist(), max_new_tokens=new_tokens, temperature=0.0), engine.limits, engine.tokenizer.encode
-    )
+    params = RequestParams(input_ids=ids.tolist(), max_new_tokens=new_tokens, temperature=0.0)
+    request = validate(params, engine.limits, engine.tokenizer.encode)
     stamps: list[float] = []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

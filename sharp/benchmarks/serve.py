@@ -43,10 +43,10 @@ from sharp.benchmarks.harness import (
 from sharp.models.checkpoint import zoo_model
 from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
 from sharp.serving.backends import load_backend
-from sharp.serving.client import AsyncClient, make_request
+from sharp.serving.client import AsyncClient
 from sharp.serving.engine import Delta, Engine, EngineConfig, Finished
 from sharp.serving.metrics import ServingMetrics
-from sharp.serving.requests import validate
+from sharp.serving.requests import RequestParams, validate
 
 
 @dataclass
@@ -186,7 +186,8 @@ def http_sender(client, model: str):
 
 def engine_sender(engine: Engine):
     async def send(prompt, n):
-        req = validate(make_request(prompt, max_new_tokens=n, temperature=0.0), engine.limits, engine.tokenizer.encode)
+        params = RequestParams(input_ids=prompt, max_new_tokens=n, temperature=0.0)
+        req = validate(params, engine.limits, engine.tokenizer.encode)
         async for ev in engine.stream(req):
             if isinstance(ev, Delta):
                 yield len(ev.token_ids), True
