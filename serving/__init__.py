@@ -17,7 +17,7 @@ _HOMES = {
     "Client": "client",
     "make_request": "client",
     "Engine": "engine",
-    "EngineConfig": "engine",
+    "EngineConfig": "config",
     "GenerationRequest": "requests",
     "RequestError": "requests",
     "validate": "requests",

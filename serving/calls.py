@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from sharp.serving.engine import Engine, Event
+from sharp.serving.engine import Engine
+from sharp.serving.output import Event
 from sharp.serving.requests import GenerationRequest, RequestError
 from sharp.serving.stats import RequestOutcome
 

@@ -104,7 +104,7 @@ def _configured(config_type, args, **rest):
 def serve_parser() -> argparse.ArgumentParser:
     # the serving side only: the client never loads torch
     from sharp.serving.backends import BACKENDS, DTYPES
-    from sharp.serving.engine import EngineConfig
+    from sharp.serving.config import EngineConfig
     from sharp.serving.server import ServerConfig
 
     ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
@@ -158,7 +158,8 @@ def serve_parser() -> argparse.ArgumentParser:
 def build_server(args):
     """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
     from sharp.serving.backends import load_backend
-    from sharp.serving.engine import Engine, EngineConfig
+    from sharp.serving.config import EngineConfig
+    from sharp.serving.engine import Engine
     from sharp.serving.metrics import ServingMetrics
     from sharp.serving.server import ServerConfig
 

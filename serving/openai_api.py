@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sharp.models.tokenizer import ChatTemplateError, render_chat
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
-from sharp.serving.engine import Delta, Engine, Event, Failed, Finished, TokenLogprob
+from sharp.serving.engine import Engine
+from sharp.serving.output import Delta, Event, Failed, Finished, TokenLogprob
 from sharp.serving.requests import GenerationRequest, RequestError, RequestParams, validate
 from sharp.serving.stats import RequestOutcome
 from sharp.serving.status import Status
@@ -582,7 +583,7 @@ class OpenAIServer:
     def app(self) -> web.Application:
         app = web.Application(
             middlewares=[self._errors, self._headers, self._auth],
-            client_max_size=JSON_EXPANSION * self.engine.request_bytes(),
+            client_max_size=JSON_EXPANSION * self.engine.limits.message_bytes(),
         )
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)

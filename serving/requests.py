@@ -54,6 +54,15 @@ class Limits:
     max_stop_strings: int
     max_stop_length: int
 
+    def message_bytes(self) -> int:
+        """The largest request message these limits allow (the servers' receive limit)."""
+        return (
+            self.max_prompt_bytes
+            + 4 * self.context_length
+            + self.max_stop_strings * (4 * self.max_stop_length + 8)
+            + (1 << 16)
+        )
+
 
 @dataclass(frozen=True)
 class GenerationRequest:

@@ -24,8 +24,10 @@ from grpc_reflection.v1alpha import reflection
 
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
-from sharp.serving.engine import Delta, Engine, Failed, Finished, TokenLogprob, option
+from sharp.serving.config import option
+from sharp.serving.engine import Engine
 from sharp.serving.metrics_http import MetricsServer
+from sharp.serving.output import Delta, Failed, Finished, TokenLogprob
 from sharp.serving.requests import RequestError, RequestParams, validate
 from sharp.serving.status import Status
 from sharp.serving.warmup import WarmUp, warm_up
@@ -370,7 +372,7 @@ class SharpServer:
         cfg = self.config
         options = [
             ("grpc.so_reuseport", 0),  # a busy port is an error, never a second server sharing the traffic
-            ("grpc.max_receive_message_length", self.engine.request_bytes()),
+            ("grpc.max_receive_message_length", self.engine.limits.message_bytes()),
         ]
         self.server = grpc.aio.server(interceptors=[Guard(cfg.auth_token)], options=options)
         pb_grpc.add_GeneratorServicer_to_server(self.service, self.server)

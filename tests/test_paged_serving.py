@@ -17,7 +17,7 @@ from test_serving import _req
 from sharp.models import ModelConfig, SharpLM
 from sharp.serving import Engine, EngineConfig, RequestError, load_backend
 from sharp.serving.backends import PAGE_SIZE
-from sharp.serving.engine import Delta, Failed, Finished
+from sharp.serving.output import Delta, Failed, Finished
 from sharp.serving.status import Status
 
 MARK = 250  # a prompt holding this id makes the wrapped model raise in every decode step it is part of
@@ -70,13 +70,13 @@ def test_continuous_batching_on_pages_is_copy_free_and_returns_every_page(model_
         if eng.idle():
             break
         eng.step()
-        for seq in eng._running:  # a running sequence's pages never move while others join and leave
+        for seq in eng.scheduler.running:  # a running sequence's pages never move while others join and leave
             table = list(be.cache.tables[seq])
             before = tables_seen.setdefault(id(seq), table)
             assert table == before
         if step == 6:
             eng.cancel(seqs["gone"])
-        want = sum(be.cache.pages_for(s.reserved) for s in (*eng._prefilling, *eng._running))
+        want = sum(be.cache.pages_for(s.reserved) for s in (*eng.scheduler.prefilling, *eng.scheduler.running))
         assert _pages(be) == want  # each admitted sequence holds the pages of prompt + max_new_tokens
         assert eng.metrics.kv_usage._value.get() == pytest.approx(want / be.cache.allocator.num_pages)
     assert eng.idle() and _pages(be) == 0 and not be.cache.tables
@@ -96,7 +96,8 @@ def test_the_budget_is_counted_in_pages(model_files):
     # 4 + 60 = 64 tokens = 4 pages each: two fit together, the third waits for pages
     tokens, ends, _ = _collect(eng, {k: ([256, 1, 2, 3], 60) for k in "abc"})
     eng.step()
-    assert len(eng._prefilling) + len(eng._running) == 2 and len(eng._waiting) == 1 and _pages(be) == 8
+    sched = eng.scheduler
+    assert len(sched.prefilling) + len(sched.running) == 2 and len(sched.waiting) == 1 and _pages(be) == 8
     for _ in range(500):
         if eng.idle():
             break

@@ -45,7 +45,7 @@ from sharp.serving import (
 )
 from sharp.serving.backends import Chunk, _prefill_batches
 from sharp.serving.cache import BatchCache
-from sharp.serving.engine import Delta, Finished
+from sharp.serving.output import Delta, Finished
 from sharp.serving.requests import RequestParams, validate
 from sharp.serving.status import Status
 from sharp.serving.text import StopText
@@ -566,7 +566,7 @@ def test_kv_budget_admits_only_what_fits(model_files):
     usage = []
     while not eng.idle():
         eng.step()
-        assert len(eng._prefilling) + len(eng._running) <= 2
+        assert len(eng.scheduler.prefilling) + len(eng.scheduler.running) <= 2
         usage.append(eng.metrics.kv_usage._value.get())
     assert len(done) == 4 and max(usage) <= 1.0 and max(usage) > 0.5
     with pytest.raises(RequestError) as err:
@@ -891,7 +891,7 @@ def test_sharp_serve_help_shows_the_defaults_the_engine_and_server_use(capsys):
     """One source per setting: every sharp-serve option that is an EngineConfig or ServerConfig field defaults to
     that field's default, and --help prints it."""
     from sharp.serving.cli import serve_parser
-    from sharp.serving.engine import EngineConfig
+    from sharp.serving.config import EngineConfig
     from sharp.serving.server import ServerConfig
 
     ap = serve_parser()

@@ -1,0 +1,67 @@
+"""`EngineConfig`: the engine's settings, each a sharp-serve flag of the same name (serving/cli.py builds the flags
+from these fields)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from sharp.serving.backends import PAGE_SIZE
+from sharp.serving.requests import Limits
+from sharp.serving.spec import ModelSpec
+
+PROMPT_BYTES_PER_TOKEN = 16  # the default prompt limit: more bytes than this per context token is never a prompt
+
+
+def option(default, help: str):
+    """A config field that is also a sharp-serve flag: `--name-with-dashes`, this default, this help."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings; each is a sharp-serve flag of the same name (serving/cli.py builds them from here)."""
+
+    max_batch: int = option(32, "sequences decoded together")
+    max_queue: int = option(256, "waiting requests; more get RESOURCE_EXHAUSTED (HTTP 429)")
+    kv_cache_mb: float = option(
+        256.0,
+        f"KV-cache budget (torch: a pool of {PAGE_SIZE}-token pages allocated at start; onnxruntime/tensorrt:"
+        " padding included)",
+    )
+    prefill_chunk: int = option(256, "prompt tokens per engine step")
+    max_new_tokens_limit: int = option(4096, "per request")
+    default_max_new_tokens: int = option(64, "when a request does not say")
+    max_prompt_bytes: int | None = option(None, "UTF-8 bytes of a text prompt (default: 16 × the model's context)")
+    max_stop_strings: int = option(16, "stop strings per request")
+    max_stop_length: int = option(256, "characters of one stop string")
+
+    def check(self) -> None:
+        """Raise ValueError naming the first setting out of range (in backquotes: the CLI names its flag)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type.startswith("int") and value is None and f.type.endswith("None"):
+                continue
+            if f.type.startswith("int") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"`{f.name}` must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.kv_cache_mb, int | float) and math.isfinite(self.kv_cache_mb) and self.kv_cache_mb > 0):
+            raise ValueError(f"`kv_cache_mb` must be a finite number > 0, got {self.kv_cache_mb!r}")
+        if self.default_max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(
+                f"`default_max_new_tokens` ({self.default_max_new_tokens}) must be <= `max_new_tokens_limit`"
+                f" ({self.max_new_tokens_limit})"
+            )
+
+    def limits(self, spec: ModelSpec, kv_bytes_per_token: int, kv_budget_bytes: int) -> Limits:
+        """What requests are checked against: this configuration's bounds and the served model's."""
+        return Limits(
+            vocab_size=spec.vocab_size,
+            context_length=spec.context_length,
+            kv_bytes_per_token=kv_bytes_per_token,
+            kv_budget_bytes=kv_budget_bytes,
+            max_new_tokens_limit=self.max_new_tokens_limit,
+            default_max_new_tokens=self.default_max_new_tokens,
+            max_prompt_bytes=self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * spec.context_length,
+            max_stop_strings=self.max_stop_strings,
+            max_stop_length=self.max_stop_length,
+        )

@@ -1,0 +1,132 @@
+"""The scheduler: the request queues and the decisions of a step, with no model calls (tested with plans alone).
+
+A `Sequence` is one request's state. The scheduler holds them in three places — waiting (FIFO), prefilling and
+running (the decode batch, in order) — admits waiting ones while the batch has room and the backend can reserve
+their KV cache (prompt + max_new_tokens, up front), and returns each step's `StepPlan`: the next prompt chunk of
+each prefilling sequence, oldest first, up to `prefill_chunk` tokens in all (a long prompt never stalls running
+streams for more than one chunk), and the running sequences to decode.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sharp.models.tokenizer import TextStream
+from sharp.serving.backends import Chunk
+from sharp.serving.output import Event, HeadStats, TokenLogprob
+from sharp.serving.requests import GenerationRequest
+from sharp.serving.text import StopText
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: GenerationRequest
+    sink: Callable[[Event], None]
+    arrival: float
+    generator: np.random.Generator
+    text: StopText
+    stats: HeadStats | None
+    detokenizer: TextStream
+    length: int = 0  # prompt tokens prefilled so far
+    generated: list[int] = field(default_factory=list)
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)  # with prompt_logprobs: tokens 2 … length
+    cancelled: bool = False
+    done: bool = False
+    last_token_time: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def cached(self) -> int:
+        """Tokens in the cache once prefilled: the prompt and every generated token but the newest."""
+        return self.prompt_len + len(self.generated) - 1
+
+    @property
+    def reserved(self) -> int:
+        """Tokens of cache this sequence may need."""
+        return self.prompt_len + self.request.max_new_tokens
+
+
+@dataclass
+class StepPlan:
+    """The prefill of one engine step: the next prompt chunk of each prefilling sequence, oldest first, within the
+    step's token budget, run in one batched call. The step then decodes `Scheduler.running` — which includes the
+    sequences whose prompt this prefill completed (their second token comes in the same step)."""
+
+    prefill: list[Chunk] = field(default_factory=list)
+
+
+class Scheduler:
+    """Queues and admission; the engine calls it under its lock where other threads touch the same state (the
+    waiting queue, a sequence's `cancelled` and `done`)."""
+
+    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int):
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []
+        self.running: list[Sequence] = []  # the decode batch, in order
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def full(self) -> bool:
+        return len(self.waiting) >= self.max_queue
+
+    def unfinished(self) -> list[Sequence]:
+        return [s for s in (*self.waiting, *self.prefilling, *self.running) if not s.done]
+
+    def drop_cancelled(self) -> list[Sequence]:
+        """Take the cancelled sequences that have not ended out of every queue, marked done; returns them."""
+        gone = [s for s in (*self.waiting, *self.prefilling, *self.running) if s.cancelled and not s.done]
+        for s in gone:
+            s.done = True
+        if gone:
+            self.waiting = deque(s for s in self.waiting if not s.cancelled)
+            self.prefilling = [s for s in self.prefilling if not s.cancelled]
+            self.running = [s for s in self.running if not s.cancelled]
+        return gone
+
+    def admit(self, reserve: Callable[[Sequence, int], bool]) -> list[Sequence]:
+        """Move waiting sequences, in order, to prefilling while the batch has room and `reserve(seq, tokens)` finds
+        their KV cache; the first that does not fit waits (no overtaking) until running sequences leave."""
+        admitted = []
+        while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
+            if not reserve(self.waiting[0], self.waiting[0].reserved):
+                break
+            admitted.append(self.waiting.popleft())
+            self.prefilling.append(admitted[-1])
+        return admitted
+
+    def plan(self) -> StepPlan:
+        budget, chunks = self.prefill_chunk, []
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, seq.prompt_len - seq.length)
+            ids = np.array([seq.request.prompt_ids[seq.length : seq.length + n]], np.int64)
+            chunks.append(Chunk(seq, ids, seq.length, seq.request.prompt_logprobs is not None))
+            budget -= n
+        return StepPlan(chunks)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """`seq` leaves prefilling: its prompt is in (it decodes next unless it ended) or its prefill failed."""
+        self.prefilling.remove(seq)
+        if not seq.done:
+            self.running.append(seq)
+
+    def leave(self, seqs: list[Sequence]) -> None:
+        gone = set(seqs)
+        self.running = [s for s in self.running if s not in gone]
+
+    def clear(self) -> list[Sequence]:
+        """Empty every queue; returns the sequences that had not ended."""
+        out = self.unfinished()
+        self.waiting.clear()
+        self.prefilling, self.running = [], []
+        return out

@@ -1,0 +1,79 @@
+"""The scheduler alone: queues, admission and step plans, with no backend and no model (serving/scheduler.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sharp.models.tokenizer import BYTES
+from sharp.serving.requests import GenerationRequest
+from sharp.serving.scheduler import Scheduler, Sequence
+from sharp.serving.text import StopText
+
+
+def _seq(prompt: int, new: int = 4, name: str = "r") -> Sequence:
+    req = GenerationRequest(tuple(range(1, prompt + 1)), new, None, 0, (), False, name)  # sampling unused here
+    return Sequence(req, lambda ev: None, 0.0, np.random.default_rng(0), StopText(()), None, BYTES.stream())
+
+
+class Budget:
+    """A KV budget in tokens, as a backend's reserve() keeps one."""
+
+    def __init__(self, tokens: int):
+        self.free, self.asked = tokens, []
+
+    def reserve(self, seq: Sequence, tokens: int) -> bool:
+        self.asked.append(seq.request.request_id)
+        if tokens > self.free:
+            return False
+        self.free -= tokens
+        return True
+
+
+def test_admission_is_in_order_within_the_batch_and_the_kv_budget():
+    s = Scheduler(max_batch=3, max_queue=8, prefill_chunk=100)
+    seqs = [_seq(10, 6, "a"), _seq(50, 50, "b"), _seq(2, 2, "c"), _seq(2, 2, "d"), _seq(1, 1, "e")]
+    s.waiting.extend(seqs)
+    budget = Budget(40)
+    assert s.admit(budget.reserve) == seqs[:1]  # b needs 100 tokens of 24 left: it waits, and c may not overtake it
+    assert budget.asked == ["a", "b"] and list(s.waiting) == seqs[1:]
+    budget.free += 100
+    assert s.admit(budget.reserve) == seqs[1:3]  # the batch holds 3
+    assert s.prefilling == seqs[:3] and list(s.waiting) == seqs[3:] and s.busy() and not s.full()
+
+
+def test_a_plan_prefills_the_oldest_prompts_first_within_the_chunk_budget():
+    s = Scheduler(max_batch=8, max_queue=8, prefill_chunk=10)
+    a, b, c = _seq(7, name="a"), _seq(6, name="b"), _seq(3, name="c")
+    s.waiting.extend([a, b, c])
+    s.admit(lambda seq, n: True)
+    plan = s.plan()
+    assert [(ch.seq, ch.start, ch.ids.tolist()) for ch in plan.prefill] == [(a, 0, [[1, 2, 3, 4, 5, 6, 7]]),
+                                                                           (b, 0, [[1, 2, 3]])]  # fmt: skip
+    b.length = 3  # what the engine records once the chunk ran
+    s.prefilled(a)
+    plan = s.plan()
+    assert [(ch.seq, ch.start, ch.ids.shape[1]) for ch in plan.prefill] == [(b, 3, 3), (c, 0, 3)]
+    assert s.running == [a] and s.prefilling == [b, c]
+
+
+def test_cancelled_and_ended_sequences_leave_every_queue():
+    s = Scheduler(max_batch=2, max_queue=2, prefill_chunk=10)
+    a, b, c, d = (_seq(2, name=n) for n in "abcd")
+    s.waiting.extend([a, b, c])
+    s.admit(lambda seq, n: True)
+    s.prefilled(a)
+    assert s.full() is False and s.running == [a] and s.prefilling == [b] and list(s.waiting) == [c]
+    s.waiting.append(d)
+    assert s.full()
+    b.cancelled = c.cancelled = True
+    assert s.drop_cancelled() == [c, b] and b.done and c.done  # waiting first, then prefilling, then running
+    assert s.prefilling == [] and list(s.waiting) == [d] and s.drop_cancelled() == []
+    a.done = True
+    s.leave([a])
+    assert s.running == [] and s.unfinished() == [d]
+    ended = _seq(2, name="e")
+    s.waiting.append(ended)
+    s.admit(lambda seq, n: True)
+    ended.done = True  # its prefill failed: it leaves prefilling without joining the decode batch
+    s.prefilled(ended)
+    assert s.running == [] and s.clear() == [d] and not s.busy()
