@@ -105,12 +105,14 @@ class Bystander:
         self.client, self.prompt, self.n = Client(target), prompt, n
         self.tokens: list[int] = []
         self.error: Exception | None = None
+        self.started = threading.Event()  # its first tokens arrived: it is in the engine's batch
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         try:
             for chunk in self.client.generate_stream(self.prompt, max_new_tokens=self.n, temperature=0):
                 self.tokens.extend(chunk.token_ids)
+                self.started.set()
         except Exception as e:  # reported by check()
             self.error = e
 
@@ -132,7 +134,7 @@ class Bystander:
 def test_nan_logits_end_only_that_request(model_files, reference):
     with server(model_files, wrap=NaNForMarkedRows) as srv, Client(srv.target) as c:
         with Bystander(srv.target, "bystander", 60) as b:
-            time.sleep(0.05)
+            assert b.started.wait(60)
             with pytest.raises(grpc.RpcError) as err:
                 c.generate([256, 1, POISON, 2], max_new_tokens=20, temperature=0.8)
             assert err.value.code() == grpc.StatusCode.INTERNAL and "non-finite logits" in err.value.details()
@@ -149,7 +151,7 @@ def test_a_model_failure_ends_only_the_rows_it_fails_on(model_files, reference):
     with server(model_files, wrap=RaisesForMarkedRows) as srv, Client(srv.target) as c:
         # 1,500 tokens: still running when the broken rows decode (a few steps later), however fast the engine
         with Bystander(srv.target, "bystander", 1500) as b:
-            time.sleep(0.05)
+            assert b.started.wait(60)
             for marker, where in ((BREAKS_PREFILL, "prefill"), (BREAKS_DECODE, "decode")):
                 with pytest.raises(grpc.RpcError) as err:
                     c.generate([256, 1, marker, 2], max_new_tokens=20, temperature=0.8)
@@ -212,11 +214,15 @@ def test_a_tiny_temperature_samples_greedily(model_files, reference):
 
 
 def _wait_idle(srv, timeout: float = 30) -> None:
+    """Until the engine is empty and the step that emptied it has logged its record (no request running)."""
     end = time.monotonic() + timeout
-    while not srv.server.engine.idle() and time.monotonic() < end:
+    while not (srv.server.engine.idle() and _running(srv) == 0):
+        assert time.monotonic() < end, "the engine never went idle"
         time.sleep(0.01)
-    time.sleep(0.05)  # the step that emptied the engine has logged its record
-    assert srv.server.engine.idle()
+
+
+def _running(srv) -> float:
+    return sample_value(scrape(srv), "sharp_running_requests", "sharp_running_requests")
 
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}
