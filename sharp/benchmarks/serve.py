@@ -188,7 +188,8 @@ def http_sender(client, model: str):
 
 def engine_sender(engine: Engine):
     async def send(prompt, n):
-        params = RequestParams(input_ids=prompt, max_new_tokens=n, temperature=0.0)
+        given = {"prompt": prompt} if isinstance(prompt, str) else {"input_ids": prompt}
+        params = RequestParams(**given, max_new_tokens=n, temperature=0.0)
         req = validate(params, engine.limits, engine.tokenizer.encode)
         async for ev in engine.stream(req):
             if isinstance(ev, Delta):
