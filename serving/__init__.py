@@ -20,6 +20,8 @@ _HOMES = {
     "EngineConfig": "config",
     "GenerationRequest": "requests",
     "RequestError": "requests",
+    "RequestParams": "requests",
+    "Status": "status",
     "validate": "requests",
     "ServingMetrics": "metrics",
     "BackgroundServer": "server",

@@ -951,3 +951,11 @@ def test_grpc_stays_at_the_grpc_edge():
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert not any(m.split(".")[0] == "grpc" or m.startswith("sharp.v1") for m in imported), path.name
+
+
+def test_every_public_name_of_sharp_serving_resolves():
+    """The lazy map of sharp.serving (names imported on first use) points each name at the module that has it."""
+    import sharp.serving
+
+    for name in sharp.serving.__all__:
+        getattr(sharp.serving, name)  # AttributeError when its home module lacks it
