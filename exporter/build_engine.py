@@ -83,7 +83,7 @@ def check_model(path: Path) -> tuple[onnx.ModelProto, ModelMetadata]:
         raise UsageError(f"{path}: not an ONNX file ({type(e).__name__}); expected sharp-export --tensorrt") from None
     try:
         meta = metadata.read(proto)
-        metadata.check_graph(meta, proto)
+        metadata.check_graph(meta, *metadata.graph_io(proto))
     except metadata.MetadataError as e:
         raise UsageError(f"{path}: {e}") from None
     if not is_tensorrt_form(proto):

@@ -451,9 +451,7 @@ def verify_text(
     from sharp.exporter.export import io_names
     from sharp.models.corpus import validation_text
 
-    tokens = metadata.read(onnx.load(str(path), load_external_data=False)).tokenizer.encode(
-        validation_text(), bos=False
-    )
+    tokens = metadata.read(path).tokenizer.encode(validation_text(), bos=False)
     length = min(TEXT_LENGTH, shape.context_length - 1, len(tokens) // 2)
     ids = torch.tensor([tokens[:length], tokens[length : 2 * length]])
     ref_logits, ref_entropy = (t.numpy() for t in reference(ids))

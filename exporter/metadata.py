@@ -25,6 +25,7 @@ Serving, benchmarks and tests read files through `read`, which checks the schema
 from __future__ import annotations
 
 import json
+import mmap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,40 +168,94 @@ def parse(text: str, tokenizer_json: str | None = None) -> ModelMetadata:
     return meta
 
 
-def read(proto_or_path: onnx.ModelProto | str) -> ModelMetadata:
-    """The sharp metadata of an ONNX model (a path is read without its external data)."""
-    proto = proto_or_path
-    if not isinstance(proto, onnx.ModelProto):
-        proto = onnx.load(str(proto_or_path), load_external_data=False)
-    props = {p.key: p.value for p in proto.metadata_props}
+def read(proto_or_path: onnx.ModelProto | str | Path) -> ModelMetadata:
+    """The sharp metadata of an ONNX model; a path is scanned for it without parsing the graph (`file_properties`)."""
+    if isinstance(proto_or_path, onnx.ModelProto):
+        props = {p.key: p.value for p in proto_or_path.metadata_props}
+    else:
+        props = file_properties(proto_or_path)
     if KEY not in props:
         raise MetadataError("no sharp metadata; expected an ONNX file written by sharp-export")
     return parse(props[KEY], props.get(TOKENIZER_KEY))
 
 
-def _static_dims(value_info) -> list[int | None]:
-    return [d.dim_value if d.HasField("dim_value") else None for d in value_info.type.tensor_type.shape.dim]
+_METADATA_FIELD = onnx.ModelProto.DESCRIPTOR.fields_by_name["metadata_props"].number  # 14
 
 
-def check_graph(meta: ModelMetadata, proto: onnx.ModelProto) -> None:
-    """The metadata agrees with the graph it describes: I/O names, layer count, vocabulary and cache shapes."""
+def file_properties(path: str | Path) -> dict[str, str]:
+    """The metadata_props of the ONNX file at `path`, read by walking the ModelProto's top-level fields and skipping
+    the rest unread: `onnx.load` would parse the whole graph, inline weights included — a second copy of a 450 MB
+    model in the server's peak memory before onnxruntime loads its own. Raises MetadataError for bytes that are not
+    a protobuf message."""
+    props: dict[str, str] = {}
+    if Path(path).stat().st_size == 0:
+        raise MetadataError(f"{path}: an empty file, not an ONNX model")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        pos, end = 0, len(data)
+        while pos < end:
+            tag, pos = _varint(data, pos)
+            field_number, wire = tag >> 3, tag & 7
+            if wire == 0:
+                _, pos = _varint(data, pos)
+            elif wire == 1:
+                pos += 8
+            elif wire == 5:
+                pos += 4
+            elif wire == 2:
+                size, pos = _varint(data, pos)
+                if field_number == _METADATA_FIELD:
+                    entry = onnx.StringStringEntryProto.FromString(data[pos : pos + size])
+                    props[entry.key] = entry.value
+                pos += size
+            else:
+                raise MetadataError(f"{path}: not an ONNX file (protobuf wire type {wire} at byte {pos})")
+        if pos != end:
+            raise MetadataError(f"{path}: not an ONNX file (a field runs past the end)")
+    return props
+
+
+def _varint(data, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        if pos >= len(data) or shift > 63:
+            raise MetadataError("not an ONNX file (a truncated or overlong varint)")
+        byte = data[pos]
+        value |= (byte & 0x7F) << shift
+        pos, shift = pos + 1, shift + 7
+        if not byte & 0x80:
+            return value, pos
+
+
+Dims = list[int | None]  # a tensor's dimensions, None where dynamic
+
+
+def graph_io(proto: onnx.ModelProto) -> tuple[dict[str, Dims], dict[str, Dims]]:
+    """The graph's inputs and outputs: name → dimensions."""
+
+    def dims(vi) -> Dims:
+        return [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+
+    return {i.name: dims(i) for i in proto.graph.input}, {o.name: dims(o) for o in proto.graph.output}
+
+
+def check_graph(meta: ModelMetadata, inputs: dict[str, Dims], outputs: dict[str, Dims]) -> None:
+    """The metadata agrees with the graph it describes (`inputs`, `outputs`: name → dimensions, from `graph_io` or
+    an onnxruntime session): I/O names, layer count, vocabulary and cache shapes."""
     cfg = meta.shape
-    inputs = {i.name: i for i in proto.graph.input}
-    outputs = {o.name: o for o in proto.graph.output}
     for name in ("input_ids", "attention_mask", "position_ids"):
         if name not in inputs:
             raise MetadataError(f"the graph has no input '{name}'; expected a generation graph from sharp-export")
     for name in ("logits", "attention_entropy"):
         if name not in outputs:
             raise MetadataError(f"the graph has no output '{name}'; expected a generation graph from sharp-export")
-    vocab = _static_dims(outputs["logits"])[-1:]
+    vocab = outputs["logits"][-1:]
     if vocab and vocab[0] is not None and vocab[0] != cfg.vocab_size:
         raise MetadataError(f"metadata vocab_size {cfg.vocab_size}, but the graph's logits have {vocab[0]} entries")
     past = sorted(n for n in inputs if n.startswith("past_key_values."))
     if meta.export.get("kv_cache") and len(past) != 2 * cfg.layers:
         raise MetadataError(f"metadata says {cfg.layers} layers, the graph has {len(past)} past key/value inputs")
     for name in past:
-        dims = _static_dims(inputs[name])
+        dims = inputs[name]
         expected = {1: ("kv_heads", cfg.kv_heads), 3: ("head_dim", cfg.head_dim)}
         for axis, (field_name, value) in expected.items():
             if len(dims) != 4 or (dims[axis] is not None and dims[axis] != value):

@@ -20,19 +20,10 @@ class OnnxRuntimeBackend(GraphBackend):
     def __init__(
         self, path: Path, device: str = "cpu", op_library: str | None = None, threads: int = 0, native: bool = True
     ):
-        import onnx
-
-        try:
-            proto = onnx.load(str(path), load_external_data=False)
-        except Exception as e:  # onnx raises DecodeError and friends for non-ONNX bytes
-            raise BackendError(
-                f"{path}: not an ONNX file ({type(e).__name__}); expected a file from sharp-export"
-            ) from e
-        try:
-            meta = metadata.read(proto)
-            metadata.check_graph(meta, proto)
+        try:  # the metadata alone: the graph and its weights are onnxruntime's to load (one copy in memory)
+            meta = metadata.read(path)
         except metadata.MetadataError as e:
-            raise BackendError(f"{path}: {e}") from None
+            raise BackendError(f"{path}: {e}; expected a file from sharp-export") from None
         if not meta.export.get("kv_cache", False):
             raise BackendError(f"{path}: exported without a KV cache; re-export without --no-kv-cache to serve it")
         options = ort.SessionOptions()
@@ -54,6 +45,10 @@ class OnnxRuntimeBackend(GraphBackend):
             self.session = ort.InferenceSession(str(path), options, providers=providers)
         except Exception as e:  # e.g. a --fallback none file without a kernel: say which attention was chosen
             raise BackendError(f"{path}: onnxruntime cannot load it ({self.attention}): {e}") from None
+        try:
+            metadata.check_graph(meta, _dims(self.session.get_inputs()), _dims(self.session.get_outputs()))
+        except metadata.MetadataError as e:
+            raise BackendError(f"{path}: {e}") from None
         self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
         self.in_place = bool(meta.export.get("kv_in_place", False))  # the op's cache form (exporter/cache_form.py)
         GraphBackend.__init__(self)
@@ -95,3 +90,8 @@ class OnnxRuntimeBackend(GraphBackend):
         outputs = binding.get_outputs()  # in binding order; the presents are `past` (never copied out)
         logits = outputs[0].numpy()[:, -1]
         return StepOutput(np.ascontiguousarray(logits), past, outputs[1].numpy() if entropy else None)
+
+
+def _dims(args) -> dict[str, metadata.Dims]:
+    """onnxruntime's NodeArgs as name → dimensions (None where dynamic: onnxruntime names those or leaves None)."""
+    return {a.name: [d if isinstance(d, int) else None for d in a.shape] for a in args}

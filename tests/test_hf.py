@@ -305,7 +305,7 @@ def test_metadata_of_a_transformers_file_round_trips_and_is_checked(exported):
 
     proto = onnx.load(str(exported["llama"]), load_external_data=False)
     meta = metadata.read(proto)
-    metadata.check_graph(meta, proto)
+    metadata.check_graph(meta, *metadata.graph_io(proto))
     assert meta.tokenizer.encode("def") == HFTokenizer.from_dict(meta.tokenizer.to_dict(), meta.tokenizer.json).encode(
         "def"
     )

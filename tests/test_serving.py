@@ -43,7 +43,7 @@ from sharp.serving import (
     ServingMetrics,
     load_backend,
 )
-from sharp.serving.backends import Chunk, _prefill_batches
+from sharp.serving.backends import BackendError, Chunk, _prefill_batches
 from sharp.serving.cache import BatchCache
 from sharp.serving.output import Delta, Finished
 from sharp.serving.requests import RequestParams, validate
@@ -959,3 +959,29 @@ def test_every_public_name_of_sharp_serving_resolves():
 
     for name in sharp.serving.__all__:
         getattr(sharp.serving, name)  # AttributeError when its home module lacks it
+
+
+def test_the_onnx_server_never_parses_the_graph_itself(model_files, tmp_path, monkeypatch):
+    """sharp-serve reads a file's metadata by scanning its top-level fields; onnxruntime alone loads the graph and
+    its weights (onnx.load would hold a second copy of every weight at start-up: +400 MiB of peak memory for a
+    SmolLM2-sized model). The scan agrees with onnx.load, and refuses what is not an ONNX file."""
+    import onnx
+
+    from sharp.exporter import metadata
+
+    path = model_files["onnxruntime"]
+    full = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    assert metadata.file_properties(path) == full and metadata.KEY in full
+
+    def no_load(*a, **kw):
+        raise AssertionError("onnx.load called while loading a backend")
+
+    monkeypatch.setattr(onnx, "load", no_load)
+    monkeypatch.setattr(onnx, "load_model", no_load)
+    be = load_backend(path)
+    assert be.spec.metadata == metadata.parse(full[metadata.KEY], full.get(metadata.TOKENIZER_KEY))
+    for name, data in (("empty.onnx", b""), ("junk.onnx", b"\xff" * 64), ("text.onnx", b"not a model at all\n")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(BackendError) as err:
+            load_backend(tmp_path / name)
+        assert str(tmp_path / name) in str(err.value)
