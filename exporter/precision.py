@@ -24,7 +24,6 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
 QUANTIZED = {"int8": 8, "int4": 4}  # precision → bits of the projections
 HALF = ("fp16", "bf16")
 EXPORTABLE = ("fp32", *HALF, *QUANTIZED)
