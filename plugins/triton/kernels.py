@@ -214,16 +214,37 @@ def _tile_pv(acc, p, v_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32:
 
 
 @triton.jit
+def _halves(t):
+    """A (rows, n) tile's left and right column halves — held by the same threads in the MMA layouts."""
+    return tl.split(tl.permute(tl.reshape(t, [t.shape[0], 2, t.shape[1] // 2]), (0, 2, 1)))
+
+
+@triton.jit
+def _fold_products(acc, p, x):
+    """acc + p·x with the (rows, n) products folded into acc's (rows, 16) columns: one FFMA per element, where a
+    row sum per tile would cost a tree of adds and shuffles across the row's threads."""
+    if p.shape[1] == acc.shape[1]:
+        acc = acc + p * x
+    else:
+        p0, p1 = _halves(p)
+        x0, x1 = _halves(x)
+        acc = _fold_products(_fold_products(acc, p0, x0), p1, x1)
+    return acc
+
+
+@triton.jit
 def _sweep_tiles(
     m_i, l_i, kp_i, acc, start, end, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, c, ca, ca_pos, g,
-    KMASK,
+    KMASK, E0,
     SSA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    MMA_SUMS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Fold the key tiles of [start, end) into the base-2 row state: m (max u), Λ = Σ 2^{u−m}, K₂ = Σ 2^{u−m}(u − m)
     (ENTROPY), acc = Σ 2^{u−m} v. MASKED: keys ≥ Lk, causally hidden or absent (KMASK) read −inf — the diagonal and
-    the last tile; otherwise every row sees every key of the tile but padding keys (HAS_KMASK: a column test)."""
+    the last tile; otherwise every row sees every key of the tile but padding keys (HAS_KMASK: a column test).
+    MMA_SUMS: Λ and K₂ are (rows, 16) column partials (their row sums), Λ's from P·E0 (E0 = e₀ in the inputs' type)
+    — no row reduction per tile; otherwise row vectors."""
     K += start * skn
     V += start * svn
     for start_n in range(start, end, BLOCK_N):
@@ -254,9 +275,15 @@ def _sweep_tiles(
             x = s * g[:, None] - m_new[:, None]
             p = tl.math.exp2(x)
         alpha = tl.math.exp2(m_i - m_new)
-        if ENTROPY:  # K₂ about the new max: the old terms shift by (m_old − m_new) each (Λ = 0 before any key)
-            kp_i = alpha * (kp_i + l_i * (m_i - m_new)) + tl.sum(p * x, 1)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # K₂ about the new max: the old terms shift by (m_old − m_new) each (Λ = 0 before any key)
+        if not MMA_SUMS:  # row vectors, each tile's sums reduced across the row
+            if ENTROPY:
+                kp_i = alpha * (kp_i + l_i * (m_i - m_new)) + tl.sum(p * x, 1)
+            l_i = l_i * alpha + tl.sum(p, 1)
+        else:  # (rows, 16) column partials: Λ's on the tensor cores (p·e₀, as P·V sees p), K₂'s by FFMA chains
+            if ENTROPY:
+                kp_i = _fold_products(kp_i * alpha[:, None] + l_i * (alpha * (m_i - m_new))[:, None], p, x)
+            l_i = tl.dot(p.to(E0.dtype), E0, l_i * alpha[:, None])
         if WITH_V:
             acc = _tile_pv(acc * alpha[:, None], p, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
         m_i = m_new
@@ -269,12 +296,13 @@ def _sweep_tiles(
 def _softmax_sweep(
     q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
     SSA: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr,
-    ENTROPY: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    ENTROPY: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax walk over keys [lo, hi) of K, V and KMASK (already offset to this batch and KV head):
     the whole tiles every row sees without any mask, then the rest (causal diagonal, last tile) with masks. Returns
-    the row state in natural units: m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m) (0 without ENTROPY), acc."""
+    the row state in natural units: m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m) (0 without ENTROPY), acc.
+    MMA_SUMS (half inputs only): Λ and K₂ kept as column partials in the walk (see _sweep_tiles)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     c, ca, g, sign = _folded_scales(scale, rowf, lam, ssa_n, ssa_b, SSA=SSA, HAS_ALIBI=HAS_ALIBI)
@@ -287,21 +315,30 @@ def _softmax_sweep(
     if CAUSAL:  # keys at or before the block's first query are visible to all its rows
         full = tl.minimum(full, lo + tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N * BLOCK_N)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_KEY
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if MMA_SUMS:  # column partials; E0 = e₀ in V's type: P·E0 sums P as P·V sees it
+        l_i = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+        kp_i = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+        E0 = tl.where(tl.arange(0, 16) == 0, 1.0, 0.0)[None, :].broadcast_to([BLOCK_N, 16]).to(V.dtype.element_ty)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        E0 = 0.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i, l_i, kp_i, acc = _sweep_tiles(
         m_i, l_i, kp_i, acc, lo, full, qs, K, V, k_offs, v_offs, skn, svn, offs_n, qpos, LK, D, offs_d, c, ca, ca_pos,
-        g, KMASK,
+        g, KMASK, E0,
         SSA=SSA, MASKED=False, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V,
-        ENTROPY=ENTROPY, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+        ENTROPY=ENTROPY, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_N=BLOCK_N,
     )  # fmt: skip
     m_i, l_i, kp_i, acc = _sweep_tiles(
         m_i, l_i, kp_i, acc, full, hi, qs, K, V, k_offs, v_offs, skn, svn, offs_n, qpos, LK, D, offs_d, c, ca, ca_pos,
-        g, KMASK,
+        g, KMASK, E0,
         SSA=SSA, MASKED=True, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V,
-        ENTROPY=ENTROPY, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+        ENTROPY=ENTROPY, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_N=BLOCK_N,
     )  # fmt: skip
+    if MMA_SUMS:
+        l_i = tl.sum(l_i, 1)
+        kp_i = tl.sum(kp_i, 1)
     return tl.where(l_i > 0, m_i * LN2, float("-inf")), l_i, kp_i * LN2, acc
 
 
@@ -370,7 +407,7 @@ def _softmax_family_program(
     H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
     SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
+    WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over t = rowf·z (softmax; ssmax with LOGN: rowf = s_h·log n counted on chip; adaptive) or
@@ -380,7 +417,8 @@ def _softmax_family_program(
     (ENT_OUT) — one launch per call. ADAPTIVE (with FINALIZE): a first sweep without V gives each row's softmax
     entropy H, β = max(poly(H), 1) where H > beta_threshold (else 1) is formed on chip, and the second sweep runs
     softmax(β·z) with V. Otherwise (split-K decode): writes the partial state of its split — m (max t),
-    Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the host to merge.
+    Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the host to merge. MMA_SUMS: the row sums on
+    the tensor cores (half-precision prefill; not adaptive's output sweep with entropy, whose partials would spill).
     """
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -403,7 +441,7 @@ def _softmax_family_program(
         _, l1, kp1, _ = _softmax_sweep(
             q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
             SSA=False, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=False, ENTROPY=True,
-            DOT_F32=DOT_F32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )  # fmt: skip
         h1 = _entropy(l1, kp1)
         beta = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -413,7 +451,8 @@ def _softmax_family_program(
     m_i, l_i, kp_i, acc = _softmax_sweep(
         q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
         SSA=SSA, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V, ENTROPY=ENTROPY,
-        DOT_F32=DOT_F32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+        DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS and not (ADAPTIVE and ENTROPY), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        BLOCK_D=BLOCK_D,
     )  # fmt: skip
 
     keep = offs_m < LQ
@@ -449,7 +488,7 @@ def _softmax_family_kernel(
         ENT_OUT, tl.program_id(0), tl.program_id(1), tl.program_id(2), sqb, sqh, sqm, sqd, skb, skh, skn, skd,
         svb, svh, svn, svd, H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
         SSA, HAS_ROWF, LOGN, ADAPTIVE, FINALIZE, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V, ENTROPY,
-        DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+        DOT_F32, FINALIZE and not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 
@@ -897,7 +936,8 @@ def _trt_softmax_family_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd,
         H, GROUP, LQ, LK, BLOCK_D, BH, scale_bits.to(tl.float32, bitcast=True), LK, LK, NPOLY,
         threshold_bits.to(tl.float32, bitcast=True),
-        SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, True, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+        SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, True, DOT_F32, False, BLOCK_M, BLOCK_N,
+        BLOCK_D,
     )  # fmt: skip
 
 
