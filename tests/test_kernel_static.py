@@ -53,6 +53,23 @@ def test_the_reader_finds_loops_their_nesting_classes_and_call_sites():
     assert sass.key_loops([outer]) == [outer]
 
 
+def _hgmma_loop(*shapes: tuple[int, int]) -> sass.Loop:
+    """A loop body of (N, count) warpgroup MMAs of 64 × N × 16."""
+    body = [sass.Instr(4 * n, "HGMMA", f"/*{n:04x}*/ HGMMA.64x{keys}x16.F32.BF16 R24, gdesc[UR4], RZ ;", ())
+            for n, (keys, count) in enumerate((k, c) for k, c in shapes for _ in range(c))]  # fmt: skip
+    return sass.Loop(body, body[-1])
+
+
+def test_keys_per_iteration_come_from_the_qk_product():
+    """Q·Kᵀ issues head_dim / 16 MMAs of 64 × keys: its N is the loop's keys, whatever else the loop multiplies."""
+    assert _hgmma_loop((64, 8), (128, 4), (16, 4)).hgmma_keys(128) == 64  # Q·Kᵀ, P·V, P·e₀ over 64 keys
+    assert _hgmma_loop((128, 8)).hgmma_keys(128) == 128  # a sweep over 128 keys without V
+    assert _hgmma_loop((128, 16)).hgmma_keys(128) == 128  # Q·Kᵀ and P·V of one shape at 128 keys
+    assert _hgmma_loop((32, 8), (128, 2)).hgmma_keys(128) == 32
+    assert _hgmma_loop((128, 4)).hgmma_keys(128) is None  # P·V alone: the launch's tile is the loop's
+    assert sass.Loop([], sass.Instr(0, "BRA", "", ())).hgmma_keys(128) is None
+
+
 def _static(which: str) -> dict:
     env = compile_env(which)
     proc = subprocess.run([sys.executable, "-m", "sharp.benchmarks.kernels_static"], capture_output=True, text=True,
@@ -87,6 +104,8 @@ def test_key_loops_stay_within_what_ci_holds(which):
                 for norm in ("softmax", "ssmax", "ssa", "adaptive", "entmax α=1.5")}  # fmt: skip
     assert interior == {"softmax": [False], "ssmax": [False], "ssa": [False], "adaptive": [False, False],
                         "entmax α=1.5": [False, True, False]}, interior  # fmt: skip
+    sweeps = [lp["keys"] for lp in rows[("prefill", "entmax α=1.5")]["loops"] if not lp["edge"]]
+    assert sweeps == [128, 128, 64], sweeps  # entmax's max and threshold sweeps walk twice the launch's keys
     edges = {norm: sum(lp["edge"] for lp in rows[("prefill", norm)]["loops"]) for norm in ("softmax", "adaptive")}
     assert edges == {"softmax": 1, "adaptive": 2}, edges  # the diagonal tiles walk apart, with their masks
 

@@ -24,6 +24,8 @@ NO_KEY = tl.constexpr(-3.0e38)
 # A Halley step on S − 1 this small leaves an error of the order of its cube: the threshold search takes it as
 # converged without a pass to confirm it (`_refine`).
 SETTLED_STEP = tl.constexpr(1.0e-3)
+# Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
+LOG_FLOOR = tl.constexpr(1.0e-30)
 # Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
@@ -229,6 +231,18 @@ def _fold_products(acc, p, x):
         p0, p1 = _halves(p)
         x0, x1 = _halves(x)
         acc = _fold_products(_fold_products(acc, p0, x0), p1, x1)
+    return acc
+
+
+@triton.jit
+def _fold_sum(acc, x):
+    """acc + x with the (rows, n) tile folded into acc's (rows, 16) columns: one FADD per element (see
+    _fold_products)."""
+    if x.shape[1] == acc.shape[1]:
+        acc = acc + x
+    else:
+        x0, x1 = _halves(x)
+        acc = _fold_sum(_fold_sum(acc, x0), x1)
     return acc
 
 
@@ -564,10 +578,17 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
 
 
 @triton.jit
-def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr):
-    """The threshold sums of one tile, added per row."""
+def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
+    """The threshold sums of one tile, added per row (MMA_SUMS: folded into (rows, 16) column partials — d² by
+    FFMA at α = 1.5)."""
     p0, p1, p2 = _powers(d, inv, FAST)
-    return s0 + tl.sum(p0, 1), s1 + tl.sum(p1, 1), s2 + tl.sum(p2, 1)
+    if not MMA_SUMS:
+        s0, s1, s2 = s0 + tl.sum(p0, 1), s1 + tl.sum(p1, 1), s2 + tl.sum(p2, 1)
+    elif FAST == 2:
+        s0, s1, s2 = _fold_products(s0, d, d), _fold_sum(s1, d), _fold_sum(s2, p2)
+    else:
+        s0, s1, s2 = _fold_sum(s0, p0), _fold_sum(s1, p1), _fold_sum(s2, p2)
+    return s0, s1, s2
 
 
 @triton.jit
@@ -578,6 +599,16 @@ def _threshold_step(tau, lo, hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
     passes += 1
     todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
     return tau, lo, hi, passes, todo
+
+
+@triton.jit
+def _interior_end(lo, hi, qpos, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The end of the whole BLOCK_N-key tiles from lo that every row of the block sees (no mask): below hi and,
+    causally, at or before the block's first query."""
+    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        full = tl.minimum(full, lo + tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N * BLOCK_N)
+    return full
 
 
 @triton.jit
@@ -594,9 +625,10 @@ def _bracket(umax, cnt, am1, keep):
 @triton.jit
 def _entmax_tiles(
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, start, end, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
-    LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv,
+    LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
     PASS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    HAS_KMASK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KMASK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One entmax pass over the key tiles of [start, end) with u = cf·t, t = q·k (cf = (α−1)·λ·scale ≥ 0 per row,
     its sign folded into q) or, with ALiBi, t = u = cf·q·k + (α−1)·λ·slope·(j − pos) formed in full. PASS 0: the
@@ -626,17 +658,19 @@ def _entmax_tiles(
             else:  # (u − max u) − τ: the sum would round τ to max u's ulp
                 d = tl.maximum((t * cf[:, None] - shift[:, None]) - tau[:, None], 0.0)
             if PASS == 1:
-                s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST)
+                s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST, MMA_SUMS)
             elif tl.max(tl.max(d, 1), 0) > 0:
-                live = d > 0
-                lg = _log2(tl.where(live, d, 1.0))
+                lg = _log2(tl.maximum(d, LOG_FLOOR))  # finite where d = 0, whose weight is 0
                 if FAST == 2:
                     w = d * d
                 elif FAST == 1:
                     w = d
                 else:
-                    w = tl.where(live, tl.math.exp2(inv * lg), 0.0)
-                zsum += tl.sum(w, 1)
+                    w = tl.where(d > 0, tl.math.exp2(inv * lg), 0.0)
+                if MMA_SUMS:  # Z as P·V sees w, on the tensor cores (Σ w log₂ d too would spill: a row sum)
+                    zsum = tl.dot(w.to(E0.dtype), E0, zsum)
+                else:
+                    zsum += tl.sum(w, 1)
                 plogp += tl.sum(w * lg, 1)  # Σ w log₂ d: × inv·ln 2 once at the end
                 acc = _tile_pv(acc, w, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
             else:
@@ -649,20 +683,20 @@ def _entmax_tiles(
 @triton.jit
 def _entmax_pass(
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, hi, q, K, V, k_offs, v_offs, skn, svn, cols0,
-    qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv,
+    qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
     PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KMASK: tl.constexpr,
-    FAST: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr,
+    FAST: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One pass over the program's keys: the interior tiles [lo, full) without masks, then [full, hi) with them."""
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
         umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
-        LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, PASS=PASS, MASKED=False, CAUSAL=CAUSAL,
-        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+        LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=False, CAUSAL=CAUSAL,
+        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_N=BLOCK_N,
     )  # fmt: skip
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
         umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, full, hi, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
-        LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, PASS=PASS, MASKED=True, CAUSAL=CAUSAL,
-        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+        LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=True, CAUSAL=CAUSAL,
+        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_N=BLOCK_N,
     )  # fmt: skip
     return umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped
 
@@ -673,15 +707,18 @@ def _entmax_program(
     pid_m, pid_bh, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, MMA_SUMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWEEP_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep, safeguarded
     Halley/Newton threshold sweeps until every row has converged (at most max_passes; no host sync), and an output
     sweep that skips the V load and P·V of tiles with no support. u = (α−1)·z is formed as one per-row factor times
     q·k (its sign folded into the query) except with ALiBi; every sweep walks the interior tiles without masks.
     The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
-    and the entropy; COUNT: also (threshold passes, skipped tiles) of the program."""
+    and the entropy; COUNT: also (threshold passes, skipped tiles) of the program. The max and threshold sweeps,
+    which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
+    loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
+    MMA_SUMS: their sums, and the output's Z, as (rows, 16) column partials (see _sweep_tiles)."""
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, 0, H, GROUP, LQ, LK, LK, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -705,16 +742,24 @@ def _entmax_program(
     KMASK += b * smb
     k_offs = offs_n[None, :] * skn + offs_d[:, None] * skd
     v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
-    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        full = tl.minimum(full, lo + tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N * BLOCK_N)
+    full = _interior_end(lo, hi, qpos, CAUSAL, BLOCK_N)
+    offs_s = tl.arange(0, SWEEP_N)
+    k_offs_s = offs_s[None, :] * skn + offs_d[:, None] * skd
+    full_s = _interior_end(lo, hi, qpos, CAUSAL, SWEEP_N)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if MMA_SUMS:  # the sums as (rows, 16) column partials, reduced across the row once after each pass
+        sums = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+        E0 = tl.where(tl.arange(0, 16) == 0, 1.0, 0.0)[None, :].broadcast_to([BLOCK_N, 16]).to(V.dtype.element_ty)
+    else:
+        sums = zero
+        E0 = 0.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     skipped = pid_m * 0
     umax, cnt, _, _, _, _, _, _, _ = _entmax_pass(
-        zero - float("inf"), zero, zero, zero, zero, zero, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs,
-        v_offs, skn, svn, offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, zero, zero, inv, PASS=0,
-        CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+        zero - float("inf"), zero, zero, zero, zero, zero, zero, acc, skipped, lo, full_s, hi, qs, K, V, k_offs_s,
+        v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, zero, zero, inv, E0, PASS=0,
+        CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
+        BLOCK_N=SWEEP_N,
     )  # fmt: skip
     if not HAS_ALIBI:
         umax = umax * cf  # the max of c·t is c times the max of t: c ≥ 0
@@ -729,16 +774,22 @@ def _entmax_program(
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
         _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
-            umax, cnt, zero, zero, zero, zero, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
-            offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, PASS=1, CAUSAL=CAUSAL,
-            HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+            umax, cnt, sums, sums, sums, zero, zero, acc, skipped, lo, full_s, hi, qs, K, V, k_offs_s, v_offs, skn,
+            svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1, CAUSAL=CAUSAL,
+            HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
+            BLOCK_N=SWEEP_N,
         )  # fmt: skip
+        if MMA_SUMS:
+            s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.sum(s2, 1)
         tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
-        umax, cnt, zero, zero, zero, zero, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
-        offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, PASS=2, CAUSAL=CAUSAL,
-        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, BLOCK_N=BLOCK_N,
+        umax, cnt, zero, zero, zero, sums, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
+        offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=2, CAUSAL=CAUSAL,
+        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
+    if MMA_SUMS:
+        zsum = tl.sum(zsum, 1)
     live = zsum > 0
     safe = tl.where(live, zsum, 1.0)
     row = pid_bh * LQ + offs_m
@@ -765,7 +816,8 @@ def _entmax_kernel(
     _entmax_program(
         Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
-        CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, BLOCK_M, BLOCK_N, BLOCK_D,
+        CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, not DOT_F32, BLOCK_M, BLOCK_N,
+        min(2 * BLOCK_N, 128), BLOCK_D,
     )  # fmt: skip
 
 
@@ -956,7 +1008,7 @@ def _trt_entmax_kernel(
         Q, K, V, PARAMS + H, PARAMS, QSCALE, KMASK, OUT, ENT_OUT, OUT, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
         scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
-        CAUSAL, True, HAS_LAMBDA, True, DOT_F32, 0, False, BLOCK_M, BLOCK_N, BLOCK_D,
+        CAUSAL, True, HAS_LAMBDA, True, DOT_F32, 0, False, False, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 

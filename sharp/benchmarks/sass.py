@@ -38,6 +38,7 @@ COLUMNS = (*CLASSES, "other")
 _INSTR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_]*)([.A-Z0-9_]*)\s*(.*?);")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
 _BRANCH = re.compile(r"`\((\.L_x_\d+)\)")
+_HGMMA = re.compile(r"HGMMA\.64x(\d+)x16")
 _LINE = re.compile(r'^\s*//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
 
 
@@ -108,6 +109,14 @@ class Loop:
 
     def spills(self) -> int:
         return sum(i.opcode in ("LDL", "STL") for i in self.body)
+
+    def hgmma_keys(self, head_dim: int) -> int | None:
+        """Keys per iteration of a loop that forms Q·Kᵀ with warpgroup MMAs: the N of the HGMMA shape (64 rows × N
+        keys × 16) issued head_dim / 16 times or more (Q·Kᵀ's count; P·V issues keys / 16 of 64 × head_dim, the
+        same shape only when keys = head_dim); None for a loop without that product."""
+        shapes = Counter(m.group(1) for i in self.body if i.opcode == "HGMMA" and (m := _HGMMA.search(i.text)))
+        qk = [int(n) for n, count in shapes.items() if count >= head_dim // 16]
+        return max(qk) if qk else None
 
 
 def loops(instrs: list[Instr], labels: dict[str, int]) -> list[Loop]:
