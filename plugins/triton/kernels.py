@@ -509,7 +509,8 @@ def _softmax_family_kernel(
 @triton.jit
 def _powers(d, inv, FAST: tl.constexpr):
     """(d^inv, d^(inv−1), Σ-ready d^(inv−2)) for d ≥ 0, each 0 where d = 0. FAST = 2: inv = 2 (α = 1.5);
-    FAST = 1: inv = 1 (α = 2) — no exp/log on the fast paths; otherwise exp2/log2 on the MUFU."""
+    FAST = 1: inv = 1 (α = 2) — no exp/log on the fast paths; otherwise exp2/log2 on the MUFU (log2 at a floor
+    where d = 0, whose powers are selected to 0)."""
     live = d > 0
     if FAST == 2:
         p0 = d * d
@@ -519,10 +520,10 @@ def _powers(d, inv, FAST: tl.constexpr):
         p0 = d
         p1 = tl.where(live, 1.0, 0.0)
         p2 = tl.zeros_like(d)
-    else:
-        lg = _log2(tl.where(live, d, 1.0))
-        p0 = tl.where(live, tl.math.exp2(inv * lg), 0.0)
+    else:  # two powers on the MUFU, d^inv as a product (0 where d = 0, as p1 is)
+        lg = _log2(tl.maximum(d, LOG_FLOOR))
         p1 = tl.where(live, tl.math.exp2((inv - 1.0) * lg), 0.0)
+        p0 = p1 * d
         p2 = tl.where(live, tl.math.exp2((inv - 2.0) * lg), 0.0)
     return p0, p1, p2
 
