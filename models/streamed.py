@@ -39,6 +39,7 @@ class StreamStats:
     tiles_total: int = 0
     tiles_skipped: int = 0
     per_chunk_threshold_passes: list[int] = field(default_factory=list)
+    program_threshold_passes: list[int] = field(default_factory=list)  # the Triton kernels': every program's
 
     @property
     def block_sparsity(self) -> float:

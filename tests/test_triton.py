@@ -638,6 +638,9 @@ def test_threshold_search_settles_in_few_passes(alpha):
     out, _ = run_problem(p, block_size=64, stats=stats)
     torch.testing.assert_close(out, attend(q, k, v, norm="entmax", causal=True, alpha=alpha), atol=ATOL, rtol=0)
     assert stats.threshold_passes <= {1.25: 3, 1.5: 4}[alpha]
+    cfg = launch_config(p, block_size=64)  # every program's count is kept (sharp-bench kernels --static's mean)
+    assert len(stats.program_threshold_passes) == 2 * -(-256 // cfg.block_m)
+    assert max(stats.program_threshold_passes) == stats.threshold_passes
 
 
 HALF_TYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])  # no bf16 dot in the interpreter

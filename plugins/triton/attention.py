@@ -409,9 +409,8 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
             FAST=fast, COUNT=count, **run.flags,
         )  # fmt: skip
         if count:
-            passes = int(counts[..., 0].max()) if counts.numel() else 0
-            skipped = int(counts[..., 1].sum())
-            _count(stats, p, cfg, passes, skipped)
+            per_program = counts[..., 0].flatten().tolist()
+            _count(stats, p, cfg, per_program, int(counts[..., 1].sum()))
         return out[..., : p.v.shape[-1]].float(), ent
     u = torch.empty(run.bh, p.lq, p.lk, dtype=torch.float32, device=p.q.device)
     _entmax_logits_kernel[run.grid](
@@ -435,12 +434,15 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
         p.q.shape[-1], run.bh, cfg.keys_per_split, FAST=fast, **flags,
     )  # fmt: skip
     if count:
-        _count(stats, p, cfg, int(counts.max()), int(skipped.sum()))
+        _count(stats, p, cfg, counts.tolist(), int(skipped.sum()))
     return finish_entmax_state(zsum.sum(0), plogp.sum(0), acc.sum(0)[..., : p.v.shape[-1]])
 
 
-def _count(stats: StreamStats, p: AttentionProblem, cfg: LaunchConfig, passes: int, skipped: int) -> None:
-    """Fold the kernels' counters into `stats` (key passes: max, threshold passes, output)."""
+def _count(stats: StreamStats, p: AttentionProblem, cfg: LaunchConfig, per_program: list[int], skipped: int) -> None:
+    """Fold the kernels' counters into `stats` (key passes: max, threshold passes, output; each program's threshold
+    passes)."""
+    passes = max(per_program, default=0)
+    stats.program_threshold_passes += per_program
     stats.key_passes += passes + 2
     stats.threshold_passes = max(stats.threshold_passes, passes)
     stats.per_chunk_threshold_passes.append(passes)

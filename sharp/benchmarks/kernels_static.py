@@ -14,6 +14,7 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -318,6 +319,17 @@ def run(args) -> int:
             return 1
     header, rows = table(reports, args.threshold_passes)
     failures = budget_failures(reports, args.threshold_passes)
+    try:
+        passes = _passes_in_the_interpreter()
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"sharp-bench kernels --static: {exc}", file=sys.stderr)
+        return 1
+    floor = next(r for r in reports if r.entry.path == "floor").per_element(1)
+    prefill = {r.entry.norm: r for r in reports if r.entry.path == "prefill"}
+    pass_rows = []
+    for case, v in passes.items():
+        at_mean = prefill[case.split(",")[0]].per_element(v["mean"])
+        pass_rows.append([case, f"{v['mean']:.2f}", str(int(v["max"])), f"{at_mean:.1f}", f"{at_mean / floor:.2f}×"])
     body = "\n".join([
         "## Triton kernels: key-loop work from the compiled SASS (no GPU)",
         "",
@@ -338,6 +350,13 @@ def run(args) -> int:
         " is not, a guard at today's level (entmax α = 1.5 ≤ 4.1×: 4.00× under Triton 3.6; per-head α and ASEntmax"
         " ≤ 7×: 6.5× under 3.6; the spills of the rows marked no stay where they are) — "
         + ("all held." if not failures else "**exceeded**: " + "; ".join(failures)),
+        "",
+        "Entmax threshold passes per program, counted in Triton's interpreter (fp32): causal prefill of"
+        f" {PASS_LENGTH:,} tokens, 2 heads, D = 64, 64×64 tiles, N(0, 1) keys, logits q·k/√D of standard deviation σ"
+        " (per-head α: 1.25 and 1.75; ASEntmax: λ ~ U(0.5, 1.5) per query). The budget's sum takes P = 3; the last"
+        " columns sum the prefill loops above at the mean measured instead.",
+        "",
+        markdown_table(["case", "mean passes", "max passes", "instr/elt at the mean", "× floor"], pass_rows),
     ])  # fmt: skip
     print(body)
     if (page := output_page(args)) is not None:
@@ -345,10 +364,68 @@ def run(args) -> int:
     return 1 if failures else 0
 
 
+# Where the threshold passes are counted (in Triton's interpreter, every program's): causal prefill of 1,024 tokens,
+# 2 heads, D = 64, the budget's 64×64 tile, N(0, 1) keys and values and queries whose logits q·k/√D have standard
+# deviation σ (1: diffuse rows; 4: sharp ones), fp32.
+PASS_LENGTH = 1024
+PASS_SIGMAS = (1.0, 4.0)
+PASS_CASES: dict[str, dict] = {"entmax α=1.5": {"alpha": 1.5}, "entmax per-head α": {"alpha": (1.25, 1.75)},
+                               "asentmax": {"alpha": 1.5, "query_scale": True}}  # fmt: skip
+
+
+def measured_passes() -> dict[str, dict[str, float]]:
+    """Threshold passes per program (mean, max) of each entmax case at each σ, run in the interpreter (the caller
+    sets TRITON_INTERPRET=1 before triton is imported)."""
+    import importlib
+
+    import torch
+
+    from sharp.models.problem import build_problem
+    from sharp.models.streamed import StreamStats
+
+    attention = importlib.import_module("sharp.plugins.triton.attention")  # the module (the package exports a function)
+
+    out: dict[str, dict[str, float]] = {}
+    tile = attention.Tile(PREFILL_TILE["BLOCK_M"], PREFILL_TILE["BLOCK_N"], WARPS, 3)
+    for sigma in PASS_SIGMAS:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, PASS_LENGTH, 64, generator=g) for _ in range(3))
+        q = q * sigma
+        for name, case in PASS_CASES.items():
+            alpha = case["alpha"]
+            lam = torch.rand(1, 2, PASS_LENGTH, generator=g) + 0.5 if case.get("query_scale") else None
+            p = build_problem(
+                q, k, v, norm="asentmax" if lam is not None else "entmax", causal=True, scale=None,
+                alpha=torch.tensor(alpha) if isinstance(alpha, tuple) else alpha, ssa_n=1.0, ssa_b=1.0, ssmax_s=1.0,
+                poly=(0.0,), query_scale=lam, alibi_slopes=None,
+            )  # fmt: skip
+            stats = StreamStats()
+            attention._run(p, attention.launch_config(p, tile=tile), stats)
+            passes = stats.program_threshold_passes
+            out[f"{name}, σ = {sigma:g}"] = {"mean": sum(passes) / len(passes), "max": max(passes)}
+    return out
+
+
+def _passes_in_the_interpreter() -> dict[str, dict[str, float]]:
+    """measured_passes() in a child process with the interpreter on (this one compiles)."""
+    import json
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "sharp.benchmarks.kernels_static", "--passes"], env=env,
+                          capture_output=True, text=True, check=False, timeout=1800)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"measuring the threshold passes failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout)
+
+
 def main() -> int:
     """`python -m sharp.benchmarks.kernels_static`: every entry's numbers as JSON (the tests read them under each
-    supported Triton)."""
+    supported Triton); with --passes, the interpreter's threshold-pass counts (measured_passes) instead."""
     import json
+
+    if "--passes" in sys.argv[1:]:
+        print(json.dumps(measured_passes()))
+        return 0
 
     import triton
 
