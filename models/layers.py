@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -50,17 +52,40 @@ class MLP(nn.Module):
         return self.down(h)
 
 
+AttentionFn = Callable[..., tuple[Tensor, Tensor | None]]
+
+
+def library_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None, impl: str, entropy: bool, **kw
+) -> tuple[Tensor, Tensor | None]:
+    """`attend` (any implementation registered for impl=), causal, scale 1/√D: the output and, when asked, the
+    entropy."""
+    res = attend(q, k, v, causal=True, key_mask=key_mask, impl=impl, return_entropy=entropy, **kw)
+    return res if entropy else (res, None)
+
+
+def op_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, key_mask: Tensor | None, impl: str, entropy: bool, **kw
+) -> tuple[Tensor, Tensor | None]:
+    """One opaque torch.ops.sharp.attention node per layer, for graph capture (the exporter lowers it to
+    SharpAttention; impl is the runtime's choice): the output and the entropy, always (an output of the node)."""
+    if key_mask is None:
+        key_mask = torch.ones(q.shape[0], k.shape[2], dtype=torch.bool, device=q.device)
+    return attend_op(q, k, v, key_mask=key_mask, scale=q.shape[-1] ** -0.5, **kw)
+
+
 class SharpAttention(nn.Module):
     """Causal multi-head / grouped-query self-attention with a sharp normalizer and per-head parameters.
 
     The norm's per-head parameters come from the registry (how each is stored, its initial value in the
     config, whether it learns); a norm with a per-query scale (ASEntmax) computes λ = δ + β·log(pos + 2)^γ per
-    query from its hidden state with β = softplus(x·w_β), γ = s_γ·tanh(x·w_γ).
+    query from its hidden state with β = softplus(x·w_β), γ = s_γ·tanh(x·w_γ). `attention` is the function that
+    attends over a dense cache: `library_attention` (default) or `op_attention` (for export; `use_custom_op`).
     """
 
-    def __init__(self, cfg: ModelConfig, norm: str):
+    def __init__(self, cfg: ModelConfig, norm: str, attention: AttentionFn = library_attention):
         super().__init__()
-        self.cfg, self.norm = cfg, norm
+        self.cfg, self.norm, self.attention = cfg, norm, attention
         self.spec = registry.get(norm)
         h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, h * d, bias=False)
@@ -81,7 +106,6 @@ class SharpAttention(nn.Module):
                 nn.init.zeros_(lin.bias)
         slopes = slopes_for(cfg.pos, h)
         self.register_buffer("alibi_slopes", slopes, persistent=False)
-        self.as_op = False  # set by use_custom_op()
 
     def head_params(self) -> dict[str, Tensor]:
         """The per-head normalizer parameters `attend` receives (Hq,)."""
@@ -130,20 +154,15 @@ class SharpAttention(nn.Module):
         )
         if isinstance(cache, PagedLayer):
             out, ent = cache.attend(q, impl, entropy=entropy, **kwargs)
-        elif self.as_op:  # one opaque node per layer for graph capture (the exporter lowers it to SharpAttention)
-            if key_mask is None:
-                key_mask = torch.ones(b, k.shape[2], dtype=torch.bool, device=x.device)
-            out, ent = attend_op(q, k, v, key_mask=key_mask, scale=cfg.head_dim**-0.5, **kwargs)
         else:
-            res = attend(q, k, v, causal=True, key_mask=key_mask, impl=impl, return_entropy=entropy, **kwargs)
-            out, ent = res if entropy else (res, None)
+            out, ent = self.attention(q, k, v, key_mask=key_mask, impl=impl, entropy=entropy, **kwargs)
         out = out.transpose(1, 2).reshape(b, length, cfg.heads * cfg.head_dim)
         return self.o_proj(out), cache if isinstance(cache, PagedLayer) else (k, v), ent
 
 
 def use_custom_op(model: nn.Module, on: bool = True) -> nn.Module:
-    """Make every SharpAttention of `model` call torch.ops.sharp.attention (for export) or attend (default)."""
+    """Give every SharpAttention of `model` `op_attention` (for export) or `library_attention` (default)."""
     for m in model.modules():
         if isinstance(m, SharpAttention):
-            m.as_op = on
+            m.attention = op_attention if on else library_attention
     return model

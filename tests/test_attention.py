@@ -253,3 +253,33 @@ def test_a_third_implementation_registered_by_entry_point_is_taken(tmp_path, mon
         monkeypatch.undo()
         for cached in (attention._installed, attention.registered_impl):
             cached.cache_clear()
+
+
+def test_sharp_attention_takes_its_attention_function():
+    """A layer attends through the function it is given (no mode flag): the library's `attend` by default, the
+    op for export (`use_custom_op` swaps it), or any other with the same signature."""
+    from sharp.models import ModelConfig
+    from sharp.models.layers import SharpAttention, library_attention, op_attention, use_custom_op
+
+    cfg = ModelConfig(dim=32, layers=1, heads=4, norm="ssmax", context_length=16)
+    calls = []
+
+    def spy(q, k, v, **kw):
+        calls.append(kw["impl"])
+        return library_attention(q, k, v, **kw)
+
+    torch.manual_seed(0)
+    layer = SharpAttention(cfg, "ssmax", attention=spy)
+    x, pos = torch.randn(1, 5, 32), torch.arange(5)[None]
+    with torch.no_grad():  # the streamed implementation is forward-only
+        out, _, ent = layer(x, pos, impl="streamed")
+    assert calls == ["streamed"] and ent.shape == (1, 4, 5)
+    plain = SharpAttention(cfg, "ssmax")
+    plain.load_state_dict(layer.state_dict())
+    assert plain.attention is library_attention
+    with torch.no_grad():
+        plain_out = plain(x, pos, impl="streamed")[0]
+    torch.testing.assert_close(plain_out, out)
+    assert use_custom_op(plain) is plain and plain.attention is op_attention
+    use_custom_op(plain, on=False)
+    assert plain.attention is library_attention
