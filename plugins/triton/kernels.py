@@ -26,6 +26,8 @@ NO_KEY = tl.constexpr(-3.0e38)
 SETTLED_STEP = tl.constexpr(1.0e-3)
 # Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
 LOG_FLOOR = tl.constexpr(1.0e-30)
+# Columns of the row sums kept as partials (MMA_SUMS): the narrowest N of an MMA.
+PARTIALS = tl.constexpr(16)
 # Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
@@ -216,28 +218,34 @@ def _tile_pv(acc, p, v_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32:
 
 
 @triton.jit
+def _interior_end(lo, hi, qpos, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The end of the whole BLOCK_N-key tiles from lo that every row of the block sees (no mask): below hi and,
+    causally, at or before the block's first query."""
+    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        full = tl.minimum(full, lo + tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N * BLOCK_N)
+    return full
+
+
+@triton.jit
+def _unit_column(BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """e₀ of the column partials, (BLOCK_N, PARTIALS) in `dtype`: W·e₀ puts each row's sum of W, as rounded to
+    dtype (as W·V sees it), in column 0."""
+    e0 = tl.where(tl.arange(0, PARTIALS) == 0, 1.0, 0.0)[None, :]
+    return e0.broadcast_to([BLOCK_N, PARTIALS]).to(dtype)
+
+
+@triton.jit
 def _halves(t):
     """A (rows, n) tile's left and right column halves — held by the same threads in the MMA layouts."""
     return tl.split(tl.permute(tl.reshape(t, [t.shape[0], 2, t.shape[1] // 2]), (0, 2, 1)))
 
 
 @triton.jit
-def _fold_products(acc, p, x):
-    """acc + p·x with the (rows, n) products folded into acc's (rows, 16) columns: one FFMA per element, where a
-    row sum per tile would cost a tree of adds and shuffles across the row's threads."""
-    if p.shape[1] == acc.shape[1]:
-        acc = acc + p * x
-    else:
-        p0, p1 = _halves(p)
-        x0, x1 = _halves(x)
-        acc = _fold_products(_fold_products(acc, p0, x0), p1, x1)
-    return acc
-
-
-@triton.jit
 def _fold_sum(acc, x):
-    """acc + x with the (rows, n) tile folded into acc's (rows, 16) columns: one FADD per element (see
-    _fold_products)."""
+    """acc + x with the (rows, n) tile folded into acc's (rows, PARTIALS) columns: one add per element (an FFMA with
+    the product that forms x), where a row sum per tile would cost a tree of adds and shuffles across the row's
+    threads."""
     if x.shape[1] == acc.shape[1]:
         acc = acc + x
     else:
@@ -296,7 +304,7 @@ def _sweep_tiles(
             l_i = l_i * alpha + tl.sum(p, 1)
         else:  # (rows, 16) column partials: Λ's on the tensor cores (p·e₀, as P·V sees p), K₂'s by FFMA chains
             if ENTROPY:
-                kp_i = _fold_products(kp_i * alpha[:, None] + l_i * (alpha * (m_i - m_new))[:, None], p, x)
+                kp_i = _fold_sum(kp_i * alpha[:, None] + l_i * (alpha * (m_i - m_new))[:, None], p * x)
             l_i = tl.dot(p.to(E0.dtype), E0, l_i * alpha[:, None])
         if WITH_V:
             acc = _tile_pv(acc * alpha[:, None], p, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
@@ -325,14 +333,12 @@ def _softmax_sweep(
     qs = q * sign[:, None].to(q.dtype)
     k_offs = offs_n[None, :] * skn + offs_d[:, None] * skd  # a tile's offsets from its first key: loop-invariant
     v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
-    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    if CAUSAL:  # keys at or before the block's first query are visible to all its rows
-        full = tl.minimum(full, lo + tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N * BLOCK_N)
+    full = _interior_end(lo, hi, qpos, CAUSAL, BLOCK_N)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_KEY
     if MMA_SUMS:  # column partials; E0 = e₀ in V's type: P·E0 sums P as P·V sees it
-        l_i = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-        kp_i = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-        E0 = tl.where(tl.arange(0, 16) == 0, 1.0, 0.0)[None, :].broadcast_to([BLOCK_N, 16]).to(V.dtype.element_ty)
+        l_i = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)
+        kp_i = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)
+        E0 = _unit_column(BLOCK_N, V.dtype.element_ty)
     else:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         kp_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -586,7 +592,7 @@ def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
     if not MMA_SUMS:
         s0, s1, s2 = s0 + tl.sum(p0, 1), s1 + tl.sum(p1, 1), s2 + tl.sum(p2, 1)
     elif FAST == 2:
-        s0, s1, s2 = _fold_products(s0, d, d), _fold_sum(s1, d), _fold_sum(s2, p2)
+        s0, s1, s2 = _fold_sum(s0, p0), _fold_sum(s1, d), _fold_sum(s2, p2)
     else:
         s0, s1, s2 = _fold_sum(s0, p0), _fold_sum(s1, p1), _fold_sum(s2, p2)
     return s0, s1, s2
@@ -600,16 +606,6 @@ def _threshold_step(tau, lo, hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
     passes += 1
     todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
     return tau, lo, hi, passes, todo
-
-
-@triton.jit
-def _interior_end(lo, hi, qpos, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The end of the whole BLOCK_N-key tiles from lo that every row of the block sees (no mask): below hi and,
-    causally, at or before the block's first query."""
-    full = lo + (hi - lo) // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        full = tl.minimum(full, lo + tl.maximum(tl.min(qpos, 0) + 1 - lo, 0) // BLOCK_N * BLOCK_N)
-    return full
 
 
 @triton.jit
@@ -749,8 +745,8 @@ def _entmax_program(
     full_s = _interior_end(lo, hi, qpos, CAUSAL, SWEEP_N)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
     if MMA_SUMS:  # the sums as (rows, 16) column partials, reduced across the row once after each pass
-        sums = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-        E0 = tl.where(tl.arange(0, 16) == 0, 1.0, 0.0)[None, :].broadcast_to([BLOCK_N, 16]).to(V.dtype.element_ty)
+        sums = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)
+        E0 = _unit_column(BLOCK_N, V.dtype.element_ty)
     else:
         sums = zero
         E0 = 0.0

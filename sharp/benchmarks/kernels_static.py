@@ -241,6 +241,11 @@ SOFTMAX_ABSOLUTE = 14.5  # softmax without entropy, instructions per element (go
 BUDGET_PASSES = 3  # entmax's threshold passes in the sum: the search's goal
 
 
+def _floor(reports: list[Report]) -> float:
+    """The floor kernel's instructions per score element: what every ratio is taken against."""
+    return next(r for r in reports if r.entry.path == "floor").per_element(1)
+
+
 def goal(e: Entry) -> float | None:
     """The ratio to the floor a prefill entry should reach, or None."""
     return GOALS.get(e.norm.removesuffix(NO_ENTROPY)) if e.path == "prefill" else None
@@ -255,7 +260,7 @@ def held(e: Entry) -> float | None:
 
 def budget_failures(reports: list[Report], threshold_passes: float = BUDGET_PASSES) -> list[str]:
     """Each held bound exceeded, and each key loop that spills (other than KNOWN_SPILLS), as one line."""
-    floor = next(r for r in reports if r.entry.path == "floor").per_element(1)
+    floor = _floor(reports)
     bad = []
     for r in reports:
         name = f"{r.entry.path} {r.entry.norm}"
@@ -280,7 +285,7 @@ def _fmt_classes(c: dict[str, float]) -> str:
 
 
 def table(reports: list[Report], threshold_passes: float) -> tuple[list[str], list[list[str]]]:
-    floor = next(r for r in reports if r.entry.path == "floor").per_element(1)
+    floor = _floor(reports)
     header = ["path", "norm", "regs", "stack B", "shared KB", "key loops: instr/elt (site) [edge]",
               "by class: " + " / ".join(sass.COLUMNS), "passes over K", f"instr/elt, P = {threshold_passes}",
               "× floor", "goal", "met"]  # fmt: skip
@@ -324,7 +329,7 @@ def run(args) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"sharp-bench kernels --static: {exc}", file=sys.stderr)
         return 1
-    floor = next(r for r in reports if r.entry.path == "floor").per_element(1)
+    floor = _floor(reports)
     prefill = {r.entry.norm: r for r in reports if r.entry.path == "prefill"}
     pass_rows = []
     for case, v in passes.items():
@@ -430,7 +435,7 @@ def main() -> int:
     import triton
 
     reports = [analyse(e) for e in entries()]
-    floor = next(r for r in reports if r.entry.path == "floor").per_element(1)
+    floor = _floor(reports)
     rows = [{"path": r.entry.path, "norm": r.entry.norm, "per_element": r.per_element(BUDGET_PASSES),
              "ratio": r.per_element(BUDGET_PASSES) / floor, "goal": goal(r.entry), "held": held(r.entry),
              "loop_spills": r.loop_spills, "registers": r.registers, "loops": [vars(lp) for lp in r.loops]}
