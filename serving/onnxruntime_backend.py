@@ -55,6 +55,16 @@ class OnnxRuntimeBackend(GraphBackend):
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.present_names = [n for n in self.output_names if n.startswith("present.")]
+        self._binding: _Binding | None = None  # the running batch's buffers, bound
+
+    def release(self, seq):
+        super().release(seq)
+        if self._batch.tensors is None:  # the batch is gone: so is its buffers' binding (it keeps them alive)
+            self._binding = None
+
+    def clear(self):
+        super().clear()
+        self._binding = None
 
     def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, in_place=False, every=False):
         if in_place:
@@ -74,22 +84,43 @@ class OnnxRuntimeBackend(GraphBackend):
 
     def _forward_in_place(self, input_ids, attention_mask, position_ids, past, entropy):
         """A decode step whose attention writes its keys into `past` itself: each present is bound to its past's
-        memory (onnxruntime's I/O binding), so the kernel writes only the new column and nothing is copied."""
-        binding = self.session.io_binding()
-        small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        for name, array in small.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(array))
-        binding.bind_output("logits")
-        if entropy:
-            binding.bind_output("attention_entropy")
-        for name, present, buffer in zip(self.past_names, self.present_names, past, strict=True):
-            shared = ort.OrtValue.ortvalue_from_numpy(buffer)  # the array's own memory, in and out
-            binding.bind_ortvalue_input(name, shared)
-            binding.bind_ortvalue_output(present, shared)
+        memory (onnxruntime's I/O binding), so the kernel writes only the new column and nothing is copied. The
+        binding is kept while the buffers stay the same — a step rebinds only its three small inputs, and the
+        logits and entropies land in arrays of the binding's own."""
+        bound = self._binding
+        if bound is None or bound.entropy != entropy or not bound.holds(past):
+            bound = self._binding = _Binding(self, past, entropy)
+        binding = bound.binding
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids))
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(attention_mask))
+        binding.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids))
         self.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()  # in binding order; the presents are `past` (never copied out)
-        logits = outputs[0].numpy()[:, -1]
-        return StepOutput(np.ascontiguousarray(logits), past, outputs[1].numpy() if entropy else None)
+        # copies: the next step writes the binding's arrays again
+        ent = bound.entropy_out.copy() if entropy else None
+        return StepOutput(bound.logits[:, -1].copy(), past, ent)
+
+
+class _Binding:
+    """The I/O binding of one set of decode buffers: each present bound to its past's memory, the logits (and
+    entropies) to arrays of the binding's own. It keeps the buffers alive while onnxruntime points into them."""
+
+    def __init__(self, backend: OnnxRuntimeBackend, past: list[np.ndarray], entropy: bool):
+        s, rows = backend.spec, past[0].shape[0]
+        self.past, self.entropy = list(past), entropy
+        self.binding = backend.session.io_binding()
+        self.logits = np.empty((rows, 1, s.vocab_size), np.float32)
+        outputs = {"logits": self.logits}
+        if entropy:
+            self.entropy_out = outputs["attention_entropy"] = np.empty((rows, s.layers, s.heads, 1), np.float32)
+        for name, array in outputs.items():
+            self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
+        for name, present, buffer in zip(backend.past_names, backend.present_names, past, strict=True):
+            shared = ort.OrtValue.ortvalue_from_numpy(buffer)  # the array's own memory, in and out
+            self.binding.bind_ortvalue_input(name, shared)
+            self.binding.bind_ortvalue_output(present, shared)
+
+    def holds(self, past: list[np.ndarray]) -> bool:
+        return len(past) == len(self.past) and all(a is b for a, b in zip(past, self.past, strict=True))
 
 
 def _dims(args) -> dict[str, metadata.Dims]:

@@ -398,6 +398,25 @@ def test_decode_steps_write_into_the_batch_buffers_and_match_the_model(model_fil
     assert 1 <= moves <= 4 and widths == sorted(widths)  # a handful of moves for ~150 steps, not one per step
 
 
+def test_an_in_place_step_hands_out_its_own_arrays_and_the_binding_leaves_with_the_batch(model_files):
+    """The binding of the batch's buffers is kept from step to step and its output arrays are reused: a step's
+    logits and entropies must be the caller's (untouched by the next step), and once the batch is gone the binding
+    must not keep its buffers alive."""
+    be = load_backend(model_files["onnxruntime"])
+    be.allocate(2**26)
+    assert be.reserve("a", 40)
+    be.prefill("a", np.array([[256, 7, 8, 9]]), 0, entropy=True)
+    be.join("a")
+    first = be.decode(["a"], np.array([[5]]), entropy=True)
+    kept = first.logits.copy(), first.entropy.copy()
+    second = be.decode(["a"], np.array([[6]]), entropy=True)
+    assert np.array_equal(first.logits, kept[0]) and np.array_equal(first.entropy, kept[1])
+    assert not np.array_equal(second.logits, first.logits)
+    assert be._binding is not None and be._binding.holds(be._batch.tensors)
+    be.release("a")
+    assert be._batch.tensors is None and be._binding is None
+
+
 def test_a_buffer_that_fills_beside_a_free_slot_moves_before_the_step_is_laid_out(model_files, reference, caplog):
     """A row left (a free slot, not yet dropped) when the in-place buffers run out of room: the move drops the free
     slot and renumbers the rows, so the step's tokens must be laid out after it — else the batched step fails on a
