@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 import torch
 
-from sharp.exporter import metadata
+from sharp.exporter import metadata, rotary
 from sharp.exporter.export import ExportSettings
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import STREAMED_BLOCK
@@ -171,7 +171,8 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=18,
         choices=[18],
-        help="ONNX opset of the standard ops (18; converting would inline the custom op away)",
+        help="ONNX opset the graph is traced at (18; converting would inline the custom op away); a file whose RoPE"
+        " becomes RotaryEmbedding nodes imports opset 23",
     )
     ap.add_argument(
         "--weights",
@@ -359,6 +360,7 @@ def _export(args) -> int:
             f"--genai --fallback none needs sharp's op library in the package, and there is none ({attention})"
         )
     proto = export(settings)
+    ropes = rotary.count(proto)
     # Written beside `out` under a temporary name, checked there, and only then moved into place: a file that fails
     # its check is never left where a server would pick it up, and an existing `out` is kept.
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
@@ -389,7 +391,9 @@ def _export(args) -> int:
     where = f"{out}/: {', '.join(sorted(f.name for f in out.iterdir()))}; {out / MODEL_FILE}" if args.genai else out
     print(
         f"wrote {where} ({size:.1f} MiB): {shape.layers} × sharp::SharpAttention[{norm}], {args.dtype} weights, "
-        f"fallback {args.fallback}, opset {args.opset}" + (", TensorRT form" if args.tensorrt else "")
+        f"fallback {args.fallback}, opset {rotary.OPSET if ropes else args.opset}"
+        + (f", RoPE as {ropes} RotaryEmbedding nodes" if ropes else "")
+        + (", TensorRT form" if args.tensorrt else "")
     )
     return 0
 

@@ -16,7 +16,7 @@ import torch
 from onnx import helper
 from torch import Tensor, nn
 
-from sharp.exporter import cache_form, fallback, tensorrt
+from sharp.exporter import cache_form, fallback, rotary, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, STREAMED_BLOCK, translate
 from sharp.exporter.precision import EXPORTABLE, HALF, QUANT_BLOCK, QUANTIZED, check_block, quantize, to_half
@@ -166,6 +166,9 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
     del proto.opset_import[:]
     proto.opset_import.extend(imports.values())
     proto.ir_version = min(proto.ir_version, 10)
+    if not settings.tensorrt:  # RoPE as one RotaryEmbedding per tensor (opset 23); TensorRT keeps the traced nodes
+        proto = rotary.fuse(proto)
+    meta.export["rotary_embedding"] = rotary.count(proto)
     if settings.tensorrt:
         mode = settings.fallback if settings.fallback != "none" else None
         tensorrt.rewrite(proto, mode, settings.block_size)

@@ -221,6 +221,7 @@ def test_sharp_export_cli_on_a_model_directory(hf_dirs, tmp_path, capsys):
     assert export_cli.main([str(hf_dirs["llama"]), "--norm", "ssmax", "--ssmax-s", "1.2", "-o", str(out)]) == 0
     said = capsys.readouterr().out
     assert "2 × sharp::SharpAttention[ssmax]" in said and "check passed" in said
+    assert "opset 23, RoPE as 4 RotaryEmbedding nodes" in said
     meta = metadata.read(out)
     assert meta.architecture == "transformers" and meta.norm == "ssmax"
     assert meta.layers[0].parameters == {"ssmax_s": [1.2] * 4}
@@ -322,6 +323,24 @@ def test_metadata_of_a_transformers_file_round_trips_and_is_checked(exported):
         metadata.parse(json.dumps(entry))
     with pytest.raises(BackendError, match="sharp-export"):
         load_backend(exported["llama"].parent)  # a directory is not a servable file
+
+
+def test_rope_is_one_rotary_embedding_per_tensor_and_a_file_without_rope_keeps_its_opset(hf_dirs, exported):
+    """A Llama's rotate-half RoPE (six nodes for each of a layer's queries and keys as traced) is one opset-23
+    RotaryEmbedding each in the file, graph and fallback functions then importing opset 23 (the tokens and the
+    export check that prove it computes the same are the other tests of this file); GPT-2 (learned positions)
+    has none and stays at opset 18."""
+    import onnx
+
+    layers = transformers.AutoConfig.from_pretrained(hf_dirs["llama"]).num_hidden_layers
+    for family, ropes, opset in (("llama", 2 * layers, 23), ("gpt2", 0, 18)):
+        proto = onnx.load(str(exported[family]), load_external_data=False)
+        kinds = [n.op_type for n in proto.graph.node]
+        assert kinds.count("RotaryEmbedding") == ropes and metadata.read(proto).export["rotary_embedding"] == ropes
+        assert (kinds.count("Neg"), kinds.count("Cos"), kinds.count("Sin")) == ((0, 1, 1) if ropes else (0, 0, 0))
+        versions = {i.version for g in [proto.opset_import, *(f.opset_import for f in proto.functions)]
+                    for i in g if i.domain == ""}  # fmt: skip
+        assert versions == {opset}
 
 
 def _genai_greedy(package: Path, ids: list[int], n: int) -> list[int]:
