@@ -175,6 +175,25 @@ def test_peers_report_holds_each_peers_medians_ratios_to_sharp_and_the_reason_a_
     assert "sharp-serve softmax 0.50; llama-server f32 0.12" in text  # decode at 4,096 ÷ at 1,024
 
 
+def test_peers_exports_again_a_file_older_than_the_exporter(tmp_path, monkeypatch):
+    """A workdir kept across an upgrade of sharp: its exported file is written again when any exporter module is
+    newer than it, and reused when it is not."""
+    import sharp.benchmarks.peers as peers
+    import sharp.exporter
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(peers, "_run", lambda cmd, what, log: ran.append(cmd))
+    target = tmp_path / "softmax.onnx"
+    target.write_bytes(b"old")
+    newest = max(f.stat().st_mtime for f in Path(sharp.exporter.__file__).parent.glob("*.py"))
+    os.utime(target, (newest - 10, newest - 10))
+    peers.sharp_export(tmp_path / "hf", tmp_path, "softmax", tmp_path / "log")
+    assert len(ran) == 1 and ran[0][-3:] == [str(target), "--weights", "fp32"]
+    os.utime(target, (newest + 10, newest + 10))
+    peers.sharp_export(tmp_path / "hf", tmp_path, "softmax", tmp_path / "log")
+    assert len(ran) == 1
+
+
 def test_peers_runs_sharp_serve_end_to_end_and_names_a_peer_it_cannot_build(tmp_path, monkeypatch):
     """A small `sharp-bench peers` with sharp-serve only, plus a llama.cpp peer whose build is missing: the model is
     built and exported, sharp-serve measured through its OpenAI API, and the missing peer is a row with its reason."""

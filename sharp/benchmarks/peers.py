@@ -388,13 +388,22 @@ def learned(hf: Path, out: Path, norm: str) -> Path:
     return out
 
 
+def _exported_before_the_exporter(target: Path) -> bool:
+    """Whether `target` is missing or older than any module of sharp's exporter (a workdir kept across an upgrade
+    would otherwise measure the file an older exporter wrote)."""
+    import sharp.exporter
+
+    sources = Path(sharp.exporter.__file__).parent.glob("*.py")
+    return not target.exists() or target.stat().st_mtime < max(f.stat().st_mtime for f in sources)
+
+
 def sharp_export(hf: Path, out: Path, norm: str, log: Path, weights: str = "fp32") -> Path:
     target = out / (f"{norm}.onnx" if weights == "fp32" else f"{norm}-{weights}.onnx")
     if norm in LEARNED:
         args = [str(learned(hf, out / f"hf-{norm}", norm))]
     else:
         args = [str(hf), "--norm", norm, *(["--ssmax-s", "1.0"] if norm == "ssmax" else [])]
-    if not target.exists():
+    if _exported_before_the_exporter(target):
         _run([sys.executable, "-m", "sharp.exporter.cli", *args, "-o", str(target), "--weights", weights],
              f"sharp-export ({norm}, {weights})", log)  # fmt: skip
     return target
@@ -548,7 +557,11 @@ def run(argv: list[str] | None = None) -> int:
                     help="onnxruntime-genai builder precisions")  # fmt: skip
     ap.add_argument("--no-genai", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="threads per peer (0: each peer's default, all cores)")
-    ap.add_argument("--workdir", help="keep the model and every peer's files here (reused when present)")
+    ap.add_argument(
+        "--workdir",
+        help="keep the model and every peer's files here (reused when present; sharp's"
+        " exports only while no exporter module is newer)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     add_output(ap)
     args = ap.parse_args(argv)
