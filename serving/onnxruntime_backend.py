@@ -109,6 +109,7 @@ class _Binding:
         self.past, self.entropy = list(past), entropy
         self.binding = backend.session.io_binding()
         self.logits = np.empty((rows, 1, s.vocab_size), np.float32)
+        self.entropy_out: np.ndarray | None = None
         outputs = {"logits": self.logits}
         if entropy:
             self.entropy_out = outputs["attention_entropy"] = np.empty((rows, s.layers, s.heads, 1), np.float32)
