@@ -17,6 +17,8 @@ _HOMES = {
     "Client": "client",
     "make_request": "client",
     "Engine": "engine",
+    "EngineProcess": "core",
+    "CoreSpec": "core",
     "EngineConfig": "config",
     "GenerationRequest": "requests",
     "RequestError": "requests",

@@ -342,8 +342,9 @@ def _prefill_batches(chunks: list[Chunk]) -> list[list[int]]:
     return batches
 
 
-def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "cpu", **kw) -> Backend:
-    """The backend for `path`; raises BackendError with what was found and what was expected."""
+def check_model_path(path: str | Path, backend: str) -> Path:
+    """`path` as a file `backend` could serve, judged by its name alone; raises BackendError saying what was found
+    and what was expected (before any process or runtime starts)."""
     path = Path(path)
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
@@ -359,19 +360,25 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
             "tensorrt": "an engine from sharp-build-engine",
         }
         raise BackendError(f"{path}: no such file (expected {expected[backend]})")
+    if backend == "onnxruntime" and path.suffix == ".pt":
+        raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")
+    if backend == "torch" and path.suffix == ".onnx":
+        raise BackendError(f"{path}: an ONNX file; --backend torch serves a model.pt checkpoint, serve this file with"
+                           " --backend onnxruntime")  # fmt: skip
+    return path
+
+
+def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "cpu", **kw) -> Backend:
+    """The backend for `path`; raises BackendError with what was found and what was expected."""
+    path = check_model_path(path, backend)
     if backend == "tensorrt":
         from sharp.serving.tensorrt_backend import TensorRTBackend
 
         return TensorRTBackend(path, device)
     if backend == "onnxruntime":
-        if path.suffix == ".pt":
-            raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")
         from sharp.serving.onnxruntime_backend import OnnxRuntimeBackend
 
         return OnnxRuntimeBackend(path, device, **kw)
-    if path.suffix == ".onnx":
-        raise BackendError(f"{path}: an ONNX file; --backend torch serves a model.pt checkpoint, serve this file with"
-                           " --backend onnxruntime")  # fmt: skip
     from sharp.serving.torch_backend import TorchBackend
 
     return TorchBackend(path, device, **kw)

@@ -133,6 +133,13 @@ def serve_parser() -> argparse.ArgumentParser:
         help="run the model's prefill and decode shapes (kernel compiles, tile tuning) before health reports SERVING;"
         " auto: on with --device cuda",
     )
+    ap.add_argument(
+        "--engine-process",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run the engine (scheduler, model, output) in its own process, fed over a pipe; off: in the server's;"
+        " auto: on for onnxruntime and tensorrt, off for torch (its GPU path is verified in the server's process)",
+    )
     ap.add_argument("--log-level", choices=LEVELS, default="info", help="server log lines on stderr from this level")
     ap.add_argument("--log-format", choices=FORMATS, default="text", help="text, or one JSON object per line")
     ap.add_argument("--auth-token-file", type=Path, help="require `authorization: Bearer <token>` (health exempt)")
@@ -157,10 +164,9 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def build_server(args):
     """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
-    from sharp.serving.backends import load_backend
+    from sharp.serving.backends import check_model_path
     from sharp.serving.config import EngineConfig
-    from sharp.serving.engine import Engine
-    from sharp.serving.metrics import ServingMetrics
+    from sharp.serving.core import CoreSpec, EngineProcess, build_engine
     from sharp.serving.server import ServerConfig
 
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -191,18 +197,25 @@ def build_server(args):
         "onnxruntime": {"op_library": args.ort_op_library, "threads": args.threads, "native": args.native},
         "torch": {"dtype": args.dtype},
     }.get(args.backend, {})
-    backend = load_backend(args.model, args.backend, args.device, **kw)
-    if args.model_name is not None:
-        backend.spec = dataclasses.replace(backend.spec, name=args.model_name)
-    engine = Engine(backend, config, ServingMetrics(backend.spec, entropy=args.entropy_metrics))
-    return engine, server
+    spec = CoreSpec(str(args.model), args.backend, args.device, kw, args.model_name, config, args.entropy_metrics,
+                    args.log_level, args.log_format)  # fmt: skip
+    if args.engine_process == "off" or (args.engine_process == "auto" and args.backend == "torch"):
+        return build_engine(spec), server
+    check_model_path(args.model, args.backend)  # a missing or misnamed file: said before a process starts
+    return EngineProcess(spec), server
 
 
-async def _serve(engine, config) -> None:
+async def _serve(engine, config) -> int:
+    """Serve until a signal drains the server (0) or the engine's process dies (1: its clients were told)."""
+    from sharp.serving.core import EngineProcess
     from sharp.serving.server import SharpServer
 
     server = SharpServer(engine, config)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:
+        engine.stop()  # an engine process must not outlive a server that never served
+        raise
     if server.warm_up is not None:
         w = server.warm_up
         print(
@@ -234,18 +247,35 @@ async def _serve(engine, config) -> None:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    crashed = asyncio.Event()
+    if isinstance(engine, EngineProcess):
+        engine.on_exit(lambda: loop.call_soon_threadsafe(crashed.set))
     waiter = asyncio.ensure_future(server.wait())
     stopper = asyncio.ensure_future(draining.wait())
-    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if draining.is_set():
+    crash = asyncio.ensure_future(crashed.wait())
+    await asyncio.wait({waiter, stopper, crash}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if crashed.is_set():
+        print(f"sharp-serve: the engine process exited (code {engine.exit_code}); stopping", file=sys.stderr,
+              flush=True)  # fmt: skip
+        deadline = loop.time() + 5  # the failed calls' statuses reach their clients first
+        while server.calls.inflight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        await server.stop()
+        code = 1
+    elif draining.is_set():
         print("sharp-serve: draining", flush=True)
         await server.drain()
     waiter.cancel()
+    stopper.cancel()
+    crash.cancel()
     print("sharp-serve: stopped", flush=True)
+    return code
 
 
 def serve_main(argv: list[str] | None = None) -> int:
     from sharp.serving.backends import BackendError
+    from sharp.serving.core import CoreExited
 
     args = serve_parser().parse_args(argv)
     try:
@@ -253,11 +283,14 @@ def serve_main(argv: list[str] | None = None) -> int:
     except (UsageError, BackendError) as e:
         print(f"sharp-serve: {e}", file=sys.stderr)
         return 2
+    except CoreExited as e:
+        print(f"sharp-serve: {e}", file=sys.stderr)
+        return 1
     from sharp.serving.warmup import WarmUpError
 
     restore = logs.configure(args.log_level, args.log_format)
     try:
-        asyncio.run(_serve(engine, config))
+        return asyncio.run(_serve(engine, config))
     except OSError as e:
         print(f"sharp-serve: {e}", file=sys.stderr)
         return 2
@@ -266,7 +299,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         restore()
-    return 0
 
 
 def client_parser() -> argparse.ArgumentParser:

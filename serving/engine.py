@@ -3,8 +3,7 @@
 One engine thread runs steps. Each step drops cancelled sequences, admits queued requests whose KV cache fits the
 budget (scheduler.py), prefills the plan's prompt chunks, then runs one batched decode step over every running
 sequence (executor.py), sampling each row and turning the tokens into events (output.py). The backend owns the KV
-cache (backends.py): the engine reserves each admitted sequence's room up front (prompt + max_new_tokens) and
-releases it on every way out. What a step did is recorded in a `StepStats` and handed to the metrics.
+cache: the engine reserves each admitted sequence's room up front and releases it on every way out.
 """
 
 from __future__ import annotations
@@ -15,40 +14,45 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from sharp.models.sampling import generator, sample_rows
+from sharp.models.sampling import generator
 from sharp.serving.backends import Backend
 from sharp.serving.config import EngineConfig
 from sharp.serving.executor import Executor
 from sharp.serving.metrics import ServingMetrics
-from sharp.serving.output import Event, HeadStats, Output
-from sharp.serving.requests import GenerationRequest, RequestError
+from sharp.serving.output import Delivery, Event, HeadStats, Output
+from sharp.serving.requests import GenerationRequest, draining_error, queue_full_error
 from sharp.serving.scheduler import Scheduler, Sequence
+from sharp.serving.stats import StepStats
 from sharp.serving.status import Status
 from sharp.serving.text import StopText
+from sharp.serving.warmup import WarmUp, warm_up
 
 log = logging.getLogger("sharp.serving")
 
 
 class Engine:
-    """Thread-safe front (`submit`, `cancel`, `stream`) over one engine thread."""
+    """Thread-safe front (`submit`, `cancel`, `stream`) over one engine thread. Each step's statistics and events
+    go to `publish`: the metrics and the requests' sinks here, or the pipe of the engine's process (core.py)."""
 
-    def __init__(self, backend: Backend, config: EngineConfig, metrics: ServingMetrics | None = None):
+    def __init__(self, backend: Backend, config: EngineConfig, metrics: ServingMetrics | None = None,
+                 publish: Callable[[StepStats, list[tuple[Sequence, Event]]], None] | None = None):  # fmt: skip
         config.check()
         self.backend, self.config, self.spec = backend, config, backend.spec
         self.tokenizer = self.spec.tokenizer
         self.metrics = metrics or ServingMetrics(self.spec, entropy="off")
-        self.metrics.queue_capacity.set(config.max_queue)
-        self.metrics.max_batch.set(config.max_batch)
-        self.budget_bytes = backend.allocate(int(config.kv_cache_mb * 2**20))
-        self.limits = config.limits(self.spec, backend.kv_bytes_per_token, self.budget_bytes)
+        self.metrics.configured(config.max_queue, config.max_batch)
+        budget = backend.allocate(int(config.kv_cache_mb * 2**20))
+        self.limits = config.limits(self.spec, backend.kv_bytes_per_token, budget)
+        self.attention = backend.attention  # what runs attention, in words (GetModelInfo, the start-up line)
         self._cond = threading.Condition()
         self.scheduler = Scheduler(config.max_batch, config.max_queue, config.prefill_chunk)
         self.executor = Executor(backend)
         self.output = Output(self.tokenizer, self.metrics.entropy != "off", self._cond)
+        self.delivery = Delivery()
+        self._publish = publish or self._publish_here
         self._end_seconds = 0.0  # the previous step's end, counted in the next step's busy time
-        self._stopping = False
+        self._stopping = self.draining = False
         self._ending: tuple[Status, str] | None = None  # end_all's request to the engine thread
-        self.draining = False
         self._thread = threading.Thread(target=self._loop, name="sharp-engine", daemon=True)
 
     # ---- front -----------------------------------------------------------------------------------------
@@ -63,18 +67,20 @@ class Engine:
         if self._thread.is_alive():  # never started when the server stopped before serving (a failed warm-up)
             self._thread.join(timeout=30)
 
-    def submit(self, req: GenerationRequest, sink: Callable[[Event], None]) -> Sequence:
-        """Queue a validated request (serving.requests.validate); events go to `sink` from the engine thread."""
+    def warm_up(self) -> WarmUp:
+        """Run the model's shapes once before `start` (serving/warmup.py); raises WarmUpError."""
+        return warm_up(self.backend, self.config.prefill_chunk)
+
+    def submit(self, req: GenerationRequest, sink: Callable[[Event], None], arrival: float | None = None) -> Sequence:
+        """Queue a validated request that arrived at `arrival` (perf_counter); its events go to `sink`."""
         stats = HeadStats(self.spec.layers, self.spec.heads) if req.attention_stats else None
-        seq = Sequence(req, sink, time.perf_counter(), generator(req.seed), StopText(req.stop), stats,
-                       self.tokenizer.stream())  # fmt: skip
+        seq = Sequence(req, sink, time.perf_counter() if arrival is None else arrival, generator(req.seed),
+                       StopText(req.stop), stats, self.tokenizer.stream())  # fmt: skip
         with self._cond:
             if self.draining or self._stopping:
-                raise RequestError(Status.UNAVAILABLE, "the server is draining and accepts no new requests; retry"
-                                   " elsewhere", transient=True)  # fmt: skip
+                raise draining_error()
             if self.scheduler.full():
-                raise RequestError(Status.RESOURCE_EXHAUSTED, f"queue full: {len(self.scheduler.waiting)} requests"
-                                   " waiting (--max-queue)", transient=True)  # fmt: skip
+                raise queue_full_error(len(self.scheduler.waiting))
             self.scheduler.waiting.append(seq)
             self._cond.notify_all()
         return seq
@@ -87,14 +93,12 @@ class Engine:
                 self._cond.notify_all()
 
     def stream(self, req: GenerationRequest) -> AsyncIterator[Event]:
-        """Submit `req` now (RequestError if refused) and return its events; leaving the iterator early (cancel,
-        deadline, disconnect) frees its work."""
+        """Submit `req` (RequestError if refused); its events. Leaving early (cancel, deadline) frees its work."""
         events: asyncio.Queue[Event] = asyncio.Queue()
-        return Output.follow(self.submit(req, self.output.sink_for(events)), events, self.cancel)
+        return Delivery.follow(self.submit(req, self.delivery.sink_for(events)), events, self.cancel)
 
     def end_all(self, code: Status, message: str) -> None:
-        """End every unfinished request with `code` (from any thread; the engine thread does it): a drain's
-        deadline."""
+        """End every unfinished request with `code` (a drain's deadline); the engine thread does it."""
         with self._cond:
             self._ending = (code, message)
             self._cond.notify_all()
@@ -144,8 +148,11 @@ class Engine:
         st.queue_size = len(self.scheduler.waiting)
         st.running = len(self.scheduler.prefilling) + len(self.scheduler.running)
         st.kv_usage = self.backend.kv_usage()
+        self._publish(st, outbox)
+
+    def _publish_here(self, st: StepStats, outbox: list[tuple[Sequence, Event]]) -> None:
         self.metrics.log_step(st)
-        self.output.send(outbox)
+        self.delivery.send([(seq.sink, ev) for seq, ev in outbox])
 
     def _prefill(self) -> None:
         plan, out = self.scheduler.plan(), self.output
@@ -161,13 +168,9 @@ class Engine:
             elif seq.request.max_new_tokens == 0:  # scored, nothing to generate: its cache is freed now
                 out.scored(seq)
             else:
-                token = sample_rows(res.logits[0:1], [seq.request.sampling], [seq.generator])[0]
-                out.emit(seq, token, *out.logprobs([seq], res.logits[0:1], [token]))
+                out.sample([seq], res.logits[0:1])
             self.scheduler.prefilled(seq)
-            if seq.done:
-                self.backend.release(seq)
-            else:
-                self.backend.join(seq)
+            (self.backend.release if seq.done else self.backend.join)(seq)
 
     def _decode(self) -> None:
         seqs, out = self.scheduler.running, self.output
@@ -179,9 +182,7 @@ class Engine:
         failed = set(res.failed)
         kept = [s for s in seqs if s not in failed]
         out.record_entropy(kept, res.entropy, [s.cached for s in kept])
-        chosen = sample_rows(res.logits, [s.request.sampling for s in kept], [s.generator for s in kept])
-        for s, token, logprob in zip(kept, chosen, out.logprobs(kept, res.logits, chosen), strict=True):
-            out.emit(s, token, logprob)
+        out.sample(kept, res.logits)
         ended = [s for s in seqs if s.done]
         self.scheduler.leave(ended)
         for s in ended:

@@ -188,6 +188,11 @@ class ServingMetrics:
             ]
             self.registry.register(_AttentionCollector(self))
 
+    def configured(self, max_queue: int, max_batch: int) -> None:
+        """The engine's two configuration gauges, set once at start."""
+        self.queue_capacity.set(max_queue)
+        self.max_batch.set(max_batch)
+
     def log_outcome(self, outcome: RequestOutcome) -> None:
         self._requests[outcome.api, outcome.status].inc()
         if outcome.duration is not None and outcome.status == "ok":

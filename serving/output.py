@@ -1,7 +1,7 @@
 """The output processor: what the model's sampled tokens become for clients — detokenized text with stop strings
 held back, finish reasons, log-probabilities, per-head attention statistics — as events (`Delta`, `Finished`,
-`Failed`), collected during an engine step and handed to their requests' sinks at its end (`Output.send`); and the
-delivery of those events to asyncio callers (`Output.follow`), one hand-over per event loop per step.
+`Failed`), collected during an engine step (`Output`); and their delivery at the step's end to the requests' sinks
+and asyncio callers, one hand-over per event loop per step (`Delivery`).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from sharp.models.sampling import token_logprobs
+from sharp.models.sampling import sample_rows, token_logprobs
 from sharp.models.tokenizer import Tokenizer
 from sharp.serving.stats import RequestOutcome, StepStats
 from sharp.serving.status import Status
@@ -27,6 +27,8 @@ log = logging.getLogger("sharp.serving")
 if TYPE_CHECKING:
     from sharp.serving.backends import Chunk, StepResult
     from sharp.serving.scheduler import Sequence
+
+S = TypeVar("S")  # what a stream's caller holds of its request: a Sequence in process, a handle across the pipe
 
 
 @dataclass
@@ -151,7 +153,6 @@ class Output:
         self.tokenizer, self.entropy_metrics, self._lock = tokenizer, entropy_metrics, lock
         self.stats = StepStats()
         self.outbox: list[tuple[Sequence, Event]] = []
-        self._couriers: dict[asyncio.AbstractEventLoop, _Courier] = {}  # stream callers, by event loop
 
     # ---- the step's events ---------------------------------------------------------------------------------
     def emit(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None = None) -> None:
@@ -240,6 +241,13 @@ class Output:
             self.outbox.append((s, Failed(code, message)))
             self.stats.outcomes.append(RequestOutcome(code.value, s.request.api, time.perf_counter() - s.arrival))
 
+    def sample(self, seqs: list[Sequence], logits: np.ndarray) -> None:
+        """Sample each row's next token from `logits` (rows of `seqs`) and emit it, with its log-probability when
+        the request asked."""
+        chosen = sample_rows(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+        for s, token, logprob in zip(seqs, chosen, self.logprobs(seqs, logits, chosen), strict=True):
+            self.emit(s, token, logprob)
+
     @staticmethod
     def logprobs(seqs: list[Sequence], logits: np.ndarray, chosen: list[int | None]) -> list[TokenLogprob | None]:
         """The chosen tokens' log-probabilities for the rows whose request asked (None for the others), in one
@@ -281,17 +289,26 @@ class Output:
         if self.entropy_metrics:
             self.stats.entropy.append((ent.transpose(0, 3, 1, 2).reshape(-1, *ent.shape[1:3]), visible.reshape(-1)))
 
-    # ---- the step's end and delivery -----------------------------------------------------------------------
+    # ---- the step's end --------------------------------------------------------------------------------------
     def take(self) -> tuple[StepStats, list[tuple[Sequence, Event]]]:
         """The step's statistics and events; the next step starts empty."""
         st, self.stats = self.stats, StepStats()
         out, self.outbox = self.outbox, []
         return st, out
 
-    def send(self, outbox: list[tuple[Sequence, Event]]) -> None:
-        """Hand the events to their sinks; stream() callers get theirs in one hand-over per event loop."""
-        for seq, event in outbox:
-            seq.sink(event)
+
+class Delivery:
+    """Hands events to their requests' sinks at the end of a step; asyncio callers (`sink_for`) get theirs in one
+    hand-over per event loop per step. The engine thread (or, with the engine core in its own process, the thread
+    that reads its pipe) is the only one that calls `send`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._couriers: dict[asyncio.AbstractEventLoop, _Courier] = {}  # stream callers, by event loop
+
+    def send(self, events: list[tuple[Callable[[Event], None], Event]]) -> None:
+        for sink, event in events:
+            sink(event)
         with self._lock:
             couriers = list(self._couriers.items())
         for loop, courier in couriers:
@@ -309,9 +326,7 @@ class Output:
         return lambda ev: courier.post(events, ev)
 
     @staticmethod
-    async def follow(
-        seq: Sequence, events: asyncio.Queue[Event], cancel: Callable[[Sequence], None]
-    ) -> AsyncIterator[Event]:
+    async def follow(seq: S, events: asyncio.Queue[Event], cancel: Callable[[S], None]) -> AsyncIterator[Event]:
         """The events of `seq`; the text of steps a slow reader has not taken yet comes as one Delta (a client
         that falls behind gets fewer, larger messages instead of a growing backlog of one-token ones). Leaving
         early (cancel, deadline, disconnect) cancels `seq`."""

@@ -40,6 +40,17 @@ class RequestError(Exception):
         self.code, self.message, self.transient, self.field, self.reason = code, message, transient, field, reason
 
 
+def draining_error() -> RequestError:
+    """What a request gets from a draining server (the engine's, or its process front's)."""
+    return RequestError(Status.UNAVAILABLE, "the server is draining and accepts no new requests; retry elsewhere",
+                        transient=True)  # fmt: skip
+
+
+def queue_full_error(waiting: int) -> RequestError:
+    return RequestError(Status.RESOURCE_EXHAUSTED, f"queue full: {waiting} requests waiting (--max-queue)",
+                        transient=True)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a request is checked against: the model's and the server's bounds."""

@@ -30,7 +30,7 @@ from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.output import Delta, Failed, Finished, TokenLogprob
 from sharp.serving.requests import RequestError, RequestParams, validate
 from sharp.serving.status import Status
-from sharp.serving.warmup import WarmUp, warm_up
+from sharp.serving.warmup import WarmUp
 from sharp.v1 import generator_pb2 as pb
 from sharp.v1 import generator_pb2_grpc as pb_grpc
 
@@ -243,7 +243,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             max_prompt_bytes=self.engine.limits.max_prompt_bytes,
             max_stop_strings=c.max_stop_strings,
             max_stop_length=c.max_stop_length,
-            attention=self.engine.backend.attention,
+            attention=self.engine.attention,
             precision=s.precision,
         )
 
@@ -406,7 +406,7 @@ class SharpServer:
                 raise OSError(f"cannot serve metrics on {metrics_host}:{cfg.metrics_port}: {e.strerror}") from None
         spec = self.engine.spec
         # the ports are ours: starting
-        log.info("%s: %s weights; %s", spec.name, spec.precision, self.engine.backend.attention)
+        log.info("%s: %s weights; %s", spec.name, spec.precision, self.engine.attention)
         for name in ("", SERVICE):  # until the engine runs (and, with warm_up, has run the model's shapes)
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
@@ -421,11 +421,8 @@ class SharpServer:
             tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
             self.http_port = await self.http.start(http_host, cfg.http_port, tls)
         if cfg.warm_up:  # in a worker thread: probes keep being answered (NOT_SERVING) meanwhile
-            engine = self.engine
             try:
-                self.warm_up = await asyncio.get_running_loop().run_in_executor(
-                    None, warm_up, engine.backend, engine.config.prefill_chunk
-                )
+                self.warm_up = await asyncio.get_running_loop().run_in_executor(None, self.engine.warm_up)
             except BaseException:
                 await self.stop()
                 raise

@@ -25,7 +25,17 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_serving import sample_value, scrape
 
-from sharp.serving import BackgroundServer, Client, Engine, EngineConfig, ServerConfig, ServingMetrics, load_backend
+from sharp.serving import (
+    BackgroundServer,
+    Client,
+    CoreSpec,
+    Engine,
+    EngineConfig,
+    EngineProcess,
+    ServerConfig,
+    ServingMetrics,
+    load_backend,
+)
 from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
@@ -91,9 +101,14 @@ class SlowEndless(Wrapped):
 
 @contextmanager
 def server(model_files, wrap=None, engine: dict | None = None, **config):
-    be = load_backend(model_files["onnxruntime"])
-    be = wrap(be).backend if wrap else be
-    eng = Engine(be, EngineConfig(**(engine or {})), ServingMetrics(be.spec, entropy="head"))
+    """sharp-serve's server with the engine core in its own process, as sharp-serve runs it; with a stand-in
+    (`wrap`) around the real backend, the engine in the test's process."""
+    if wrap is None:
+        spec = CoreSpec(str(model_files["onnxruntime"]), config=EngineConfig(**(engine or {})), entropy="head")
+        eng = EngineProcess(spec)
+    else:
+        be = wrap(load_backend(model_files["onnxruntime"])).backend
+        eng = Engine(be, EngineConfig(**(engine or {})), ServingMetrics(be.spec, entropy="head"))
     with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0, **config)) as srv:
         yield srv
 

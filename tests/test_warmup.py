@@ -127,7 +127,7 @@ def test_a_failed_warm_up_never_serves(model_path, monkeypatch, capsys):
     def failing(backend, chunk):
         raise WarmUpError("prefill of 256 tokens after 0 failed: RuntimeError: out of memory")
 
-    monkeypatch.setattr("sharp.serving.server.warm_up", failing)
+    monkeypatch.setattr("sharp.serving.engine.warm_up", failing)
     argv = [str(model_path), "--backend", "torch", "--port", "0", "--metrics-port", "-1", "--warm-up", "on"]
     assert serve_main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the server's own log lines

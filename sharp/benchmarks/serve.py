@@ -5,9 +5,10 @@ gRPC. Closed loop (each of C clients sends its next request when the previous on
 and open loop (Poisson arrivals at --rate), measured at the client from streamed chunks: completed/failed,
 requests/s, output tokens/s, time to first token and inter-token latency p50/p99; and from the server's own
 counters, the engine's host time per step with the model's forwards taken out, and rows per decode step.
-Baselines side by side: continuous batching vs `--max-batch 1`, the gRPC path vs the engine called in-process
-and vs the OpenAI-compatible HTTP API driven by the official `openai` SDK (streaming), and `--entropy-metrics head`
-vs `off` (what the attention metrics cost). Every cell is the median of --repeats.
+Baselines side by side: continuous batching vs `--max-batch 1`, the engine core in its own process (the default)
+vs `--engine-process off`, the gRPC path vs the engine called in-process and vs the OpenAI-compatible HTTP API
+driven by the official `openai` SDK (streaming), and `--entropy-metrics head` vs `off` (what the attention metrics
+cost). Every cell is the median of --repeats.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ class Served:
 
 
 @contextlib.contextmanager
-def sharp_serve(model: Path, max_batch: int, entropy: str, native: bool = True) -> Iterator[Served]:
+def sharp_serve(
+    model: Path, max_batch: int, entropy: str, native: bool = True, engine_process: str = "auto"
+) -> Iterator[Served]:
     """`sharp-serve MODEL` in its own process (the load generator must not share its interpreter), stopped with
     SIGTERM."""
     cmd = [
@@ -110,6 +113,7 @@ def sharp_serve(model: Path, max_batch: int, entropy: str, native: bool = True) 
         f"--max-batch={max_batch}",
         "--max-queue=4096",
         f"--entropy-metrics={entropy}",
+        f"--engine-process={engine_process}",
         "--http-port=0",
         "--log-level=warning",
         *([] if native else ["--no-native"]),
@@ -267,11 +271,13 @@ class Scenario:
     in_process: bool = False
     native: bool = True
     http: bool = False  # the OpenAI API through the openai SDK, not gRPC
+    engine_process: str = "auto"
 
 
-def _served(model: Path, max_batch: int, entropy: str, native: bool, scenario, http: bool = False) -> Run:
+def _served(model: Path, sc: Scenario) -> Run:
     """One run against a fresh sharp-serve process, with the engine's counters read back at its end."""
-    with sharp_serve(model, max_batch, entropy, native) as srv:
+    scenario, http = sc.load, sc.http
+    with sharp_serve(model, sc.max_batch, sc.entropy, sc.native, sc.engine_process) as srv:
 
         async def go():
             if http:
@@ -295,6 +301,10 @@ def bench(model: Path, args) -> str:
     scenarios = [
         *(Scenario(f"gRPC, closed loop C={k}", closed(k), args.max_batch) for k in args.concurrency),
         Scenario(f"gRPC, closed loop C={c}, --max-batch 1", closed(c), 1),
+        *(
+            Scenario(f"gRPC, closed loop C={k}, --engine-process off", closed(k), args.max_batch, engine_process="off")
+            for k in sorted({1, c, max(args.concurrency)})
+        ),
         Scenario(f"in-process engine, C={c}", closed(c), args.max_batch, in_process=True),
         Scenario(
             f"gRPC, closed loop C={c}, --no-native (the file's dense fallback bodies)",
@@ -316,10 +326,7 @@ def bench(model: Path, args) -> str:
     by_name: dict[str, list[Run]] = {sc.name: [] for sc in scenarios}
     for repeat in range(args.repeats):  # every scenario once per round: a drift of the machine hits all alike
         for sc in scenarios:
-            if sc.in_process:
-                run = _in_process(model, sc.max_batch, sc.load)
-            else:
-                run = _served(model, sc.max_batch, sc.entropy, sc.native, sc.load, sc.http)
+            run = _in_process(model, sc.max_batch, sc.load) if sc.in_process else _served(model, sc)
             by_name[sc.name].append(run)
             print(f"round {repeat + 1}/{args.repeats}: {sc.name}: {run.tokens / run.seconds:.0f} tok/s", flush=True)
     rows = [_row(name, runs) for name, runs in by_name.items()]
@@ -341,7 +348,8 @@ def bench(model: Path, args) -> str:
         "",
         f"Measured {today()} on {where}. Command: {args.command}. Model: {args.model_source},"
         " onnxruntime CPU backend with sharp's native kernel unless stated. sharp-serve runs in its own process"
-        " (a fresh one per run); the load generator streams from this one over loopback gRPC, or over its"
+        " (a fresh one per run), its engine core in a second one unless a row says --engine-process off; the load"
+        " generator streams from this one over loopback gRPC, or over its"
         " OpenAI-compatible HTTP API with the official openai SDK in the HTTP rows."
         f" {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
         f" tokens each, --max-batch {args.max_batch} unless stated; medians of {args.repeats} rounds (each"
