@@ -177,9 +177,9 @@ def _core_main(conn, spec: CoreSpec) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C reaches the whole group: the server drains, then stops us
         signal.signal(sig, signal.SIG_IGN)
     logs.configure(spec.log_level, spec.log_format)
-    pipe, core = _Pipe(conn), None
+    pipe = _Pipe(conn)
+    core = _Core(pipe)
     try:
-        core = _Core(pipe)
         core.engine = build_engine(spec, core.publish)
     except Exception as e:  # BackendError, or anything a model file can make a runtime raise
         pipe.send(("failed", type(e).__name__, str(e)))
@@ -259,8 +259,8 @@ class EngineProcess:
             if (waiting := len(self._handles) - self._running) >= self.config.max_queue:  # never fewer waiting
                 raise queue_full_error(waiting)
             h = Handle(next(self._keys), sink, req.api, time.perf_counter() if arrival is None else arrival)
-            self._handles[h.key] = h
-            self._pipe.send(("submit", h.key, req, h.arrival))
+            self._handles[h.key] = h  # a core that dies from here on fails it with the others (`_exited`)
+            self._send(("submit", h.key, req, h.arrival))
         return h
 
     def cancel(self, h: Handle) -> None:
