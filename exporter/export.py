@@ -16,10 +16,19 @@ import torch
 from onnx import helper
 from torch import Tensor, nn
 
-from sharp.exporter import cache_form, fallback, rotary, tensorrt
+from sharp.exporter import cache_form, fallback, rotary, siblings, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, STREAMED_BLOCK, translate
-from sharp.exporter.precision import EXPORTABLE, HALF, QUANT_BLOCK, QUANTIZED, check_block, quantize, to_half
+from sharp.exporter.precision import (
+    EXPORTABLE,
+    HALF,
+    QUANT_BLOCK,
+    QUANTIZED,
+    check_block,
+    quantize,
+    to_half,
+    weight_bits,
+)
 from sharp.models import registry
 from sharp.models.config import ModelShape
 from sharp.models.layers import use_custom_op
@@ -169,6 +178,10 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
     if not settings.tensorrt:  # RoPE as one RotaryEmbedding per tensor (opset 23); TensorRT keeps the traced nodes
         proto = rotary.fuse(proto)
     meta.export["rotary_embedding"] = rotary.count(proto)
+    # a layer's q/k/v and gate/up projections as one MatMul each (what the quantizer treats apart stays apart);
+    # the TensorRT form keeps the traced nodes, as it does RoPE's
+    fused = 0 if settings.tensorrt else siblings.fuse(proto, apart=lambda node: weight_bits(node, settings.dtype))
+    meta.export["sibling_matmuls_fused"] = fused
     if settings.tensorrt:
         mode = settings.fallback if settings.fallback != "none" else None
         tensorrt.rewrite(proto, mode, settings.block_size)

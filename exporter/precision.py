@@ -57,6 +57,12 @@ def weight_matmuls(proto: onnx.ModelProto) -> list[onnx.NodeProto]:
     return [n for n in proto.graph.node if n.op_type == "MatMul" and shapes.get(n.input[1]) == 2]
 
 
+def weight_bits(node: onnx.NodeProto, precision: str) -> int | None:
+    """The bits `quantize` gives a weight MatMul's weight at `precision` (None: not quantized)."""
+    bits = QUANTIZED.get(precision)
+    return 8 if bits is not None and bits < 8 and _module(node) in KEEP_8BIT else bits
+
+
 def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -> onnx.ModelProto:
     """`proto` with its weight MatMuls as MatMulNBits at `precision` (int8 or int4)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
@@ -66,7 +72,7 @@ def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -
     if not targets:
         raise PrecisionError(f"--weights {precision}: the graph has no MatMul with a constant weight to quantize")
     bits = QUANTIZED[precision]
-    eight = {n.name for n in targets if bits < 8 and _module(n) in KEEP_8BIT}
+    eight = {n.name for n in targets if weight_bits(n, precision) != bits}
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # it logs every node at INFO
     for width, names in ((8, eight), (bits, {n.name for n in targets} - eight)):
         if not names:

@@ -343,6 +343,21 @@ def test_rope_is_one_rotary_embedding_per_tensor_and_a_file_without_rope_keeps_i
         assert versions == {opset}
 
 
+def test_sibling_projections_are_one_matmul_each(hf_dirs, exported):
+    """A Llama layer's q/k/v projections are one MatMul and its gate/up another (exporter/siblings.py; that the
+    file computes what transformers does is this file's other tests); GPT-2's attention is one Conv1D already."""
+    import onnx
+
+    layers = transformers.AutoConfig.from_pretrained(hf_dirs["llama"]).num_hidden_layers
+    for family, fused, matmuls in (("llama", 3 * layers, 4 * layers + 1), ("gpt2", 0, None)):
+        proto = onnx.load(str(exported[family]), load_external_data=False)
+        assert metadata.read(proto).export["sibling_matmuls_fused"] == fused
+        kinds = [n.op_type for n in proto.graph.node]
+        assert kinds.count("Split") >= (2 * layers if fused else 0)
+        if matmuls is not None:  # q·k·v, o, gate·up, down per layer, and the head
+            assert kinds.count("MatMul") == matmuls
+
+
 def _genai_greedy(package: Path, ids: list[int], n: int) -> list[int]:
     og = pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
     model = og.Model(str(package))
