@@ -138,7 +138,8 @@ def serve_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="run the engine (scheduler, model, output) in its own process, fed over a pipe; off: in the server's;"
-        " auto: on for onnxruntime and tensorrt, off for torch (its GPU path is verified in the server's process)",
+        " auto: on where the model runs on a GPU (tensorrt, onnxruntime --device cuda), off on CPU (the runtime's"
+        " threads take every core: the process hop costs more than it frees) and for torch",
     )
     ap.add_argument("--log-level", choices=LEVELS, default="info", help="server log lines on stderr from this level")
     ap.add_argument("--log-format", choices=FORMATS, default="text", help="text, or one JSON object per line")
@@ -199,7 +200,8 @@ def build_server(args):
     }.get(args.backend, {})
     spec = CoreSpec(str(args.model), args.backend, args.device, kw, args.model_name, config, args.entropy_metrics,
                     args.log_level, args.log_format)  # fmt: skip
-    if args.engine_process == "off" or (args.engine_process == "auto" and args.backend == "torch"):
+    on_gpu = args.backend == "tensorrt" or (args.backend == "onnxruntime" and args.device == "cuda")
+    if args.engine_process == "off" or (args.engine_process == "auto" and not on_gpu):
         return build_engine(spec), server
     check_model_path(args.model, args.backend)  # a missing or misnamed file: said before a process starts
     return EngineProcess(spec), server

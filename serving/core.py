@@ -1,4 +1,4 @@
-"""The engine core in its own process: sharp-serve's default (`--engine-process on`).
+"""The engine core in its own process: sharp-serve's default where the model runs on a GPU (`--engine-process`).
 
 The API servers (gRPC, HTTP) keep validation, streams, metrics and the event loop in the server's process; a child
 process owns the backend and the `Engine` (scheduler, executor, output processor) and sends each step's statistics

@@ -99,7 +99,7 @@ def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_t
     assert float(rows["gRPC, closed loop C=4, --max-batch 1"][9]) == 1
     assert float(rows["gRPC, closed loop C=4"][9]) > 1  # continuous batching: several rows per decode step
     assert rows["in-process engine, C=4"][1] == "8/0"  # the engine driven directly completes every request
-    assert rows["gRPC, closed loop C=4, --engine-process off"][1] == "8/0"  # the engine in the server's process
+    assert rows["gRPC, closed loop C=4, --engine-process on"][1] == "8/0"  # the engine core in a process of its own
     assert rows["in-process engine, C=4"][8] == "—"  # no server to read counters from
     assert re.search(r"rows: -?\d+ µs \+ -?[\d.]+ µs per running row\.", text)
 

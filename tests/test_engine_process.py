@@ -170,7 +170,7 @@ def _cores(pid: int) -> list[int]:
 
 def test_sharp_serve_exits_1_when_its_engine_process_dies(model_files):
     """A stream waiting on a dead core ends with INTERNAL, not a hang; the server stops and exits 1."""
-    proc, line = start_sharp_serve(model_files["onnxruntime"])
+    proc, line = start_sharp_serve(model_files["onnxruntime"], "--engine-process", "on")
     try:
         port = re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
         with Client(f"127.0.0.1:{port}") as c:
@@ -187,8 +187,9 @@ def test_sharp_serve_exits_1_when_its_engine_process_dies(model_files):
         proc.kill()
 
 
-def test_sharp_serve_in_process_engine_still_serves(model_files, reference):
-    proc, line = start_sharp_serve(model_files["onnxruntime"], "--engine-process", "off")
+@pytest.mark.parametrize("flags", [("--engine-process", "off"), ()])  # auto: off on CPU
+def test_sharp_serve_in_process_engine_still_serves(model_files, reference, flags):
+    proc, line = start_sharp_serve(model_files["onnxruntime"], *flags)
     try:
         port = re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
         assert _cores(proc.pid) == []
@@ -241,3 +242,23 @@ def test_a_model_with_a_tokenizer_json_crosses_the_pipe(chat_files, reference):
         assert _tokens(events) == reference(list(req.prompt_ids), 8)
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize(
+    "flags, apart",
+    [
+        ((), False),  # auto on CPU: the runtime's threads take every core; the hop would cost more than it frees
+        (("--device", "cuda"), True),  # auto on a GPU: the model's time is the GPU's
+        (("--engine-process", "on"), True),
+        (("--device", "cuda", "--engine-process", "off"), False),
+        (("--backend", "torch"), False),
+    ],
+)
+def test_auto_runs_the_core_in_its_own_process_where_the_model_runs_on_a_gpu(model_files, monkeypatch, flags, apart):
+    from sharp.serving import cli, core
+
+    monkeypatch.setattr(core, "EngineProcess", lambda spec: ("process", spec))  # nothing is started or loaded
+    monkeypatch.setattr(core, "build_engine", lambda spec: ("in process", spec))
+    model = model_files["torch" if "torch" in flags else "onnxruntime"]
+    (where, spec), _ = cli.build_server(cli.serve_parser().parse_args([str(model), *flags]))
+    assert where == ("process" if apart else "in process") and spec.model == str(model)

@@ -5,10 +5,10 @@ gRPC. Closed loop (each of C clients sends its next request when the previous on
 and open loop (Poisson arrivals at --rate), measured at the client from streamed chunks: completed/failed,
 requests/s, output tokens/s, time to first token and inter-token latency p50/p99; and from the server's own
 counters, the engine's host time per step with the model's forwards taken out, and rows per decode step.
-Baselines side by side: continuous batching vs `--max-batch 1`, the engine core in its own process (the default)
-vs `--engine-process off`, the gRPC path vs the engine called in-process and vs the OpenAI-compatible HTTP API
-driven by the official `openai` SDK (streaming), and `--entropy-metrics head` vs `off` (what the attention metrics
-cost). Every cell is the median of --repeats.
+Baselines side by side: continuous batching vs `--max-batch 1`, the engine in the server's process (the default on
+CPU) vs its core in a process of its own (`--engine-process on`), the gRPC path vs the engine called in-process and
+vs the OpenAI-compatible HTTP API driven by the official `openai` SDK (streaming), and `--entropy-metrics head` vs
+`off` (what the attention metrics cost). Every cell is the median of --repeats.
 """
 
 from __future__ import annotations
@@ -302,7 +302,7 @@ def bench(model: Path, args) -> str:
         *(Scenario(f"gRPC, closed loop C={k}", closed(k), args.max_batch) for k in args.concurrency),
         Scenario(f"gRPC, closed loop C={c}, --max-batch 1", closed(c), 1),
         *(
-            Scenario(f"gRPC, closed loop C={k}, --engine-process off", closed(k), args.max_batch, engine_process="off")
+            Scenario(f"gRPC, closed loop C={k}, --engine-process on", closed(k), args.max_batch, engine_process="on")
             for k in sorted({1, c, max(args.concurrency)})
         ),
         Scenario(f"in-process engine, C={c}", closed(c), args.max_batch, in_process=True),
@@ -348,7 +348,7 @@ def bench(model: Path, args) -> str:
         "",
         f"Measured {today()} on {where}. Command: {args.command}. Model: {args.model_source},"
         " onnxruntime CPU backend with sharp's native kernel unless stated. sharp-serve runs in its own process"
-        " (a fresh one per run), its engine core in a second one unless a row says --engine-process off; the load"
+        " (a fresh one per run), its engine in the same process unless a row says --engine-process on; the load"
         " generator streams from this one over loopback gRPC, or over its"
         " OpenAI-compatible HTTP API with the official openai SDK in the HTTP rows."
         f" {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
