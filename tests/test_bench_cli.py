@@ -215,3 +215,24 @@ def test_peers_runs_sharp_serve_end_to_end_and_names_a_peer_it_cannot_build(tmp_
     props = onnx.load(tmp_path / "work" / "entmax.onnx", load_external_data=False).metadata_props
     layers = json.loads({p.key: p.value for p in props}["sharp"])["layers"]
     assert layers[0] == {"norm": "entmax", "parameters": {"alpha": [1.5] * 6}}  # the learned norm, per head
+
+
+def test_peers_peak_memory_counts_every_process_of_a_peer():
+    """A server whose work sits in a child (an engine core) is measured with it: the child's 60 MB show."""
+    import os
+    import subprocess
+    import sys
+
+    from sharp.benchmarks.peers import Peer
+
+    me = Peer("me", pid=os.getpid())
+    alone = me.peak_mib()
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; b = b'x' * 60_000_000; print(1, flush=True);"
+                              " time.sleep(60)"], stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        child.stdout.readline()
+        assert me.peak_mib() >= alone + 55
+        assert Peer("child", pid=child.pid).peak_mib() >= 55
+    finally:
+        child.kill()
+        child.wait()

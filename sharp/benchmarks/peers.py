@@ -22,6 +22,7 @@ round; medians of --repeats with the lowest and highest reading.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -137,10 +138,31 @@ class Peer:
     disk_mib: float = float("nan")  # the model files it loads
 
     def peak_mib(self) -> float:
+        """The peak RSS of the peer's process and every process under it (an engine core, a helper), summed: a
+        server that splits its work across processes cannot hide memory in a child. Peaks of different processes
+        need not coincide, so the sum is an upper bound."""
         if self.pid is None:
             return float("nan")
-        with open(f"/proc/{self.pid}/status") as f:
-            return int(re.search(r"VmHWM:\s+(\d+)", f.read())[1]) / 1024
+        return sum(_peak_kib(p) for p in _tree(self.pid)) / 1024
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants, from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        with contextlib.suppress(OSError):  # a child that has just exited
+            todo += [int(c) for t in Path(f"/proc/{p}/task").iterdir() for c in (t / "children").read_text().split()]
+    return out
+
+
+def _peak_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return int(re.search(r"VmHWM:\s+(\d+)", f.read())[1])
+    except (OSError, TypeError):  # gone, or a zombie (no VmHWM line)
+        return 0
 
 
 def _free_port() -> int:
