@@ -113,3 +113,52 @@ def test_layers_import_one_way():
                     if parts[0] == "sharp" and len(parts) > 1 and parts[1] in LAYERS[rank + 1 :]:
                         wrong.append(f"{path.relative_to(root)} imports {name}")
     assert wrong == []
+
+
+# serving/'s rooms (docs/design.md): each may import its own room and the rooms after it, never one before it
+SERVING_ROOMS = {
+    "edge": {"server", "openai_api", "auth", "calls", "client", "cli", "metrics_http"},
+    "engine": {
+        "engine",
+        "scheduler",
+        "executor",
+        "output",
+        "requests",
+        "status",
+        "stats",
+        "metrics",
+        "config",
+        "core",
+        "text",
+        "warmup",
+        "logs",
+    },
+    "backends": {"backends", "onnxruntime_backend", "tensorrt_backend", "torch_backend", "cache", "spec"},
+}
+GRPC_MODULES = {"server", "client", "cli"}  # the gRPC edge: the only importers of grpc and the generated stubs
+
+
+def test_serving_rooms_import_one_way_and_grpc_stays_at_its_edge():
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "serving"
+    rank = {m: i for i, room in enumerate(SERVING_ROOMS.values()) for m in room}
+    modules = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    assert modules == set(rank), f"give each serving module a room: {sorted(modules ^ set(rank))}"
+    wrong = []
+    for name in sorted(modules):
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom):
+                targets = [f"{node.module}.{a.name}" for a in node.names] if node.module else []
+                targets += [node.module or ""]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                if parts[:2] == ["sharp", "serving"] and len(parts) > 2 and rank.get(parts[2], 99) < rank[name]:
+                    wrong.append(f"serving/{name}.py imports {target}")
+                if (parts[0] == "grpc" or "_pb2" in target) and name not in GRPC_MODULES:
+                    wrong.append(f"serving/{name}.py imports {target} (gRPC outside its edge)")
+    assert wrong == []
