@@ -141,15 +141,16 @@ def test_native_matches_reference_and_both_bodies(library, norm, causal):
     assert np.abs(o_nat).max() > 0.1  # a real output, not zeros
 
 
-@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4"])
 def test_builds_for_other_cpus_agree(library, march, tmp_path, monkeypatch):
-    """The library built for another -march (SSE2 only; AVX2) runs and agrees with the oracle: Eigen's alignment
-    default follows -march, and a mismatch with the kernel's aligned buffers once aborted on CPUs without AVX-512."""
+    """The library built for another -march (SSE2 only; AVX2; AVX-512) runs and agrees with the oracle: Eigen's
+    alignment default follows -march, and a mismatch with the kernel's aligned buffers once aborted on CPUs without
+    AVX-512."""
+    import sharp.plugins.onnxruntime as native
     from sharp.plugins.onnxruntime import build
 
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if march == "x86-64-v3" and " avx2" not in flags:
-        pytest.skip("this CPU cannot run AVX2 code")
+    if march != "x86-64" and (missing := native.missing_cpu_flags(march)):
+        pytest.skip(f"this CPU cannot run {march} code (it lacks {', '.join(sorted(missing))})")
     monkeypatch.setenv("SHARP_NATIVE_MARCH", march)
     built = str(build.build(tmp_path / "libsharp_ort.so"))
     x = inputs(seed=3)
@@ -163,19 +164,23 @@ def test_builds_for_other_cpus_agree(library, march, tmp_path, monkeypatch):
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 variants")
 def test_the_widest_variant_this_cpu_runs_is_loaded_and_a_wider_one_refused(library, monkeypatch):
-    """libsharp_ort.so is built for the x86-64-v2 baseline and libsharp_ort.x86-64-v3.so for AVX2, each naming its
-    ISA in the file; library_path() loads the widest the CPU's flags allow (the baseline where they are unreadable or
-    lack AVX2, and always for a package: portable=True); a library built for more than the CPU has is refused with
-    the flags it lacks, never loaded (its first AVX2 instruction would kill the process)."""
+    """libsharp_ort.so is built for the x86-64-v2 baseline, libsharp_ort.x86-64-v3.so for AVX2 and
+    libsharp_ort.x86-64-v4.so for AVX-512, each naming its ISA in the file; library_path() loads the widest the CPU's
+    flags allow (the baseline where they are unreadable or lack AVX2, and always for a package: portable=True); a
+    library built for more than the CPU has is refused with the flags it lacks, never loaded (its first AVX2
+    instruction would kill the process)."""
     import sharp.plugins.onnxruntime as native
     from sharp.plugins.onnxruntime import build
 
-    base, wide = build.VARIANTS["x86-64-v2"], build.VARIANTS["x86-64-v3"]
-    assert base == native.LIBRARY and wide.exists()
-    assert (native.library_isa(base), native.library_isa(wide)) == ("x86-64-v2", "x86-64-v3")
+    base, wide, widest = (build.VARIANTS[f"x86-64-v{n}"] for n in (2, 3, 4))
+    assert base == native.LIBRARY and wide.exists() and widest.exists()
+    assert [native.library_isa(p) for p in (base, wide, widest)] == ["x86-64-v2", "x86-64-v3", "x86-64-v4"]
     v2 = frozenset(native._ISA_FLAGS["x86-64-v2"])
     v3 = v2 | native._ISA_FLAGS["x86-64-v3"]
-    for flags, chosen in ((v3, wide), (v3 - {"avx2"}, base), (v2, base), (frozenset(), base)):
+    v4 = v3 | native._ISA_FLAGS["x86-64-v4"]
+    cases = ((v4, widest), (v4 - {"avx512bw"}, wide), (v4 - {"avx2"}, base), (v3, wide), (v3 - {"avx2"}, base),
+             (v2, base), (frozenset(), base))  # fmt: skip
+    for flags, chosen in cases:
         monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: flags)
         assert native.library_path() == str(chosen), sorted(flags)
         assert native.library_path(portable=True) == str(base)
@@ -183,12 +188,14 @@ def test_the_widest_variant_this_cpu_runs_is_loaded_and_a_wider_one_refused(libr
     with pytest.raises(native.NativeOpUnavailable, match=r"built for x86-64-v3 and this CPU lacks avx2, fma: use"):
         native.choose_library(library=str(wide))
     assert native.choose_library(library=str(base))[0] == str(base)
-    x = inputs(seed=5)  # both variants compute the same attention
+    x = inputs(seed=5)  # the variants this CPU runs compute the same attention
+    runs = [p for p in (wide, widest) if not native.missing_cpu_flags(native.library_isa(p))]
     for norm in ("ssa", "entmax"):
         o_base, h_base = session(one_op_model(norm, True, None), str(base)).run(None, x)
-        o_wide, h_wide = session(one_op_model(norm, True, None), str(wide)).run(None, x)
-        np.testing.assert_allclose(o_wide, o_base, atol=2e-5, rtol=0)
-        np.testing.assert_allclose(h_wide, h_base, atol=2e-5, rtol=0)
+        for lib in runs:
+            o_wide, h_wide = session(one_op_model(norm, True, None), str(lib)).run(None, x)
+            np.testing.assert_allclose(o_wide, o_base, atol=2e-5, rtol=0)
+            np.testing.assert_allclose(h_wide, h_base, atol=2e-5, rtol=0)
 
 
 def test_per_key_exp_and_log_are_vectorised(library):

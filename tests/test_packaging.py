@@ -38,11 +38,12 @@ def test_wheel_installed_outside_the_tree_runs_the_demo(tmp_path):
     wheel = next(tmp_path.glob("sharp_attention-*.whl"))
     plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     assert wheel.name.endswith(f"-py3-none-{plat}.whl"), wheel.name  # it carries a compiled library: not "any"
-    if platform.machine() == "x86_64":  # the portable baseline and the AVX2 variant, each naming its ISA
+    if platform.machine() == "x86_64":  # the portable baseline, the AVX2 and AVX-512 variants, each naming its ISA
         with zipfile.ZipFile(wheel) as z:
             isas = {n.rsplit("/", 1)[-1]: re.search(rb"SHARP_ISA=([\w.-]+)\0", z.read(n)).group(1).decode()
                     for n in z.namelist() if n.endswith(".so")}  # fmt: skip
-        assert isas == {"libsharp_ort.so": "x86-64-v2", "libsharp_ort.x86-64-v3.so": "x86-64-v3"}, isas
+        assert isas == {"libsharp_ort.so": "x86-64-v2", "libsharp_ort.x86-64-v3.so": "x86-64-v3",
+                        "libsharp_ort.x86-64-v4.so": "x86-64-v4"}, isas  # fmt: skip
     site = tmp_path / "site"
     installed = _run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site), str(wheel)])
     assert installed.returncode == 0, installed.stderr[-2000:]

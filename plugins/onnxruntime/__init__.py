@@ -1,7 +1,7 @@
 """The native sharp::SharpAttention kernel library for ONNX Runtime's CPU execution provider.
 
-`make install` builds it (plugins/onnxruntime/build.py): on x86-64 a baseline (x86-64-v2) and an AVX2 (x86-64-v3)
-variant. `library_path()` picks the widest this CPU runs and `register(options)` adds it to an
+`make install` builds it (plugins/onnxruntime/build.py): on x86-64 a baseline (x86-64-v2), an AVX2 (x86-64-v3) and
+an AVX-512 (x86-64-v4) variant. `library_path()` picks the widest this CPU runs and `register(options)` adds it to an
 `onnxruntime.SessionOptions`, after which ONNX Runtime runs the kernel instead of the file's fallback bodies.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 LIBRARY = _HERE / "libsharp_ort.so"  # the baseline: x86-64-v2 on x86-64, the compiler's default elsewhere
-_VARIANTS = (_HERE / "libsharp_ort.x86-64-v3.so", LIBRARY)  # widest first
+_VARIANTS = (_HERE / "libsharp_ort.x86-64-v4.so", _HERE / "libsharp_ort.x86-64-v3.so", LIBRARY)  # widest first
 _FAILURE = _HERE / "BUILD_FAILED.txt"
 # CPU flags (as /proc/cpuinfo names them) each -march level needs beyond the one before
 _ISA_FLAGS = {

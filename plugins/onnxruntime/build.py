@@ -6,9 +6,10 @@ Debian trixie's header-only packages (libonnxruntime-dev, libeigen3-dev), downlo
 into build/native-deps/ and unpacked there — nothing is installed system-wide. The library calls
 GetApi(ORT_API_VERSION) and links nothing of ONNX Runtime.
 
-Portable by default: on x86-64 two variants, `libsharp_ort.so` for the x86-64-v2 baseline (any x86-64 CPU since
-about 2009) and `libsharp_ort.x86-64-v3.so` (AVX2, FMA), and `library_path()` loads the widest this CPU runs; on
-other architectures one library for the compiler's default target. Each records its ISA in a `SHARP_ISA=` string
+Portable by default: on x86-64 three variants, `libsharp_ort.so` for the x86-64-v2 baseline (any x86-64 CPU since
+about 2009), `libsharp_ort.x86-64-v3.so` (AVX2, FMA) and `libsharp_ort.x86-64-v4.so` (AVX-512: Eigen's GEMMs and
+exp/log on 16-float packets), and `library_path()` loads the widest this CPU runs; on other architectures one
+library for the compiler's default target. Each records its ISA in a `SHARP_ISA=` string
 (read from the file, never by loading it). $SHARP_NATIVE_MARCH builds only `libsharp_ort.so`, for that -march
 (e.g. native: fastest, but only for CPUs like the building one).
 
@@ -32,7 +33,15 @@ LIBRARY = HERE / "libsharp_ort.so"
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 BASELINE = "x86-64-v2" if X86_64 else ""  # "": the compiler's default target (other architectures)
 # -march → the library built for it, narrowest first; library_path() loads the widest this CPU can run
-VARIANTS = {"x86-64-v2": LIBRARY, "x86-64-v3": HERE / "libsharp_ort.x86-64-v3.so"} if X86_64 else {"": LIBRARY}
+VARIANTS = (
+    {
+        "x86-64-v2": LIBRARY,
+        "x86-64-v3": HERE / "libsharp_ort.x86-64-v3.so",
+        "x86-64-v4": HERE / "libsharp_ort.x86-64-v4.so",
+    }
+    if X86_64
+    else {"": LIBRARY}
+)
 FAILURE = HERE / "BUILD_FAILED.txt"  # why the last build failed; library_path() reports it
 DEPS = HERE.parents[1] / "build" / "native-deps"
 PACKAGES = ("libonnxruntime-dev", "libeigen3-dev")
