@@ -778,7 +778,7 @@ def test_sharp_serve_logs_one_json_object_per_event_and_reports_its_attention(mo
         lines = [json.loads(line) for line in proc.stderr.read().splitlines()]
     finally:
         proc.kill()
-    assert re.fullmatch(r"attention: the native sharp::SharpAttention kernel \(x86-64-v[23]\)", attention), attention
+    assert re.fullmatch(r"attention: the native sharp::SharpAttention kernel \(x86-64-v[234]\)", attention), attention
     first = lines[0]
     assert first["level"] == "info" and first["logger"] == "sharp.serving"
     assert first["message"] == f"tiny: fp32 weights; {attention}"
