@@ -9,6 +9,9 @@ exactly W keys, as any plain run feeds it, it computes what the Concat did.
 
 W is the same for every row — the running batch is left-padded and right-aligned, as before — and is read from the
 graph's own inputs: attention_mask's width (past + new) minus input_ids' (new).
+
+The cache may be kept in fp16 (`sharp-export --kv-cache fp16`): half the bytes a decode step reads, for keys rounded
+to fp16 once, when they are written.
 """
 
 from __future__ import annotations
@@ -73,6 +76,17 @@ def rewrite(proto: onnx.ModelProto) -> int:
     return count
 
 
+KV_DTYPES = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16}  # --kv-cache
+
+
+def store_as(proto: onnx.ModelProto, kv_dtype: str) -> None:
+    """The cache's element type in a cache-form graph: every past input and present output as `kv_dtype` (the
+    attention nodes, their only readers and writers, take either; a step's own keys stay fp32)."""
+    for vi in (*proto.graph.input, *proto.graph.output):
+        if vi.name.startswith(("past_key_values.", "present.")):
+            vi.type.tensor_type.elem_type = KV_DTYPES[kv_dtype]
+
+
 def _is_cache_concat(node: onnx.NodeProto) -> bool:
     axis = next((a.i for a in node.attribute if a.name == "axis"), None)
     return (
@@ -101,12 +115,14 @@ def _function(norm: Norm, mode: str) -> onnx.FunctionProto:
         helper.make_node("Add", ["past_length", "new"], ["end"]),
     ]
     pairs = (("past_key", "K", "present_key", "keys"), ("past_value", "V", "present_value", "values"))
-    for past, new, present, visible in pairs:
+    for past, new, present, visible in pairs:  # the cache's type (fp32 or fp16) in, fp32 to the body
         nodes += [
             helper.make_node("Slice", [past, "zero", "past_length", "axis"], [f"{past}_before"]),
             helper.make_node("Slice", [past, "end", "last", "axis"], [f"{past}_after"]),
-            helper.make_node("Concat", [f"{past}_before", new, f"{past}_after"], [present], axis=_AXIS),
-            helper.make_node("Slice", [present, "zero", "end", "axis"], [visible]),
+            helper.make_node("CastLike", [new, past], [f"{new}_stored"]),
+            helper.make_node("Concat", [f"{past}_before", f"{new}_stored", f"{past}_after"], [present], axis=_AXIS),
+            helper.make_node("Slice", [present, "zero", "end", "axis"], [f"{visible}_stored"]),
+            helper.make_node("Cast", [f"{visible}_stored"], [visible], to=onnx.TensorProto.FLOAT),
         ]
     plain = fallback.op_overload(norm, mode)  # its nodes, reading the visible keys (a function cannot call it)
     renamed = {"K": "keys", "V": "values"}

@@ -24,6 +24,7 @@ import onnx
 import torch
 
 from sharp.exporter import metadata, rotary
+from sharp.exporter.cache_form import KV_DTYPES
 from sharp.exporter.export import ExportSettings
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import STREAMED_BLOCK
@@ -215,6 +216,14 @@ def parser() -> argparse.ArgumentParser:
         " mask, packed parameters; docs/tensorrt.md); checked here through its fallback bodies",
     )
     ap.add_argument("--no-kv-cache", dest="kv_cache", action="store_false")
+    ap.add_argument(
+        "--kv-cache-dtype",
+        choices=list(KV_DTYPES),
+        default="fp32",
+        help="the KV cache's element type: fp32, or fp16 (half the bytes every decode step reads and half the memory"
+        " per token; keys and values rounded to fp16 when written, attention still computed in fp32). The check"
+        " then compares the file with the fp32 model on text, as for --weights fp16",
+    )
     ap.add_argument("--no-check", dest="check", action="store_false")
     ap.add_argument(
         "--no-native",
@@ -308,6 +317,11 @@ def _check_package_dir(model: Path, out: Path) -> None:
 def _check_precision(args) -> None:
     if args.quant_block is not None and args.dtype not in QUANTIZED:
         raise UsageError(f"--quant-block sets the blocks of int8/int4 weights; --weights {args.dtype} has none")
+    if args.kv_cache_dtype != "fp32" and (not args.kv_cache or args.tensorrt):
+        raise UsageError(
+            f"--kv-cache-dtype {args.kv_cache_dtype} keeps the cache in the op's cache form, which "
+            + ("needs the KV cache: drop --no-kv-cache" if not args.kv_cache else "--tensorrt files do not have")
+        )
     if args.dtype != "fp32" and args.tensorrt:
         raise UsageError(
             f"--weights {args.dtype} --tensorrt: TensorRT files are fp32 and sharp-build-engine --fp16|--bf16 builds"
@@ -346,6 +360,7 @@ def _export(args) -> int:
         quant_block=args.quant_block or QUANT_BLOCK,
         block_size=args.block_size,
         tensorrt=args.tensorrt,
+        kv_dtype=args.kv_cache_dtype,
     )
     # sharp's native onnxruntime library takes the standard form only: a TensorRT-form file runs its fallback bodies
     if args.genai_isa and not args.genai:
@@ -391,7 +406,8 @@ def _export(args) -> int:
     where = f"{out}/: {', '.join(sorted(f.name for f in out.iterdir()))}; {out / MODEL_FILE}" if args.genai else out
     print(
         f"wrote {where} ({size:.1f} MiB): {shape.layers} × sharp::SharpAttention[{norm}], {args.dtype} weights, "
-        f"fallback {args.fallback}, opset {rotary.OPSET if ropes else args.opset}"
+        + (f"{args.kv_cache_dtype} KV cache, " if args.kv_cache_dtype != "fp32" else "")
+        + f"fallback {args.fallback}, opset {rotary.OPSET if ropes else args.opset}"
         + (f", RoPE as {ropes} RotaryEmbedding nodes" if ropes else "")
         + (", TensorRT form" if args.tensorrt else "")
     )
@@ -404,10 +420,12 @@ def _run_check(args, path: Path, shape: ModelShape, reference: Reference, librar
     if args.fallback == "none" and library is None:
         print(f"check: onnx.checker passed; not run (no fallback body and no kernel; {attention})")
         return 0
-    if args.dtype in BOUNDS:
+    # weights below fp32 are judged by their bound; an fp16 cache under fp32 weights by fp16's
+    precision = args.dtype if args.dtype in BOUNDS else args.kv_cache_dtype if args.kv_cache_dtype in BOUNDS else None
+    if precision is not None:
         cuda = args.dtype not in CPU_RUNS
         rows = verify_text(path, shape, args.kv_cache, reference, library, cuda)
-        return _judge_precision(args.dtype, rows, attention + (" (onnxruntime CUDA)" if cuda else ""))
+        return _judge_precision(precision, rows, attention + (" (onnxruntime CUDA)" if cuda else ""))
     rows = verify(path, shape, args.kv_cache, reference, library)
     print(f"{'check':<22}{'max |Δ logits|':>16}{'max |Δ entropy|':>17}")
     for name, dl, de in rows:
@@ -473,7 +491,8 @@ def verify_text(
             feed.update(zip(names[3:], past, strict=True))
         return sess.run(None, feed)
 
-    empty = [np.zeros((2, shape.kv_heads, 0, shape.head_dim), np.float32) for _ in range(2 * shape.layers)]
+    kv = metadata.read(path).kv_numpy_dtype
+    empty = [np.zeros((2, shape.kv_heads, 0, shape.head_dim), kv) for _ in range(2 * shape.layers)]
     got = run(ids.numpy(), empty, 0)
     logits, entropy = [got[0]], [got[-1]]
     rows = [(f"prefill 2×{length} text", Agreement.of(ref_logits, got[0], ref_entropy, got[-1]))]

@@ -48,6 +48,7 @@ class ExportSettings:
     quant_block: int = QUANT_BLOCK  # weights per scale of int8/int4
     block_size: int = STREAMED_BLOCK  # keys per Loop iteration of the streamed fallback
     tensorrt: bool = False  # write the TensorRT form of the op (exporter/tensorrt.py)
+    kv_dtype: str = "fp32"  # the KV cache's element type (fp16: the cache form only; exporter/cache_form.py)
 
     def __post_init__(self) -> None:
         if self.fallback not in FALLBACKS:
@@ -62,6 +63,11 @@ class ExportSettings:
             raise ValueError("--tensorrt files are fp32 (sharp-build-engine chooses the engine's precision)")
         if self.dtype in QUANTIZED:
             check_block(self.quant_block)
+        if self.kv_dtype not in cache_form.KV_DTYPES:
+            raise ValueError(f"KV cache type {self.kv_dtype!r}; valid: {', '.join(cache_form.KV_DTYPES)}")
+        if self.kv_dtype != "fp32" and (not self.kv_cache or self.tensorrt):
+            raise ValueError(f"a {self.kv_dtype} KV cache is kept by the op's cache form, which needs a KV cache and"
+                             " no --tensorrt")  # fmt: skip
 
 
 class GenerationGraph(nn.Module):
@@ -190,6 +196,8 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
         proto = quantize(proto, settings.dtype, settings.quant_block)
     elif settings.dtype in HALF:
         proto = to_half(proto, settings.dtype)
+    if in_place:  # last: the precision converters see the fp32 cache the graph was traced with
+        cache_form.store_as(proto, settings.kv_dtype)
     meta.write(proto)
     return proto
 

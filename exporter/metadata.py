@@ -10,7 +10,8 @@ A file carries a single metadata entry, key `sharp`, holding JSON:
                 "block_size": 256}}
 
 `export.dtype` is the weights' precision (fp32, int8, int4; exporter/precision.py), `quant_block` the weights per
-scale of the integer ones.
+scale of the integer ones; `kv_dtype` the KV cache's element type (fp32, or fp16 in the op's cache form: the past
+inputs and present outputs are then float16).
 
 A transformers model (sharp-export HF_DIR) adds `"architecture": "transformers"`, its config.json as `config`,
 the sizes serving needs as `shape` ({"layers", "heads", "kv_heads", "head_dim", "vocab_size", "context_length"})
@@ -30,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import onnx
 
 from sharp import __version__
@@ -75,6 +77,15 @@ class ModelMetadata:
     def precision(self) -> str:
         """The weights' precision (files from before precisions existed are fp32)."""
         return str(self.export.get("dtype", "fp32"))
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type, fp32 or fp16 (files from before it was a choice are fp32)."""
+        return str(self.export.get("kv_dtype", "fp32"))
+
+    @property
+    def kv_numpy_dtype(self) -> type:
+        return {"fp32": np.float32, "fp16": np.float16}[self.kv_dtype]
 
     @property
     def norm(self) -> str:

@@ -100,6 +100,7 @@ def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_t
     assert float(rows["gRPC, closed loop C=4"][9]) > 1  # continuous batching: several rows per decode step
     assert rows["in-process engine, C=4"][1] == "8/0"  # the engine driven directly completes every request
     assert rows["gRPC, closed loop C=4, --engine-process on"][1] == "8/0"  # the engine core in a process of its own
+    assert rows["gRPC, closed loop C=4, --kv-cache-dtype fp16"][1] == "8/0"  # the zoo model with an fp16 KV cache
     assert rows["in-process engine, C=4"][8] == "—"  # no server to read counters from
     assert re.search(r"rows: -?\d+ µs \+ -?[\d.]+ µs per running row\.", text)
 
@@ -155,7 +156,13 @@ def test_peers_report_holds_each_peers_medians_ratios_to_sharp_and_the_reason_a_
     from sharp.benchmarks.peers import Peer, Reading, report
 
     args = SimpleNamespace(
-        lengths=[1024, 4096], new_tokens=64, repeats=2, concurrent=8, command="`x`", shape="llama-11m"
+        lengths=[1024, 4096],
+        new_tokens=64,
+        repeats=2,
+        concurrent=8,
+        command="`x`",
+        shape="llama-11m",
+        kv_cache_dtype=["fp32"],
     )
     ours, theirs = Peer("sharp-serve softmax", ready_s=1.5, disk_mib=40.4), Peer("llama-server f32", ready_s=0.2)
     ours.rss, theirs.rss = {1024: 200.0, 4096: 210.0}, {1024: 150.0, 4096: 160.0}
@@ -189,10 +196,13 @@ def test_peers_exports_again_a_file_older_than_the_exporter(tmp_path, monkeypatc
     newest = max(f.stat().st_mtime for f in Path(sharp.exporter.__file__).parent.glob("*.py"))
     os.utime(target, (newest - 10, newest - 10))
     peers.sharp_export(tmp_path / "hf", tmp_path, "softmax", tmp_path / "log")
-    assert len(ran) == 1 and ran[0][-3:] == [str(target), "--weights", "fp32"]
+    assert len(ran) == 1 and ran[0][-5:] == [str(target), "--weights", "fp32", "--kv-cache-dtype", "fp32"]
     os.utime(target, (newest + 10, newest + 10))
     peers.sharp_export(tmp_path / "hf", tmp_path, "softmax", tmp_path / "log")
     assert len(ran) == 1
+    half = peers.sharp_export(tmp_path / "hf", tmp_path, "softmax", tmp_path / "log", "int4", "fp16")
+    assert half.name == "softmax-int4-kv16.onnx" and ran[-1][-5:] == [str(half), "--weights", "int4",
+                                                                        "--kv-cache-dtype", "fp16"]  # fmt: skip
 
 
 def test_peers_runs_sharp_serve_end_to_end_and_names_a_peer_it_cannot_build(tmp_path, monkeypatch):

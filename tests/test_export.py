@@ -103,6 +103,39 @@ def test_cached_decoding_through_onnx_equals_full_recomputation(tmp_path):
     assert full[-1].shape == (2, 2, 4, 10)  # attention_entropy (B, layers, heads, L)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "fallback-bodies"])
+def test_an_fp16_kv_cache_file(tmp_path, capsys, native):
+    """`--kv-cache-dtype fp16`: the pasts and presents are float16 (metadata says so), the check judges the file
+    against the fp32 model by fp16's bound, and a decode over fp16 pasts stays within that of the fp32 file."""
+    model = _model("asentmax", "rope")
+    out = _export(tmp_path, model, "--kv-cache-dtype", "fp16", *([] if native else ["--no-native"]))
+    assert "check passed (fp16" in capsys.readouterr().out
+    proto = onnx.load(out)
+    kv = [v for v in (*proto.graph.input, *proto.graph.output) if v.name.startswith(("past_key_values.", "present."))]
+    assert len(kv) == 8 and {v.type.tensor_type.elem_type for v in kv} == {onnx.TensorProto.FLOAT16}
+    assert metadata.read(proto).kv_dtype == "fp16" and metadata.read(proto).kv_numpy_dtype is np.float16
+    fp32 = tmp_path / "fp32"
+    fp32.mkdir()
+    wide = _export(fp32, model, "--no-check")
+    ids = np.random.default_rng(1).integers(0, 256, (2, 12))
+    got = {}
+    names = [f"past_key_values.{i}.{kind}" for i in range(2) for kind in ("key", "value")]
+    for path, dtype in ((out, np.float16), (wide, np.float32)):
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+        def run(tokens, past, start, sess=sess):
+            n = tokens.shape[1]
+            feed = {"input_ids": tokens, "attention_mask": np.ones((2, start + n), np.int64),
+                    "position_ids": np.tile(np.arange(start, start + n), (2, 1))}  # fmt: skip
+            return sess.run(None, {**feed, **dict(zip(names, past, strict=True))})
+
+        first = run(ids[:, :11], [np.zeros((2, 2, 0, 8), dtype)] * 4, 0)
+        assert all(p.dtype == dtype for p in first[1:-1])
+        got[dtype] = run(ids[:, 11:], first[1:-1], 11)[0]
+    diff = np.abs(got[np.float16] - got[np.float32]).max()
+    assert 0 < diff < 1e-2  # rounded keys, not the fp32 ones
+
+
 def test_per_layer_norms_and_no_kv_cache(tmp_path):
     model = _model("ssa", "alibi", layer_norms_override=["ssa", "adaptive"])
     out = _export(tmp_path, model, "--no-kv-cache")
@@ -143,6 +176,8 @@ def test_fallback_none_needs_a_plugin(tmp_path):
         ("softmax", ["--norm", "ssmax"], "needs --ssmax-s"),
         ("max-retrieval", [], "is not a language model"),
         ("ssa", ["-o", "/nonexistent-dir/x.onnx"], "not a writable directory"),
+        ("ssa", ["--kv-cache-dtype", "fp16", "--no-kv-cache"], "needs the KV cache: drop --no-kv-cache"),
+        ("ssa", ["--kv-cache-dtype", "fp16", "--tensorrt"], "--tensorrt files do not have"),
     ],
 )
 def test_cli_errors_exit_2_with_one_line(tmp_path, capsys, setup, args, message):

@@ -160,6 +160,12 @@ def test_builds_for_other_cpus_agree(library, march, tmp_path, monkeypatch):
             o, h = session(one_op_model(norm.name, causal, None), built).run(None, x)
             np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=0)
             np.testing.assert_allclose(h, h_ref, atol=2e-5, rtol=0)
+    x, rounded, room = _fp16_case(1, 1100)  # an fp16 cache: each build's own fp16 conversions (SSE2: scalar)
+    for norm in ("softmax", "entmax"):
+        o_ref = session(one_op_model(norm, True, None), built).run(None, rounded)[0]
+        o, _, pk, _ = session(cache_form_model(norm, None, TensorProto.FLOAT16), built).run(None, room)
+        np.testing.assert_allclose(o, o_ref, atol=2e-6, rtol=0)
+        np.testing.assert_array_equal(pk[:, :, :1100], x["K"].astype(np.float16))
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 variants")
@@ -394,6 +400,18 @@ def test_a_fallback_none_file_is_served_end_to_end(library, model_files, referen
         load_backend(bare, native=False)
 
 
+def test_an_fp16_kv_cache_file_is_served(library, model_files, reference, tmp_path):
+    """A file with `--kv-cache-dtype fp16` served (batched decode in place over fp16 buffers, natively and through
+    its fallback bodies): the PyTorch model's greedy tokens, at half the KV bytes per token."""
+    half = tmp_path / "half.onnx"
+    onnx.save(export_model(load(model_files["torch"]), ExportSettings(norm="ssa", kv_dtype="fp16")), half)
+    prompts = ["the kernel", "a longer prompt for the batch", "x"]
+    want = [reference(Tokenizer.encode(p), 24) for p in prompts]
+    assert _served_tokens(half, prompts, 24) == want
+    assert _served_tokens(half, prompts, 24, native=False) == want
+    assert 2 * load_backend(half).kv_bytes_per_token == load_backend(model_files["onnxruntime"]).kv_bytes_per_token
+
+
 def test_adaptive_reads_the_threshold_attribute(library):
     """With the default polynomial β = 1 below H ≈ 0.85 anyway, so the threshold is tested at 1.5: the kernel
     must agree with the body given the same attribute, and differ from the default."""
@@ -406,8 +424,9 @@ def test_adaptive_reads_the_threshold_attribute(library):
     assert np.abs(o_default - o_nat).max() > 1e-2
 
 
-def cache_form_model(norm: str, fallback_mode: str | None) -> bytes:
-    """One attention node in the cache form (exporter/cache_form.py): this step's K/V, the past buffers, W."""
+def cache_form_model(norm: str, fallback_mode: str | None, kv: int = TensorProto.FLOAT) -> bytes:
+    """One attention node in the cache form (exporter/cache_form.py): this step's K/V, the past buffers (of type
+    `kv`), W."""
     from sharp.exporter import cache_form
 
     attrs = dict(norm=norm, causal=1, scale=D**-0.5, poly=list(PAPER_POLY), q_heads=HQ, kv_heads=HKV)
@@ -415,9 +434,10 @@ def cache_form_model(norm: str, fallback_mode: str | None) -> bytes:
     node = helper.make_node("SharpAttention", names, ["O", "entropy", "present_key", "present_value"], domain="sharp",
                             **attrs)  # fmt: skip
     node.overload = cache_form.overload(norm)
-    kinds = {"key_mask": TensorProto.BOOL, "past_length": TensorProto.INT64}
+    kinds = {"key_mask": TensorProto.BOOL, "past_length": TensorProto.INT64, "past_key": kv, "past_value": kv,
+             "present_key": kv, "present_value": kv}  # fmt: skip
     graph_inputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in names]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in node.output]
+    outputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in node.output]
     entry = registry.get(norm)
     functions = []
     if fallback_mode:
@@ -431,13 +451,13 @@ def cache_form_model(norm: str, fallback_mode: str | None) -> bytes:
     return model.SerializeToString()
 
 
-def _cache_inputs(x: dict[str, np.ndarray], w: int, room: int) -> dict[str, np.ndarray]:
-    """x's last LQ keys as this step's, the W before them in buffers of `room` keys (garbage after W)."""
+def _cache_inputs(x: dict[str, np.ndarray], w: int, room: int, dtype=np.float32) -> dict[str, np.ndarray]:
+    """x's keys after the first W as this step's, the W before them in buffers of `room` keys (garbage after W)."""
     feed = dict(x)
     buffers = {}
     for name, past in (("K", "past_key"), ("V", "past_value")):
         full = x[name]
-        buffer = np.full((B, HKV, room, D), 7.0, np.float32)  # columns past W hold nobody's keys
+        buffer = np.full((B, HKV, room, D), 7.0, dtype)  # columns past W hold nobody's keys
         buffer[:, :, :w] = full[:, :, :w]
         buffers[past] = buffer
         feed[name] = np.ascontiguousarray(full[:, :, w:])
@@ -481,3 +501,49 @@ def test_cache_form_writes_in_place_and_attends_as_the_concat_did(library, norm)
     np.testing.assert_allclose(h, refs[library][1], atol=2e-6, rtol=0)
     for past, full in (("past_key", x["K"]), ("past_value", x["V"])):  # written in the caller's own array
         assert (room[past][:, :, :LK] == full).all() and (room[past][:, :, LK:] == 7.0).all()
+
+
+def _fp16_case(lq: int, lk: int) -> tuple[dict, dict, dict]:
+    """Inputs; the same with K and V rounded to fp16 (the plain op's feed); the cache form's feed over fp16
+    buffers with 9 spare columns."""
+    x = inputs(lq=lq, lk=lk)
+    rounded = {**x, **{kv: x[kv].astype(np.float16).astype(np.float32) for kv in ("K", "V")}}
+    return x, rounded, _cache_inputs(x, lk - lq, lk + 9, np.float16)
+
+
+@pytest.mark.parametrize(("lq", "lk"), [(LQ, LK), (1, 1100)], ids=["prefill", "decode-3-key-blocks"])
+@pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)
+def test_an_fp16_cache_attends_as_fp32_over_keys_rounded_to_fp16(library, norm, lq, lk):
+    """`--kv-cache-dtype fp16`: the cache form over float16 buffers stores this step's keys rounded to nearest
+    and attends — natively (the GEMM path of a prefill, the block-wise decode path) and through its fallback body —
+    exactly as the plain fp32 op over the same keys rounded to fp16; in place, only the new columns change."""
+    x, rounded, room = _fp16_case(lq, lk)
+    w = lk - lq
+    for lib, mode in ((library, None), (None, "dense")):
+        o_ref, h_ref = session(one_op_model(norm.name, True), lib).run(None, rounded)
+        o, h, pk, pv = session(cache_form_model(norm.name, mode, TensorProto.FLOAT16), lib).run(None, room)
+        np.testing.assert_allclose(o, o_ref, atol=2e-6, rtol=0)
+        np.testing.assert_allclose(h, h_ref, atol=2e-6, rtol=0)
+        assert pk.dtype == np.float16 and pk.shape[2] == lk + 9
+        np.testing.assert_array_equal(pk[:, :, :lk], x["K"].astype(np.float16))  # round to nearest even
+        np.testing.assert_array_equal(pv[:, :, :lk], x["V"].astype(np.float16))
+        assert (pk[:, :, lk:] == 7.0).all()
+    o_ref = session(one_op_model(norm.name, True), library).run(None, rounded)[0]
+    sess = session(cache_form_model(norm.name, None, TensorProto.FLOAT16), library)
+    binding = sess.io_binding()
+    for name, value in room.items():
+        if name not in ("past_key", "past_value"):
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("O")
+    binding.bind_output("entropy")
+    before = {past: room[past].copy() for past in ("past_key", "past_value")}
+    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+        shared = ort.OrtValue.ortvalue_from_numpy(room[past])
+        binding.bind_ortvalue_input(past, shared)
+        binding.bind_ortvalue_output(present, shared)
+    sess.run_with_iobinding(binding)
+    np.testing.assert_allclose(binding.get_outputs()[0].numpy(), o_ref, atol=2e-6, rtol=0)
+    for past, new in (("past_key", x["K"]), ("past_value", x["V"])):  # the new columns, in the caller's array
+        np.testing.assert_array_equal(room[past][:, :, w:lk], new[:, :, w:].astype(np.float16))
+        changed = room[past] != before[past]
+        assert not changed[:, :, :w].any() and not changed[:, :, lk:].any()

@@ -16,6 +16,10 @@
 #define EIGEN_MAX_ALIGN_BYTES 64
 #include <Eigen/Core>
 
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -66,6 +70,38 @@ using AlignedFloats = std::vector<float, Eigen::aligned_allocator<float>>;
 constexpr int64_t kAlign = 16;  // floats: every logits row starts on a 64-byte boundary, in every thread, so
                                 // vectorised reductions split rows identically whatever thread runs the tile
 using Row = Eigen::Map<Eigen::ArrayXf>;
+using Half = Eigen::half;  // an fp16 KV cache's element (the cache form's past_key/past_value may be float16)
+
+// fp16 → fp32, n values: the CPU's conversion instructions where the build has them, else Eigen's bit arithmetic.
+void widen(const Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// fp32 → fp16 (round to nearest even), n values.
+void narrow(const float* src, Half* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+  for (; i < n; ++i) dst[i] = Half(src[i]);
+}
+
+void store(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+void store(const float* src, Half* dst, int64_t n) { narrow(src, dst, n); }
 
 struct Error : std::runtime_error {
   OrtErrorCode code;
@@ -207,6 +243,7 @@ void expect_shape(const Tensor& t, int slot, const std::vector<int64_t>& want) {
 struct Problem {
   const Attributes* a;
   const float *q, *k, *v, *alibi, *query_scale;
+  const Half *k16, *v16;  // an fp16 cache's K and V (then k and v are null): widened a block at a time
   const bool* key_mask;
   const char* mask_full;  // per batch row: key_mask is all true (the common case: no padding)
   const float* param[2];
@@ -219,6 +256,7 @@ struct Problem {
 struct Workspace {  // one per thread, grown on demand and reused (no allocation per tile once warm)
   AlignedFloats logits, shifted, stack;  // stack: a GQA group's query rows, then its output rows
   AlignedFloats candidates;
+  AlignedFloats kv_block, k_full, v_full;  // an fp16 cache's keys/values widened to fp32
   std::vector<double> row_sum;
   std::vector<char> live_block;
 };
@@ -440,18 +478,34 @@ void run_tile(const Problem& p, int64_t task) {
     qs = ws.stack.data();
   }
   StridedMatrix s(ws.logits.data(), stacked, kend, Eigen::OuterStride<>(stride));
-  ConstMatrix q(qs, stacked, p.d), k(p.k + (b * p.hkv + kvh) * p.kstride * p.d, kend, p.d);
+  ConstMatrix q(qs, stacked, p.d);
+  // Keys (values) [j0, j0 + len) of this (batch, KV head) as fp32 rows: the cache's own memory, or an fp16 cache's
+  // rows widened into `buf` (a block at a time in the loops below, so the widened copy stays in cache).
+  const int64_t first = (b * p.hkv + kvh) * p.kstride;
+  const auto rows_of = [&](const float* f32, const Half* f16, int64_t dim, int64_t j0, int64_t len,
+                           AlignedFloats& buf) -> const float* {
+    if (f16 == nullptr) return f32 + (first + j0) * dim;
+    buf.resize(static_cast<size_t>(len * dim));
+    widen(f16 + (first + j0) * dim, buf.data(), len * dim);
+    return buf.data();
+  };
+  const auto keys = [&](int64_t j0, int64_t len, AlignedFloats& buf) {
+    return ConstMatrix(rows_of(p.k, p.k16, p.d, j0, len, buf), len, p.d);
+  };
+  const auto values = [&](int64_t j0, int64_t len, AlignedFloats& buf) {
+    return ConstMatrix(rows_of(p.v, p.v16, p.dv, j0, len, buf), len, p.dv);
+  };
   // Few rows (decode): one matrix-vector product per row, a block of keys at a time, so each block is read from
   // memory once for the whole group (a GEMM would pack all of K for a handful of rows).
   const bool skinny = stacked <= kSkinnyRows;
   if (skinny) {
     for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
       const int64_t len = std::min(kKeysPerPass, kend - j0);
-      const auto kb = k.middleRows(j0, len);
+      const ConstMatrix kb = keys(j0, len, ws.kv_block);
       for (int64_t i = 0; i < stacked; ++i) s.row(i).segment(j0, len).noalias() = q.row(i) * kb.transpose();
     }
   } else {
-    s.noalias() = q * k.transpose();
+    s.noalias() = q * keys(0, kend, ws.k_full).transpose();
   }
 
   const bool* mask = p.key_mask ? p.key_mask + b * p.lk : nullptr;
@@ -535,17 +589,17 @@ void run_tile(const Problem& p, int64_t task) {
 
   // O = W V / Z over the key blocks that carry weight (softmax: all of them), into the stack, then each head's rows.
   Matrix o(ws.stack.data(), stacked, p.dv);
-  ConstMatrix v(p.v + (b * p.hkv + kvh) * p.kstride * p.dv, kend, p.dv);
   if (!any_entmax && skinny) {  // as for the logits: a block of values at a time for every row
     o.setZero();
     for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
       const int64_t len = std::min(kKeysPerPass, kend - j0);
-      const auto vb = v.middleRows(j0, len);
+      const ConstMatrix vb = values(j0, len, ws.kv_block);
       for (int64_t i = 0; i < stacked; ++i) o.row(i).noalias() += s.row(i).segment(j0, len) * vb;
     }
   } else if (!any_entmax) {
-    o.noalias() = s * v;
+    o.noalias() = s * values(0, kend, ws.v_full);
   } else {
+    const ConstMatrix v = values(0, kend, ws.v_full);
     o.setZero();
     const int64_t blocks = (kend + kKeyBlock - 1) / kKeyBlock;
     ws.live_block.assign(blocks, 0);
@@ -589,13 +643,15 @@ void run_tile(const Problem& p, int64_t task) {
 // The cache form's write: `rows` (batch × KV head) rows of `s` keys in `past` become rows of `stride` keys in
 // `present` with this step's `lq` keys at [w, w + lq). When the runtime gave present the past's own buffer (I/O
 // binding, onnxruntime-genai's shared past/present) only those keys are written: nothing is read or copied.
-void write_cache(float* present, const float* past, const float* fresh, int64_t rows, int64_t s, int64_t w,
-                 int64_t lq, int64_t stride, int64_t d) {
+// An fp16 cache takes the keys rounded to fp16 (the fp32 ones of this step are what its own rows attend with).
+template <typename C>
+void write_cache(C* present, const C* past, const float* fresh, int64_t rows, int64_t s, int64_t w, int64_t lq,
+                 int64_t stride, int64_t d) {
   for (int64_t r = 0; r < rows; ++r) {
-    float* dst = present + r * stride * d;
-    const float* src = past + r * s * d;
+    C* dst = present + r * stride * d;
+    const C* src = past + r * s * d;
     if (dst != src) std::copy(src, src + s * d, dst);
-    std::copy(fresh + r * lq * d, fresh + (r + 1) * lq * d, dst + w * d);
+    store(fresh + r * lq * d, dst + w * d, lq * d);
   }
 }
 
@@ -625,8 +681,10 @@ struct Kernel {
     expect_shape(t[kK], kK, {batch, hkv, lk, d});
     expect_shape(t[kV], kV, {batch, hkv, lk, dv});
     const float *keys = t[kK].f(), *values = t[kV].f();
+    const Half *keys16 = nullptr, *values16 = nullptr;  // an fp16 cache's (then keys and values are null)
     int64_t kstride = lk;
     std::vector<float> scratch[2];  // the cache form's keys and values when no present output is asked for
+    std::vector<Half> scratch16[2];
     const bool cache_form = t[kPastKey].present() || t[kPastValue].present() || t[kPastLength].present();
     if (cache_form) {  // K, V: this step's keys; written into the cache at [W, W + Lq), attention over [0, W + Lq)
       if (!t[kPastKey].present() || !t[kPastValue].present() || !t[kPastLength].present())
@@ -641,13 +699,15 @@ struct Kernel {
       const int64_t s = pk.shape[2];
       expect_shape(pk, kPastKey, {batch, hkv, s, d});
       expect_shape(pv, kPastValue, {batch, hkv, s, dv});
+      const bool half = pk.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
       for (int slot : {kPastKey, kPastValue})
-        if (t[slot].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) invalid(std::string("input ") + kSlotNames[slot] + " must be float32");
+        if (t[slot].type != (half ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT))
+          invalid("inputs past_key and past_value must both be float32 or both float16");
       if (w < 0 || w > s)
         invalid("past_length " + std::to_string(w) + " must be in [0, " + std::to_string(s) + "] (past_key's keys)");
       kstride = std::max(s, w + lq);
       lk = w + lq;
-      float* present[2];
+      void* present[2];
       const int64_t present_shape[2][4] = {{batch, hkv, kstride, d}, {batch, hkv, kstride, dv}};
       size_t outputs = 0;
       check(api.KernelContext_GetOutputCount(ctx, &outputs));
@@ -655,16 +715,27 @@ struct Kernel {
         OrtValue* value = nullptr;
         if (outputs > static_cast<size_t>(kPresentKey + i))
           check(api.KernelContext_GetOutput(ctx, kPresentKey + i, present_shape[i], 4, &value));
+        const size_t n = static_cast<size_t>(batch * hkv * kstride * (i ? dv : d));
         if (value != nullptr) {
-          check(api.GetTensorMutableData(value, reinterpret_cast<void**>(&present[i])));
-        } else {  // no present asked for: a scratch copy still holds the keys attention reads
-          scratch[i].resize(static_cast<size_t>(batch * hkv * kstride * (i ? dv : d)));
+          check(api.GetTensorMutableData(value, &present[i]));
+        } else if (half) {  // no present asked for: a scratch copy still holds the keys attention reads
+          scratch16[i].resize(n);
+          present[i] = scratch16[i].data();
+        } else {
+          scratch[i].resize(n);
           present[i] = scratch[i].data();
         }
       }
-      write_cache(present[0], pk.f(), keys, batch * hkv, s, w, lq, kstride, d);
-      write_cache(present[1], pv.f(), values, batch * hkv, s, w, lq, kstride, dv);
-      keys = present[0], values = present[1];
+      if (half) {
+        write_cache(static_cast<Half*>(present[0]), static_cast<const Half*>(pk.data), keys, batch * hkv, s, w, lq, kstride, d);
+        write_cache(static_cast<Half*>(present[1]), static_cast<const Half*>(pv.data), values, batch * hkv, s, w, lq, kstride, dv);
+        keys16 = static_cast<const Half*>(present[0]), values16 = static_cast<const Half*>(present[1]);
+        keys = values = nullptr;
+      } else {
+        write_cache(static_cast<float*>(present[0]), pk.f(), keys, batch * hkv, s, w, lq, kstride, d);
+        write_cache(static_cast<float*>(present[1]), pv.f(), values, batch * hkv, s, w, lq, kstride, dv);
+        keys = static_cast<const float*>(present[0]), values = static_cast<const float*>(present[1]);
+      }
     }
     if (lq > lk) invalid("Q has " + std::to_string(lq) + " rows but K only " + std::to_string(lk) + " keys (Lq <= Lk)");
     if (t[kKeyMask].present()) expect_shape(t[kKeyMask], kKeyMask, {batch, lk});
@@ -686,7 +757,7 @@ struct Kernel {
       expect_shape(param, a.param_slot[i], {hq});
       p.param[i] = param.f();
     }
-    p.q = t[kQ].f(), p.k = keys, p.v = values, p.kstride = kstride;
+    p.q = t[kQ].f(), p.k = keys, p.v = values, p.k16 = keys16, p.v16 = values16, p.kstride = kstride;
     p.alibi = t[kAlibi].present() ? t[kAlibi].f() : nullptr;
     // λ is read only by norms that take it (the registry's query_scale flag), as the fallback bodies do.
     p.query_scale = a.norm->query_scale ? t[kQueryScale].f() : nullptr;
@@ -752,13 +823,16 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   size_t GetInputTypeCount() const { return kNumSlots; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i == kKeyMask) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+    if (i == kPastKey || i == kPastValue) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float or float16
     return i == kPastLength ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i <= kV ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
   size_t GetOutputTypeCount() const { return kNumOutputs; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  ONNXTensorElementDataType GetOutputType(size_t i) const {  // presents: the pasts' type
+    return i >= kPresentKey ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }

@@ -51,6 +51,7 @@ from sharp.benchmarks.harness import (
     today,
     write_section,
 )
+from sharp.exporter.cache_form import KV_DTYPES
 from sharp.exporter.precision import EXPORTABLE
 
 LLAMA_CPP = Path("build/peers/llama.cpp/bin")  # `make peers`
@@ -419,15 +420,16 @@ def _exported_before_the_exporter(target: Path) -> bool:
     return not target.exists() or target.stat().st_mtime < max(f.stat().st_mtime for f in sources)
 
 
-def sharp_export(hf: Path, out: Path, norm: str, log: Path, weights: str = "fp32") -> Path:
-    target = out / (f"{norm}.onnx" if weights == "fp32" else f"{norm}-{weights}.onnx")
+def sharp_export(hf: Path, out: Path, norm: str, log: Path, weights: str = "fp32", kv: str = "fp32") -> Path:
+    target = out / ("-".join([norm, *([weights] if weights != "fp32" else []), *(["kv16"] if kv == "fp16" else [])])
+                    + ".onnx")  # fmt: skip
     if norm in LEARNED:
         args = [str(learned(hf, out / f"hf-{norm}", norm))]
     else:
         args = [str(hf), "--norm", norm, *(["--ssmax-s", "1.0"] if norm == "ssmax" else [])]
     if _exported_before_the_exporter(target):
-        _run([sys.executable, "-m", "sharp.exporter.cli", *args, "-o", str(target), "--weights", weights],
-             f"sharp-export ({norm}, {weights})", log)  # fmt: skip
+        _run([sys.executable, "-m", "sharp.exporter.cli", *args, "-o", str(target), "--weights", weights,
+              "--kv-cache-dtype", kv], f"sharp-export ({norm}, {weights}, {kv} KV cache)", log)  # fmt: skip
     return target
 
 
@@ -463,10 +465,11 @@ def bench(args) -> str:
 
     for norm in args.norms:
         for w in args.weights:
-            name = f"sharp-serve {norm}" + ("" if w == "fp32" else f" {w}")
-            log_file = work / f"{name.replace(' ', '-')}.log"
-            add(name, lambda n=norm, w=w, name=name, f=log_file: start_sharp(
-                sharp_export(hf, work, n, log, w), name, args.threads, f))  # fmt: skip
+            for kv in args.kv_cache_dtype:
+                name = f"sharp-serve {norm}" + ("" if w == "fp32" else f" {w}") + (" fp16-KV" if kv == "fp16" else "")
+                log_file = work / f"{name.replace(' ', '-')}.log"
+                add(name, lambda n=norm, w=w, kv=kv, name=name, f=log_file: start_sharp(
+                    sharp_export(hf, work, n, log, w, kv), name, args.threads, f))  # fmt: skip
     for outtype in args.gguf:
         add(f"llama-server {outtype}", lambda t=outtype: start_llama_server(
             work / f"model-{t}.gguf" if (work / f"model-{t}.gguf").exists() else convert_gguf(hf, work, t, log),
@@ -531,7 +534,8 @@ def report(args, about, peers, single, many) -> str:
               "ready s"]  # fmt: skip
     parts = [
         ("## Long context" if args.shape == "llama-11m" else f"## The {args.shape} shape")
-        + " on CPU against llama.cpp and onnxruntime-genai (sharp-bench peers)",
+        + " on CPU against llama.cpp and onnxruntime-genai (sharp-bench peers)"
+        + (", sharp's KV cache in " + " and ".join(args.kv_cache_dtype) if args.kv_cache_dtype != ["fp32"] else ""),
         "",
         f"Measured {today()} on {machine()}. Command: {args.command}. Model: a random-weight Llama, {about}, context"
         f" {max(args.lengths) + args.new_tokens:,}; one request at a time, a fresh prompt of random token ids,"
@@ -575,6 +579,8 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", nargs="*", choices=["f32", "q8_0", "f16"], default=["f32", "q8_0"])
     ap.add_argument("--weights", nargs="+", choices=EXPORTABLE, default=["fp32"], help="sharp-export --weights of"
                     " sharp-serve's rows (each norm at each)")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", nargs="+", choices=list(KV_DTYPES), default=["fp32"],
+                    help="sharp-export --kv-cache-dtype of sharp-serve's rows (each norm at each)")  # fmt: skip
     ap.add_argument("--genai-precision", nargs="+", choices=["fp32", "int4"], default=["fp32"],
                     help="onnxruntime-genai builder precisions")  # fmt: skip
     ap.add_argument("--no-genai", action="store_true")
@@ -597,5 +603,8 @@ def run(argv: list[str] | None = None) -> int:
     body = bench(args)
     print(body)
     if (page := output_page(args)) is not None:  # a section per model shape: the long-context run keeps its own
-        write_section("peers" if args.shape == "llama-11m" else f"peers --shape {args.shape}", body, page)
+        section = "peers" if args.shape == "llama-11m" else f"peers --shape {args.shape}"
+        if args.kv_cache_dtype != ["fp32"]:  # a section of its own: the full table keeps its place
+            section += " --kv-cache-dtype " + " ".join(args.kv_cache_dtype)
+        write_section(section, body, page)
     return 0

@@ -6,7 +6,8 @@ and open loop (Poisson arrivals at --rate), measured at the client from streamed
 requests/s, output tokens/s, time to first token and inter-token latency p50/p99; and from the server's own
 counters, the engine's host time per step with the model's forwards taken out, and rows per decode step.
 Baselines side by side: continuous batching vs `--max-batch 1`, the engine in the server's process (the default on
-CPU) vs its core in a process of its own (`--engine-process on`), the gRPC path vs the engine called in-process and
+CPU) vs its core in a process of its own (`--engine-process on`), the zoo model's KV cache in fp32 vs fp16
+(`sharp-export --kv-cache-dtype fp16`, when the bench exports it), the gRPC path vs the engine called in-process and
 vs the OpenAI-compatible HTTP API driven by the official `openai` SDK (streaming), and `--entropy-metrics head` vs
 `off` (what the attention metrics cost). Every cell is the median of --repeats.
 """
@@ -272,6 +273,7 @@ class Scenario:
     native: bool = True
     http: bool = False  # the OpenAI API through the openai SDK, not gRPC
     engine_process: str = "auto"
+    half_kv: bool = False  # the same model exported with --kv-cache-dtype fp16
 
 
 def _served(model: Path, sc: Scenario) -> Run:
@@ -293,7 +295,7 @@ def _served(model: Path, sc: Scenario) -> Run:
         return run
 
 
-def bench(model: Path, args) -> str:
+def bench(model: Path, args, half_kv: Path | None = None) -> str:
     prompts = _prompts(args.requests, args.prompt_chars)
     where = machine()  # before an in-process engine changes this process's torch threads
     n, c = args.new_tokens, args.baseline_concurrency
@@ -304,6 +306,10 @@ def bench(model: Path, args) -> str:
         *(
             Scenario(f"gRPC, closed loop C={k}, --engine-process on", closed(k), args.max_batch, engine_process="on")
             for k in sorted({1, c, max(args.concurrency)})
+        ),
+        *(
+            Scenario(f"gRPC, closed loop C={k}, --kv-cache-dtype fp16", closed(k), args.max_batch, half_kv=True)
+            for k in (sorted({c, max(args.concurrency)}) if half_kv else [])
         ),
         Scenario(f"in-process engine, C={c}", closed(c), args.max_batch, in_process=True),
         Scenario(
@@ -326,7 +332,8 @@ def bench(model: Path, args) -> str:
     by_name: dict[str, list[Run]] = {sc.name: [] for sc in scenarios}
     for repeat in range(args.repeats):  # every scenario once per round: a drift of the machine hits all alike
         for sc in scenarios:
-            run = _in_process(model, sc.max_batch, sc.load) if sc.in_process else _served(model, sc)
+            path = half_kv if sc.half_kv else model
+            run = _in_process(path, sc.max_batch, sc.load) if sc.in_process else _served(path, sc)
             by_name[sc.name].append(run)
             print(f"round {repeat + 1}/{args.repeats}: {sc.name}: {run.tokens / run.seconds:.0f} tok/s", flush=True)
     rows = [_row(name, runs) for name, runs in by_name.items()]
@@ -416,14 +423,15 @@ def run(argv: list[str] | None = None) -> int:
         else ("models/zoo/ssa.pt exported with sharp-export (4 layers × 4 heads, dim 128, SSA, dense fallback)")
     )
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
+        model, half_kv = args.model, None
+        if model is None:  # the zoo model, and the same with an fp16 KV cache for rows of their own
             from sharp.exporter.cli import main as export
 
-            model = Path(tmp) / "ssa.onnx"
-            if export([str(zoo_model("ssa")), "-o", str(model), "--no-check"]) != 0:
-                return 1
-        body = bench(model, args)
+            model, half_kv = Path(tmp) / "ssa.onnx", Path(tmp) / "ssa-kv16.onnx"
+            for path, kv in ((model, "fp32"), (half_kv, "fp16")):
+                if export([str(zoo_model("ssa")), "-o", str(path), "--no-check", "--kv-cache-dtype", kv]) != 0:
+                    return 1
+        body = bench(model, args, half_kv)
     print(body)
     if (page := output_page(args)) is not None:
         write_section("serve", body, page)
