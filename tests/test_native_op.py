@@ -511,24 +511,33 @@ def _fp16_case(lq: int, lk: int) -> tuple[dict, dict, dict]:
     return x, rounded, _cache_inputs(x, lk - lq, lk + 9, np.float16)
 
 
-@pytest.mark.parametrize(("lq", "lk"), [(LQ, LK), (1, 1100)], ids=["prefill", "decode-3-key-blocks"])
+@pytest.mark.parametrize(
+    ("lq", "lk"), [(LQ, LK), (LQ, 1100), (1, 1100)], ids=["prefill", "prefill-3-key-blocks", "decode-3-key-blocks"]
+)
 @pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)
 def test_an_fp16_cache_attends_as_fp32_over_keys_rounded_to_fp16(library, norm, lq, lk):
     """`--kv-cache-dtype fp16`: the cache form over float16 buffers stores this step's keys rounded to nearest
-    and attends — natively (the GEMM path of a prefill, the block-wise decode path) and through its fallback body —
-    exactly as the plain fp32 op over the same keys rounded to fp16; in place, only the new columns change."""
+    and attends — natively (a prefill's GEMMs, the decode path's matrix-vector products) and through its fallback
+    body — as the fp32 op over the same keys rounded to fp16: held to the float64 oracle over them as every
+    implementation is, and to the plain fp32 op of the same implementation at 2e-6 where both sum P·V in the same
+    order (the native kernel widens an fp16 cache 512 keys at a time, so a prefill over more keys sums per block
+    where the fp32 op runs one GEMM); in place, only the new columns change."""
     x, rounded, room = _fp16_case(lq, lk)
     w = lk - lq
+    o_oracle, h_oracle = torch_reference(norm, rounded, True)
+    same_order = lq == 1 or lk <= 512
     for lib, mode in ((library, None), (None, "dense")):
-        o_ref, h_ref = session(one_op_model(norm.name, True), lib).run(None, rounded)
         o, h, pk, pv = session(cache_form_model(norm.name, mode, TensorProto.FLOAT16), lib).run(None, room)
-        np.testing.assert_allclose(o, o_ref, atol=2e-6, rtol=0)
-        np.testing.assert_allclose(h, h_ref, atol=2e-6, rtol=0)
+        np.testing.assert_allclose(o, o_oracle, atol=2e-5, rtol=0)
+        np.testing.assert_allclose(h, h_oracle, atol=2e-5, rtol=0)
+        if same_order or lib is None:
+            o_ref, h_ref = session(one_op_model(norm.name, True), lib).run(None, rounded)
+            np.testing.assert_allclose(o, o_ref, atol=2e-6, rtol=0)
+            np.testing.assert_allclose(h, h_ref, atol=2e-6, rtol=0)
         assert pk.dtype == np.float16 and pk.shape[2] == lk + 9
         np.testing.assert_array_equal(pk[:, :, :lk], x["K"].astype(np.float16))  # round to nearest even
         np.testing.assert_array_equal(pv[:, :, :lk], x["V"].astype(np.float16))
         assert (pk[:, :, lk:] == 7.0).all()
-    o_ref = session(one_op_model(norm.name, True), library).run(None, rounded)[0]
     sess = session(cache_form_model(norm.name, None, TensorProto.FLOAT16), library)
     binding = sess.io_binding()
     for name, value in room.items():
@@ -542,7 +551,7 @@ def test_an_fp16_cache_attends_as_fp32_over_keys_rounded_to_fp16(library, norm, 
         binding.bind_ortvalue_input(past, shared)
         binding.bind_ortvalue_output(present, shared)
     sess.run_with_iobinding(binding)
-    np.testing.assert_allclose(binding.get_outputs()[0].numpy(), o_ref, atol=2e-6, rtol=0)
+    np.testing.assert_allclose(binding.get_outputs()[0].numpy(), o_oracle, atol=2e-5, rtol=0)
     for past, new in (("past_key", x["K"]), ("past_value", x["V"])):  # the new columns, in the caller's array
         np.testing.assert_array_equal(room[past][:, :, w:lk], new[:, :, w:].astype(np.float16))
         changed = room[past] != before[past]

@@ -256,7 +256,7 @@ struct Problem {
 struct Workspace {  // one per thread, grown on demand and reused (no allocation per tile once warm)
   AlignedFloats logits, shifted, stack;  // stack: a GQA group's query rows, then its output rows
   AlignedFloats candidates;
-  AlignedFloats kv_block, k_full, v_full;  // an fp16 cache's keys/values widened to fp32
+  AlignedFloats kv_block;  // an fp16 cache's keys or values, a block of them widened to fp32
   std::vector<double> row_sum;
   std::vector<char> live_block;
 };
@@ -504,8 +504,13 @@ void run_tile(const Problem& p, int64_t task) {
       const ConstMatrix kb = keys(j0, len, ws.kv_block);
       for (int64_t i = 0; i < stacked; ++i) s.row(i).segment(j0, len).noalias() = q.row(i) * kb.transpose();
     }
-  } else {
-    s.noalias() = q * keys(0, kend, ws.k_full).transpose();
+  } else if (p.k16 == nullptr) {
+    s.noalias() = q * keys(0, kend, ws.kv_block).transpose();
+  } else {  // an fp16 cache: one GEMM per block of widened keys (the block stays in cache; all of K would not)
+    for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
+      const int64_t len = std::min(kKeysPerPass, kend - j0);
+      s.middleCols(j0, len).noalias() = q * keys(j0, len, ws.kv_block).transpose();
+    }
   }
 
   const bool* mask = p.key_mask ? p.key_mask + b * p.lk : nullptr;
@@ -596,10 +601,15 @@ void run_tile(const Problem& p, int64_t task) {
       const ConstMatrix vb = values(j0, len, ws.kv_block);
       for (int64_t i = 0; i < stacked; ++i) o.row(i).noalias() += s.row(i).segment(j0, len) * vb;
     }
-  } else if (!any_entmax) {
-    o.noalias() = s * values(0, kend, ws.v_full);
+  } else if (!any_entmax && p.v16 == nullptr) {
+    o.noalias() = s * values(0, kend, ws.kv_block);
+  } else if (!any_entmax) {  // an fp16 cache: as for the logits, a block of widened values per GEMM
+    o.setZero();
+    for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
+      const int64_t len = std::min(kKeysPerPass, kend - j0);
+      o.noalias() += s.middleCols(j0, len) * values(j0, len, ws.kv_block);
+    }
   } else {
-    const ConstMatrix v = values(0, kend, ws.v_full);
     o.setZero();
     const int64_t blocks = (kend + kKeyBlock - 1) / kKeyBlock;
     ws.live_block.assign(blocks, 0);
@@ -623,7 +633,7 @@ void run_tile(const Problem& p, int64_t task) {
       int64_t end = blk;
       while (end < blocks && ws.live_block[end]) ++end;
       const int64_t j0 = blk * kKeyBlock, j1 = std::min(kend, end * kKeyBlock);
-      o.noalias() += s.middleCols(j0, j1 - j0) * v.middleRows(j0, j1 - j0);
+      o.noalias() += s.middleCols(j0, j1 - j0) * values(j0, j1 - j0, ws.kv_block);  // (fp16: only these widened)
       blk = end;
     }
   }
