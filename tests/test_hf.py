@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import onnx
 import pytest
 import torch
 
@@ -395,11 +396,13 @@ def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tok
     assert _genai_greedy(package, ids, 16) == want
 
 
-@pytest.mark.parametrize("isa", ["portable", "this-cpu", None])
-def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path, isa):
+@pytest.mark.parametrize(
+    ("isa", "kv"), [("portable", "fp32"), ("this-cpu", "fp32"), (None, "fp32"), ("this-cpu", "fp16"), (None, "fp16")]
+)
+def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path, isa, kv):
     """With sharp's kernel in the package — the baseline build, or with --genai-isa this-cpu the widest this CPU
     runs — and without (None: the cache form's fallback bodies), onnxruntime-genai's shared past/present buffers
-    give the model's own greedy tokens."""
+    give the model's own greedy tokens; also with the buffers in float16 (--kv-cache-dtype fp16)."""
     from sharp.plugins.onnxruntime import library_isa, library_path
 
     og = pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
@@ -415,7 +418,10 @@ def test_genai_package_of_a_sharplm_model_uses_the_byte_tokenizer(tmp_path, isa)
     save(model, tmp_path / "tiny.pt")
     package = tmp_path / "tiny-genai"
     flags = {"portable": [], "this-cpu": ["--genai-isa", "this-cpu"], None: ["--no-native"]}[isa]
+    flags += ["--kv-cache-dtype", kv]
     assert export_cli.main([str(tmp_path / "tiny.pt"), "--genai", "-o", str(package), *flags]) == 0
+    past = next(i for i in onnx.load(package / "model.onnx").graph.input if i.name.startswith("past_key_values."))
+    assert past.type.tensor_type.elem_type == {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16}[kv]
     config = json.loads((package / "genai_config.json").read_text())
     assert config["search"]["past_present_share_buffer"] is True
     shipped = config["model"]["decoder"]["session_options"].get("custom_ops_library")
