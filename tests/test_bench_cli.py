@@ -81,7 +81,8 @@ def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_t
     from sharp.benchmarks.serve import run as serve
 
     page = tmp_path / "results.md"
-    argv = ["--requests", "8", "--new-tokens", "6", "--concurrency", "1", "4", "--baseline-concurrency", "4"]
+    # 16 new tokens each: C=4 decodes ~4 rows a step, at least one more than C=1 (the host-time fit needs that)
+    argv = ["--requests", "8", "--new-tokens", "16", "--concurrency", "1", "4", "--baseline-concurrency", "4"]
     assert serve([*argv, "--repeats", "1", "--rate", "50", "--write", str(page)]) == 0
     text = page.read_text()
     assert "sharp-serve runs in its own process" in text

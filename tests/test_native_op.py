@@ -241,6 +241,41 @@ def test_decode_rows_of_a_gqa_group_over_many_key_blocks(library, norm):
         np.testing.assert_allclose(h_nat, h_ref, atol=2e-5, rtol=0, err_msg=f"lq={lq}")
 
 
+@pytest.mark.parametrize("norm", ["softmax", "ssa", "entmax"])
+def test_decode_with_a_head_dim_of_no_whole_packets(library, norm):
+    """D = 18, a head dim of no whole SIMD packet (SSE's 4, AVX2's 8, AVX-512's 16 floats): the decode path's
+    matrix-vector products on 18-float rows, against the oracle over two key blocks."""
+    g = torch.Generator().manual_seed(7)
+    x = inputs(lq=1, lk=700)
+    x["Q"] = (torch.randn(B, HQ, 1, 18, generator=g) * 2).numpy()
+    x["K"] = (torch.randn(B, HKV, 700, 18, generator=g) * 2).numpy()
+    x["V"] = torch.randn(B, HKV, 700, 18, generator=g).numpy()
+    o_ref, h_ref = torch_reference(registry.get(norm), x, True)
+    o, h = session(one_op_model(norm, True, None, scale=18**-0.5), library).run(None, x)
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(h, h_ref, atol=2e-5, rtol=0)
+
+
+def test_decode_of_every_stacked_row_count(library):
+    """1 to 8 stacked rows (one KV head per query head, 1 to 8 new queries): every row count of the decode path
+    (kSkinnyRows), against the oracle."""
+    for lq in range(1, 9):
+        g = torch.Generator().manual_seed(30 + lq)
+        x = {k: v for k, v in inputs(lq=lq, lk=600).items() if k in ("key_mask",)}
+        x |= {
+            "Q": (torch.randn(B, 2, lq, D, generator=g) * 2).numpy(),
+            "K": (torch.randn(B, 2, 600, D, generator=g) * 2).numpy(),
+            "V": torch.randn(B, 2, 600, D, generator=g).numpy(),
+            "alibi_slopes": np.array([0.5, 0.0], np.float32),
+            **{k: np.ones(2, np.float32) for k in ("alpha", "ssa_n", "ssa_b", "ssmax_s")},
+            "query_scale": np.ones((B, 2, lq), np.float32),
+        }
+        o_ref, h_ref = torch_reference(registry.get("softmax"), x, True)
+        o, h = session(one_op_model("softmax", True, None, q_heads=2, kv_heads=2), library).run(None, x)
+        np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=0, err_msg=f"lq={lq}")
+        np.testing.assert_allclose(h, h_ref, atol=2e-5, rtol=0, err_msg=f"lq={lq}")
+
+
 @pytest.mark.parametrize("norm", ["entmax", "asentmax"])
 def test_entmax_alpha_one_heads_are_softmax(library, norm):
     x = inputs(seed=1)
