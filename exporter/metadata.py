@@ -80,7 +80,8 @@ class ModelMetadata:
 
     @property
     def kv_dtype(self) -> str:
-        """The KV cache's element type, fp32 or fp16 (files from before it was a choice are fp32)."""
+        """The KV cache's element type: fp32 or fp16 in a file (files from before it was a choice are fp32); a torch
+        backend's --dtype."""
         return str(self.export.get("kv_dtype", "fp32"))
 
     @property

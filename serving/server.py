@@ -406,7 +406,7 @@ class SharpServer:
                 raise OSError(f"cannot serve metrics on {metrics_host}:{cfg.metrics_port}: {e.strerror}") from None
         spec = self.engine.spec
         # the ports are ours: starting
-        log.info("%s: %s weights; %s", spec.name, spec.precision, self.engine.attention)
+        log.info("%s: %s weights, %s KV cache; %s", spec.name, spec.precision, spec.kv_dtype, self.engine.attention)
         for name in ("", SERVICE):  # until the engine runs (and, with warm_up, has run the model's shapes)
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()

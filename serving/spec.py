@@ -32,6 +32,11 @@ class ModelSpec:
         return self.metadata.precision
 
     @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type as the file keeps it: fp32, or fp16 (`sharp-export --kv-cache-dtype`)."""
+        return self.metadata.kv_dtype
+
+    @property
     def tokenizer(self) -> Tokenizer:
         return self.metadata.tokenizer
 

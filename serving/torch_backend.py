@@ -50,7 +50,8 @@ class TorchBackend(Backend):
             self.attention = "attention: sharp's Triton kernels (paged decode, fused prefill)"
         else:
             self.attention = f"attention: torch reference, streamed from {STREAMED_FROM_KEYS} keys"
-        self.spec = ModelSpec(Path(path).stem, "torch", metadata.ModelMetadata.from_model(model, {"dtype": dtype}))
+        meta = metadata.ModelMetadata.from_model(model, {"dtype": dtype, "kv_dtype": dtype})  # pages in --dtype
+        self.spec = ModelSpec(Path(path).stem, "torch", meta)
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
         self.cache: PagedKVCache | None = None
 

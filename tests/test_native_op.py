@@ -445,6 +445,7 @@ def test_an_fp16_kv_cache_file_is_served(library, model_files, reference, tmp_pa
     assert _served_tokens(half, prompts, 24) == want
     assert _served_tokens(half, prompts, 24, native=False) == want
     assert 2 * load_backend(half).kv_bytes_per_token == load_backend(model_files["onnxruntime"]).kv_bytes_per_token
+    assert load_backend(half).spec.kv_dtype == "fp16"  # the start-up line's "fp16 KV cache"
 
 
 def test_adaptive_reads_the_threshold_attribute(library):

@@ -198,6 +198,7 @@ def test_triton_paged_kernels_in_the_engine(model_files, reference, dtype):
     assert be.cache is None and be.model.head.weight.dtype == be.dtype
     eng = Engine(be, EngineConfig(prefill_chunk=16))
     assert be.cache.keys[0].dtype == be.dtype and be.kv_bytes_per_token == be.spec.kv_bytes_per_token(be.dtype.itemsize)
+    assert be.spec.kv_dtype == be.spec.precision == dtype  # what the start-up line says
     prompts = {"a": ([256, *range(70, 90)], 6), "b": ([256, 3, 4], 6)}
     tokens, ends, _ = _collect(eng, prompts)
     _run(eng)

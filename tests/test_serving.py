@@ -781,7 +781,7 @@ def test_sharp_serve_logs_one_json_object_per_event_and_reports_its_attention(mo
     assert re.fullmatch(r"attention: the native sharp::SharpAttention kernel \(x86-64-v[234]\)", attention), attention
     first = lines[0]
     assert first["level"] == "info" and first["logger"] == "sharp.serving"
-    assert first["message"] == f"tiny: fp32 weights; {attention}"
+    assert first["message"] == f"tiny: fp32 weights, fp32 KV cache; {attention}"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
 
 
