@@ -10,8 +10,8 @@ exactly W keys, as any plain run feeds it, it computes what the Concat did.
 W is the same for every row — the running batch is left-padded and right-aligned, as before — and is read from the
 graph's own inputs: attention_mask's width (past + new) minus input_ids' (new).
 
-The cache may be kept in fp16 (`sharp-export --kv-cache fp16`): half the bytes a decode step reads, for keys rounded
-to fp16 once, when they are written.
+The cache may be kept in fp16 (`sharp-export --kv-cache-dtype fp16`): half the bytes a decode step reads, for keys
+rounded to fp16 once, when they are written.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def rewrite(proto: onnx.ModelProto) -> int:
     return count
 
 
-KV_DTYPES = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16}  # --kv-cache
+KV_DTYPES = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16}  # --kv-cache-dtype
 
 
 def store_as(proto: onnx.ModelProto, kv_dtype: str) -> None:

@@ -165,8 +165,8 @@ class GraphBackend(Backend):
     in_place = False
 
     def __init__(self) -> None:
-        self.kv_dtype = self.spec.metadata.kv_numpy_dtype  # the file's cache type (fp16: `--kv-cache-dtype fp16`)
-        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(np.dtype(self.kv_dtype).itemsize)
+        self._kv_array_type = self.spec.metadata.kv_numpy_dtype  # the file's cache type (spec.kv_dtype names it)
+        self.kv_bytes_per_token = self.spec.kv_bytes_per_token(np.dtype(self._kv_array_type).itemsize)
         self.budget_bytes = 0
         self._batch = self._new_batch()
         self._own: dict[Hashable, list[Cache]] = {}  # caches of sequences prefilling (or run alone)
@@ -194,7 +194,7 @@ class GraphBackend(Backend):
 
     def empty_past(self, batch: int) -> list[Cache]:
         s = self.spec
-        return [np.zeros((batch, s.kv_heads, 0, s.head_dim), self.kv_dtype) for _ in range(2 * s.layers)]
+        return [np.zeros((batch, s.kv_heads, 0, s.head_dim), self._kv_array_type) for _ in range(2 * s.layers)]
 
     def allocate(self, budget_bytes: int) -> int:
         if budget_bytes < self.kv_bytes_per_token:

@@ -500,6 +500,24 @@ def _cache_inputs(x: dict[str, np.ndarray], w: int, room: int, dtype=np.float32)
     return {**feed, **buffers, "past_length": np.array([w], np.int64)}
 
 
+def _run_in_place(sess, feed: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """O and entropy of a cache-form session run as sharp-serve runs it: each present bound to its past's own
+    memory (I/O binding), so the kernel writes into the caller's arrays."""
+    binding = sess.io_binding()
+    for name, value in feed.items():
+        if name not in ("past_key", "past_value"):
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("O")
+    binding.bind_output("entropy")
+    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
+        shared = ort.OrtValue.ortvalue_from_numpy(feed[past])
+        binding.bind_ortvalue_input(past, shared)
+        binding.bind_ortvalue_output(present, shared)
+    sess.run_with_iobinding(binding)
+    o, h = (v.numpy() for v in binding.get_outputs()[:2])  # in binding order
+    return o, h
+
+
 @pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)
 def test_cache_form_writes_in_place_and_attends_as_the_concat_did(library, norm):
     """The cache form equals the plain op over past + new keys, natively and through its fallback body; its
@@ -520,19 +538,7 @@ def test_cache_form_writes_in_place_and_attends_as_the_concat_did(library, norm)
     o, _, pk, _ = session(cache_form_model(norm.name, "dense"), None).run(None, room)
     np.testing.assert_allclose(o, refs[None][0], atol=2e-6, rtol=0)
     assert pk.shape[2] == LK + 9 and (pk[:, :, :LK] == x["K"]).all() and (pk[:, :, LK:] == 7.0).all()
-    sess = session(cache_form_model(norm.name, None), library)
-    binding = sess.io_binding()
-    for name, value in room.items():
-        if name not in ("past_key", "past_value"):
-            binding.bind_cpu_input(name, value)
-    binding.bind_output("O")
-    binding.bind_output("entropy")
-    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
-        shared = ort.OrtValue.ortvalue_from_numpy(room[past])
-        binding.bind_ortvalue_input(past, shared)
-        binding.bind_ortvalue_output(present, shared)
-    sess.run_with_iobinding(binding)
-    o, h = (v.numpy() for v in binding.get_outputs()[:2])  # in binding order
+    o, h = _run_in_place(session(cache_form_model(norm.name, None), library), room)
     np.testing.assert_allclose(o, refs[library][0], atol=2e-6, rtol=0)
     np.testing.assert_allclose(h, refs[library][1], atol=2e-6, rtol=0)
     for past, full in (("past_key", x["K"]), ("past_value", x["V"])):  # written in the caller's own array
@@ -574,20 +580,9 @@ def test_an_fp16_cache_attends_as_fp32_over_keys_rounded_to_fp16(library, norm, 
         np.testing.assert_array_equal(pk[:, :, :lk], x["K"].astype(np.float16))  # round to nearest even
         np.testing.assert_array_equal(pv[:, :, :lk], x["V"].astype(np.float16))
         assert (pk[:, :, lk:] == 7.0).all()
-    sess = session(cache_form_model(norm.name, None, TensorProto.FLOAT16), library)
-    binding = sess.io_binding()
-    for name, value in room.items():
-        if name not in ("past_key", "past_value"):
-            binding.bind_cpu_input(name, value)
-    binding.bind_output("O")
-    binding.bind_output("entropy")
     before = {past: room[past].copy() for past in ("past_key", "past_value")}
-    for past, present in (("past_key", "present_key"), ("past_value", "present_value")):
-        shared = ort.OrtValue.ortvalue_from_numpy(room[past])
-        binding.bind_ortvalue_input(past, shared)
-        binding.bind_ortvalue_output(present, shared)
-    sess.run_with_iobinding(binding)
-    np.testing.assert_allclose(binding.get_outputs()[0].numpy(), o_oracle, atol=2e-5, rtol=0)
+    o, _ = _run_in_place(session(cache_form_model(norm.name, None, TensorProto.FLOAT16), library), room)
+    np.testing.assert_allclose(o, o_oracle, atol=2e-5, rtol=0)
     for past, new in (("past_key", x["K"]), ("past_value", x["V"])):  # the new columns, in the caller's array
         np.testing.assert_array_equal(room[past][:, :, w:lk], new[:, :, w:].astype(np.float16))
         changed = room[past] != before[past]
