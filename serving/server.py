@@ -328,13 +328,46 @@ def _reflection_pool() -> descriptor_pool.DescriptorPool:
     return pool
 
 
+class _Noted:
+    """A Watch call's context that remembers the last status it wrote (drain waits for NOT_SERVING to be sent)."""
+
+    def __init__(self, context) -> None:
+        self._context, self.sent = context, None
+
+    async def write(self, message: health_pb2.HealthCheckResponse) -> None:
+        await self._context.write(message)
+        self.sent = message.status
+
+    def __getattr__(self, name: str):
+        return getattr(self._context, name)
+
+
 class Health(HealthServicer):
-    """grpcio-health-checking's servicer plus Health/List, which the library leaves unimplemented."""
+    """grpcio-health-checking's servicer plus Health/List, which the library leaves unimplemented, and drain's
+    wait for every open Watch to have been sent NOT_SERVING (stopping the server first would cancel the stream
+    before the status a load balancer or kubelet watches for)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.statuses = {"": health_pb2.HealthCheckResponse.SERVING}
         self.shutting_down = False
+        self._watches: set[_Noted] = set()
+
+    async def Watch(self, request, context) -> None:
+        noted = _Noted(context)
+        self._watches.add(noted)
+        try:
+            await super().Watch(request, noted)
+        finally:
+            self._watches.discard(noted)
+
+    async def told(self, timeout: float) -> None:
+        """Until every open Watch has been sent NOT_SERVING (or `timeout` seconds: a stalled client cannot hold
+        the drain)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        while any(w.sent != not_serving for w in self._watches) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:
         await super().set(service, status)
@@ -444,6 +477,7 @@ class SharpServer:
         """Health NOT_SERVING, new calls UNAVAILABLE, in-flight calls finish within drain_timeout, then stop."""
         self.engine.draining = True
         await self.health.enter_graceful_shutdown()
+        await self.health.told(timeout=min(1.0, self.config.drain_timeout))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.drain_timeout
         while (self.calls.inflight or not self.engine.idle()) and loop.time() < deadline:
