@@ -514,9 +514,9 @@ def _softmax_family_kernel(
 
 @triton.jit
 def _powers(d, inv, FAST: tl.constexpr):
-    """(d^inv, d^(inv−1), Σ-ready d^(inv−2)) for d ≥ 0, each 0 where d = 0. FAST = 2: inv = 2 (α = 1.5);
-    FAST = 1: inv = 1 (α = 2) — no exp/log on the fast paths; otherwise exp2/log2 on the MUFU (log2 at a floor
-    where d = 0, whose powers are selected to 0)."""
+    """Per-element terms of the threshold sums for d ≥ 0, each 0 where d = 0. FAST = 2: inv = 2 (α = 1.5); FAST =
+    1: inv = 1 (α = 2) — (d^inv, d^(inv−1), d^(inv−2)), no exp/log; otherwise one log2 and one exp2 on the MUFU
+    (log2 at a floor where d = 0, selected to 0), terms that _power_sums turns into those sums."""
     live = d > 0
     if FAST == 2:
         p0 = d * d
@@ -526,12 +526,26 @@ def _powers(d, inv, FAST: tl.constexpr):
         p0 = d
         p1 = tl.where(live, 1.0, 0.0)
         p2 = tl.zeros_like(d)
-    else:  # two powers on the MUFU, d^inv as a product (0 where d = 0, as p1 is)
+    else:  # one power on the MUFU, b = d^e, and its products b·d², b·d (see _power_sums). At d = 0 the floor keeps
+        # b finite, so the products are 0 without a select (b ≤ 1 where e ≥ 0; e > −1, so 2^(99.7·|e|) fits fp32); b is
+        # selected. (lg2 of d itself, and b selected first, saves the FMNMX but spills under Triton 3.6.)
         lg = _log2(tl.maximum(d, LOG_FLOOR))
-        p1 = tl.where(live, tl.math.exp2((inv - 1.0) * lg), 0.0)
+        b = tl.math.exp2(tl.where(inv >= 2.0, inv - 2.0, inv - 1.0) * lg)
+        p1 = b * d
         p0 = p1 * d
-        p2 = tl.where(live, tl.math.exp2((inv - 2.0) * lg), 0.0)
+        p2 = tl.where(live, b, 0.0)
     return p0, p1, p2
+
+
+@triton.jit
+def _power_sums(s0, s1, s2, inv, FAST: tl.constexpr):
+    """(Σ d^inv, Σ d^(inv−1), Σ d^(inv−2)) from the sums of _powers. The general path sums b·d², b·d and b for
+    b = d^e with e = inv − 2 where _refine reads S'' (Halley, inv ≥ 2) and e = inv − 1 below (Newton: the third
+    sum is a stand-in it does not read) — one exp2 per element instead of two."""
+    if FAST == 0:
+        halley = inv >= 2.0
+        s0, s1 = tl.where(halley, s0, s1), tl.where(halley, s1, s2)
+    return s0, s1, s2
 
 
 @triton.jit
@@ -599,9 +613,10 @@ def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _threshold_step(tau, lo, hi, s0, s1, s2, inv, tol, dead, passes, max_passes):
-    """One refinement of every row's τ after a sweep, and whether another sweep is needed (a row not converged,
-    fewer than max_passes sweeps so far)."""
+def _threshold_step(tau, lo, hi, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST: tl.constexpr):
+    """One refinement of every row's τ after a sweep over the sums of _powers, and whether another sweep is needed
+    (a row not converged, fewer than max_passes sweeps so far)."""
+    s0, s1, s2 = _power_sums(s0, s1, s2, inv, FAST)
     tau, lo, hi, conv = _refine(tau, lo, hi, s0, s1, s2, inv, tol)
     passes += 1
     todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
@@ -778,7 +793,9 @@ def _entmax_program(
         )  # fmt: skip
         if MMA_SUMS:
             s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.sum(s2, 1)
-        tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
+        tau, t_lo, t_hi, passes, todo = _threshold_step(
+            tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+        )
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
         umax, cnt, zero, zero, zero, sums, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
         offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=2, CAUSAL=CAUSAL,
@@ -896,7 +913,9 @@ def _entmax_threshold_kernel(
             a1 += p1
             a2 += p2
         s0, s1, s2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1)
-        tau, t_lo, t_hi, passes, todo = _threshold_step(tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes)
+        tau, t_lo, t_hi, passes, todo = _threshold_step(
+            tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+        )
     tl.store(UMAX_OUT + rows, shift, mask=keep)
     tl.store(TAU_OUT + rows, tau, mask=keep)
     if COUNT:
