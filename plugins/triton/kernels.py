@@ -26,6 +26,7 @@ NO_KEY = tl.constexpr(-3.0e38)
 SETTLED_STEP = tl.constexpr(1.0e-3)
 # Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
 LOG_FLOOR = tl.constexpr(1.0e-30)
+LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied to a log2 already taken
 # Columns of the row sums kept as partials (MMA_SUMS): the narrowest N of an MMA.
 PARTIALS = tl.constexpr(16)
 # Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
@@ -550,17 +551,15 @@ def _power_sums(s0, s1, s2, inv, FAST: tl.constexpr):
 
 @triton.jit
 def _weights(d, inv, FAST: tl.constexpr):
-    """w = d^inv and log w (0 where d = 0) for the output and its entropy (log2 on the MUFU)."""
-    live = d > 0
-    lg = _log2(tl.where(live, d, 1.0))
-    logw = (inv * LN2) * lg
-    if FAST == 2:
-        w = d * d
-    elif FAST == 1:
-        w = d
+    """w = d^inv and log w (finite where d = 0, whose w is 0) for the output and its entropy (log2 on the MUFU)."""
+    if FAST == 0:  # log2 0 = −inf: exp2 gives the weight 0 exactly (inv > 0), with no select
+        lg = _log2(d)
+        w = tl.math.exp2(inv * lg)
+        lg = tl.maximum(lg, LOG2_FLOOR)
     else:
-        w = tl.where(live, tl.math.exp2(inv * lg), 0.0)
-    return w, logw
+        lg = _log2(tl.where(d > 0, d, 1.0))
+        w = d * d if FAST == 2 else d
+    return w, (inv * LN2) * lg
 
 
 @triton.jit
@@ -672,13 +671,13 @@ def _entmax_tiles(
             if PASS == 1:
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST, MMA_SUMS)
             elif tl.max(tl.max(d, 1), 0) > 0:
-                lg = _log2(tl.maximum(d, LOG_FLOOR))  # finite where d = 0, whose weight is 0
-                if FAST == 2:
-                    w = d * d
-                elif FAST == 1:
-                    w = d
+                if FAST == 0:  # log2 0 = −inf: exp2 gives the weight 0 exactly (inv > 0), with no select
+                    lg = _log2(d)
+                    w = tl.math.exp2(inv * lg)
+                    lg = tl.maximum(lg, LOG2_FLOOR)
                 else:
-                    w = tl.where(d > 0, tl.math.exp2(inv * lg), 0.0)
+                    lg = _log2(tl.maximum(d, LOG_FLOOR))  # finite where d = 0, whose weight is 0
+                    w = d * d if FAST == 2 else d
                 if MMA_SUMS:  # Z as P·V sees w, on the tensor cores (Σ w log₂ d too would spill: a row sum)
                     zsum = tl.dot(w.to(E0.dtype), E0, zsum)
                 else:
