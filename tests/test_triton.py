@@ -627,22 +627,57 @@ def test_a_model_step_without_entropy_gives_the_same_logits(norm):
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("alpha", [1.25, 1.5])
+@pytest.mark.parametrize("alpha", [1.25, 1.5, 1.75])
 def test_threshold_search_settles_in_few_passes(alpha):
     """Far from the root the kernels step on S^(1/k) (near-linear in τ), near it on S − 1 with Halley's step, and a
     step small enough that its cubed error is below the tolerance needs no pass to confirm it: at most three threshold
     passes at α = 1.25 and four at 1.5 here (a pass more without the settling rule, five or six with Halley on S
-    alone), the reference's output all the same."""
+    alone), the reference's output all the same. At α = 1.75 (Newton's rows: S'' is not summed) the curvature from
+    the previous pass's S' gives the Halley step and the settling rule: six passes (seven with Newton's step)."""
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 256, 32, generator=g).to(DEVICE) for _ in range(3))
     p = _problem(q, k, v, norm="entmax", causal=True, alpha=alpha)
     stats = StreamStats()
     out, _ = run_problem(p, block_size=64, stats=stats)
     torch.testing.assert_close(out, attend(q, k, v, norm="entmax", causal=True, alpha=alpha), atol=ATOL, rtol=0)
-    assert stats.threshold_passes <= {1.25: 3, 1.5: 4}[alpha]
+    assert stats.threshold_passes <= {1.25: 3, 1.5: 4, 1.75: 6}[alpha]
     cfg = launch_config(p, block_size=64)  # every program's count is kept (sharp-bench kernels --static's mean)
     assert len(stats.program_threshold_passes) == 2 * -(-256 // cfg.block_m)
     assert max(stats.program_threshold_passes) == stats.threshold_passes
+
+
+def test_entmax_threshold_kernel_finds_tau_within_the_tolerance_in_few_passes():
+    """Split-K decode's threshold step over 4,096 logits per row at α = 1.75 and 1.6 (Newton's rows: S'' not summed):
+    τ within the tolerance of the float64 root (its settling rule trusts the curvature from the previous pass's S'
+    only when its error estimate is a quarter of the tolerance), in 23 passes over the four 16-row programs (27 with
+    Newton's step alone; 26 without the settling rule, 24 with it but Newton's step) — counted in the interpreter,
+    whose fp32 is NumPy's (a GPU's MUFU may round a pass apart)."""
+    from sharp.models.streamed import MAX_THRESHOLD_PASSES
+    from sharp.plugins.triton.attention import THRESHOLD_ROWS, THRESHOLD_TOL
+    from sharp.plugins.triton.kernels import _entmax_threshold_kernel
+
+    g = torch.Generator().manual_seed(3)
+    heads, per_head, keys = 2, 32, 4096
+    alpha = torch.tensor([1.75, 1.6])
+    u = ((alpha.repeat(per_head)[:, None] - 1.0) * torch.randn(heads * per_head, keys, generator=g)).to(DEVICE)
+    rows = u.shape[0]  # one query per sequence: row r is head r % 2
+    umax, tau = torch.empty(rows, device=DEVICE), torch.empty(rows, device=DEVICE)
+    programs = -(-rows // THRESHOLD_ROWS)
+    counts = torch.zeros(programs, dtype=torch.int32, device=DEVICE)
+    _entmax_threshold_kernel[(programs,)](
+        u, alpha.to(DEVICE), umax, tau, counts, heads, 1, keys, rows, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
+        FAST=0, COUNT=True, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=64,
+    )  # fmt: skip
+    x = u.double().cpu() - umax.double().cpu()[:, None]
+    k = (1.0 / (alpha.double() - 1.0)).repeat(per_head)[:, None]
+    lo, hi = torch.full((rows,), -1.0, dtype=torch.float64), torch.zeros(rows, dtype=torch.float64)
+    for _ in range(100):  # bisection on S(τ) = Σ [x − τ]_+^k = 1
+        mid = (lo + hi) / 2
+        above = ((x - mid[:, None]).clamp(min=0) ** k).sum(1) > 1
+        lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
+    assert (tau.double().cpu() - lo).abs().max() <= THRESHOLD_TOL
+    if DEVICE.type == "cpu":
+        assert counts.sum().item() <= 23, counts.tolist()
 
 
 HALF_TYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])  # no bf16 dot in the interpreter

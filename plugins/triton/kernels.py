@@ -563,10 +563,12 @@ def _weights(d, inv, FAST: tl.constexpr):
 
 
 @triton.jit
-def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
+def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
     """One safeguarded root step for S(τ) = Σ d^inv = 1 per row: the streamed oracle's `refine_threshold` (Halley
-    where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with two
-    additions that save passes — steps on S^(1/inv) while S > 1.25, and a settling rule (below)."""
+    where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with three
+    additions that save passes — steps on S^(1/inv) while S > 1.25, S'' from the previous pass's S' where it is not
+    summed, and a settling rule (below). (ptau, pfp): the previous pass's τ and S' (on the first, fp = 0 at τ).
+    Returns τ, the bracket, convergence and this pass's (τ, S')."""
     f = s0 - 1.0
     above = f > 0
     lo = tl.where(above, tau, lo)
@@ -585,6 +587,14 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
     h_newton = -hq / (r * s1)
     h_halley = -2.0 * hq * s1 / (2.0 * r * s1 * s1 - (r - 1.0) * (inv - 1.0) * (s0 * s2 - s1 * s1))
     step = tl.where(s0 > 1.25, tl.where(inv >= 2.0, h_halley, h_newton), step)
+    # Newton's rows with 1 < inv < 2 (S convex, S'' unbounded where a key enters, so not summed): near the root S''
+    # is taken from the change in S' since the previous pass (a secant), for a Halley step — and for the settling
+    # rule, whose error estimate is that curvature's: |S''/2S'|·step².
+    curv = (fp - pfp) / (tau - ptau)
+    sec = 2.0 * f * fp / (2.0 * fp * fp - f * curv)
+    newton_rows = (tl.zeros_like(tau) + inv > 1.0) & (tl.zeros_like(tau) + inv < 2.0)
+    secant = newton_rows & (s0 <= 1.25) & (curv >= 0.0) & (curv < float("inf")) & (tl.abs(sec) < float("inf"))
+    step = tl.where(secant, sec, step)
     cand = tau - step
     ok = (cand == cand) & (tl.abs(cand) < float("inf")) & (cand >= lo) & (cand <= hi)
     # α > 2 (inv < 1): Newton can cycle between the bracket's ends; a step across over half of it bisects instead
@@ -593,8 +603,9 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol):
     # A Halley step near the root (the exact f = S − 1 one, taken inside the bracket) leaves an error of the order of
     # the step cubed: a step below tol^(1/3) / 8 needs no pass to confirm it.
     settled = ok & (s0 <= 1.25) & (tl.zeros_like(tau) + inv >= 2.0) & (tl.abs(new - tau) <= SETTLED_STEP)
+    settled = settled | (ok & secant & (tl.abs(step) <= SETTLED_STEP) & (tl.abs(curv / fp) * step * step <= tol / 4))
     conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol) | settled
-    return new, lo, hi, conv
+    return new, lo, hi, conv, tau, fp
 
 
 @triton.jit
@@ -612,14 +623,14 @@ def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _threshold_step(tau, lo, hi, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST: tl.constexpr):
+def _threshold_step(tau, lo, hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST: tl.constexpr):
     """One refinement of every row's τ after a sweep over the sums of _powers, and whether another sweep is needed
-    (a row not converged, fewer than max_passes sweeps so far)."""
+    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine."""
     s0, s1, s2 = _power_sums(s0, s1, s2, inv, FAST)
-    tau, lo, hi, conv = _refine(tau, lo, hi, s0, s1, s2, inv, tol)
+    tau, lo, hi, conv, ptau, pfp = _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp)
     passes += 1
     todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
-    return tau, lo, hi, passes, todo
+    return tau, lo, hi, ptau, pfp, passes, todo
 
 
 @triton.jit
@@ -781,6 +792,7 @@ def _entmax_program(
             cnt = zero + LK
     shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
     tau = t_lo
+    ptau, pfp = tau, tau * 0.0
     passes = pid_m * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
@@ -792,8 +804,8 @@ def _entmax_program(
         )  # fmt: skip
         if MMA_SUMS:
             s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.sum(s2, 1)
-        tau, t_lo, t_hi, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+        tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
+            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
         )
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
         umax, cnt, zero, zero, zero, sums, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
@@ -896,6 +908,7 @@ def _entmax_threshold_kernel(
         cnt += tl.where(u > float("-inf"), 1.0, 0.0)
     shift, t_lo, t_hi, dead = _bracket(tl.max(umax, 1), tl.sum(cnt, 1), am1, keep)
     tau = t_lo
+    ptau, pfp = tau, tau * 0.0
     passes = pid * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
@@ -912,8 +925,8 @@ def _entmax_threshold_kernel(
             a1 += p1
             a2 += p2
         s0, s1, s2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1)
-        tau, t_lo, t_hi, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+        tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
+            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
         )
     tl.store(UMAX_OUT + rows, shift, mask=keep)
     tl.store(TAU_OUT + rows, tau, mask=keep)
