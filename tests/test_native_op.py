@@ -305,6 +305,25 @@ def test_one_and_many_threads_give_identical_results(library, norm):
         assert np.array_equal(a, b)
 
 
+def test_entmax_weights_from_exact_logits_match_the_float64_oracle(library):
+    """V = I makes the output the normalised entmax weights themselves, and small integer q, k with a scale of 1/16
+    make every logit exact in fp32: what is left is the threshold search's error (a loose settling rule there reads
+    ~7e-7) and the weights' own rounding (~1.5e-7). α = 1.75: Newton's rows with the secant curvature; 1.25: Halley
+    with the general power."""
+    keys = dim = 256
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-2, 3, (1, 2, keys, dim), generator=g).float()
+    k = torch.randint(-2, 3, (1, 1, keys, dim), generator=g).float()
+    v = torch.eye(keys).reshape(1, 1, keys, dim)
+    alpha = torch.tensor([1.75, 1.25])
+    model = one_op_model("entmax", True, None, inputs=("Q", "K", "V", "key_mask", "", "alpha"), q_heads=2,
+                         kv_heads=1, scale=dim**-0.5)  # fmt: skip
+    feed = {"Q": q.numpy(), "K": k.numpy(), "V": v.numpy(), "key_mask": np.ones((1, keys), bool)}
+    out, _ = session(model, library).run(None, feed | {"alpha": alpha.numpy()})
+    ref = attend(q.double(), k.double(), v.double(), norm="entmax", causal=True, alpha=alpha.double())
+    assert np.abs(out - ref.numpy()).max() <= 3e-7
+
+
 @pytest.mark.parametrize("norm", registry.NORMS)
 def test_edge_rows(library, norm):
     """All-masked rows give zeros; |z| = 1e4 stays finite and matches the reference; Lk = 0 gives zeros."""

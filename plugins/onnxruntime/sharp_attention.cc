@@ -60,6 +60,8 @@ constexpr int64_t kSkinnyRows = 8;       // at most this many stacked rows: bloc
 constexpr int64_t kKeysPerPass = 512;    // keys per block there (128 KiB of K at D = 64: stays in L2)
 constexpr int64_t kKeyBlock = 64;   // keys per P·V GEMM when entmax skips blocks without support
 constexpr int kMaxThresholdPasses = 100;
+constexpr double kFarFromRoot = 1.25;  // the threshold search steps on S^(1/k) above this S
+constexpr double kSettledStep = 1e-3;  // a Halley step this small needs no pass to confirm it
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using RowMajor = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -346,10 +348,59 @@ float adaptive_beta(const Attributes& a, float h) {
   return std::max(acc, 1.0f);
 }
 
+// One safeguarded step of the entmax threshold search for S(τ) = Σ [u − τ]_+^k = 1 (k = 1/(α−1)), given S, its
+// sums s1 = Σ d^(k−1), s2 = Σ d^(k−2) and the previous pass's (τ, S'); the Triton kernels' `_refine`
+// (docs/kernels.md): Halley where S'' is summed (k ≥ 2), Newton otherwise; on h = S^(1/k) − 1 while S > 1.25;
+// near the root for 1 < k < 2 a Halley step with S'' from the change in S' since the previous pass; bisection
+// when a step leaves the bracket (or, for k < 1, crosses over half of it). Returns whether τ has converged: a step
+// within 4 ulp, or a small Halley step whose error (cubed, or as the secant curvature estimates it) is below that.
+struct Threshold {
+  double k, lo, hi, tau, prev_tau, prev_fp = 0.0;
+
+  bool step(double s, double s1, double s2) {
+    const double eps4 = 4.0 * std::numeric_limits<float>::epsilon();
+    const double f = s - 1.0, fp = -k * s1;
+    if (f > 0) {
+      lo = tau;
+    } else {
+      hi = tau;
+    }
+    double dt;
+    bool settles = false;
+    if (s > kFarFromRoot) {
+      const double r = std::pow(s, 1.0 / k), hq = (r - 1.0) * s;
+      dt = k >= 2.0 ? -2.0 * hq * s1 / (2.0 * r * s1 * s1 - (r - 1.0) * (k - 1.0) * (s * s2 - s1 * s1))
+                    : -hq / (r * s1);
+    } else if (k >= 2.0) {
+      const double fpp = k * (k - 1.0) * s2;
+      dt = 2.0 * f * fp / (2.0 * fp * fp - f * fpp);
+      settles = std::abs(dt) <= kSettledStep;
+    } else {
+      dt = f / fp;
+      const double curv = (fp - prev_fp) / (tau - prev_tau);
+      if (k > 1.0 && curv >= 0.0 && std::isfinite(curv)) {
+        const double sec = 2.0 * f * fp / (2.0 * fp * fp - f * curv);
+        if (std::isfinite(sec)) {
+          dt = sec;
+          settles = std::abs(dt) <= kSettledStep && std::abs(curv / fp) * dt * dt <= eps4 / 4.0;
+        }
+      }
+    }
+    double next = tau - dt;
+    const bool cycling = k < 1.0 && std::abs(next - tau) > 0.5 * (hi - lo);
+    const bool ok = std::isfinite(next) && next >= lo && next <= hi && !cycling;
+    if (!ok) next = 0.5 * (lo + hi);
+    const bool done = std::abs(next - tau) <= eps4 || f == 0.0 || hi - lo <= eps4 || (ok && settles);
+    prev_tau = tau;
+    prev_fp = fp;
+    tau = next;
+    return done;
+  }
+};
+
 // α-entmax of row z[0, n) in place, α = 1 + am1: weights p = [u − τ]_+^{1/(α−1)} with u = (α−1) z, unnormalised;
-// returns Z = Σ p and writes the entropy log Z − Σ p log p / Z. τ by safeguarded Halley (α ≤ 1.5) or Newton steps
-// on S(τ) = Σ [u − τ]_+^{1/(α−1)} − 1 inside the bracket [−1, −n^{1−α}] (the row max shifted to 0), until the
-// step is below 4 ulp.
+// returns Z = Σ p and writes the entropy log Z − Σ p log p / Z. τ by `Threshold` inside the bracket
+// [−1, −n^{1−α}] (the row max shifted to 0).
 float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) {
   Row r(z, n);
   r *= am1;
@@ -376,13 +427,15 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
     visible_keys += z[j] > kNegInf;
     if (z[j] > -1.0f) cand[m++] = z[j];
   }
-  const Packet e0 = ei::pset1<Packet>(static_cast<float>(inv)), e1 = ei::pset1<Packet>(static_cast<float>(inv - 1.0)),
-               e2 = ei::pset1<Packet>(static_cast<float>(inv - 2.0));
-  const double eps4 = 4.0 * std::numeric_limits<float>::epsilon();
-  double lo = -1.0, hi = -std::pow(static_cast<double>(visible_keys), -static_cast<double>(am1));
-  double tau = lo;
+  const Packet e0 = ei::pset1<Packet>(static_cast<float>(inv));
+  // The general power's one exp: b = d^e, e = k − 2 where Halley reads S'' (k ≥ 2), else k − 1 (S'' unused); the
+  // sums are b·d², b·d, b (as the Triton kernels' `_powers`).
+  const bool halley = inv >= 2.0;
+  const Packet ep = ei::pset1<Packet>(static_cast<float>(halley ? inv - 2.0 : inv - 1.0));
+  const double hi0 = -std::pow(static_cast<double>(visible_keys), -static_cast<double>(am1));
+  Threshold th{inv, -1.0, hi0, -1.0, -1.0};
   for (int pass = 0; pass < kMaxThresholdPasses; ++pass) {
-    const Packet vt = ei::pset1<Packet>(static_cast<float>(tau));
+    const Packet vt = ei::pset1<Packet>(static_cast<float>(th.tau));
     Packet ps = zero, ps1 = zero, ps2 = zero;  // S + 1 and the sums of its derivatives (padding: d = 0)
     scan_row(cand, m, [&](Packet c) {
       const Packet d = ei::pmax(ei::psub(c, vt), zero), live = ei::pcmp_lt(zero, d);
@@ -393,37 +446,21 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
       } else if (inv == 1.0) {  // α = 2: d, 1 (Newton)
         ps = ei::padd(ps, d);
         ps1 = ei::padd(ps1, ei::pand(live, one));
-      } else if (ei::predux_any(live)) {  // d^inv, d^(inv−1) (and d^(inv−2) for Halley) from log d; never
-        const Packet ld = ei::plog(d);                // d^(inv−2) · d², which overflows
-        ps = ei::padd(ps, ei::pand(live, ei::pexp(ei::pmul(ld, e0))));
-        ps1 = ei::padd(ps1, ei::pand(live, ei::pexp(ei::pmul(ld, e1))));
-        if (inv >= 2.0) ps2 = ei::padd(ps2, ei::pand(live, ei::pexp(ei::pmul(ld, e2))));
+      } else if (ei::predux_any(live)) {  // b = d^e from log d, masked (d = 0: log d = −inf), then its products
+        const Packet b = ei::pand(live, ei::pexp(ei::pmul(ei::plog(d), ep))), bd = ei::pmul(b, d);
+        ps = ei::pmadd(bd, d, ps);
+        ps1 = ei::padd(ps1, bd);
+        ps2 = ei::padd(ps2, b);
       }
     });
-    const double s = ei::predux(ps), s1 = ei::predux(ps1), s2 = ei::predux(ps2);
-    const double f = s - 1.0;
-    if (f > 0) {
-      lo = tau;
-    } else {
-      hi = tau;
+    double s = ei::predux(ps), s1 = ei::predux(ps1), s2 = ei::predux(ps2);
+    if (inv != 2.0 && inv != 1.0 && !halley) {  // Newton's rows: b = d^(k−1), so S = Σ b·d and S' ∝ Σ b
+      s = s1;
+      s1 = s2;
     }
-    const double fp = -inv * s1;
-    double step;
-    if (inv >= 2.0) {
-      const double fpp = inv * (inv - 1.0) * s2;
-      step = 2.0 * f * fp / (2.0 * fp * fp - f * fpp);
-    } else {
-      step = f / fp;
-    }
-    double next = tau - step;
-    // α > 2 (inv < 1): S has infinite slope where a key enters the support and Newton can cycle between the
-    // bracket's ends, each step inside it; a step across more than half the bracket bisects instead.
-    const bool cycling = inv < 1.0 && std::abs(next - tau) > 0.5 * (hi - lo);
-    if (!std::isfinite(next) || next < lo || next > hi || cycling) next = 0.5 * (lo + hi);
-    const bool done = std::abs(next - tau) <= eps4 || f == 0.0 || hi - lo <= eps4;
-    tau = next;
-    if (done) break;
+    if (th.step(s, s1, s2)) break;
   }
+  const double tau = th.tau;
   // p = [u − τ]_+^inv (masked: −inf − τ clamps to 0), Z = Σ p and Σ p log p in one pass.
   const Packet vt = ei::pset1<Packet>(static_cast<float>(tau));
   Packet pz = zero, pl = zero;
@@ -431,11 +468,14 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
     const Packet d = ei::pmax(ei::psub(u, vt), zero), live = ei::pcmp_lt(zero, d);
     if (!ei::predux_any(live)) return zero;  // most of a sparse row: no transcendentals
     Packet w = d;
-    if (inv == 2.0) {
-      w = ei::pmul(d, d);
-    } else if (inv != 1.0) {
-      w = ei::pand(live, ei::pexp(ei::pmul(ei::plog(d), e0)));
+    if (inv != 2.0 && inv != 1.0) {  // log w = k·log d: one log and one exp per packet
+      const Packet lw = ei::pmul(ei::plog(d), e0);
+      w = ei::pand(live, ei::pexp(lw));
+      pz = ei::padd(pz, w);
+      pl = ei::padd(pl, ei::pand(live, ei::pmul(w, lw)));
+      return w;
     }
+    if (inv == 2.0) w = ei::pmul(d, d);
     pz = ei::padd(pz, w);
     pl = ei::padd(pl, ei::pand(ei::pcmp_lt(zero, w), ei::pmul(w, ei::plog(w))));
     return w;
