@@ -446,6 +446,10 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
       } else if (inv == 1.0) {  // α = 2: d, 1 (Newton)
         ps = ei::padd(ps, d);
         ps1 = ei::padd(ps1, ei::pand(live, one));
+      } else if (ei::predux_any(live) && inv < 1.0) {  // α > 2: d^k and d^(k−1) each from log d — S as
+        const Packet ld = ei::plog(d);                       // d^(k−1)·d moved τ across a near-tie (tested)
+        ps1 = ei::padd(ps1, ei::pand(live, ei::pexp(ei::pmul(ld, e0))));
+        ps2 = ei::padd(ps2, ei::pand(live, ei::pexp(ei::pmul(ld, ep))));
       } else if (ei::predux_any(live)) {  // b = d^e from log d, masked (d = 0: log d = −inf), then its products
         const Packet b = ei::pand(live, ei::pexp(ei::pmul(ei::plog(d), ep))), bd = ei::pmul(b, d);
         ps = ei::pmadd(bd, d, ps);
