@@ -364,9 +364,10 @@ class Health(HealthServicer):
     async def told(self, timeout: float) -> None:
         """Until every open Watch has been sent NOT_SERVING (or `timeout` seconds: a stalled client cannot hold
         the drain)."""
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        while any(w.sent != not_serving for w in self._watches) and asyncio.get_running_loop().time() < deadline:
+        while any(w.sent != not_serving for w in self._watches) and loop.time() < deadline:
             await asyncio.sleep(0.01)
 
     async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus) -> None:

@@ -355,7 +355,7 @@ float adaptive_beta(const Attributes& a, float h) {
 // when a step leaves the bracket (or, for k < 1, crosses over half of it). Returns whether τ has converged: a step
 // within 4 ulp, or a small Halley step whose error (cubed, or as the secant curvature estimates it) is below that.
 struct Threshold {
-  double k, lo, hi, tau, prev_tau, prev_fp = 0.0;
+  double k, lo, hi, tau, prev_tau, prev_fp = 0.0;  // prev_tau = tau before the first pass: no finite curvature
 
   bool step(double s, double s1, double s2) {
     const double eps4 = 4.0 * std::numeric_limits<float>::epsilon();
@@ -448,8 +448,8 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
         ps1 = ei::padd(ps1, ei::pand(live, one));
       } else if (ei::predux_any(live) && inv < 1.0) {  // α > 2: d^k and d^(k−1) each from log d — S as
         const Packet ld = ei::plog(d);                       // d^(k−1)·d moved τ across a near-tie (tested)
-        ps1 = ei::padd(ps1, ei::pand(live, ei::pexp(ei::pmul(ld, e0))));
-        ps2 = ei::padd(ps2, ei::pand(live, ei::pexp(ei::pmul(ld, ep))));
+        ps = ei::padd(ps, ei::pand(live, ei::pexp(ei::pmul(ld, e0))));
+        ps1 = ei::padd(ps1, ei::pand(live, ei::pexp(ei::pmul(ld, ep))));
       } else if (ei::predux_any(live)) {  // b = d^e from log d, masked (d = 0: log d = −inf), then its products
         const Packet b = ei::pand(live, ei::pexp(ei::pmul(ei::plog(d), ep))), bd = ei::pmul(b, d);
         ps = ei::pmadd(bd, d, ps);
@@ -458,7 +458,7 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
       }
     });
     double s = ei::predux(ps), s1 = ei::predux(ps1), s2 = ei::predux(ps2);
-    if (inv != 2.0 && inv != 1.0 && !halley) {  // Newton's rows: b = d^(k−1), so S = Σ b·d and S' ∝ Σ b
+    if (inv > 1.0 && !halley) {  // Newton's rows of the b path: b = d^(k−1), so S = Σ b·d and S' ∝ Σ b
       s = s1;
       s1 = s2;
     }

@@ -550,12 +550,18 @@ def _power_sums(s0, s1, s2, inv, FAST: tl.constexpr):
 
 
 @triton.jit
+def _general_weight(d, inv):
+    """w = d^inv for a general α and log2 d floored (w·log2 d is then 0 where d = 0): log2 0 = −inf, so exp2 gives
+    the weight 0 exactly (inv > 0), with no select."""
+    lg = _log2(d)
+    return tl.math.exp2(inv * lg), tl.maximum(lg, LOG2_FLOOR)
+
+
+@triton.jit
 def _weights(d, inv, FAST: tl.constexpr):
     """w = d^inv and log w (finite where d = 0, whose w is 0) for the output and its entropy (log2 on the MUFU)."""
-    if FAST == 0:  # log2 0 = −inf: exp2 gives the weight 0 exactly (inv > 0), with no select
-        lg = _log2(d)
-        w = tl.math.exp2(inv * lg)
-        lg = tl.maximum(lg, LOG2_FLOOR)
+    if FAST == 0:
+        w, lg = _general_weight(d, inv)
     else:
         lg = _log2(tl.where(d > 0, d, 1.0))
         w = d * d if FAST == 2 else d
@@ -682,10 +688,8 @@ def _entmax_tiles(
             if PASS == 1:
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST, MMA_SUMS)
             elif tl.max(tl.max(d, 1), 0) > 0:
-                if FAST == 0:  # log2 0 = −inf: exp2 gives the weight 0 exactly (inv > 0), with no select
-                    lg = _log2(d)
-                    w = tl.math.exp2(inv * lg)
-                    lg = tl.maximum(lg, LOG2_FLOOR)
+                if FAST == 0:
+                    w, lg = _general_weight(d, inv)
                 else:
                     lg = _log2(tl.maximum(d, LOG_FLOOR))  # finite where d = 0, whose weight is 0
                     w = d * d if FAST == 2 else d
