@@ -744,7 +744,8 @@ def _entmax_program(
     and the entropy; COUNT: also (threshold passes, skipped tiles) of the program. The max and threshold sweeps,
     which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
     loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
-    MMA_SUMS: their sums, and the output's Z, as (rows, 16) column partials (see _sweep_tiles)."""
+    MMA_SUMS (half-precision inputs, both forms): their sums, and the output's Z, as (rows, 16) column partials (see
+    _sweep_tiles)."""
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, 0, H, GROUP, LQ, LK, LK, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1040,7 +1041,7 @@ def _trt_entmax_kernel(
         Q, K, V, PARAMS + H, PARAMS, QSCALE, KMASK, OUT, ENT_OUT, OUT, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
         scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
-        CAUSAL, True, HAS_LAMBDA, True, DOT_F32, 0, False, False, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_D,
+        CAUSAL, True, HAS_LAMBDA, True, DOT_F32, 0, False, not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 
