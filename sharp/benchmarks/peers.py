@@ -11,7 +11,8 @@ here on Python's own sources), the same weights given to each peer as that peer'
   cache, through its OpenAI API;
 - onnxruntime-genai on its own model builder's export (`python -m onnxruntime_genai.models.builder`, fp32, its
   GroupQueryAttention with a shared past/present buffer) — an engine with no server, so it is driven in its own
-  process through its Python API (one Generator per request, C threads).
+  process through its Python API (one Generator per request, C threads; each request timed from the job's
+  arrival, as a server's from its request).
 Each request is a fresh prompt of random token ids (no prefix cache can help) and asks for --new-tokens greedy
 tokens; the head's EOS row is zero so greedy decoding never ends early on any peer. Measured at the client from the
 streamed tokens: time to first token (TTFT) and decode tokens/s after the first; for 8 concurrent requests, their
@@ -309,11 +310,11 @@ print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     out = [None] * len(job["prompts"])
+    t0 = time.perf_counter()  # every request's clock starts when the job arrives, as a server's at its request
     def go(i):
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=len(job["prompts"][i]) + job["n"], do_sample=False)
         g = og.Generator(model, params)
-        t0 = time.perf_counter()
         g.append_tokens(job["prompts"][i])
         g.generate_next_token()
         t1 = time.perf_counter()
