@@ -104,6 +104,15 @@ def test_key_loops_stay_within_what_ci_holds(which):
                 for norm in ("softmax", "ssmax", "ssa", "adaptive", "entmax α=1.5")}  # fmt: skip
     assert interior == {"softmax": [False], "ssmax": [False], "ssa": [False], "adaptive": [False, False],
                         "entmax α=1.5": [False, True, False]}, interior  # fmt: skip
+    # the general α's threshold sweep twice: select-free for a head whose power exponent is positive, and selecting
+    # (taken instead, not summed) for the others; split-K decode (rows of several heads) and TensorRT have one
+    kinds = [("prefill", "entmax per-head α"), ("prefill", "asentmax"), ("prefill", "entmax α=1.5"),
+             ("decode", "entmax (threshold)"), ("tensorrt", "entmax")]  # fmt: skip
+    repeated = {kind: [lp["selected"] for lp in rows[kind]["loops"] if lp["repeated"] and not lp["edge"]]
+                for kind in kinds}  # fmt: skip
+    assert repeated == {("prefill", "entmax per-head α"): [False, True], ("prefill", "asentmax"): [False, True],
+                        ("prefill", "entmax α=1.5"): [False], ("decode", "entmax (threshold)"): [False],
+                        ("tensorrt", "entmax"): [False]}, repeated  # fmt: skip
     sweeps = [lp["keys"] for lp in rows[("prefill", "entmax α=1.5")]["loops"] if not lp["edge"]]
     assert sweeps == [128, 128, 64], sweeps  # entmax's max and threshold sweeps walk twice the launch's keys
     edges = {norm: sum(lp["edge"] for lp in rows[("prefill", norm)]["loops"]) for norm in ("softmax", "adaptive")}

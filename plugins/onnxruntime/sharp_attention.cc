@@ -349,13 +349,15 @@ float adaptive_beta(const Attributes& a, float h) {
 }
 
 // One safeguarded step of the entmax threshold search for S(τ) = Σ [u − τ]_+^k = 1 (k = 1/(α−1)), given S, its
-// sums s1 = Σ d^(k−1), s2 = Σ d^(k−2) and the previous pass's (τ, S'); the Triton kernels' `_refine`
-// (docs/kernels.md): Halley where S'' is summed (k ≥ 2), Newton otherwise; on h = S^(1/k) − 1 while S > 1.25;
+// sums s1 = Σ d^(k−1), s2 = Σ d^(k−2) and the previous pass's (τ, S', S/S'); the Triton kernels' `_refine`
+// (docs/kernels.md): Halley where S'' is summed (k ≥ 2), Newton otherwise; on h = S^(1/k) − 1 while S > 1.25 (for
+// k < 2 the root of a power law A·(c − τ)^p through S and S', p fitted to this pass's and the previous pass's S/S');
 // near the root for 1 < k < 2 a Halley step with S'' from the change in S' since the previous pass; bisection
 // when a step leaves the bracket (or, for k < 1, crosses over half of it). Returns whether τ has converged: a step
 // within 4 ulp, or a small Halley step whose error (cubed, or as the secant curvature estimates it) is below that.
 struct Threshold {
-  double k, lo, hi, tau, prev_tau, prev_fp = 0.0;  // prev_tau = tau before the first pass: no finite curvature
+  double k, lo, hi, tau, prev_tau, prev_fp = 0.0, prev_ratio = 0.0;  // prev_tau = tau before the first pass: no
+                                                                      // finite curvature, no fitted exponent
 
   bool step(double s, double s1, double s2) {
     const double eps4 = 4.0 * std::numeric_limits<float>::epsilon();
@@ -368,9 +370,14 @@ struct Threshold {
     double dt;
     bool settles = false;
     if (s > kFarFromRoot) {
-      const double r = std::pow(s, 1.0 / k), hq = (r - 1.0) * s;
-      dt = k >= 2.0 ? -2.0 * hq * s1 / (2.0 * r * s1 * s1 - (r - 1.0) * (k - 1.0) * (s * s2 - s1 * s1))
-                    : -hq / (r * s1);
+      if (k >= 2.0) {
+        const double r = std::pow(s, 1.0 / k), hq = (r - 1.0) * s;
+        dt = -2.0 * hq * s1 / (2.0 * r * s1 * s1 - (r - 1.0) * (k - 1.0) * (s * s2 - s1 * s1));
+      } else {  // a power law's S/S' = −(c − τ)/p is linear in τ with slope 1/p; p = k is Newton's step on h
+        double p = (tau - prev_tau) / (s / fp - prev_ratio);
+        p = p > 0.0 && std::isfinite(p) ? std::clamp(p, k, 4.0 * k) : k;
+        dt = p * (s / fp) * (1.0 - std::pow(s, -1.0 / p));
+      }
     } else if (k >= 2.0) {
       const double fpp = k * (k - 1.0) * s2;
       dt = 2.0 * f * fp / (2.0 * fp * fp - f * fpp);
@@ -393,6 +400,7 @@ struct Threshold {
     const bool done = std::abs(next - tau) <= eps4 || f == 0.0 || hi - lo <= eps4 || (ok && settles);
     prev_tau = tau;
     prev_fp = fp;
+    prev_ratio = s / fp;
     tau = next;
     return done;
   }

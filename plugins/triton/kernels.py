@@ -27,6 +27,10 @@ SETTLED_STEP = tl.constexpr(1.0e-3)
 # Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
 LOG_FLOOR = tl.constexpr(1.0e-30)
 LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied to a log2 already taken
+# The general-α threshold sweep whose power b = d^e has e ≤ 0 (`_power_exponent`: a head with α = 1.5 among per-head
+# α, α ≥ 2, or rows of several heads): b is not 0 where d = 0, so it is formed at the log floor and selected. The
+# FAST value of that sweep; the kernels' FAST = 0 sweep needs e > 0.
+GENERAL_SELECTED = tl.constexpr(3)
 # Columns of the row sums kept as partials (MMA_SUMS): the narrowest N of an MMA.
 PARTIALS = tl.constexpr(16)
 # Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
@@ -514,27 +518,37 @@ def _softmax_family_kernel(
 
 
 @triton.jit
+def _power_exponent(inv):
+    """e of the general path's one power b = d^e: inv − 2 where _refine takes Halley's step and reads S'' (inv ≥ 2),
+    inv − 1 where it takes Newton's (the third sum is then a stand-in it does not read)."""
+    return tl.where(inv >= 2.0, inv - 2.0, inv - 1.0)
+
+
+@triton.jit
 def _powers(d, inv, FAST: tl.constexpr):
     """Per-element terms of the threshold sums for d ≥ 0, each 0 where d = 0. FAST = 2: inv = 2 (α = 1.5); FAST =
-    1: inv = 1 (α = 2) — (d^inv, d^(inv−1), d^(inv−2)), no exp/log; otherwise one log2 and one exp2 on the MUFU
-    (log2 at a floor where d = 0, selected to 0), terms that _power_sums turns into those sums."""
-    live = d > 0
+    1: inv = 1 (α = 2) — (d^inv, d^(inv−1), d^(inv−2)), no exp/log; otherwise one log2 and one exp2 on the MUFU,
+    b = d^e (`_power_exponent`) and its products b·d², b·d, which _power_sums turns into those sums."""
     if FAST == 2:
         p0 = d * d
         p1 = d
-        p2 = tl.where(live, 1.0, 0.0)
+        p2 = tl.where(d > 0, 1.0, 0.0)
     elif FAST == 1:  # α = 2 takes Newton's step: S'' is not needed
         p0 = d
-        p1 = tl.where(live, 1.0, 0.0)
+        p1 = tl.where(d > 0, 1.0, 0.0)
         p2 = tl.zeros_like(d)
-    else:  # one power on the MUFU, b = d^e, and its products b·d², b·d (see _power_sums). At d = 0 the floor keeps
-        # b finite, so the products are 0 without a select (b ≤ 1 where e ≥ 0; e > −1, so 2^(99.7·|e|) fits fp32); b is
-        # selected. (lg2 of d itself, and b selected first, saves the FMNMX but spills under Triton 3.6.)
-        lg = _log2(tl.maximum(d, LOG_FLOOR))
-        b = tl.math.exp2(tl.where(inv >= 2.0, inv - 2.0, inv - 1.0) * lg)
+    elif FAST == GENERAL_SELECTED:  # e ≤ 0 possible: at d = 0 the floor keeps b finite (b ≤ 1 where e ≥ 0; e > −1,
+        # so 2^(99.7·|e|) fits fp32), so the products are 0 without a select; b itself is selected
+        b = tl.math.exp2(_power_exponent(inv) * _log2(tl.maximum(d, LOG_FLOOR)))
         p1 = b * d
         p0 = p1 * d
-        p2 = tl.where(live, b, 0.0)
+        p2 = tl.where(d > 0, b, 0.0)
+    else:  # e > 0 (the program checked): log2 0 = −inf, so b = 2^(e·log2 d) is 0 exactly where d = 0 — no floor, no
+        # select
+        b = tl.math.exp2(_power_exponent(inv) * _log2(d))
+        p1 = b * d
+        p0 = p1 * d
+        p2 = b
     return p0, p1, p2
 
 
@@ -543,7 +557,7 @@ def _power_sums(s0, s1, s2, inv, FAST: tl.constexpr):
     """(Σ d^inv, Σ d^(inv−1), Σ d^(inv−2)) from the sums of _powers. The general path sums b·d², b·d and b for
     b = d^e with e = inv − 2 where _refine reads S'' (Halley, inv ≥ 2) and e = inv − 1 below (Newton: the third
     sum is a stand-in it does not read) — one exp2 per element instead of two."""
-    if FAST == 0:
+    if FAST == 0 or FAST == GENERAL_SELECTED:
         halley = inv >= 2.0
         s0, s1 = tl.where(halley, s0, s1), tl.where(halley, s1, s2)
     return s0, s1, s2
@@ -560,7 +574,7 @@ def _general_weight(d, inv):
 @triton.jit
 def _weights(d, inv, FAST: tl.constexpr):
     """w = d^inv and log w (finite where d = 0, whose w is 0) for the output and its entropy (log2 on the MUFU)."""
-    if FAST == 0:
+    if FAST == 0 or FAST == GENERAL_SELECTED:
         w, lg = _general_weight(d, inv)
     else:
         lg = _log2(tl.where(d > 0, d, 1.0))
@@ -569,12 +583,13 @@ def _weights(d, inv, FAST: tl.constexpr):
 
 
 @triton.jit
-def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
+def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, prat):
     """One safeguarded root step for S(τ) = Σ d^inv = 1 per row: the streamed oracle's `refine_threshold` (Halley
-    where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with three
-    additions that save passes — steps on S^(1/inv) while S > 1.25, S'' from the previous pass's S' where it is not
-    summed, and a settling rule (below). (ptau, pfp): the previous pass's τ and S' (on the first, fp = 0 at τ).
-    Returns τ, the bracket, convergence and this pass's (τ, S')."""
+    where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with four
+    additions that save passes — steps on S^(1/inv) while S > 1.25 (on a power law fitted to two passes where S''
+    is not summed), S'' from the previous pass's S' where it is not summed, and a settling rule (below). (ptau, pfp,
+    prat): the previous pass's τ, S' and S/S' (on the first, τ itself and 0). Returns τ, the bracket, convergence
+    and this pass's (τ, S', S/S')."""
     f = s0 - 1.0
     above = f > 0
     lo = tl.where(above, tau, lo)
@@ -590,9 +605,16 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
     # the root the exact f = S − 1 steps again, so convergence to a few ulp is unchanged.
     r = tl.exp2(tl.log2(tl.maximum(s0, 1.0)) / inv)  # S^(1/inv) ≥ 1
     hq = (r - 1.0) * s0  # h / (−h') · s1 = (r − 1)·S / r, times r
-    h_newton = -hq / (r * s1)
     h_halley = -2.0 * hq * s1 / (2.0 * r * s1 * s1 - (r - 1.0) * (inv - 1.0) * (s0 * s2 - s1 * s1))
-    step = tl.where(s0 > 1.25, tl.where(inv >= 2.0, h_halley, h_newton), step)
+    # Newton's step on h is the root of the power law S = A·(c − τ)^inv through S and S'. Where S'' is not summed,
+    # the exponent is fitted instead: a power law's S/S' = −(c − τ)/p is linear in τ with slope 1/p, so p is read
+    # from this pass's S/S' and the previous pass's (held to [inv, 4·inv]; inv on the first pass). Keys entering the
+    # support as τ falls make p exceed inv, so the fitted step lands closer (α = 1.75: 5.6 → 5.0 passes per program).
+    ratio = s0 / fp
+    p = (tau - ptau) / (ratio - prat)
+    p = tl.where((p > 0.0) & (p < float("inf")), tl.minimum(tl.maximum(p, inv), 4.0 * inv), inv)
+    h_power = (p * ratio) * (1.0 - tl.exp2(-tl.log2(tl.maximum(s0, 1.0)) / p))
+    step = tl.where(s0 > 1.25, tl.where(inv >= 2.0, h_halley, h_power), step)
     # Newton's rows with 1 < inv < 2 (S convex, S'' unbounded where a key enters, so not summed): near the root S''
     # is taken from the change in S' since the previous pass (a secant), for a Halley step — and for the settling
     # rule, whose error estimate is that curvature's: |S''/2S'|·step².
@@ -611,7 +633,7 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
     settled = ok & (s0 <= 1.25) & (tl.zeros_like(tau) + inv >= 2.0) & (tl.abs(new - tau) <= SETTLED_STEP)
     settled = settled | (ok & secant & (tl.abs(step) <= SETTLED_STEP) & (tl.abs(curv / fp) * step * step <= tol / 4))
     conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol) | settled
-    return new, lo, hi, conv, tau, fp
+    return new, lo, hi, conv, tau, fp, ratio
 
 
 @triton.jit
@@ -629,14 +651,16 @@ def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _threshold_step(tau, lo, hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST: tl.constexpr):
+def _threshold_step(
+    tau, lo, hi, ptau, pfp, prat, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST: tl.constexpr
+):  # fmt: skip
     """One refinement of every row's τ after a sweep over the sums of _powers, and whether another sweep is needed
-    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine."""
+    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp, prat): see _refine."""
     s0, s1, s2 = _power_sums(s0, s1, s2, inv, FAST)
-    tau, lo, hi, conv, ptau, pfp = _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp)
+    tau, lo, hi, conv, ptau, pfp, prat = _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, prat)
     passes += 1
     todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
-    return tau, lo, hi, ptau, pfp, passes, todo
+    return tau, lo, hi, ptau, pfp, prat, passes, todo
 
 
 @triton.jit
@@ -688,7 +712,7 @@ def _entmax_tiles(
             if PASS == 1:
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST, MMA_SUMS)
             elif tl.max(tl.max(d, 1), 0) > 0:
-                if FAST == 0:
+                if FAST == 0 or FAST == GENERAL_SELECTED:
                     w, lg = _general_weight(d, inv)
                 else:
                     lg = _log2(tl.maximum(d, LOG_FLOOR))  # finite where d = 0, whose weight is 0
@@ -797,20 +821,34 @@ def _entmax_program(
             cnt = zero + LK
     shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
     tau = t_lo
-    ptau, pfp = tau, tau * 0.0
+    ptau, pfp, prat = tau, tau * 0.0, tau * 0.0
+    # The general path's threshold sweep needs b = d^e with e > 0 (0 exactly where d = 0, no select); a head whose
+    # e ≤ 0 (α = 1.5 among per-head α, or α ≥ 2) walks its keys in the selecting sweep instead. The two run one after
+    # the other, each over an empty range where the other is taken (sequential loops share their shared-memory
+    # buffers; the arms of an `if` would not).
     passes = pid_m * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
+        selected = (FAST == 0) & (_power_exponent(inv) <= 0.0)
+        full_f, hi_f = tl.where(selected, lo, full_s), tl.where(selected, lo, hi)
+        full_g, hi_g = tl.where(selected, full_s, lo), tl.where(selected, hi, lo)
         _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
-            umax, cnt, sums, sums, sums, zero, zero, acc, skipped, lo, full_s, hi, qs, K, V, k_offs_s, v_offs, skn,
+            umax, cnt, sums, sums, sums, zero, zero, acc, skipped, lo, full_f, hi_f, qs, K, V, k_offs_s, v_offs, skn,
             svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1, CAUSAL=CAUSAL,
             HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
             BLOCK_N=SWEEP_N,
         )  # fmt: skip
+        if FAST == 0:  # the same sums where e ≤ 0 (an empty key range elsewhere)
+            _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
+                umax, cnt, s0, s1, s2, zero, zero, acc, skipped, lo, full_g, hi_g, qs, K, V, k_offs_s, v_offs, skn,
+                svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1, CAUSAL=CAUSAL,
+                HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=GENERAL_SELECTED, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
+                BLOCK_N=SWEEP_N,
+            )  # fmt: skip
         if MMA_SUMS:
             s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.sum(s2, 1)
-        tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+        tau, t_lo, t_hi, ptau, pfp, prat, passes, todo = _threshold_step(
+            tau, t_lo, t_hi, ptau, pfp, prat, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
         )
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
         umax, cnt, zero, zero, zero, sums, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
@@ -913,7 +951,7 @@ def _entmax_threshold_kernel(
         cnt += tl.where(u > float("-inf"), 1.0, 0.0)
     shift, t_lo, t_hi, dead = _bracket(tl.max(umax, 1), tl.sum(cnt, 1), am1, keep)
     tau = t_lo
-    ptau, pfp = tau, tau * 0.0
+    ptau, pfp, prat = tau, tau * 0.0, tau * 0.0
     passes = pid * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
@@ -925,13 +963,14 @@ def _entmax_threshold_kernel(
             u = tl.load(
                 U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
             )
-            p0, p1, p2 = _powers(tl.maximum((u - shift[:, None]) - tau[:, None], 0.0), inv[:, None], FAST)
+            d = tl.maximum((u - shift[:, None]) - tau[:, None], 0.0)  # rows of several heads: any e, selected
+            p0, p1, p2 = _powers(d, inv[:, None], GENERAL_SELECTED if FAST == 0 else FAST)
             a0 += p0
             a1 += p1
             a2 += p2
         s0, s1, s2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1)
-        tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+        tau, t_lo, t_hi, ptau, pfp, prat, passes, todo = _threshold_step(
+            tau, t_lo, t_hi, ptau, pfp, prat, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
         )
     tl.store(UMAX_OUT + rows, shift, mask=keep)
     tl.store(TAU_OUT + rows, tau, mask=keep)
@@ -1034,14 +1073,17 @@ def _trt_entmax_kernel(
     HAS_LAMBDA: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """entmax, asentmax (HAS_LAMBDA: λ from QSCALE) in TensorRT's argument order: one launch."""
+    """entmax, asentmax (HAS_LAMBDA: λ from QSCALE) in TensorRT's argument order: one launch. Every head's threshold
+    sweep selects its powers (GENERAL_SELECTED): a second, select-free sweep for the heads that allow it makes this
+    form's output loop spill."""
     sqb, sqh, sqm, sqd = _contiguous_strides(H, LQ, BLOCK_D)
     skb, skh, skn, skd = _contiguous_strides(H // GROUP, LK, BLOCK_D)
     _entmax_program(
         Q, K, V, PARAMS + H, PARAMS, QSCALE, KMASK, OUT, ENT_OUT, OUT, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
         scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
-        CAUSAL, True, HAS_LAMBDA, True, DOT_F32, 0, False, not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_D,
+        CAUSAL, True, HAS_LAMBDA, True, DOT_F32, GENERAL_SELECTED, False, not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_N,
+        BLOCK_D,
     )  # fmt: skip
 
 
