@@ -349,15 +349,15 @@ float adaptive_beta(const Attributes& a, float h) {
 }
 
 // One safeguarded step of the entmax threshold search for S(τ) = Σ [u − τ]_+^k = 1 (k = 1/(α−1)), given S, its
-// sums s1 = Σ d^(k−1), s2 = Σ d^(k−2) and the previous pass's (τ, S', S/S'); the Triton kernels' `_refine`
-// (docs/kernels.md): Halley where S'' is summed (k ≥ 2), Newton otherwise; on h = S^(1/k) − 1 while S > 1.25 (for
-// k < 2 the root of a power law A·(c − τ)^p through S and S', p fitted to this pass's and the previous pass's S/S');
+// sums s1 = Σ d^(k−1), s2 = Σ d^(k−2) (Halley's rows) or T = Σ d^(k+1) (Newton's; 0 where not summed) and the
+// previous pass's (τ, S'); the Triton kernels' `_refine` (docs/kernels.md): Halley where S'' is summed (k ≥ 2),
+// Newton otherwise; on h = S^(1/k) − 1 while S > 1.25 (for k < 2 the root of a power law A·(c − τ)^p through S and
+// S', p from T·S'/S² = −(k+1)·p/(p+1));
 // near the root for 1 < k < 2 a Halley step with S'' from the change in S' since the previous pass; bisection
 // when a step leaves the bracket (or, for k < 1, crosses over half of it). Returns whether τ has converged: a step
 // within 4 ulp, or a small Halley step whose error (cubed, or as the secant curvature estimates it) is below that.
 struct Threshold {
-  double k, lo, hi, tau, prev_tau, prev_fp = 0.0, prev_ratio = 0.0;  // prev_tau = tau before the first pass: no
-                                                                      // finite curvature, no fitted exponent
+  double k, lo, hi, tau, prev_tau, prev_fp = 0.0;  // prev_tau = tau before the first pass: no finite curvature
 
   bool step(double s, double s1, double s2) {
     const double eps4 = 4.0 * std::numeric_limits<float>::epsilon();
@@ -373,8 +373,9 @@ struct Threshold {
       if (k >= 2.0) {
         const double r = std::pow(s, 1.0 / k), hq = (r - 1.0) * s;
         dt = -2.0 * hq * s1 / (2.0 * r * s1 * s1 - (r - 1.0) * (k - 1.0) * (s * s2 - s1 * s1));
-      } else {  // a power law's S/S' = −(c − τ)/p is linear in τ with slope 1/p; p = k is Newton's step on h
-        double p = (tau - prev_tau) / (s / fp - prev_ratio);
+      } else {  // for a power law, T = (k+1)·∫S gives T·S'/S² = −(k+1)·p/(p+1); p = k is Newton's step on h
+        const double q = -s2 * fp / ((k + 1.0) * s * s);
+        double p = q / (1.0 - q);
         p = p > 0.0 && std::isfinite(p) ? std::clamp(p, k, 4.0 * k) : k;
         dt = p * (s / fp) * (1.0 - std::pow(s, -1.0 / p));
       }
@@ -400,7 +401,6 @@ struct Threshold {
     const bool done = std::abs(next - tau) <= eps4 || f == 0.0 || hi - lo <= eps4 || (ok && settles);
     prev_tau = tau;
     prev_fp = fp;
-    prev_ratio = s / fp;
     tau = next;
     return done;
   }
@@ -466,9 +466,9 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
       }
     });
     double s = ei::predux(ps), s1 = ei::predux(ps1), s2 = ei::predux(ps2);
-    if (inv > 1.0 && !halley) {  // Newton's rows of the b path: b = d^(k−1), so S = Σ b·d and S' ∝ Σ b
-      s = s1;
-      s1 = s2;
+    if (inv > 1.0 && !halley) {  // Newton's rows of the b path: b = d^(k−1), so S = Σ b·d, S' ∝ Σ b, T = Σ b·d²
+      std::swap(s, s1);
+      std::swap(s1, s2);
     }
     if (th.step(s, s1, s2)) break;
   }

@@ -134,7 +134,7 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
                     flags = {**prefill, "SSA": ssa, "LOGN": logn, "ADAPTIVE": adaptive}
                     out.append(Variant("softmax_family", dtype, d, flags))
                 # entmax / asentmax: max, threshold and output sweeps in one program (general α; no counters)
-                out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False}))
+                out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False, "ENTROPY": True}))
     return out
 
 
@@ -166,9 +166,10 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     out = [  # prefill: one launch finishes output and entropy (adaptive: both sweeps on chip), or output only
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
-    out += [
-        ("entmax", {**prefill, "FAST": 0, "COUNT": False}, one),
-        ("entmax", {**prefill, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True}, one),
+    out += [  # entmax prefill: with and without its entropy
+        ("entmax", {**prefill, "FAST": 0, "COUNT": False, "ENTROPY": True}, one),
+        ("entmax", {**prefill, "FAST": 0, "COUNT": False, "ENTROPY": False}, one),
+        ("entmax", {**prefill, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
     ]
     split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by the host
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]

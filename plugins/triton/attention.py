@@ -393,25 +393,26 @@ THRESHOLD_ROWS = 16  # rows per program of the split-K threshold kernel
 
 
 def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
-    """One launch with one key split (prefill); split-K decode is three launches (logits → τ per row on chip →
-    partial outputs) and device-side sums. Never a host synchronisation unless `stats` asks for the counts."""
+    """One launch with one key split (prefill; without `run.entropy` it forms no log w and returns no entropy);
+    split-K decode is three launches (logits → τ per row on chip → partial outputs) and device-side sums. Never a
+    host synchronisation unless `stats` asks for the counts."""
     p, cfg = run.p, run.cfg
     alpha = run.per_head(p.alpha)
     fast = _alpha_fast_path(p.alpha)
     count = stats is not None
     if cfg.splits == 1:
         out = torch.empty(run.bh, p.lq, cfg.block_d, dtype=p.q.dtype, device=p.q.device)
-        ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
+        ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device) if run.entropy else run.dummy
         counts = torch.zeros(run.bh, run.grid[0], 2, dtype=torch.int32, device=p.q.device) if count else run.dummy
         _entmax_kernel[run.grid[:2]](
             p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
             p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
-            FAST=fast, COUNT=count, **run.flags,
+            FAST=fast, COUNT=count, ENTROPY=run.entropy, **run.flags,
         )  # fmt: skip
         if count:
             per_program = counts[..., 0].flatten().tolist()
             _count(stats, p, cfg, per_program, int(counts[..., 1].sum()))
-        return out[..., : p.v.shape[-1]].float(), ent
+        return out[..., : p.v.shape[-1]].float(), ent if run.entropy else None
     u = torch.empty(run.bh, p.lq, p.lk, dtype=torch.float32, device=p.q.device)
     _entmax_logits_kernel[run.grid](
         p.q, p.k, alpha, run.slopes, run.lam, run.kmask, u, *run.qk_strides,
@@ -471,7 +472,8 @@ def run_problem(
 ) -> tuple[Tensor, Tensor | None]:
     """Output (B, Hq, Lq, Dv) fp32 and entropy (B, Hq, Lq) for a validated problem. `stats` (optional) collects
     the entmax kernels' pass and skip counters — reading them synchronises with the device. Without `entropy` the
-    one-launch softmax-family kernels skip its work (ENTROPY=False) and None may come back in its place."""
+    one-launch kernels (softmax family and entmax prefill) skip its work (ENTROPY=False) and None may come back in
+    its place."""
     if p.q.device.type != "cuda" and not interpreting():
         raise ValueError("impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 set before importing triton)")
     if p.v.shape[-1] != p.q.shape[-1]:

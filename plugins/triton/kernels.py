@@ -554,12 +554,13 @@ def _powers(d, inv, FAST: tl.constexpr):
 
 @triton.jit
 def _power_sums(s0, s1, s2, inv, FAST: tl.constexpr):
-    """(Σ d^inv, Σ d^(inv−1), Σ d^(inv−2)) from the sums of _powers. The general path sums b·d², b·d and b for
-    b = d^e with e = inv − 2 where _refine reads S'' (Halley, inv ≥ 2) and e = inv − 1 below (Newton: the third
-    sum is a stand-in it does not read) — one exp2 per element instead of two."""
+    """(Σ d^inv, Σ d^(inv−1), and Σ d^(inv−2) where _refine takes Halley's step, Σ d^(inv+1) where it takes
+    Newton's) from the sums of _powers. The general path sums b·d², b·d and b for b = d^e with e = inv − 2 where
+    _refine reads S'' (Halley, inv ≥ 2) and e = inv − 1 below (Newton, whose far steps read b·d² = d^(inv+1)) —
+    one exp2 per element instead of two. (α = 2's path sums no d^(inv+1): 0 in its place.)"""
     if FAST == 0 or FAST == GENERAL_SELECTED:
         halley = inv >= 2.0
-        s0, s1 = tl.where(halley, s0, s1), tl.where(halley, s1, s2)
+        s0, s1, s2 = tl.where(halley, s0, s1), tl.where(halley, s1, s2), tl.where(halley, s2, s0)
     return s0, s1, s2
 
 
@@ -583,13 +584,13 @@ def _weights(d, inv, FAST: tl.constexpr):
 
 
 @triton.jit
-def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, prat):
+def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
     """One safeguarded root step for S(τ) = Σ d^inv = 1 per row: the streamed oracle's `refine_threshold` (Halley
     where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with four
-    additions that save passes — steps on S^(1/inv) while S > 1.25 (on a power law fitted to two passes where S''
-    is not summed), S'' from the previous pass's S' where it is not summed, and a settling rule (below). (ptau, pfp,
-    prat): the previous pass's τ, S' and S/S' (on the first, τ itself and 0). Returns τ, the bracket, convergence
-    and this pass's (τ, S', S/S')."""
+    additions that save passes — steps on S^(1/inv) while S > 1.25 (on a power law fitted to S, S' and T =
+    Σ d^(inv+1) where S'' is not summed), S'' from the previous pass's S' where it is not summed, and a settling
+    rule (below). s2: Σ d^(inv−2) on Halley's rows, T on Newton's. (ptau, pfp): the previous pass's τ and S' (on
+    the first, fp = 0 at τ). Returns τ, the bracket, convergence and this pass's (τ, S')."""
     f = s0 - 1.0
     above = f > 0
     lo = tl.where(above, tau, lo)
@@ -607,13 +608,14 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, prat):
     hq = (r - 1.0) * s0  # h / (−h') · s1 = (r − 1)·S / r, times r
     h_halley = -2.0 * hq * s1 / (2.0 * r * s1 * s1 - (r - 1.0) * (inv - 1.0) * (s0 * s2 - s1 * s1))
     # Newton's step on h is the root of the power law S = A·(c − τ)^inv through S and S'. Where S'' is not summed,
-    # the exponent is fitted instead: a power law's S/S' = −(c − τ)/p is linear in τ with slope 1/p, so p is read
-    # from this pass's S/S' and the previous pass's (held to [inv, 4·inv]; inv on the first pass). Keys entering the
-    # support as τ falls make p exceed inv, so the fitted step lands closer (α = 1.75: 5.6 → 5.0 passes per program).
-    ratio = s0 / fp
-    p = (tau - ptau) / (ratio - prat)
+    # the exponent is fitted instead: for S = A·(c − τ)^p, T = Σ d^(inv+1) = (inv+1)·∫S is A·(c − τ)^(p+1)·(inv+1)
+    # / (p+1), so T·S'/S² = −(inv+1)·p/(p+1) gives p from this pass's sums (held to [inv, 4·inv]; inv where T is not
+    # summed). Keys entering the support as τ falls make p exceed inv, so the fitted step lands closer (α = 1.75:
+    # 5.6 → 4.4 passes per program).
+    q = -s2 * fp / ((inv + 1.0) * s0 * s0)
+    p = q / (1.0 - q)
     p = tl.where((p > 0.0) & (p < float("inf")), tl.minimum(tl.maximum(p, inv), 4.0 * inv), inv)
-    h_power = (p * ratio) * (1.0 - tl.exp2(-tl.log2(tl.maximum(s0, 1.0)) / p))
+    h_power = (p * (s0 / fp)) * (1.0 - tl.exp2(-tl.log2(tl.maximum(s0, 1.0)) / p))
     step = tl.where(s0 > 1.25, tl.where(inv >= 2.0, h_halley, h_power), step)
     # Newton's rows with 1 < inv < 2 (S convex, S'' unbounded where a key enters, so not summed): near the root S''
     # is taken from the change in S' since the previous pass (a secant), for a Halley step — and for the settling
@@ -633,7 +635,7 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, prat):
     settled = ok & (s0 <= 1.25) & (tl.zeros_like(tau) + inv >= 2.0) & (tl.abs(new - tau) <= SETTLED_STEP)
     settled = settled | (ok & secant & (tl.abs(step) <= SETTLED_STEP) & (tl.abs(curv / fp) * step * step <= tol / 4))
     conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol) | settled
-    return new, lo, hi, conv, tau, fp, ratio
+    return new, lo, hi, conv, tau, fp
 
 
 @triton.jit
@@ -651,16 +653,14 @@ def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _threshold_step(
-    tau, lo, hi, ptau, pfp, prat, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST: tl.constexpr
-):  # fmt: skip
+def _threshold_step(tau, lo, hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST: tl.constexpr):
     """One refinement of every row's τ after a sweep over the sums of _powers, and whether another sweep is needed
-    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp, prat): see _refine."""
+    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine."""
     s0, s1, s2 = _power_sums(s0, s1, s2, inv, FAST)
-    tau, lo, hi, conv, ptau, pfp, prat = _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, prat)
+    tau, lo, hi, conv, ptau, pfp = _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp)
     passes += 1
     todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
-    return tau, lo, hi, ptau, pfp, prat, passes, todo
+    return tau, lo, hi, ptau, pfp, passes, todo
 
 
 @triton.jit
@@ -680,12 +680,13 @@ def _entmax_tiles(
     LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
     PASS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_KMASK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One entmax pass over the key tiles of [start, end) with u = cf·t, t = q·k (cf = (α−1)·λ·scale ≥ 0 per row,
     its sign folded into q) or, with ALiBi, t = u = cf·q·k + (α−1)·λ·slope·(j − pos) formed in full. PASS 0: the
     row max of t (umax) and, with a key mask, the visible keys (cnt); 1: the threshold sums at τ (s0, s1, s2); 2:
-    the output sums (zsum, plogp, acc; a tile with no weight skips its V load and P·V). MASKED: the diagonal and
+    the output sums (zsum, plogp, acc; a tile with no weight skips its V load and P·V; plogp only with ENTROPY).
+    MASKED: the diagonal and
     the last tile (causally hidden and out-of-range keys); padding keys (HAS_KMASK) are tested on every tile."""
     K += start * skn
     V += start * svn
@@ -713,15 +714,17 @@ def _entmax_tiles(
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST, MMA_SUMS)
             elif tl.max(tl.max(d, 1), 0) > 0:
                 if FAST == 0 or FAST == GENERAL_SELECTED:
-                    w, lg = _general_weight(d, inv)
+                    w, lg = _general_weight(d, inv)  # lg, floored, only read for the entropy
                 else:
-                    lg = _log2(tl.maximum(d, LOG_FLOOR))  # finite where d = 0, whose weight is 0
                     w = d * d if FAST == 2 else d
+                    if ENTROPY:
+                        lg = _log2(tl.maximum(d, LOG_FLOOR))  # finite where d = 0, whose weight is 0
                 if MMA_SUMS:  # Z as P·V sees w, on the tensor cores (Σ w log₂ d too would spill: a row sum)
                     zsum = tl.dot(w.to(E0.dtype), E0, zsum)
                 else:
                     zsum += tl.sum(w, 1)
-                plogp += tl.sum(w * lg, 1)  # Σ w log₂ d: × inv·ln 2 once at the end
+                if ENTROPY:
+                    plogp += tl.sum(w * lg, 1)  # Σ w log₂ d: × inv·ln 2 once at the end
                 acc = _tile_pv(acc, w, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
             else:
                 skipped += 1
@@ -736,17 +739,20 @@ def _entmax_pass(
     qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
     PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KMASK: tl.constexpr,
     FAST: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ENTROPY: tl.constexpr = True,
 ):  # fmt: skip
     """One pass over the program's keys: the interior tiles [lo, full) without masks, then [full, hi) with them."""
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
         umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
         LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=False, CAUSAL=CAUSAL,
-        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_N=BLOCK_N,
+        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, ENTROPY=ENTROPY,
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
         umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, full, hi, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
         LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=True, CAUSAL=CAUSAL,
-        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_N=BLOCK_N,
+        HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, ENTROPY=ENTROPY,
+        BLOCK_N=BLOCK_N,
     )  # fmt: skip
     return umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped
 
@@ -759,13 +765,15 @@ def _entmax_program(
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, MMA_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWEEP_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    ENTROPY: tl.constexpr,
 ):  # fmt: skip
     """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep, safeguarded
     Halley/Newton threshold sweeps until every row has converged (at most max_passes; no host sync), and an output
     sweep that skips the V load and P·V of tiles with no support. u = (α−1)·z is formed as one per-row factor times
     q·k (its sign folded into the query) except with ALiBi; every sweep walks the interior tiles without masks.
     The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
-    and the entropy; COUNT: also (threshold passes, skipped tiles) of the program. The max and threshold sweeps,
+    and, with ENTROPY, the entropy (without it the output sweep forms no log w and no Σ w log w); COUNT: also
+    (threshold passes, skipped tiles) of the program. The max and threshold sweeps,
     which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
     loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
     MMA_SUMS (half-precision inputs, both forms): their sums, and the output's Z, as (rows, 16) column partials (see
@@ -821,7 +829,7 @@ def _entmax_program(
             cnt = zero + LK
     shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
     tau = t_lo
-    ptau, pfp, prat = tau, tau * 0.0, tau * 0.0
+    ptau, pfp = tau, tau * 0.0
     # The general path's threshold sweep needs b = d^e with e > 0 (0 exactly where d = 0, no select); a head whose
     # e ≤ 0 (α = 1.5 among per-head α, or α ≥ 2) walks its keys in the selecting sweep instead. The two run one after
     # the other, each over an empty range where the other is taken (sequential loops share their shared-memory
@@ -847,14 +855,14 @@ def _entmax_program(
             )  # fmt: skip
         if MMA_SUMS:
             s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.sum(s2, 1)
-        tau, t_lo, t_hi, ptau, pfp, prat, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, ptau, pfp, prat, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+        tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
+            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
         )
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
         umax, cnt, zero, zero, zero, sums, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
         offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=2, CAUSAL=CAUSAL,
         HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=BLOCK_N, ENTROPY=ENTROPY,
     )  # fmt: skip
     if MMA_SUMS:
         zsum = tl.sum(zsum, 1)
@@ -863,8 +871,9 @@ def _entmax_program(
     row = pid_bh * LQ + offs_m
     out = acc / safe[:, None]
     tl.store(OUT + row[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
-    plogp = plogp * (inv * LN2)
-    tl.store(ENT_OUT + row, tl.where(live, tl.log(safe) - plogp / safe, 0.0), mask=keep)
+    if ENTROPY:
+        plogp = plogp * (inv * LN2)
+        tl.store(ENT_OUT + row, tl.where(live, tl.log(safe) - plogp / safe, 0.0), mask=keep)
     if COUNT:
         slot = COUNTS + (pid_bh * tl.cdiv(LQ, BLOCK_M) + pid_m) * 2
         tl.store(slot, passes)
@@ -877,15 +886,16 @@ def _entmax_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, ENTROPY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`)."""
+    """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`);
+    without ENTROPY (a caller that does not ask for it) ENT_OUT is not written."""
     _entmax_program(
         Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
         CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, not DOT_F32, BLOCK_M, BLOCK_N,
-        min(2 * BLOCK_N, 128), BLOCK_D,
+        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY,
     )  # fmt: skip
 
 
@@ -951,7 +961,7 @@ def _entmax_threshold_kernel(
         cnt += tl.where(u > float("-inf"), 1.0, 0.0)
     shift, t_lo, t_hi, dead = _bracket(tl.max(umax, 1), tl.sum(cnt, 1), am1, keep)
     tau = t_lo
-    ptau, pfp, prat = tau, tau * 0.0, tau * 0.0
+    ptau, pfp = tau, tau * 0.0
     passes = pid * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
@@ -969,8 +979,8 @@ def _entmax_threshold_kernel(
             a1 += p1
             a2 += p2
         s0, s1, s2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1)
-        tau, t_lo, t_hi, ptau, pfp, prat, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, ptau, pfp, prat, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+        tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
+            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
         )
     tl.store(UMAX_OUT + rows, shift, mask=keep)
     tl.store(TAU_OUT + rows, tau, mask=keep)
@@ -1083,7 +1093,7 @@ def _trt_entmax_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
         scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
         CAUSAL, True, HAS_LAMBDA, True, DOT_F32, GENERAL_SELECTED, False, not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_N,
-        BLOCK_D,
+        BLOCK_D, True,
     )  # fmt: skip
 
 
