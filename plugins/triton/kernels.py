@@ -520,7 +520,7 @@ def _softmax_family_kernel(
 @triton.jit
 def _power_exponent(inv):
     """e of the general path's one power b = d^e: inv − 2 where _refine takes Halley's step and reads S'' (inv ≥ 2),
-    inv − 1 where it takes Newton's (the third sum is then a stand-in it does not read)."""
+    inv − 1 where it takes Newton's (whose far steps read the third sum, b·d² = d^(inv+1))."""
     return tl.where(inv >= 2.0, inv - 2.0, inv - 1.0)
 
 
@@ -686,8 +686,8 @@ def _entmax_tiles(
     its sign folded into q) or, with ALiBi, t = u = cf·q·k + (α−1)·λ·slope·(j − pos) formed in full. PASS 0: the
     row max of t (umax) and, with a key mask, the visible keys (cnt); 1: the threshold sums at τ (s0, s1, s2); 2:
     the output sums (zsum, plogp, acc; a tile with no weight skips its V load and P·V; plogp only with ENTROPY).
-    MASKED: the diagonal and
-    the last tile (causally hidden and out-of-range keys); padding keys (HAS_KMASK) are tested on every tile."""
+    MASKED: the diagonal and the last tile (causally hidden and out-of-range keys); padding keys (HAS_KMASK) are
+    tested on every tile."""
     K += start * skn
     V += start * svn
     for start_n in range(start, end, BLOCK_N):
@@ -834,12 +834,12 @@ def _entmax_program(
     # e ≤ 0 (α = 1.5 among per-head α, or α ≥ 2) walks its keys in the selecting sweep instead. The two run one after
     # the other, each over an empty range where the other is taken (sequential loops share their shared-memory
     # buffers; the arms of an `if` would not).
+    selected = (FAST == 0) & (_power_exponent(inv) <= 0.0)
+    full_f, hi_f = tl.where(selected, lo, full_s), tl.where(selected, lo, hi)
+    full_g, hi_g = tl.where(selected, full_s, lo), tl.where(selected, hi, lo)
     passes = pid_m * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
-        selected = (FAST == 0) & (_power_exponent(inv) <= 0.0)
-        full_f, hi_f = tl.where(selected, lo, full_s), tl.where(selected, lo, hi)
-        full_g, hi_g = tl.where(selected, full_s, lo), tl.where(selected, hi, lo)
         _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
             umax, cnt, sums, sums, sums, zero, zero, acc, skipped, lo, full_f, hi_f, qs, K, V, k_offs_s, v_offs, skn,
             svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1, CAUSAL=CAUSAL,

@@ -232,7 +232,7 @@ def analyse(e: Entry, arch: int = 90) -> Report:
         counts = lp.counts()
         loops.append(KeyLoop(site, len(lp.body) * per, {c: counts.get(c, 0) * per for c in sass.COLUMNS}, edge,
                              repeated, selected, lp.spills(), keys))  # fmt: skip
-    if not any(lp.repeated and not lp.selected for lp in loops):  # no sweep to take instead: every program's
+    if not any(lp.repeated and not lp.selected for lp in loops):  # no other sweep beside it: every program takes it
         for lp in loops:
             lp.selected = False
     return Report(e, usage.get("REG", 0), usage.get("STACK", 0), ck.metadata.shared, loops)
