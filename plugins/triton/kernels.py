@@ -518,6 +518,14 @@ def _softmax_family_kernel(
 
 
 @triton.jit
+def _support(x, tau):
+    """d = [x − τ]_+ for x = u − max u ≤ 0 and τ ≥ −1 (the bracket's low end), so d ≤ 1: written as a clamp to
+    [0, 1], which ptxas folds into the subtraction (FADD.SAT) — one instruction where max(·, 0) took two. (x may
+    pass 0 by an ulp where the row max was rounded apart; d then saturates an ulp early.)"""
+    return tl.minimum(tl.maximum(x - tau, 0.0), 1.0)
+
+
+@triton.jit
 def _power_exponent(inv):
     """e of the general path's one power b = d^e: inv − 2 where _refine takes Halley's step and reads S'' (inv ≥ 2),
     inv − 1 where it takes Newton's (whose far steps read the third sum, b·d² = d^(inv+1))."""
@@ -706,10 +714,10 @@ def _entmax_tiles(
         if PASS == 0:
             umax = tl.maximum(umax, tl.max(t, 1))
         else:
-            if HAS_ALIBI:
+            if HAS_ALIBI:  # always on in the TensorRT form, whose ASEntmax output loop spills with the saturating form
                 d = tl.maximum((t - shift[:, None]) - tau[:, None], 0.0)
             else:  # (u − max u) − τ: the sum would round τ to max u's ulp
-                d = tl.maximum((t * cf[:, None] - shift[:, None]) - tau[:, None], 0.0)
+                d = _support(t * cf[:, None] - shift[:, None], tau[:, None])
             if PASS == 1:
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST, MMA_SUMS)
             elif tl.max(tl.max(d, 1), 0) > 0:
@@ -973,7 +981,7 @@ def _entmax_threshold_kernel(
             u = tl.load(
                 U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
             )
-            d = tl.maximum((u - shift[:, None]) - tau[:, None], 0.0)  # rows of several heads: any e, selected
+            d = _support(u - shift[:, None], tau[:, None])  # rows of several heads: any e, selected
             p0, p1, p2 = _powers(d, inv[:, None], GENERAL_SELECTED if FAST == 0 else FAST)
             a0 += p0
             a1 += p1
@@ -1021,7 +1029,7 @@ def _entmax_output_kernel(
         u = tl.load(
             U + row[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
         )
-        d = tl.maximum((u - umax[:, None]) - tau[:, None], 0.0)
+        d = _support(u - umax[:, None], tau[:, None])
         if tl.max(tl.max(d, 1), 0) > 0:
             w, logw = _weights(d, inv, FAST)
             zsum += tl.sum(w, 1)

@@ -28,7 +28,15 @@ from sharp.plugins.triton.attention import (
     dot_f32,
     head_vector,
 )
-from sharp.plugins.triton.kernels import _entmax_threshold_kernel, _entropy, _online_step, _pv, _transform, _weights
+from sharp.plugins.triton.kernels import (
+    _entmax_threshold_kernel,
+    _entropy,
+    _online_step,
+    _pv,
+    _support,
+    _transform,
+    _weights,
+)
 
 
 @triton.jit
@@ -212,7 +220,7 @@ def _paged_entmax_output_kernel(
     for page in range(first, tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))):
         cols = page * PAGE + offs_n
         u = tl.load(U + row[:, None].to(tl.int64) * WIDTH + cols[None, :], mask=keep[:, None], other=-float("inf"))
-        d = tl.maximum((u - umax[:, None]) - tau[:, None], 0.0)
+        d = _support(u - umax[:, None], tau[:, None])
         if tl.max(tl.max(d, 1), 0) > 0:
             w, logw = _weights(d, inv[:, None], FAST)
             zsum += tl.sum(w, 1)
