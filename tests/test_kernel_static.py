@@ -113,8 +113,9 @@ def test_key_loops_stay_within_what_ci_holds(which):
     assert repeated == {("prefill", "entmax per-head α"): [False, True], ("prefill", "asentmax"): [False, True],
                         ("prefill", "entmax α=1.5"): [False], ("decode", "entmax (threshold)"): [False],
                         ("tensorrt", "entmax"): [False]}, repeated  # fmt: skip
-    for norm in ("entmax α=1.5", "entmax per-head α", "asentmax"):  # without entropy: no log w, no Σ w log w
-        assert rows[("prefill", norm + " (no entropy)")]["per_element"] < rows[("prefill", norm)]["per_element"] - 2
+    for norm in ("entmax α=1.5", "entmax per-head α", "asentmax"):  # without entropy: no floored log, no Σ w log w
+        saved = rows[("prefill", norm)]["per_element"] - rows[("prefill", norm + " (no entropy)")]["per_element"]
+        assert saved >= 2 - 1e-9, (norm, saved)
     sweeps = [lp["keys"] for lp in rows[("prefill", "entmax α=1.5")]["loops"] if not lp["edge"]]
     assert sweeps == [128, 128, 64], sweeps  # entmax's max and threshold sweeps walk twice the launch's keys
     edges = {norm: sum(lp["edge"] for lp in rows[("prefill", norm)]["loops"]) for norm in ("softmax", "adaptive")}

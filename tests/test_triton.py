@@ -18,6 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
 from devices import ATOL, ATOL_LOOSE, DEVICE, device_name, on_device
 from tritons import compile_env
 
@@ -26,6 +28,7 @@ from sharp.models.problem import build_problem
 from sharp.models.streamed import StreamStats
 from sharp.plugins.triton import attention
 from sharp.plugins.triton.attention import launch_config, run_problem
+from sharp.plugins.triton.kernels import PARTIALS, _shift_columns, _shift_rows
 
 host = importlib.import_module(
     "sharp.plugins.triton.attention"
@@ -41,6 +44,18 @@ def _qkv(b=1, hq=4, hkv=2, lq=21, lk=45, d=16, seed=0, dtype=torch.float32, devi
     v = torch.randn(b, hkv, lk, d, generator=g)
     qs = torch.rand(b, hq, lq, generator=g) + 0.5
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), qs.to(device)
+
+
+@triton.jit
+def _shift_probe(S, COLS, ROWS, DT: tl.constexpr):
+    """The shift columns of 16 row maxima and the key side's first 16 columns (transposed), as fp32."""
+    r = tl.arange(0, 16)
+    c = tl.arange(0, PARTIALS)
+    tl.store(COLS + r[:, None] * PARTIALS + c[None, :], _shift_columns(tl.load(S + r), DT).to(tl.float32))
+    tl.store(ROWS + r[:, None] * PARTIALS + c[None, :], tl.trans(_shift_rows(16, DT)).to(tl.float32))
+
+
+_TL_TYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def _problem(q, k, v, **kw):
@@ -403,7 +418,7 @@ def _launch_through_the_manifest(manifest: list[dict]) -> None:
         "softmax_family_fp16_d64_causal_entropy_finalize_logn_with_v": ("ssmax", dummy),
         "softmax_family_fp16_d64_causal_entropy_finalize_ssa_with_v": ("ssa", dummy),
         "softmax_family_fp16_d64_adaptive_causal_entropy_finalize_with_v": ("adaptive", dummy),
-        "entmax_fp16_d64_causal_entropy": ("entmax", dummy),
+        "entmax_fp16_d64_causal_entropy_exact_d": ("entmax", dummy),
     }
     entries = {m["variant"]: m for m in manifest}
     for variant, (norm, rowf) in cases.items():
@@ -675,6 +690,53 @@ def test_threshold_search_settles_in_few_passes(alpha):
     cfg = launch_config(p, block_size=64)  # every program's count is kept (sharp-bench kernels --static's mean)
     assert len(stats.program_threshold_passes) == 2 * -(-256 // cfg.block_m)
     assert max(stats.program_threshold_passes) == stats.threshold_passes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_entmax_output_skips_the_tiles_without_weight(dtype):
+    """The output sweep skips the V load and P·V of a tile whose weights are all 0, read from the tile's Z (its
+    (rows, 16) partials in half precision). Sharp rows (logits of standard deviation 16) leave most tiles of a causal
+    prefill without weight: the kernel's count lies between the visited tiles whose every key is clearly below τ and
+    those with no key clearly above it (by 1e-3, from float64), and is not 0."""
+    from sharp.models.normalizers import _bisect_threshold, _shifted_entmax_input
+
+    g = torch.Generator().manual_seed(11)
+    length, d = 1024, 16
+    q, k, v = (torch.randn(1, 2, length, d, generator=g) for _ in range(3))
+    q = q * 16.0
+    p = _problem(*(t.to(DEVICE, dtype) for t in (q, k, v)), norm="entmax", causal=True, alpha=1.25)
+    stats = StreamStats()
+    run_problem(p, block_size=64, stats=stats)
+    cfg = launch_config(p, block_size=64)
+    z = (p.q.double() @ p.k.double().transpose(-1, -2)) * d**-0.5
+    z = z.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    am1 = torch.tensor(0.25, dtype=torch.float64)
+    u, _ = _shifted_entmax_input(z, am1, -1)
+    gap = u - _bisect_threshold(u, am1, -1)  # > 0 on the support; hidden keys at −2 − τ < −1
+    clearly_dead = possibly_dead = 0
+    for qb in range(-(-length // cfg.block_m)):
+        rows = gap[..., qb * cfg.block_m : (qb + 1) * cfg.block_m, :]
+        for start in range(0, min((qb + 1) * cfg.block_m, length), cfg.block_n):  # the tiles the pass visits
+            top = rows[..., start : start + cfg.block_n].amax(dim=(-1, -2))
+            clearly_dead += int((top < -1e-3).sum())
+            possibly_dead += int((top < 1e-3).sum())
+    assert stats.tiles_skipped > 0 and clearly_dead <= stats.tiles_skipped <= possibly_dead, (
+        clearly_dead, stats.tiles_skipped, possibly_dead)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_shift_columns_hold_max_t_exactly(dtype):
+    """The threshold and output sweeps take t − max t from the tensor cores: Q·Kᵀ accumulated with the product of
+    the shift columns (−s in three parts of the inputs' type, `_shift_columns`) and their key-side rows of scales. The
+    parts hold fp32's 24 bits exactly, across the magnitudes a row max takes (fp16's parts scaled by 2^11, 1 and
+    2^-11: its range ends at 65504)."""
+    s = torch.tensor([0.0, 1.0, -1.0, 0.1, 3.14159265, -7.77e-3, 12345.678, -98765.43, 2.5e6, -1.25e8, 0.3333333,
+                      1e-2, 0.13, 4096.001, -65519.9, 8.0e7], dtype=torch.float32)  # fmt: skip
+    cols, rows = (torch.zeros(16, PARTIALS, dtype=torch.float32, device=DEVICE) for _ in range(2))
+    _shift_probe[(1,)](s.to(DEVICE), cols, rows, DT=_TL_TYPES[dtype])
+    total = (cols.double().cpu() * rows.double().cpu()[0]).sum(-1)  # every key's scales are alike (below)
+    assert torch.equal(total, -s.double()), total + s.double()
+    assert torch.equal(rows[1:], rows[:1].expand(15, -1)) and int((rows[0] != 0).sum()) == 3
 
 
 def test_entmax_threshold_kernel_finds_tau_within_the_tolerance_in_few_passes():

@@ -134,7 +134,8 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
                     flags = {**prefill, "SSA": ssa, "LOGN": logn, "ADAPTIVE": adaptive}
                     out.append(Variant("softmax_family", dtype, d, flags))
                 # entmax / asentmax: max, threshold and output sweeps in one program (general α; no counters)
-                out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False, "ENTROPY": True}))
+                out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False, "ENTROPY": True,
+                                                        "EXACT_D": True}))  # fmt: skip
     return out
 
 
@@ -166,10 +167,11 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     out = [  # prefill: one launch finishes output and entropy (adaptive: both sweeps on chip), or output only
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
+    exact = {**prefill, "EXACT_D": True}  # a head dim that fills its block (D = BLOCK_D)
     out += [  # entmax prefill: with and without its entropy
-        ("entmax", {**prefill, "FAST": 0, "COUNT": False, "ENTROPY": True}, one),
-        ("entmax", {**prefill, "FAST": 0, "COUNT": False, "ENTROPY": False}, one),
-        ("entmax", {**prefill, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
+        ("entmax", {**exact, "FAST": 0, "COUNT": False, "ENTROPY": True}, one),
+        ("entmax", {**exact, "FAST": 0, "COUNT": False, "ENTROPY": False}, one),
+        ("entmax", {**exact, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
     ]
     split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by the host
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]

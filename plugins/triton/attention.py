@@ -407,7 +407,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
         _entmax_kernel[run.grid[:2]](
             p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
             p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
-            FAST=fast, COUNT=count, ENTROPY=run.entropy, **run.flags,
+            FAST=fast, COUNT=count, ENTROPY=run.entropy, EXACT_D=p.q.shape[-1] == cfg.block_d, **run.flags,
         )  # fmt: skip
         if count:
             per_program = counts[..., 0].flatten().tolist()

@@ -211,6 +211,14 @@ def _tile_qk(q, k_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32: tl.c
 
 
 @triton.jit
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    """acc + a·b on the tensor cores (in full fp32 where DOT_F32)."""
+    if DOT_F32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _tile_pv(acc, p, v_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32: tl.constexpr):
     """acc + p·v of one key tile, accumulated by the tensor cores; only an edge tile masks keys ≥ Lk."""
     if MASKED:
@@ -238,6 +246,45 @@ def _unit_column(BLOCK_N: tl.constexpr, dtype: tl.constexpr):
     dtype (as W·V sees it), in column 0."""
     e0 = tl.where(tl.arange(0, PARTIALS) == 0, 1.0, 0.0)[None, :]
     return e0.broadcast_to([BLOCK_N, PARTIALS]).to(dtype)
+
+
+# The shift columns' scales (`_shift_columns`): fp16's range ends at 65504, so its parts are taken at 2^11, 1 and
+# 2^-11 (|max q·k| up to 1.3e8); bfloat16 and fp32 share fp32's range and take all three at 1.
+SHIFT_SCALE_F16 = tl.constexpr(2048.0)
+
+
+@triton.jit
+def _shift_scale(dtype: tl.constexpr):
+    if dtype == tl.float16:
+        return SHIFT_SCALE_F16
+    return 1.0
+
+
+@triton.jit
+def _shift_columns(s, dtype: tl.constexpr):
+    """(rows, PARTIALS) query-side columns whose product with `_shift_rows` is −s per row: s split into three parts
+    of `dtype` (s = a·M + b + c/M, M from `_shift_scale`; exact for fp32's 24 bits), so that a tile's Q·Kᵀ and this
+    product, accumulated together by the tensor cores, give t − s (t − max t) in fp32 without a subtraction per
+    element."""
+    m = _shift_scale(dtype)
+    a = (s / m).to(dtype)
+    r = s - a.to(tl.float32) * m
+    b = r.to(dtype)
+    c = ((r - b.to(tl.float32)) * m).to(dtype)
+    col = tl.arange(0, PARTIALS)[None, :]
+    cols = tl.where(col == 0, -a.to(tl.float32)[:, None], 0.0)
+    cols = tl.where(col == 1, -b.to(tl.float32)[:, None], cols)
+    cols = tl.where(col == 2, -c.to(tl.float32)[:, None], cols)
+    return cols.to(dtype)
+
+
+@triton.jit
+def _shift_rows(BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """The key side of `_shift_columns`: (PARTIALS, BLOCK_N) rows of M, 1 and 1/M over zeros (a constant)."""
+    m = _shift_scale(dtype)
+    row = tl.arange(0, PARTIALS)[:, None]
+    rows = tl.where(row == 0, m, tl.where(row == 1, 1.0, tl.where(row == 2, 1.0 / m, 0.0)))
+    return rows.broadcast_to([PARTIALS, BLOCK_N]).to(dtype)
 
 
 @triton.jit
@@ -592,6 +639,28 @@ def _weights(d, inv, FAST: tl.constexpr):
 
 
 @triton.jit
+def _output_weights(d, inv, FAST: tl.constexpr, ENTROPY: tl.constexpr):
+    """The output sweep's w = d^inv and log2 d, floored where d = 0 (only read with ENTROPY)."""
+    if FAST == 0 or FAST == GENERAL_SELECTED:
+        w, lg = _general_weight(d, inv)
+    else:
+        w = d * d if FAST == 2 else d
+        lg = _log2(tl.maximum(d, LOG_FLOOR)) if ENTROPY else d  # finite where d = 0, whose weight is 0
+    return w, lg
+
+
+@triton.jit
+def _tile_z(w, E0, MMA_SUMS: tl.constexpr):
+    """A tile's Σ w per row: MMA_SUMS, as (rows, 16) column partials formed by the tensor cores from w as P·V sees it
+    (rounded to E0's type)."""
+    if MMA_SUMS:
+        z = tl.dot(w.to(E0.dtype), E0)
+    else:
+        z = tl.sum(w, 1)
+    return z
+
+
+@triton.jit
 def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
     """One safeguarded root step for S(τ) = Σ d^inv = 1 per row: the streamed oracle's `refine_threshold` (Halley
     where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with four
@@ -684,8 +753,8 @@ def _bracket(umax, cnt, am1, keep):
 
 @triton.jit
 def _entmax_tiles(
-    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, start, end, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
-    LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
+    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, start, end, q, qx, kx, K, V, k_offs, v_offs, skn, svn, cols0,
+    qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
     PASS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_KMASK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr,
     ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -703,6 +772,8 @@ def _entmax_tiles(
         t = _tile_qk(q, K + k_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
         if HAS_ALIBI:
             t = t * cf[:, None] + (ca[:, None] * cols.to(tl.float32)[None, :] - ca_pos[:, None])
+        elif PASS != 0:  # t − max t, the row's shift accumulated with Q·Kᵀ by the tensor cores
+            t = _dot(qx, kx, t, DOT_F32)
         if MASKED or HAS_KMASK:
             if MASKED:
                 visible = _visible(cols, qpos, LK, KMASK, CAUSAL=CAUSAL, HAS_KMASK=HAS_KMASK)
@@ -716,26 +787,31 @@ def _entmax_tiles(
         else:
             if HAS_ALIBI:  # always on in the TensorRT form, whose ASEntmax output loop spills with the saturating form
                 d = tl.maximum((t - shift[:, None]) - tau[:, None], 0.0)
-            else:  # (u − max u) − τ: the sum would round τ to max u's ulp
-                d = _support(t * cf[:, None] - shift[:, None], tau[:, None])
+            else:  # cf·(t − max t) − τ in one FFMA.SAT: τ is not rounded to max u's ulp
+                d = _support(t * cf[:, None], tau[:, None])
             if PASS == 1:
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST, MMA_SUMS)
-            elif tl.max(tl.max(d, 1), 0) > 0:
-                if FAST == 0 or FAST == GENERAL_SELECTED:
-                    w, lg = _general_weight(d, inv)  # lg, floored, only read for the entropy
-                else:
-                    w = d * d if FAST == 2 else d
-                    if ENTROPY:
-                        lg = _log2(tl.maximum(d, LOG_FLOOR))  # finite where d = 0, whose weight is 0
-                if MMA_SUMS:  # Z as P·V sees w, on the tensor cores (Σ w log₂ d too would spill: a row sum)
-                    zsum = tl.dot(w.to(E0.dtype), E0, zsum)
-                else:
-                    zsum += tl.sum(w, 1)
-                if ENTROPY:
-                    plogp += tl.sum(w * lg, 1)  # Σ w log₂ d: × inv·ln 2 once at the end
-                acc = _tile_pv(acc, w, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
             else:
-                skipped += 1
+                # A tile whose weights are all 0 skips its V load and P·V. On interior tiles the test reads the tile's
+                # Z — formed on the tensor cores as P·V sees w (`_tile_z`) — from (rows, 16) partials, where one on d
+                # took a reduction per element. The edge tiles and the TensorRT form (ALiBi on) test d before forming
+                # w: with w formed first, their loops spill (the edge's under Triton 3.9, TensorRT's under 3.6).
+                if MASKED or HAS_ALIBI:
+                    live = tl.max(tl.max(d, 1), 0) > 0
+                else:
+                    w, lg = _output_weights(d, inv, FAST, ENTROPY)
+                    zt = _tile_z(w, E0, MMA_SUMS)
+                    live = tl.max(zt) > 0
+                if live:
+                    if MASKED or HAS_ALIBI:
+                        w, lg = _output_weights(d, inv, FAST, ENTROPY)
+                        zt = _tile_z(w, E0, MMA_SUMS)
+                    zsum += zt
+                    if ENTROPY:  # Σ w log₂ d (× inv·ln 2 once at the end); MMA_SUMS: into column partials
+                        plogp = _fold_sum(plogp, w * lg) if MMA_SUMS else plogp + tl.sum(w * lg, 1)
+                    acc = _tile_pv(acc, w, V + v_offs, cols, LK, D, offs_d, MASKED=MASKED, DOT_F32=DOT_F32)
+                else:
+                    skipped += 1
         K += BLOCK_N * skn
         V += BLOCK_N * svn
     return umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped
@@ -743,7 +819,8 @@ def _entmax_tiles(
 
 @triton.jit
 def _entmax_pass(
-    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, hi, q, K, V, k_offs, v_offs, skn, svn, cols0,
+    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, hi, q, qx, kx, K, V, k_offs, v_offs, skn, svn,
+    cols0,
     qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
     PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KMASK: tl.constexpr,
     FAST: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -751,14 +828,14 @@ def _entmax_pass(
 ):  # fmt: skip
     """One pass over the program's keys: the interior tiles [lo, full) without masks, then [full, hi) with them."""
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
-        umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
-        LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=False, CAUSAL=CAUSAL,
+        umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, q, qx, kx, K, V, k_offs, v_offs, skn, svn, cols0,
+        qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=False, CAUSAL=CAUSAL,
         HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, ENTROPY=ENTROPY,
         BLOCK_N=BLOCK_N,
     )  # fmt: skip
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
-        umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, full, hi, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos,
-        LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=True, CAUSAL=CAUSAL,
+        umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, full, hi, q, qx, kx, K, V, k_offs, v_offs, skn, svn, cols0,
+        qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=True, CAUSAL=CAUSAL,
         HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, ENTROPY=ENTROPY,
         BLOCK_N=BLOCK_N,
     )  # fmt: skip
@@ -823,13 +900,17 @@ def _entmax_program(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     skipped = pid_m * 0
     umax, cnt, _, _, _, _, _, _, _ = _entmax_pass(
-        zero - float("inf"), zero, zero, zero, zero, zero, zero, acc, skipped, lo, full_s, hi, qs, K, V, k_offs_s,
-        v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, zero, zero, inv, E0, PASS=0,
+        zero - float("inf"), zero, zero, zero, zero, zero, zero, acc, skipped, lo, full_s, hi, qs, qs, qs, K, V,
+        k_offs_s, v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, zero, zero, inv, E0, PASS=0,
         CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
         BLOCK_N=SWEEP_N,
     )  # fmt: skip
     if not HAS_ALIBI:
+        qx = _shift_columns(tl.where(umax == float("-inf"), 0.0, umax), qs.dtype)  # max t: see _entmax_tiles
+        kx_s, kx = _shift_rows(SWEEP_N, qs.dtype), _shift_rows(BLOCK_N, qs.dtype)
         umax = umax * cf  # the max of c·t is c times the max of t: c ≥ 0
+    else:
+        qx, kx_s, kx = qs, qs, qs
     if not HAS_KMASK:  # every key up to the causal limit (or Lk) is visible
         if CAUSAL:
             cnt = tl.minimum(tl.maximum(qpos + 1, 0), LK).to(tl.float32)
@@ -849,15 +930,17 @@ def _entmax_program(
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
         _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
-            umax, cnt, sums, sums, sums, zero, zero, acc, skipped, lo, full_f, hi_f, qs, K, V, k_offs_s, v_offs, skn,
-            svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1, CAUSAL=CAUSAL,
+            umax, cnt, sums, sums, sums, zero, zero, acc, skipped, lo, full_f, hi_f, qs, qx, kx_s, K, V, k_offs_s,
+            v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
+            CAUSAL=CAUSAL,
             HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
             BLOCK_N=SWEEP_N,
         )  # fmt: skip
         if FAST == 0:  # the same sums where e ≤ 0 (an empty key range elsewhere)
             _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
-                umax, cnt, s0, s1, s2, zero, zero, acc, skipped, lo, full_g, hi_g, qs, K, V, k_offs_s, v_offs, skn,
-                svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1, CAUSAL=CAUSAL,
+                umax, cnt, s0, s1, s2, zero, zero, acc, skipped, lo, full_g, hi_g, qs, qx, kx_s, K, V, k_offs_s, v_offs,
+                skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
+                CAUSAL=CAUSAL,
                 HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=GENERAL_SELECTED, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
                 BLOCK_N=SWEEP_N,
             )  # fmt: skip
@@ -866,14 +949,15 @@ def _entmax_program(
         tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
             tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
         )
+    plogp0 = tl.zeros([BLOCK_M, 8], dtype=tl.float32) if MMA_SUMS else zero
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
-        umax, cnt, zero, zero, zero, sums, zero, acc, skipped, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn,
-        offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=2, CAUSAL=CAUSAL,
+        umax, cnt, zero, zero, zero, sums, plogp0, acc, skipped, lo, full, hi, qs, qx, kx, K, V, k_offs, v_offs, skn,
+        svn, offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=2, CAUSAL=CAUSAL,
         HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
         BLOCK_N=BLOCK_N, ENTROPY=ENTROPY,
     )  # fmt: skip
     if MMA_SUMS:
-        zsum = tl.sum(zsum, 1)
+        zsum, plogp = tl.sum(zsum, 1), tl.sum(plogp, 1)
     live = zsum > 0
     safe = tl.where(live, zsum, 1.0)
     row = pid_bh * LQ + offs_m
@@ -894,14 +978,17 @@ def _entmax_kernel(
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, ENTROPY: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, ENTROPY: tl.constexpr, EXACT_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`);
-    without ENTROPY (a caller that does not ask for it) ENT_OUT is not written."""
+    without ENTROPY (a caller that does not ask for it) ENT_OUT is not written. EXACT_D: D = BLOCK_D (as in the
+    TensorRT form), so no load masks head-dim lanes — a masked load under a branch (the output sweep's V) zeroes its
+    registers first."""
     _entmax_program(
         Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
+        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, BLOCK_D if EXACT_D else D,
+        scale, smb, max_passes, tol,
         CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, not DOT_F32, BLOCK_M, BLOCK_N,
         min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY,
     )  # fmt: skip
