@@ -33,6 +33,9 @@ LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied t
 GENERAL_SELECTED = tl.constexpr(3)
 # Columns of the row sums kept as partials (MMA_SUMS): the narrowest N of an MMA.
 PARTIALS = tl.constexpr(16)
+# Columns of entmax's Σ w log2 d partials in the output sweep: down to 8, each halving of the tile's columns stays
+# inside a thread (no shuffle) and the partials take 4 registers a thread; at PARTIALS columns the output loop spills.
+LOG_PARTIALS = tl.constexpr(8)
 # Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
@@ -628,25 +631,22 @@ def _general_weight(d, inv):
 
 
 @triton.jit
-def _weights(d, inv, FAST: tl.constexpr):
-    """w = d^inv and log w (finite where d = 0, whose w is 0) for the output and its entropy (log2 on the MUFU)."""
+def _output_weights(d, inv, FAST: tl.constexpr, ENTROPY: tl.constexpr):
+    """w = d^inv and, with ENTROPY, log2 d floored where d = 0 (whose w is 0, so w·log2 d is 0 there); log2 on the
+    MUFU."""
     if FAST == 0 or FAST == GENERAL_SELECTED:
         w, lg = _general_weight(d, inv)
     else:
-        lg = _log2(tl.where(d > 0, d, 1.0))
         w = d * d if FAST == 2 else d
-    return w, (inv * LN2) * lg
+        lg = _log2(tl.maximum(d, LOG_FLOOR)) if ENTROPY else d
+    return w, lg
 
 
 @triton.jit
-def _output_weights(d, inv, FAST: tl.constexpr, ENTROPY: tl.constexpr):
-    """The output sweep's w = d^inv and log2 d, floored where d = 0 (only read with ENTROPY)."""
-    if FAST == 0 or FAST == GENERAL_SELECTED:
-        w, lg = _general_weight(d, inv)
-    else:
-        w = d * d if FAST == 2 else d
-        lg = _log2(tl.maximum(d, LOG_FLOOR)) if ENTROPY else d  # finite where d = 0, whose weight is 0
-    return w, lg
+def _weights(d, inv, FAST: tl.constexpr):
+    """w and log w (0·finite where d = 0) for the decode output kernels, which always form the entropy."""
+    w, lg = _output_weights(d, inv, FAST, True)
+    return w, (inv * LN2) * lg
 
 
 @triton.jit
@@ -949,7 +949,7 @@ def _entmax_program(
         tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
             tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
         )
-    plogp0 = tl.zeros([BLOCK_M, 8], dtype=tl.float32) if MMA_SUMS else zero
+    plogp0 = tl.zeros([BLOCK_M, LOG_PARTIALS], dtype=tl.float32) if MMA_SUMS else zero
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
         umax, cnt, zero, zero, zero, sums, plogp0, acc, skipped, lo, full, hi, qs, qx, kx, K, V, k_offs, v_offs, skn,
         svn, offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=2, CAUSAL=CAUSAL,
