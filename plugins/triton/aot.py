@@ -94,7 +94,18 @@ def tensorrt_entry(norm: Norm) -> tuple[str, dict]:
              Transform.ENTROPY_BETA: {"ADAPTIVE": True}}  # fmt: skip
     if norm.transform not in kinds:
         raise ValueError(f"no TensorRT kernel for {norm.name}'s transform {norm.transform}")
-    return "trt_softmax_family", {"SSA": False, "LOGN": False, "ADAPTIVE": False, **kinds[norm.transform]}
+    flags = {"SSA": False, "LOGN": False, "ADAPTIVE": False, "MMA_SUMS": tensorrt_partials()}
+    return "trt_softmax_family", {**flags, **kinds[norm.transform]}
+
+
+def tensorrt_partials() -> bool:
+    """Whether the TensorRT softmax family keeps its half-precision row sums as column partials (MMA_SUMS), by the
+    compiling Triton: `sharp-bench kernels --static` at bf16, D = 128 reads, under Triton 3.9, no spill with them
+    (adaptive's output sweep spills without) and 3–4% fewer instructions per element; under 3.6, 11–13% more with
+    them and no spill without. Versions between were not measured and take the newer's choice."""
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2]) > (3, 6)
 
 
 def tensorrt_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant]:
@@ -292,7 +303,7 @@ def compile_variant(v: Variant, arch: int, ptx_version: int) -> triton.compiler.
 def tensorrt_stages(v: Variant) -> int:
     """Pipeline stages of an AOT variant. The TensorRT form always takes a key mask and ALiBi slopes, which hold
     more registers in the key loop than the torch path's launches: with Triton's default 3 stages its loops spill
-    (`sharp-bench kernels --static`), with 2 only adaptive's second sweep does, a little."""
+    (`sharp-bench kernels --static`), with 2 none does."""
     return 2
 
 

@@ -174,12 +174,12 @@ def _folded_scales(scale, rowf, lam, ssa_n, ssa_b, SSA: tl.constexpr, HAS_ALIBI:
     else:
         c = LOG2E * rowf * lam * scale
         ca = LOG2E * rowf * lam
-        g = c * 0.0 + 1.0
+        g = tl.zeros_like(c) + 1.0  # a constant: u·g folds away
     if HAS_ALIBI:  # the slope term is per element: no folding, u formed in full
         if SSA:
             sgn = tl.where(g < 0, -1.0, 1.0)
             c, ca, g = c * sgn, ca * sgn, g * sgn
-        sign = c * 0.0 + 1.0
+        sign = tl.zeros_like(c) + 1.0  # a constant: the query is used as loaded (it may stay in shared memory)
     elif SSA:
         sign = tl.where(c * g < 0, -1.0, 1.0)
         c, g = tl.abs(c), tl.abs(g)
@@ -1154,9 +1154,10 @@ def _trt_softmax_family_kernel(
     H, GROUP, LQ, LK, BH, scale_bits, NPOLY, threshold_bits, max_passes, tol_bits,
     OUT, ENT_OUT,
     SSA: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MMA_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """softmax, ssmax (LOGN), SSA, adaptive in TensorRT's argument order: one launch, grid (⌈Lq/BLOCK_M⌉, B·H)."""
+    """softmax, ssmax (LOGN), SSA, adaptive in TensorRT's argument order: one launch, grid (⌈Lq/BLOCK_M⌉, B·H).
+    MMA_SUMS: the row sums as column partials in half precision, as the host's compiler favours (aot.py)."""
     sqb, sqh, sqm, sqd = _contiguous_strides(H, LQ, BLOCK_D)
     skb, skh, skn, skd = _contiguous_strides(H // GROUP, LK, BLOCK_D)
     _softmax_family_program(
@@ -1165,7 +1166,8 @@ def _trt_softmax_family_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd,
         H, GROUP, LQ, LK, BLOCK_D, BH, scale_bits.to(tl.float32, bitcast=True), LK, LK, NPOLY,
         threshold_bits.to(tl.float32, bitcast=True),
-        SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, True, DOT_F32, False, BLOCK_M, BLOCK_N,
+        SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, True, DOT_F32, MMA_SUMS and not DOT_F32,
+        BLOCK_M, BLOCK_N,
         BLOCK_D,
     )  # fmt: skip
 
