@@ -26,7 +26,7 @@ from tritons import compile_env
 from sharp.models import NORMS, attend
 from sharp.models.problem import build_problem
 from sharp.models.streamed import StreamStats
-from sharp.plugins.triton import attention
+from sharp.plugins.triton import attention, tiles
 from sharp.plugins.triton.attention import launch_config, run_problem
 from sharp.plugins.triton.kernels import PARTIALS, _shift_columns, _shift_rows
 
@@ -555,7 +555,7 @@ def test_every_prefill_tile_computes_the_same_attention(norm):
     kw = dict(_norm_kwargs(norm, 4, qs, per_head=True), causal=True, key_mask=mask)
     o_ref, h_ref = attend(q, k, v, return_entropy=True, **kw)
     p = _problem(q, k, v, **kw)
-    for tile in host.PREFILL_TILES:
+    for tile in tiles.PREFILL_TILES:
         cfg = launch_config(p, tile=tile)
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.splits) == (tile.block_m, tile.block_n, tile.num_warps, 1)
         o, h = host._run(p, cfg, None)
@@ -566,22 +566,22 @@ def test_every_prefill_tile_computes_the_same_attention(norm):
 def test_prefill_tiles_are_tuned_once_per_problem_class(monkeypatch):
     """With tuning on (forced in the interpreter) the first prefill of a class times every candidate, later ones of
     the class reuse the choice, a new length class tunes again, and decode (split keys) is never tuned."""
-    from sharp.plugins.triton.attention import Tile
+    from sharp.plugins.triton.tiles import Tile
 
     monkeypatch.setenv("SHARP_TRITON_AUTOTUNE", "1")
-    monkeypatch.setattr(host, "PREFILL_TILES", (Tile(16, 16), Tile(32, 32, 8)))
-    monkeypatch.setattr(host, "_TUNED", {})
+    monkeypatch.setattr(tiles, "PREFILL_TILES", (Tile(16, 16), Tile(32, 32, 8)))
+    monkeypatch.setattr(tiles, "_TUNED", {})
     timed = []
-    time_ms = host._time_ms
-    monkeypatch.setattr(host, "_time_ms", lambda fn, dev: timed.append(1) or time_ms(fn, dev))
+    time_ms = tiles._time_ms
+    monkeypatch.setattr(tiles, "_time_ms", lambda fn, dev: timed.append(1) or time_ms(fn, dev))
     for lq in (40, 50, 100):  # 40 and 50 share a length class (33–64); 100 does not
         q, k, v, _ = _qkv(lq=lq, lk=lq, seed=lq)
         o, h = attend(q, k, v, norm="ssa", causal=True, impl="triton", return_entropy=True)
         o_ref, h_ref = attend(q, k, v, norm="ssa", causal=True, return_entropy=True)
         torch.testing.assert_close(o, o_ref, atol=ATOL_LOOSE, rtol=0)
         torch.testing.assert_close(h, h_ref, atol=ATOL_LOOSE, rtol=0)
-    assert len(timed) == 4 and len(host._TUNED) == 2
-    assert set(host._TUNED.values()) <= set(host.PREFILL_TILES)
+    assert len(timed) == 4 and len(tiles._TUNED) == 2
+    assert set(tiles._TUNED.values()) <= set(tiles.PREFILL_TILES)
     q, k, v, _ = _qkv(lq=1, lk=300)
     attend(q, k, v, norm="ssa", impl="triton")
     assert len(timed) == 4  # decode: split-K, not tuned
@@ -593,21 +593,21 @@ def test_tuned_tiles_persist_on_disk_per_gpu_triton_and_class(monkeypatch, tmp_p
     is ignored (tuned again), and SHARP_TILE_CACHE=0 keeps tiles in the process only."""
     import triton
 
-    from sharp.plugins.triton.attention import Tile
+    from sharp.plugins.triton.tiles import Tile
 
     cache = tmp_path / "tiles.json"
     monkeypatch.setenv("SHARP_TRITON_AUTOTUNE", "1")
     monkeypatch.setenv("SHARP_TILE_CACHE", str(cache))
-    monkeypatch.setattr(host, "PREFILL_TILES", (Tile(16, 16), Tile(32, 32, 8)))
+    monkeypatch.setattr(tiles, "PREFILL_TILES", (Tile(16, 16), Tile(32, 32, 8)))
     timed = []
-    time_ms = host._time_ms
-    monkeypatch.setattr(host, "_time_ms", lambda fn, dev: timed.append(1) or time_ms(fn, dev))
+    time_ms = tiles._time_ms
+    monkeypatch.setattr(tiles, "_time_ms", lambda fn, dev: timed.append(1) or time_ms(fn, dev))
     q, k, v, _ = _qkv(lq=40, lk=40)
 
     def prefill() -> Tile:
-        monkeypatch.setattr(host, "_TUNED", {})  # a new process
+        monkeypatch.setattr(tiles, "_TUNED", {})  # a new process
         attend(q, k, v, norm="ssa", causal=True, impl="triton")
-        (tile,) = host._TUNED.values()
+        (tile,) = tiles._TUNED.values()
         return tile
 
     first = prefill()
@@ -633,26 +633,27 @@ def test_the_tuner_skips_tiles_that_do_not_fit_and_keeps_the_fastest(monkeypatch
     The runs here are a stand-in for kernel launches: the real ones are timed only on a GPU."""
     from triton.runtime.errors import OutOfResources
 
-    from sharp.plugins.triton.attention import Tile, tuned_tile
+    from sharp.plugins.triton.tiles import Tile, tuned_tile
 
-    tiles = (Tile(64, 64), Tile(128, 128, 8), Tile(128, 64, 8))
-    monkeypatch.setattr(host, "PREFILL_TILES", tiles)
-    monkeypatch.setattr(host, "_TUNED", {})
-    cost = {tiles[0]: 3.0, tiles[2]: 1.0}
-    monkeypatch.setattr(host, "_time_ms", lambda fn, dev: fn() or cost[current[0]])
+    cands = (Tile(64, 64), Tile(128, 128, 8), Tile(128, 64, 8))
+    monkeypatch.setattr(tiles, "PREFILL_TILES", cands)
+    monkeypatch.setattr(tiles, "_TUNED", {})
+    cost = {cands[0]: 3.0, cands[2]: 1.0}
+    monkeypatch.setattr(tiles, "_time_ms", lambda fn, dev: fn() or cost[current[0]])
     current = [None]
 
     def run_with(tile):
         current[0] = tile
-        if tile == tiles[1]:
+        if tile == cands[1]:
             raise OutOfResources(300_000, 232_448, "shared memory")
 
     q, k, v, _ = _qkv(lq=40, lk=40)
-    assert tuned_tile(_problem(q, k, v), run_with) == tiles[2]
-    monkeypatch.setattr(host, "PREFILL_TILES", (tiles[1],))
-    monkeypatch.setattr(host, "_TUNED", {})
+    p = _problem(q, k, v)
+    assert tuned_tile(host.tile_class(p), p.q.device, run_with) == cands[2]
+    monkeypatch.setattr(tiles, "PREFILL_TILES", (cands[1],))
+    monkeypatch.setattr(tiles, "_TUNED", {})
     with pytest.raises(RuntimeError, match="no prefill tile"):
-        tuned_tile(_problem(q, k, v), run_with)
+        tuned_tile(host.tile_class(p), p.q.device, run_with)
 
 
 @pytest.mark.parametrize("norm", ["ssa", "entmax"])
@@ -800,7 +801,7 @@ def test_half_prefill_keeps_its_row_sums_on_the_tensor_cores(norm, per_head, dty
     assert h_ref.std() > 0.3  # sharp and diffuse rows alike
     p = _problem(q, k, v, **kw)
     tol, tol_h = (2.5e-3, 5e-4) if dtype == torch.float16 else (2e-2, 4e-3)  # measured fp16: 1.0e-3, 1.2e-4
-    for tile in host.PREFILL_TILES:
+    for tile in tiles.PREFILL_TILES:
         cfg = launch_config(p, tile=tile)
         assert not cfg.dot_f32
         stats = StreamStats()

@@ -215,7 +215,8 @@ _ALL_KERNELS = {**kernels.KERNELS, **paged.KERNELS, **floor.KERNELS}
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _JIT_SIZES = {"H", "GROUP", "LQ", "LK", "D", "BH", "NPOLY", "B", "HKV", "ROWS", "SPLITS", "WIDTH"}
 _JIT_FLOATS = {"scale", "beta_threshold", "tol"}
-_JIT_ELEMENTS = {"Q", "K", "V", "OUT", "KP", "VP"}  # the element dtype; other pointers as the host allocates them
+# the element dtype; other pointers as the host allocates them
+_JIT_ELEMENTS = {"Q", "K", "V", "OUT", "K_PAGES", "V_PAGES"}
 _JIT_POINTERS = {"KMASK": torch.int8, "BT": torch.int32, "SEQ": torch.int32, "COUNTS": torch.int32,
                  "SKIPPED_OUT": torch.int32}  # fmt: skip
 _UNIT_STRIDES = {"sqd", "skd", "svd", "spd"}  # contiguous last dimensions

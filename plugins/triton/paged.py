@@ -61,14 +61,14 @@ def _load_packed_q(Q, b, h, i, keep, offs_d, sqb, sqh, sqm, sqd, D, DOT_F32: tl.
 
 
 @triton.jit
-def _page_logits(q, KP, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+def _page_logits(q, K_PAGES, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
                  HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
     """z of the packed rows against one page of keys (−inf where masked), the page's pool offset, and which of
     its slots hold keys."""
     base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv.to(tl.int64) * sph
     cols = page * PAGE + offs_n
     present = cols < lk
-    kt = tl.load(KP + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
+    kt = tl.load(K_PAGES + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
                  mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
     z = tl.dot(q, kt.to(tl.float32), input_precision="ieee") if DOT_F32 else tl.dot(q, kt)
     z = z * scale
@@ -82,7 +82,7 @@ def _page_logits(q, KP, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_
 
 @triton.jit
 def _paged_softmax_kernel(
-    Q, KP, VP, BT, SEQ, ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, M_OUT, L_OUT, KP_OUT, ACC_OUT,
+    Q, K_PAGES, V_PAGES, BT, SEQ, ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, M_OUT, L_OUT, KP_OUT, ACC_OUT,
     sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
     B, H, GROUP, LQ, HKV, D, scale, pages_per_split,
     SSA: tl.constexpr, LOGN: tl.constexpr, HAS_ROWF: tl.constexpr, HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr,
@@ -117,13 +117,13 @@ def _paged_softmax_kernel(
     last = tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))
     for page in range(first, last):
         z, base, present = _page_logits(
-            q, KP, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+            q, K_PAGES, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
             HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
         )  # fmt: skip
         t = _transform(z, rowf, ssa_n, ssa_b, SSA)
         m_i, l_i, kp_i, r, e = _online_step(m_i, l_i, kp_i, t)
         if WITH_V:
-            v = tl.load(VP + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
+            v = tl.load(V_PAGES + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
                         mask=present[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
             if DOT_F32:
                 v = v.to(tl.float32)
@@ -171,7 +171,7 @@ def _merge_softmax_kernel(
 
 @triton.jit
 def _paged_entmax_logits_kernel(
-    Q, KP, BT, SEQ, ALPHA, SLOPES, LAMBDA, U_OUT,
+    Q, K_PAGES, BT, SEQ, ALPHA, SLOPES, LAMBDA, U_OUT,
     sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
     H, GROUP, LQ, HKV, D, scale, pages_per_split, WIDTH,
     HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
@@ -189,7 +189,7 @@ def _paged_entmax_logits_kernel(
     first = tl.program_id(1) * pages_per_split
     for page in range(first, tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))):
         z, _, _ = _page_logits(
-            q, KP, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+            q, K_PAGES, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
             HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
         )  # fmt: skip
         u = (am1 * lam)[:, None] * z  # −inf stays −inf: α − 1 > 0, λ > 0
@@ -199,7 +199,7 @@ def _paged_entmax_logits_kernel(
 
 @triton.jit
 def _paged_entmax_output_kernel(
-    U, VP, BT, SEQ, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT,
+    U, V_PAGES, BT, SEQ, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT,
     spp, sph, spn, spd, sbt, B, H, GROUP, LQ, HKV, D, pages_per_split, WIDTH,
     FAST: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -226,7 +226,7 @@ def _paged_entmax_output_kernel(
             zsum += tl.sum(w, 1)
             plogp += tl.sum(w * logw, 1)
             base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv.to(tl.int64) * sph
-            v = tl.load(VP + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
+            v = tl.load(V_PAGES + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
                         mask=(cols[:, None] < lk) & (offs_d[None, :] < D), other=0.0)  # fmt: skip
             acc += _pv(w, v.to(tl.float32) if DOT_F32 else v, DOT_F32)
     out_row = pid_s * (B * H * LQ) + row

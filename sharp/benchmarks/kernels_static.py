@@ -410,11 +410,12 @@ def measured_passes() -> dict[str, dict[str, float]]:
 
     from sharp.models.problem import build_problem
     from sharp.models.streamed import StreamStats
+    from sharp.plugins.triton.tiles import Tile
 
     attention = importlib.import_module("sharp.plugins.triton.attention")  # the module (the package exports a function)
 
     out: dict[str, dict[str, float]] = {}
-    tile = attention.Tile(PREFILL_TILE["BLOCK_M"], PREFILL_TILE["BLOCK_N"], WARPS, 3)
+    tile = Tile(PREFILL_TILE["BLOCK_M"], PREFILL_TILE["BLOCK_N"], WARPS, 3)
     for sigma in PASS_SIGMAS:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 2, PASS_LENGTH, 64, generator=g) for _ in range(3))
