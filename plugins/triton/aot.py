@@ -101,7 +101,7 @@ def tensorrt_entry(norm: Norm) -> tuple[str, dict]:
 def tensorrt_partials() -> bool:
     """Whether the TensorRT softmax family keeps its half-precision row sums as column partials (MMA_SUMS), by the
     compiling Triton: `sharp-bench kernels --static` at bf16, D = 128 reads, under Triton 3.9, no spill with them
-    (adaptive's output sweep spills without) and 3–4% fewer instructions per element; under 3.6, 11–13% more with
+    (adaptive's output sweep spills without) and 4–5% fewer instructions per element; under 3.6, 12–14% more with
     them and no spill without. Versions between were not measured and take the newer's choice."""
     import triton
 
