@@ -22,7 +22,7 @@ import openai
 import pytest
 from conftest import CHAT_TEMPLATE
 from google.protobuf import json_format
-from test_hardening import BREAKS_PREFILL, Bystander, RaisesForMarkedRows, SlowEndless, server
+from test_hardening import BREAKS_PREFILL, Bystander, RaisesForMarkedRows, SlowEndless, _wait_idle, server
 from test_serving import sample_value, scrape, serving, start_sharp_serve
 
 from sharp.exporter.genai import tokenizer_files
@@ -541,6 +541,7 @@ def test_logprobs_and_echo_equal_the_models_own_log_softmax(model_files):
         next(busy)  # a row that asks for nothing shares the decode steps (and is the batch's first row)
         beside = oa.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
         busy.close()
+        _wait_idle(srv)  # the closed stream's row leaves the batch: the requests below decode alone, as `made` did
         assert beside.choices[0].logprobs.token_logprobs == pytest.approx(gen.token_logprobs, abs=1e-5)
         assert beside.choices[0].logprobs.top_logprobs == gen.top_logprobs or all(
             list(a) == list(b) for a, b in zip(beside.choices[0].logprobs.top_logprobs, gen.top_logprobs, strict=True)
