@@ -103,9 +103,13 @@ def tensorrt_partials() -> bool:
     compiling Triton: `sharp-bench kernels --static` at bf16, D = 128 reads, under Triton 3.9, no spill with them
     (adaptive's output sweep spills without) and 4–5% fewer instructions per element; under 3.6, 12–14% more with
     them and no spill without. Versions between were not measured and take the newer's choice."""
-    import triton
+    return triton_version() > (3, 6)
 
-    return tuple(int(x) for x in triton.__version__.split(".")[:2]) > (3, 6)
+
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the Triton that compiles: what the version-dependent choices and guards read."""
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def tensorrt_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant]:

@@ -270,11 +270,11 @@ def goal(e: Entry) -> float | None:
 def held(e: Entry) -> float | None:
     """The ratio to the floor CI holds a prefill entry to: its goal, or under a Triton older than GOALS_TRITON its
     guard where the goal is not met there."""
-    import triton
+    from sharp.plugins.triton.aot import triton_version
 
     if e.path != "prefill":
         return None
-    older = tuple(int(x) for x in triton.__version__.split(".")[:2]) < GOALS_TRITON
+    older = triton_version() < GOALS_TRITON
     return OLDER_GUARDS.get(e.norm, goal(e)) if older else goal(e)
 
 
