@@ -24,6 +24,9 @@ NO_KEY = tl.constexpr(-3.0e38)
 # A Halley step on S − 1 this small leaves an error of the order of its cube: the threshold search takes it as
 # converged without a pass to confirm it (`_refine`).
 SETTLED_STEP = tl.constexpr(1.0e-3)
+# Newton steps of the threshold search's seed (`_seed`) on the row's PARTIALS column-class maxima: from τ = −1 the
+# step on S^(1/inv) lands on the small problem's root in two or three (a fourth moved no pass count measured).
+SEED_STEPS = tl.constexpr(4)
 # Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
 LOG_FLOOR = tl.constexpr(1.0e-30)
 LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied to a log2 already taken
@@ -306,6 +309,19 @@ def _fold_sum(acc, x):
     else:
         x0, x1 = _halves(x)
         acc = _fold_sum(_fold_sum(acc, x0), x1)
+    return acc
+
+
+@triton.jit
+def _fold_max(acc, x):
+    """max(acc, x) with the (rows, n) tile folded into acc's (rows, PARTIALS) columns, as `_fold_sum` adds: column c
+    keeps the max of the row's keys j ≡ c (mod PARTIALS) — one compare per element and no shuffle, where a row max
+    per tile took a tree of compares and shuffles across the row's threads."""
+    if x.shape[1] == acc.shape[1]:
+        acc = tl.maximum(acc, x)
+    else:
+        x0, x1 = _halves(x)
+        acc = _fold_max(_fold_max(acc, x0), x1)
     return acc
 
 
@@ -752,6 +768,30 @@ def _bracket(umax, cnt, am1, keep):
 
 
 @triton.jit
+def _seed(x, inv):
+    """Where the threshold search starts: at or below the row's root, most often close to it. x (rows, classes): the
+    maxima of u − max u over the row's key classes j ≡ c (mod classes), −inf where a class saw no key (prefill: the
+    PARTIALS of `_entmax_tiles`' PASS 0; decode's threshold kernel: its BLOCK_N running maxima); inv: a scalar or one
+    per row. Those maxima are keys of the row, so their S = Σ [x − τ]_+^inv never exceeds the row's, and a τ at which
+    theirs is ≥ 1 lies at or below the row's root. Newton steps on S^(1/inv) − 1 (their S) from τ = −1, where their
+    S ≥ 1 (the max is among them), keeping the last τ whose S ≥ 1: −1 for a row with no key. A sharp row, whose
+    support is a few keys, starts on its root; a diffuse one a short way below it, where the bracket's low end has S
+    of tens (α = 1.5, N(0, 1) logits: 3.7 → 2.4 threshold passes per program). The bracket is not moved: the first
+    pass's sums place the seed in it. Per row only: no work per key."""
+    tau = tl.zeros([x.shape[0]], dtype=tl.float32) - 1.0
+    k = tau * 0.0 + inv  # one per row (a program's rows may belong to several heads)
+    best = tau
+    for _ in tl.static_range(SEED_STEPS):  # the last step is not evaluated, so not taken
+        d = tl.maximum(x - tau[:, None], 0.0)
+        lg = _log2(d)  # −inf where d = 0: d^k = 0 there (k > 0); d^(k−1) is selected
+        s = tl.sum(tl.math.exp2(k[:, None] * lg), 1)
+        s1 = tl.sum(tl.where(d > 0, tl.math.exp2((k[:, None] - 1.0) * lg), 0.0), 1)
+        best = tl.where(s >= 1.0, tl.maximum(best, tau), best)
+        tau = tau + s * (1.0 - tl.math.exp2(-_log2(s) / k)) / s1
+    return best
+
+
+@triton.jit
 def _entmax_tiles(
     umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, start, end, q, qx, kx, K, V, k_offs, v_offs, skn, svn, cols0,
     qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
@@ -761,7 +801,8 @@ def _entmax_tiles(
 ):  # fmt: skip
     """One entmax pass over the key tiles of [start, end) with u = cf·t, t = q·k (cf = (α−1)·λ·scale ≥ 0 per row,
     its sign folded into q) or, with ALiBi, t = u = cf·q·k + (α−1)·λ·slope·(j − pos) formed in full. PASS 0: the
-    row max of t (umax) and, with a key mask, the visible keys (cnt); 1: the threshold sums at τ (s0, s1, s2); 2:
+    maxima of t over the row's key classes j ≡ c (mod PARTIALS) (umax, (rows, PARTIALS): see `_seed`) and, with a
+    key mask, the visible keys (cnt); 1: the threshold sums at τ (s0, s1, s2); 2:
     the output sums (zsum, plogp, acc; a tile with no weight skips its V load and P·V; plogp only with ENTROPY).
     MASKED: the diagonal and the last tile (causally hidden and out-of-range keys); padding keys (HAS_KMASK) are
     tested on every tile."""
@@ -783,7 +824,7 @@ def _entmax_tiles(
             if PASS == 0 and HAS_KMASK:
                 cnt += tl.sum(tl.where(visible, 1.0, 0.0), 1)
         if PASS == 0:
-            umax = tl.maximum(umax, tl.max(t, 1))
+            umax = _fold_max(umax, t)
         else:
             if HAS_ALIBI:  # always on in the TensorRT form, whose ASEntmax output loop spills with the saturating form
                 d = tl.maximum((t - shift[:, None]) - tau[:, None], 0.0)
@@ -850,19 +891,21 @@ def _entmax_program(
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, MMA_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWEEP_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ENTROPY: tl.constexpr,
+    ENTROPY: tl.constexpr, SEEDED: tl.constexpr,
 ):  # fmt: skip
-    """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep, safeguarded
-    Halley/Newton threshold sweeps until every row has converged (at most max_passes; no host sync), and an output
-    sweep that skips the V load and P·V of tiles with no support. u = (α−1)·z is formed as one per-row factor times
-    q·k (its sign folded into the query) except with ALiBi; every sweep walks the interior tiles without masks.
+    """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep (which also finds where
+    the search starts: `_seed`), safeguarded Halley/Newton threshold sweeps until every row has converged (at most
+    max_passes; no host sync), and an output sweep that skips the V load and P·V of tiles with no support.
+    u = (α−1)·z is formed as one per-row factor times q·k (its sign folded into the query) except with ALiBi; every
+    sweep walks the interior tiles without masks.
     The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
     and, with ENTROPY, the entropy (without it the output sweep forms no log w and no Σ w log w); COUNT: also
     (threshold passes, skipped tiles) of the program. The max and threshold sweeps,
     which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
     loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
     MMA_SUMS (half-precision inputs, both forms): their sums, and the output's Z, as (rows, 16) column partials (see
-    _sweep_tiles)."""
+    _sweep_tiles). SEEDED: the search starts at `_seed`'s τ, not at the bracket's low end (the TensorRT form: not
+    seeded — under Triton 3.9 its output loop then reloads a spilled register every tile)."""
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, 0, H, GROUP, LQ, LK, LK, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -899,26 +942,31 @@ def _entmax_program(
         E0 = 0.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     skipped = pid_m * 0
-    umax, cnt, _, _, _, _, _, _, _ = _entmax_pass(
-        zero - float("inf"), zero, zero, zero, zero, zero, zero, acc, skipped, lo, full_s, hi, qs, qs, qs, K, V,
-        k_offs_s, v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, zero, zero, inv, E0, PASS=0,
+    umax_c, cnt, _, _, _, _, _, _, _ = _entmax_pass(
+        tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32) - float("inf"), zero, zero, zero, zero, zero, zero, acc,
+        skipped, lo, full_s, hi, qs, qs, qs, K, V, k_offs_s, v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca,
+        ca_pos, KMASK, zero, zero, inv, E0, PASS=0,
         CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
         BLOCK_N=SWEEP_N,
     )  # fmt: skip
+    umax = tl.max(umax_c, 1)
+    top = tl.where(umax == float("-inf"), 0.0, umax)
     if not HAS_ALIBI:
-        qx = _shift_columns(tl.where(umax == float("-inf"), 0.0, umax), qs.dtype)  # max t: see _entmax_tiles
+        qx = _shift_columns(top, qs.dtype)  # max t: see _entmax_tiles
         kx_s, kx = _shift_rows(SWEEP_N, qs.dtype), _shift_rows(BLOCK_N, qs.dtype)
         umax = umax * cf  # the max of c·t is c times the max of t: c ≥ 0
+        x_c = tl.where(umax_c == float("-inf"), float("-inf"), (umax_c - top[:, None]) * cf[:, None])
     else:
         qx, kx_s, kx = qs, qs, qs
+        x_c = umax_c - top[:, None]
     if not HAS_KMASK:  # every key up to the causal limit (or Lk) is visible
         if CAUSAL:
             cnt = tl.minimum(tl.maximum(qpos + 1, 0), LK).to(tl.float32)
         else:
             cnt = zero + LK
     shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
-    tau = t_lo
-    ptau, pfp = tau, tau * 0.0
+    tau = _seed(x_c, inv) if SEEDED else t_lo
+    ptau, pfp = tau, tl.zeros_like(tau)
     # The general path's threshold sweep needs b = d^e with e > 0 (0 exactly where d = 0, no select); a head whose
     # e ≤ 0 (α = 1.5 among per-head α, or α ≥ 2) walks its keys in the selecting sweep instead. The two run one after
     # the other, each over an empty range where the other is taken (sequential loops share their shared-memory
@@ -990,7 +1038,7 @@ def _entmax_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, BLOCK_D if EXACT_D else D,
         scale, smb, max_passes, tol,
         CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, not DOT_F32, BLOCK_M, BLOCK_N,
-        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY,
+        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY, True,
     )  # fmt: skip
 
 
@@ -1055,8 +1103,8 @@ def _entmax_threshold_kernel(
         umax = tl.maximum(umax, u)
         cnt += tl.where(u > float("-inf"), 1.0, 0.0)
     shift, t_lo, t_hi, dead = _bracket(tl.max(umax, 1), tl.sum(cnt, 1), am1, keep)
-    tau = t_lo
-    ptau, pfp = tau, tau * 0.0
+    tau = _seed(umax - shift[:, None], inv)  # umax: the maxima of the row's BLOCK_N key classes
+    ptau, pfp = tau, tl.zeros_like(tau)
     passes = pid * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
@@ -1190,7 +1238,7 @@ def _trt_entmax_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
         scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
         CAUSAL, True, HAS_LAMBDA, True, DOT_F32, GENERAL_SELECTED, False, not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_N,
-        BLOCK_D, True,
+        BLOCK_D, True, False,
     )  # fmt: skip
 
 
