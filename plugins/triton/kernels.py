@@ -99,11 +99,7 @@ def _logits(
     cols = start_n + offs_n
     kt_ptrs = K + b * skb + hkv * skh + cols[None, :] * skn + offs_d[:, None] * skd
     kt = tl.load(kt_ptrs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
-    if DOT_F32:
-        z = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-    else:
-        z = tl.dot(q, kt)
-    z = z * scale
+    z = _dot(q, kt, None, DOT_F32) * scale
     if HAS_ALIBI:
         z += slope * (cols[None, :] - qpos[:, None]).to(tl.float32)
     if HAS_LAMBDA:
@@ -128,10 +124,19 @@ def _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F
 
 
 @triton.jit
-def _pv(p, v, DOT_F32: tl.constexpr):
+def _dot(a, b, acc, DOT_F32: tl.constexpr):
+    """acc + a·b on the tensor cores (acc None: a·b) — the one place the DOT_F32 rule is applied to a product: both
+    operands in fp32 and the product in IEEE fp32 where DOT_F32 (the interpreter, fp32 inputs), else a rounded to
+    b's type (a P or W tile to the inputs' half type; the shift columns already are)."""
     if DOT_F32:
-        return tl.dot(p, v, input_precision="ieee")
-    return tl.dot(p.to(v.dtype), v)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a.to(b.dtype), b, acc)
+
+
+@triton.jit
+def _pv(p, v, DOT_F32: tl.constexpr):
+    """p·v on the tensor cores (`_dot`)."""
+    return _dot(p, v, None, DOT_F32)
 
 
 @triton.jit
@@ -211,17 +216,7 @@ def _tile_qk(q, k_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32: tl.c
         kt = tl.load(k_ptrs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
     else:
         kt = tl.load(k_ptrs, mask=offs_d[:, None] < D, other=0.0)
-    if DOT_F32:
-        return tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-    return tl.dot(q, kt)
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_F32: tl.constexpr):
-    """acc + a·b on the tensor cores (in full fp32 where DOT_F32)."""
-    if DOT_F32:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+    return _dot(q, kt, None, DOT_F32)
 
 
 @triton.jit
@@ -231,9 +226,7 @@ def _tile_pv(acc, p, v_ptrs, cols, LK, D, offs_d, MASKED: tl.constexpr, DOT_F32:
         v = tl.load(v_ptrs, mask=(cols[:, None] < LK) & (offs_d[None, :] < D), other=0.0)
     else:
         v = tl.load(v_ptrs, mask=offs_d[None, :] < D, other=0.0)
-    if DOT_F32:
-        return tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(p.to(v.dtype), v, acc)
+    return _dot(p, v, acc, DOT_F32)
 
 
 @triton.jit

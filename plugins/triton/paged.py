@@ -29,6 +29,7 @@ from sharp.plugins.triton.attention import (
     head_vector,
 )
 from sharp.plugins.triton.kernels import (
+    _dot,
     _entmax_threshold_kernel,
     _entropy,
     _online_step,
@@ -70,8 +71,7 @@ def _page_logits(q, K_PAGES, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, 
     present = cols < lk
     kt = tl.load(K_PAGES + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
                  mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
-    z = tl.dot(q, kt.to(tl.float32), input_precision="ieee") if DOT_F32 else tl.dot(q, kt)
-    z = z * scale
+    z = _dot(q, kt, None, DOT_F32) * scale
     if HAS_ALIBI:
         z += slope[:, None] * (cols[None, :] - qpos[:, None]).to(tl.float32)
     visible = present[None, :] & keep[:, None]
@@ -125,8 +125,6 @@ def _paged_softmax_kernel(
         if WITH_V:
             v = tl.load(V_PAGES + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
                         mask=present[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
-            if DOT_F32:
-                v = v.to(tl.float32)
             acc = acc * r[:, None] + _pv(e, v, DOT_F32)
     out_row = ((pid_s * B + b) * H + h) * LQ + i
     tl.store(M_OUT + out_row, m_i, mask=keep)
@@ -228,7 +226,7 @@ def _paged_entmax_output_kernel(
             base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv.to(tl.int64) * sph
             v = tl.load(V_PAGES + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
                         mask=(cols[:, None] < lk) & (offs_d[None, :] < D), other=0.0)  # fmt: skip
-            acc += _pv(w, v.to(tl.float32) if DOT_F32 else v, DOT_F32)
+            acc += _pv(w, v, DOT_F32)
     out_row = pid_s * (B * H * LQ) + row
     tl.store(Z_OUT + out_row, zsum, mask=keep)
     tl.store(PLOGP_OUT + out_row, plogp, mask=keep)
