@@ -31,7 +31,7 @@ from triton.runtime.jit import native_specialize_impl
 from sharp.models import registry
 from sharp.models.registry import Family, Norm, Transform
 from sharp.plugins.triton import floor, kernels, paged
-from sharp.plugins.triton.attention import THRESHOLD_ROWS
+from sharp.plugins.triton.attention import THRESHOLD_ROWS, class_model, triton_version
 
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 _TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
@@ -106,12 +106,6 @@ def tensorrt_partials() -> bool:
     return triton_version() > (3, 6)
 
 
-def triton_version() -> tuple[int, int]:
-    """(major, minor) of the Triton that compiles: what the version-dependent choices and guards read."""
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
 def tensorrt_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant]:
     """One variant per (entry kernel, constexprs) the registry's norms need × dtype × head dim × causal."""
     out = []
@@ -150,7 +144,7 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
                     out.append(Variant("softmax_family", dtype, d, flags))
                 # entmax / asentmax: max, threshold and output sweeps in one program (general α; no counters)
                 out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False, "ENTROPY": True,
-                                                        "EXACT_D": True}))  # fmt: skip
+                                                        "EXACT_D": True, "MODELED": class_model(0)}))  # fmt: skip
     return out
 
 
@@ -183,10 +177,11 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
     exact = {**prefill, "EXACT_D": True}  # a head dim that fills its block (D = BLOCK_D)
+    general, fast = {"FAST": 0, "MODELED": class_model(0)}, {"FAST": 2, "MODELED": class_model(2)}
     out += [  # entmax prefill: with and without its entropy
-        ("entmax", {**exact, "FAST": 0, "COUNT": False, "ENTROPY": True}, one),
-        ("entmax", {**exact, "FAST": 0, "COUNT": False, "ENTROPY": False}, one),
-        ("entmax", {**exact, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
+        ("entmax", {**exact, **general, "COUNT": False, "ENTROPY": True}, one),
+        ("entmax", {**exact, **general, "COUNT": False, "ENTROPY": False}, one),
+        ("entmax", {**exact, **fast, "HAS_LAMBDA": True, "HAS_KMASK": True, "COUNT": True, "ENTROPY": True}, one),
     ]
     split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by the host
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]

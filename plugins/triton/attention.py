@@ -278,6 +278,20 @@ def _alpha_fast_path(alpha: Param) -> int:
     return 0
 
 
+def triton_version() -> tuple[int, int]:
+    """(major, minor) of the Triton that compiles: what the version-dependent choices and guards read."""
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def class_model(fast: int) -> bool:
+    """Whether the entmax prefill kernel steps Newton's rows to their class model's root (MODELED): not at α = 1.5
+    (FAST = 2: Halley's rows only), and not under Triton 3.6, where the class maxima held across the threshold loop
+    make its diagonal tiles spill 2 instructions per tile (bf16, D = 128: `sharp-bench kernels --static`; 3.9 keeps
+    them spill-free). Versions between were not measured and take the newer's choice."""
+    return fast != 2 and triton_version() > (3, 6)
+
+
 THRESHOLD_TOL = threshold_tol(torch.float32)  # the kernels work in fp32
 THRESHOLD_ROWS = 16  # rows per program of the split-K threshold kernel
 
@@ -297,7 +311,8 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
         _entmax_kernel[run.grid[:2]](
             p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
             p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
-            FAST=fast, COUNT=count, ENTROPY=run.entropy, EXACT_D=p.q.shape[-1] == cfg.block_d, **run.flags,
+            FAST=fast, COUNT=count, ENTROPY=run.entropy, EXACT_D=p.q.shape[-1] == cfg.block_d,
+            MODELED=class_model(fast), **run.flags,
         )  # fmt: skip
         if count:
             per_program = counts[..., 0].flatten().tolist()

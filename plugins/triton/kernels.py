@@ -27,6 +27,9 @@ SETTLED_STEP = tl.constexpr(1.0e-3)
 # Newton steps of the threshold search's seed (`_seed`) on the row's PARTIALS column-class maxima: from τ = −1 the
 # step on S^(1/inv) lands on the small problem's root in two or three (a fourth moved no pass count measured).
 SEED_STEPS = tl.constexpr(4)
+# Newton steps of the class model (`_class_model_root`) per threshold pass: from the pass's τ, where the model's S is
+# the row's, the model's root is reached to fp32 in three or four (a fifth moved no pass count measured).
+MODEL_STEPS = tl.constexpr(4)
 # Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
 LOG_FLOOR = tl.constexpr(1.0e-30)
 LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied to a log2 already taken
@@ -670,13 +673,16 @@ def _tile_z(w, E0, MMA_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
+def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, MODELED: tl.constexpr):
     """One safeguarded root step for S(τ) = Σ d^inv = 1 per row: the streamed oracle's `refine_threshold` (Halley
-    where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with four
+    where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with five
     additions that save passes — steps on S^(1/inv) while S > 1.25 (on a power law fitted to S, S' and T =
-    Σ d^(inv+1) where S'' is not summed), S'' from the previous pass's S' where it is not summed, and a settling
-    rule (below). s2: Σ d^(inv−2) on Halley's rows, T on Newton's. (ptau, pfp): the previous pass's τ and S' (on
-    the first, fp = 0 at τ). Returns τ, the bracket, convergence and this pass's (τ, S')."""
+    Σ d^(inv+1) where S'' is not summed), S'' from the previous pass's S' where it is not summed, a settling
+    rule (below) and, MODELED, Newton's rows (1 ≤ inv < 2) step to the root of their class model (`model`, whose
+    S'' at τ is model_c2: `_class_model_root`) where it lies in the bracket. s2: Σ d^(inv−2) on Halley's rows, T on
+    Newton's. (ptau, pfp): the previous pass's τ and S' (on the first, fp = 0 at τ). gap: the distance from τ to the
+    row's nearest key where it was kept (α = 2; else 0). Returns τ, the bracket, convergence and this pass's
+    (τ, S')."""
     f = s0 - 1.0
     above = f > 0
     lo = tl.where(above, tau, lo)
@@ -712,6 +718,12 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
     secant = newton_rows & (s0 <= 1.25) & (curv >= 0.0) & (curv < float("inf")) & (tl.abs(sec) < float("inf"))
     step = tl.where(secant, sec, step)
     cand = tau - step
+    if MODELED:  # Newton's rows whose class model has a root in the bracket step there
+        modeled = (tl.zeros_like(tau) + inv >= 1.0) & (tl.zeros_like(tau) + inv < 2.0)
+        modeled = modeled & (model == model) & (model >= lo) & (model <= hi)
+        cand = tl.where(modeled, model, cand)
+    else:
+        modeled = tau != tau
     ok = (cand == cand) & (tl.abs(cand) < float("inf")) & (cand >= lo) & (cand <= hi)
     # α > 2 (inv < 1): Newton can cycle between the bracket's ends; a step across over half of it bisects instead
     ok = ok & ((tl.zeros_like(tau) + inv >= 1.0) | (tl.abs(cand - tau) <= 0.5 * (hi - lo)))
@@ -719,17 +731,35 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp):
     # A Halley step near the root (the exact f = S − 1 one, taken inside the bracket) leaves an error of the order of
     # the step cubed: a step below tol^(1/3) / 8 needs no pass to confirm it.
     settled = ok & (s0 <= 1.25) & (tl.zeros_like(tau) + inv >= 2.0) & (tl.abs(new - tau) <= SETTLED_STEP)
-    settled = settled | (ok & secant & (tl.abs(step) <= SETTLED_STEP) & (tl.abs(curv / fp) * step * step <= tol / 4))
+    settled = settled | (
+        ok & secant & ~modeled & (tl.abs(step) <= SETTLED_STEP) & (tl.abs(curv / fp) * step * step <= tol / 4)
+    )
+    # At α = 2 S is piecewise linear, and the step — Newton's, or to the class model's root, whose known keys are
+    # exact and whose hidden share is linear with the hidden keys' count as its slope — lands on the root exactly
+    # unless a key lies within the step of τ: a step shorter than the distance to the nearest key needs no pass to
+    # confirm it.
+    settled = settled | (ok & (tl.abs(new - tau) < gap))
+    if MODELED:
+        # A model step's error is that of the curvature it missed: the model matches S and S' at τ, so the error
+        # is at most (|S''| + |the model's S''|)·step² / 2|S'|, S'' taken from the secant as above.
+        taken = new - tau
+        near = newton_rows & (s0 <= 1.25) & (curv >= 0.0) & (curv < float("inf"))
+        bound = (tl.abs(curv) + tl.abs(model_c2)) / tl.abs(fp) * taken * taken
+        settled = settled | (ok & modeled & near & (tl.abs(taken) <= SETTLED_STEP) & (bound <= tol / 4))
     conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol) | settled
     return new, lo, hi, conv, tau, fp
 
 
 @triton.jit
-def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
+def _add_powers(s0, s1, s2, d, gap, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
     """The threshold sums of one tile, added per row (MMA_SUMS: folded into (rows, 16) column partials — d² by
-    FFMA at α = 1.5)."""
+    FFMA at α = 1.5). At α = 2 (FAST = 1), whose S'' is 0, s2 keeps instead the row's max of gap = −|x − τ|: minus
+    the distance from τ to the nearest key (`_refine`'s exact steps)."""
     p0, p1, p2 = _powers(d, inv, FAST)
-    if not MMA_SUMS:
+    if FAST == 1:
+        s2 = _fold_max(s2, gap) if MMA_SUMS else tl.maximum(s2, tl.max(gap, 1))
+        s0, s1 = (_fold_sum(s0, p0), _fold_sum(s1, p1)) if MMA_SUMS else (s0 + tl.sum(p0, 1), s1 + tl.sum(p1, 1))
+    elif not MMA_SUMS:
         s0, s1, s2 = s0 + tl.sum(p0, 1), s1 + tl.sum(p1, 1), s2 + tl.sum(p2, 1)
     elif FAST == 2:
         s0, s1, s2 = _fold_sum(s0, p0), _fold_sum(s1, d), _fold_sum(s2, p2)
@@ -739,11 +769,62 @@ def _add_powers(s0, s1, s2, d, inv, FAST: tl.constexpr, MMA_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _threshold_step(tau, lo, hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST: tl.constexpr):
+def _known_powers(xc, t, k):
+    """Σ d^k and Σ d^(k−1) (d > 0) over the class maxima xc at τ = t (d = [x − t]_+, k ≥ 1 per row)."""
+    d = tl.maximum(xc - t[:, None], 0.0)
+    lg = _log2(d)  # −inf where d = 0: d^k = 0 there; d^(k−1) is selected
+    power1 = tl.where(d > 0, tl.math.exp2((k[:, None] - 1.0) * lg), 0.0)
+    return tl.sum(tl.math.exp2(k[:, None] * lg), 1), tl.sum(power1, 1)
+
+
+@triton.jit
+def _class_model_root(xc, tau, s0, s1, inv):
+    """Where Newton's rows (1 ≤ inv < 2) step: the root of a model of the row's S = Σ d^k (k = inv) in which the
+    class maxima xc (see `_seed`), keys of the row, are exact and the rest — the keys they hide — is one key's
+    A·(c − τ)^k, fitted to the hidden share of this pass's S and Σ d^(k−1) at τ. A row whose support is its class
+    maxima and one hidden key is modelled exactly; with more hidden keys the model's S is the row's at τ with its
+    slope. Newton's steps from τ find the model's root per row, with no work per key (an exponent fitted to the
+    hidden share of Σ d^(k+1), as `_refine`'s far steps fit theirs, took no fewer passes). Returns the root (NaN or
+    out of the bracket where the model has none) and the model's hidden S'' at τ."""
+    k = tau * 0.0 + inv  # one per row (a program's rows may belong to several heads)
+    known, known1 = _known_powers(xc, tau, k)
+    r = tl.maximum(s0 - known, 0.0)  # the hidden keys' share of S and of Σ d^(k−1)
+    r1 = tl.maximum(s1 - known1, 0.0)
+    y = r / r1  # c − τ: S / −S' = (c − τ) / k
+    hidden = (r > 0.0) & (r1 > 0.0) & (y < float("inf"))
+    ly = _log2(tl.where(hidden, y, 1.0))
+    a = tl.where(hidden, r * tl.math.exp2(-k * ly), 0.0)
+    c = tau + tl.where(hidden, y, 0.0)
+    c2 = a * k * (k - 1.0) * tl.math.exp2((k - 2.0) * ly)
+    t = tau
+    for _ in tl.static_range(MODEL_STEPS):
+        known, known1 = _known_powers(xc, t, k)
+        h = tl.maximum(c - t, 0.0)
+        lh = _log2(h)
+        f = known + a * tl.math.exp2(k * lh) - 1.0
+        fp = k * (known1 + tl.where(h > 0.0, a * tl.math.exp2((k - 1.0) * lh), 0.0))
+        t = t + f / fp
+    return t, c2
+
+
+@triton.jit
+def _threshold_step(
+    tau, lo, hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, xc, FAST: tl.constexpr,
+    MODELED: tl.constexpr,
+):  # fmt: skip
     """One refinement of every row's τ after a sweep over the sums of _powers, and whether another sweep is needed
-    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine."""
+    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine. MODELED: xc holds the
+    rows' class maxima (`_seed`), and Newton's rows step to the root of their class model (`_class_model_root`)."""
+    if FAST == 1:  # s2: minus the distance from τ to the row's nearest key (`_add_powers`)
+        gap, s2 = -s2, tl.zeros_like(s2)
+    else:
+        gap = tl.zeros_like(s2)
     s0, s1, s2 = _power_sums(s0, s1, s2, inv, FAST)
-    tau, lo, hi, conv, ptau, pfp = _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp)
+    if MODELED:
+        model, model_c2 = _class_model_root(xc, tau, s0, s1, inv)
+    else:
+        model, model_c2 = tau, tau
+    tau, lo, hi, conv, ptau, pfp = _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, MODELED)
     passes += 1
     todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
     return tau, lo, hi, ptau, pfp, passes, todo
@@ -824,7 +905,13 @@ def _entmax_tiles(
             else:  # cf·(t − max t) − τ in one FFMA.SAT: τ is not rounded to max u's ulp
                 d = _support(t * cf[:, None], tau[:, None])
             if PASS == 1:
-                s0, s1, s2 = _add_powers(s0, s1, s2, d, inv, FAST, MMA_SUMS)
+                gap = d
+                if FAST == 1:  # −|x − τ| (see _add_powers)
+                    if HAS_ALIBI:
+                        gap = -tl.abs((t - shift[:, None]) - tau[:, None])
+                    else:
+                        gap = -tl.abs(t * cf[:, None] - tau[:, None])
+                s0, s1, s2 = _add_powers(s0, s1, s2, d, gap, inv, FAST, MMA_SUMS)
             else:
                 # A tile whose weights are all 0 skips its V load and P·V. On interior tiles the test reads the tile's
                 # Z — formed on the tensor cores as P·V sees w (`_tile_z`) — from (rows, 16) partials, where one on d
@@ -884,7 +971,7 @@ def _entmax_program(
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, MMA_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWEEP_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ENTROPY: tl.constexpr, SEEDED: tl.constexpr,
+    ENTROPY: tl.constexpr, SEEDED: tl.constexpr, MODELED: tl.constexpr,
 ):  # fmt: skip
     """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep (which also finds where
     the search starts: `_seed`), safeguarded Halley/Newton threshold sweeps until every row has converged (at most
@@ -893,7 +980,8 @@ def _entmax_program(
     sweep walks the interior tiles without masks.
     The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
     and, with ENTROPY, the entropy (without it the output sweep forms no log w and no Σ w log w); COUNT: also
-    (threshold passes, skipped tiles) of the program. The max and threshold sweeps,
+    (threshold passes, skipped tiles) of the program. MODELED (seeded): Newton's rows step to their class model's
+    root (`_class_model_root`), the class maxima held across the threshold loop. The max and threshold sweeps,
     which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
     loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
     MMA_SUMS (half-precision inputs, both forms): their sums, and the output's Z, as (rows, 16) column partials (see
@@ -969,9 +1057,10 @@ def _entmax_program(
     full_g, hi_g = tl.where(selected, full_s, lo), tl.where(selected, hi, lo)
     passes = pid_m * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
+    gaps = sums - float("inf") if FAST == 1 else sums  # α = 2's s2 is a max (`_add_powers`)
     while todo:
         _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
-            umax, cnt, sums, sums, sums, zero, zero, acc, skipped, lo, full_f, hi_f, qs, qx, kx_s, K, V, k_offs_s,
+            umax, cnt, sums, sums, gaps, zero, zero, acc, skipped, lo, full_f, hi_f, qs, qx, kx_s, K, V, k_offs_s,
             v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
             CAUSAL=CAUSAL,
             HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
@@ -986,9 +1075,9 @@ def _entmax_program(
                 BLOCK_N=SWEEP_N,
             )  # fmt: skip
         if MMA_SUMS:
-            s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.sum(s2, 1)
+            s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.max(s2, 1) if FAST == 1 else tl.sum(s2, 1)
         tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, x_c, FAST, MODELED
         )
     plogp0 = tl.zeros([BLOCK_M, LOG_PARTIALS], dtype=tl.float32) if MMA_SUMS else zero
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
@@ -1020,18 +1109,19 @@ def _entmax_kernel(
     H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, ENTROPY: tl.constexpr, EXACT_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MODELED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`);
     without ENTROPY (a caller that does not ask for it) ENT_OUT is not written. EXACT_D: D = BLOCK_D (as in the
     TensorRT form), so no load masks head-dim lanes — a masked load under a branch (the output sweep's V) zeroes its
-    registers first."""
+    registers first. MODELED: see `_entmax_program` (the host's choice: α = 1.5 as a Python float has no Newton's
+    rows)."""
     _entmax_program(
         Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, BLOCK_D if EXACT_D else D,
         scale, smb, max_passes, tol,
         CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, not DOT_F32, BLOCK_M, BLOCK_N,
-        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY, True,
+        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY, True, MODELED,
     )  # fmt: skip
 
 
@@ -1096,14 +1186,15 @@ def _entmax_threshold_kernel(
         umax = tl.maximum(umax, u)
         cnt += tl.where(u > float("-inf"), 1.0, 0.0)
     shift, t_lo, t_hi, dead = _bracket(tl.max(umax, 1), tl.sum(cnt, 1), am1, keep)
-    tau = _seed(umax - shift[:, None], inv)  # umax: the maxima of the row's BLOCK_N key classes
+    x_c = umax - shift[:, None]  # the maxima of the row's BLOCK_N key classes
+    tau = _seed(x_c, inv)
     ptau, pfp = tau, tl.zeros_like(tau)
     passes = pid * 0
     todo = tl.sum(tl.where(dead, 0, 1), 0) > 0
     while todo:
         a0 = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
         a1 = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
-        a2 = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32) - (float("inf") if FAST == 1 else 0.0)
         for start_n in range(0, LK, BLOCK_N):
             cols = start_n + offs_n
             u = tl.load(
@@ -1113,10 +1204,13 @@ def _entmax_threshold_kernel(
             p0, p1, p2 = _powers(d, inv[:, None], GENERAL_SELECTED if FAST == 0 else FAST)
             a0 += p0
             a1 += p1
-            a2 += p2
-        s0, s1, s2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1)
+            if FAST == 1:  # −|x − τ| (see _add_powers)
+                a2 = tl.maximum(a2, -tl.abs((u - shift[:, None]) - tau[:, None]))
+            else:
+                a2 += p2
+        s0, s1, s2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.max(a2, 1) if FAST == 1 else tl.sum(a2, 1)
         tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, FAST
+            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, x_c, FAST, FAST != 2
         )
     tl.store(UMAX_OUT + rows, shift, mask=keep)
     tl.store(TAU_OUT + rows, tau, mask=keep)
@@ -1231,7 +1325,7 @@ def _trt_entmax_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
         scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
         CAUSAL, True, HAS_LAMBDA, True, DOT_F32, GENERAL_SELECTED, False, not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_N,
-        BLOCK_D, True, False,
+        BLOCK_D, True, False, False,
     )  # fmt: skip
 
 
