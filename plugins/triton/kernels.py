@@ -28,7 +28,8 @@ SETTLED_STEP = tl.constexpr(1.0e-3)
 # step on S^(1/inv) lands on the small problem's root in two or three (a fourth moved no pass count measured).
 SEED_STEPS = tl.constexpr(4)
 # Newton steps of the class model (`_class_model_root`) per threshold pass: from the pass's τ, where the model's S is
-# the row's, the model's root is reached to fp32 in three or four (a fifth moved no pass count measured).
+# the row's, the model's root is reached to fp32 in three or four (six moved no pass count in a NumPy model of the
+# search).
 MODEL_STEPS = tl.constexpr(4)
 # Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
 LOG_FLOOR = tl.constexpr(1.0e-30)
@@ -741,7 +742,8 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, 
     settled = settled | (ok & (tl.abs(new - tau) < gap))
     if MODELED:
         # A model step's error is that of the curvature it missed: the model matches S and S' at τ, so the error
-        # is at most (|S''| + |the model's S''|)·step² / 2|S'|, S'' taken from the secant as above.
+        # is about |S'' − the model's S''|·step² / 2|S'| ≤ (|S''| + |the model's S''|)·step² / 2|S'|, S'' taken from
+        # the secant as above; the rule holds twice that to a quarter of the tolerance.
         taken = new - tau
         near = newton_rows & (s0 <= 1.25) & (curv >= 0.0) & (curv < float("inf"))
         bound = (tl.abs(curv) + tl.abs(model_c2)) / tl.abs(fp) * taken * taken
