@@ -285,10 +285,11 @@ def triton_version() -> tuple[int, int]:
 
 
 def class_model(fast: int) -> bool:
-    """Whether the entmax prefill kernel steps Newton's rows to their class model's root (MODELED): not at α = 1.5
-    (FAST = 2: Halley's rows only), and not under Triton 3.6, where the class maxima held across the threshold loop
-    make its diagonal tiles spill 2 instructions per tile (bf16, D = 128: `sharp-bench kernels --static`; 3.9 keeps
-    them spill-free). Versions between were not measured and take the newer's choice."""
+    """Whether the entmax prefill kernel steps Newton's rows (1.5 < α ≤ 2) and α > 2 to their class model's root
+    (MODELED): not at α = 1.5 (FAST = 2: Halley's rows only), and not under Triton 3.6, where the class maxima held
+    across the threshold loop make its diagonal tiles spill 2 instructions per tile (bf16, D = 128: `sharp-bench
+    kernels --static`; 3.9 keeps them spill-free). Versions between were not measured and take the newer's
+    choice."""
     return fast != 2 and triton_version() > (3, 6)
 
 

@@ -31,6 +31,9 @@ SEED_STEPS = tl.constexpr(4)
 # the row's, the model's root is reached to fp32 in three or four (six moved no pass count in a NumPy model of the
 # search).
 MODEL_STEPS = tl.constexpr(4)
+# Bisection steps of the class model for α > 2 (`_class_bisection_root`): the bracket's width (≤ 1) to 2^-28, below
+# fp32's resolution of τ.
+BISECT_STEPS = tl.constexpr(28)
 # Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
 LOG_FLOOR = tl.constexpr(1.0e-30)
 LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied to a log2 already taken
@@ -674,13 +677,14 @@ def _tile_z(w, E0, MMA_SUMS: tl.constexpr):
 
 
 @triton.jit
-def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, MODELED: tl.constexpr):
+def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, exact, MODELED: tl.constexpr):
     """One safeguarded root step for S(τ) = Σ d^inv = 1 per row: the streamed oracle's `refine_threshold` (Halley
     where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with five
     additions that save passes — steps on S^(1/inv) while S > 1.25 (on a power law fitted to S, S' and T =
     Σ d^(inv+1) where S'' is not summed), S'' from the previous pass's S' where it is not summed, a settling
-    rule (below) and, MODELED, Newton's rows (1 ≤ inv < 2) step to the root of their class model (`model`, whose
-    S'' at τ is model_c2: `_class_model_root`) where it lies in the bracket. s2: Σ d^(inv−2) on Halley's rows, T on
+    rule (below) and, MODELED, Newton's rows (1 ≤ inv < 2) and α > 2 (inv < 1) step to the root of their class model
+    (`model`, whose S'' at τ is model_c2: `_class_model_root`; `_class_bisection_root` for inv < 1, exact where
+    `exact`) where it lies in the bracket. s2: Σ d^(inv−2) on Halley's rows, T on
     Newton's. (ptau, pfp): the previous pass's τ and S' (on the first, fp = 0 at τ). gap: the distance from τ to the
     row's nearest key where it was kept (α = 2; else 0). Returns τ, the bracket, convergence and this pass's
     (τ, S')."""
@@ -719,15 +723,14 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, 
     secant = newton_rows & (s0 <= 1.25) & (curv >= 0.0) & (curv < float("inf")) & (tl.abs(sec) < float("inf"))
     step = tl.where(secant, sec, step)
     cand = tau - step
-    if MODELED:  # Newton's rows whose class model has a root in the bracket step there
-        modeled = (tl.zeros_like(tau) + inv >= 1.0) & (tl.zeros_like(tau) + inv < 2.0)
-        modeled = modeled & (model == model) & (model >= lo) & (model <= hi)
+    if MODELED:  # rows whose class model has a root in the bracket step there
+        modeled = (tl.zeros_like(tau) + inv < 2.0) & (model == model) & (model >= lo) & (model <= hi)
         cand = tl.where(modeled, model, cand)
     else:
         modeled = tau != tau
     ok = (cand == cand) & (tl.abs(cand) < float("inf")) & (cand >= lo) & (cand <= hi)
     # α > 2 (inv < 1): Newton can cycle between the bracket's ends; a step across over half of it bisects instead
-    ok = ok & ((tl.zeros_like(tau) + inv >= 1.0) | (tl.abs(cand - tau) <= 0.5 * (hi - lo)))
+    ok = ok & ((tl.zeros_like(tau) + inv >= 1.0) | (tl.abs(cand - tau) <= 0.5 * (hi - lo)) | (modeled & exact))
     new = tl.where(ok, cand, 0.5 * (lo + hi))
     # A Halley step near the root (the exact f = S − 1 one, taken inside the bracket) leaves an error of the order of
     # the step cubed: a step below tol^(1/3) / 8 needs no pass to confirm it.
@@ -739,7 +742,7 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, 
     # exact and whose hidden share is linear with the hidden keys' count as its slope — lands on the root exactly
     # unless a key lies within the step of τ: a step shorter than the distance to the nearest key needs no pass to
     # confirm it.
-    settled = settled | (ok & (tl.abs(new - tau) < gap))
+    settled = settled | (ok & (tl.abs(new - tau) < gap)) | (ok & modeled & exact)
     if MODELED:
         # A model step's error is that of the curvature it missed: the model matches S and S' at τ, so the error
         # is about |S'' − the model's S''|·step² / 2|S'| ≤ (|S''| + |the model's S''|)·step² / 2|S'|, S'' taken from
@@ -810,23 +813,61 @@ def _class_model_root(xc, tau, s0, s1, inv):
 
 
 @triton.jit
+def _class_bisection_root(xc, tau, lo, hi, s0, s1, k):
+    """The class model of α > 2 (k < 1, S concave between keys: Newton's steps on it overshoot and cycle), its root
+    found per row by bisection on the bracket [lo, hi]: the class maxima xc exact and the keys they hide one key
+    (d = their share of S over their share of Σ d^(k−1), exact for one). Every hidden key in the support adds
+    d^(k−1) ≥ 1 to Σ d^(k−1) (d ≤ 1), so a share below 1/2 means there is none: then, for τ at or below the root
+    (S ≥ 1 there; the keys above τ stay those of the class maxima as τ rises), the model's root is the row's —
+    `exact`."""
+    known, known1 = _known_powers(xc, tau, k)
+    r = tl.maximum(s0 - known, 0.0)
+    r1 = tl.maximum(s1 - known1, 0.0)
+    hidden = (r1 >= 0.5) & (r > 0.0)
+    y = tl.where(hidden, r / r1, 1.0)
+    a = tl.where(hidden, r * tl.math.exp2(-k * _log2(y)), 0.0)
+    c = tau + tl.where(hidden, y, 0.0)
+    f_lo, f_hi = s0 - 1.0, tl.zeros_like(s0) - float("inf")  # the model's S − 1 at the ends (at τ: the row's)
+    for _ in tl.static_range(BISECT_STEPS):
+        m = 0.5 * (lo + hi)
+        known, _ = _known_powers(xc, m, k)
+        f = known + a * tl.math.exp2(k * _log2(tl.maximum(c - m, 0.0))) - 1.0
+        above = f > 0.0
+        lo, hi = tl.where(above, m, lo), tl.where(above, hi, m)
+        f_lo, f_hi = tl.where(above, f, f_lo), tl.where(above, f_hi, f)
+    # 28 halvings leave the ends an ulp or two of τ apart: the root is the end where the model's S is nearer 1
+    return tl.where(tl.abs(f_lo) < tl.abs(f_hi), lo, hi), (r1 < 0.5) & (s0 >= 1.0)
+
+
+@triton.jit
 def _threshold_step(
     tau, lo, hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, xc, FAST: tl.constexpr,
     MODELED: tl.constexpr,
 ):  # fmt: skip
     """One refinement of every row's τ after a sweep over the sums of _powers, and whether another sweep is needed
     (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine. MODELED: xc holds the
-    rows' class maxima (`_seed`), and Newton's rows step to the root of their class model (`_class_model_root`)."""
+    rows' class maxima (`_seed`), and Newton's rows and α > 2 step to the root of their class model
+    (`_class_model_root`; `_class_bisection_root`, bisected only where a live row has α > 2)."""
     if FAST == 1:  # s2: minus the distance from τ to the row's nearest key (`_add_powers`)
         gap, s2 = -s2, tl.zeros_like(s2)
     else:
         gap = tl.zeros_like(s2)
     s0, s1, s2 = _power_sums(s0, s1, s2, inv, FAST)
+    exact = tau != tau
     if MODELED:
         model, model_c2 = _class_model_root(xc, tau, s0, s1, inv)
+        k = tau * 0.0 + inv
+        if tl.min(tl.where(dead, 1.0, k), 0) < 1.0:  # α > 2 in some live row: the bisected model
+            above = s0 > 1.0
+            low, exact = _class_bisection_root(
+                xc, tau, tl.where(above, tau, lo), tl.where(above, hi, tau), s0, s1, k
+            )  # fmt: skip
+            model, exact = tl.where(k < 1.0, low, model), exact & (k < 1.0)
     else:
         model, model_c2 = tau, tau
-    tau, lo, hi, conv, ptau, pfp = _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, MODELED)
+    tau, lo, hi, conv, ptau, pfp = _refine(
+        tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, exact, MODELED
+    )  # fmt: skip
     passes += 1
     todo = (tl.sum(tl.where(conv | dead, 0, 1), 0) > 0) & (passes < max_passes)
     return tau, lo, hi, ptau, pfp, passes, todo
@@ -982,8 +1023,9 @@ def _entmax_program(
     sweep walks the interior tiles without masks.
     The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
     and, with ENTROPY, the entropy (without it the output sweep forms no log w and no Σ w log w); COUNT: also
-    (threshold passes, skipped tiles) of the program. MODELED (seeded): Newton's rows step to their class model's
-    root (`_class_model_root`), the class maxima held across the threshold loop. The max and threshold sweeps,
+    (threshold passes, skipped tiles) of the program. MODELED (seeded): Newton's rows (1.5 < α ≤ 2) and α > 2 step
+    to their class model's root (`_class_model_root`, `_class_bisection_root`), the class maxima held across the
+    threshold loop. The max and threshold sweeps,
     which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
     loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
     MMA_SUMS (half-precision inputs, both forms): their sums, and the output's Z, as (rows, 16) column partials (see
