@@ -77,29 +77,10 @@ def _seed_probe(X, INV, TAU, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _model_probe(X, XC, INV, TAU, OUT, LK, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The class model's root (`_class_model_root`) for ROWS rows of LK values x = u − max u and their PARTIALS class
-    maxima XC, from one threshold pass's sums at TAU (selected powers, as the decode kernel forms them)."""
-    rows = tl.arange(0, ROWS)
-    offs = tl.arange(0, BLOCK_N)
-    inv = tl.load(INV + rows)
-    tau = tl.load(TAU + rows)
-    zero = tl.zeros([ROWS], dtype=tl.float32)
-    a0, a1, a2 = zero, zero, zero
-    for start in range(0, LK, BLOCK_N):
-        d = _support(tl.load(X + rows[:, None] * LK + start + offs[None, :]), tau[:, None])
-        p0, p1, p2 = _powers(d, inv[:, None], GENERAL_SELECTED)
-        a0, a1, a2 = a0 + tl.sum(p0, 1), a1 + tl.sum(p1, 1), a2 + tl.sum(p2, 1)
-    s0, s1, _ = _power_sums(a0, a1, a2, inv, 0)
-    xc = tl.load(XC + rows[:, None] * PARTIALS + tl.arange(0, PARTIALS)[None, :])
-    root, _ = _class_model_root(xc, tau, s0, s1, inv)
-    tl.store(OUT + rows, root)
-
-
-@triton.jit
-def _bisect_probe(X, XC, INV, TAU, OUT, EXACT, LK, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The α > 2 class model's root (`_class_bisection_root`) on [TAU, 0] or [−1, TAU] for ROWS rows of LK values
-    x = u − max u and their PARTIALS class maxima XC, from one threshold pass's sums at TAU, and whether it is
+def _class_probe(X, XC, INV, TAU, OUT, EXACT, LK, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BISECT: tl.constexpr):
+    """The class model's root for ROWS rows of LK values x = u − max u and their PARTIALS class maxima XC, from one
+    threshold pass's sums at TAU (selected powers, as the decode kernel forms them): `_class_model_root`, or with
+    BISECT `_class_bisection_root` (α > 2) on the bracket that pass leaves, [TAU, 0] or [−1, TAU], and whether it is
     exact."""
     rows = tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK_N)
@@ -113,12 +94,14 @@ def _bisect_probe(X, XC, INV, TAU, OUT, EXACT, LK, ROWS: tl.constexpr, BLOCK_N: 
         a0, a1, a2 = a0 + tl.sum(p0, 1), a1 + tl.sum(p1, 1), a2 + tl.sum(p2, 1)
     s0, s1, _ = _power_sums(a0, a1, a2, inv, 0)
     xc = tl.load(XC + rows[:, None] * PARTIALS + tl.arange(0, PARTIALS)[None, :])
-    above = s0 > 1.0  # the bracket's end at τ, as the search's is after the pass
-    root, exact = _class_bisection_root(
-        xc, tau, tl.where(above, tau, zero - 1.0), tl.where(above, zero, tau), s0, s1, inv
-    )
+    if BISECT:
+        above = s0 > 1.0
+        lo, hi = tl.where(above, tau, zero - 1.0), tl.where(above, zero, tau)
+        root, exact = _class_bisection_root(xc, tau, lo, hi, s0, s1, inv)
+        tl.store(EXACT + rows, exact.to(tl.int32))
+    else:
+        root, _ = _class_model_root(xc, tau, s0, s1, inv)
     tl.store(OUT + rows, root)
-    tl.store(EXACT + rows, exact.to(tl.int32))
 
 
 @triton.jit
@@ -880,34 +863,44 @@ def test_shift_columns_hold_max_t_exactly(dtype):
     assert torch.equal(rows[1:], rows[:1].expand(15, -1)) and int((rows[0] != 0).sum()) == 3
 
 
+def _rows_with_a_hidden_key(seed: int, k: float) -> tuple[torch.Tensor, ...]:
+    """16 rows of 256 values x = u − max u: 16 class maxima in (−0.6, 0], in three rows of four a hidden key 0.05
+    under one of the three largest (the next key of its class), 240 keys far below. Returns x, its class maxima, the
+    float64 root, which rows have a hidden key, and that key's column."""
+    g = torch.Generator().manual_seed(seed)
+    rows, lk, n = 16, 256, PARTIALS.value
+    x = torch.full((rows, lk), -5.0, dtype=torch.float64) - torch.rand(rows, lk, generator=g, dtype=torch.float64)
+    x[:, :n] = -0.6 * torch.rand(rows, n, generator=g, dtype=torch.float64)
+    x[:, 0] = 0.0
+    hidden = torch.arange(rows) % 4 != 0
+    col = n + x[:, :n].argsort(1, descending=True)[torch.arange(rows), torch.arange(rows) % 3]
+    x[hidden, col[hidden]] = x[hidden, col[hidden] - n] - 0.05
+    x = x.float().double()  # values the kernel holds exactly
+    x_c = torch.stack([x[:, c::n].amax(1) for c in range(n)], 1)
+    return x, x_c, _root(x, k), hidden, col
+
+
+def _class_root(x, x_c, k, tau, bisect):
+    out, exact = torch.empty(x.shape[0], device=DEVICE), torch.zeros(x.shape[0], dtype=torch.int32, device=DEVICE)
+    _class_probe[(1,)](
+        x.float().to(DEVICE), x_c.float().to(DEVICE), torch.full((x.shape[0],), k, device=DEVICE),
+        tau.float().to(DEVICE), out, exact, x.shape[1], ROWS=x.shape[0], BLOCK_N=64, BISECT=bisect,
+    )  # fmt: skip
+    return out.double().cpu(), exact.cpu().bool()
+
+
 @pytest.mark.parametrize("alpha", [1.6, 1.75, 2.0])
 def test_class_model_finds_the_root_of_a_row_with_one_hidden_key(alpha):
     """Newton's rows step to the root of a model whose class maxima are exact and whose hidden keys (below their
     class's max) are a power law fitted to the pass's sums. A hidden key alone is such a power law (p = k, c its
     value), so a row whose support is class maxima and one hidden key gets its root from one pass, from wherever
-    below the root it was taken — and a row with no hidden key in its support too. Rows: 16 class maxima in
-    (−0.6, 0], a hidden key 0.05 under one of the three largest (or none), 240 keys far below; τ 0.02 to 0.3 below
-    the root."""
-    g = torch.Generator().manual_seed(11)
+    below the root it was taken — and a row with no hidden key in its support too (`_rows_with_a_hidden_key`; τ 0.02
+    to 0.3 below the root)."""
     k = 1.0 / (alpha - 1.0)
-    rows, lk, n = 16, 256, PARTIALS.value
-    x = torch.full((rows, lk), -5.0, dtype=torch.float64) - torch.rand(rows, lk, generator=g, dtype=torch.float64)
-    x[:, :n] = -0.6 * torch.rand(rows, n, generator=g, dtype=torch.float64)
-    x[:, 0] = 0.0
-    hidden = torch.arange(rows) % 4 != 0  # a quarter of the rows: no hidden key
-    cls = x[:, :n].argsort(1, descending=True)[torch.arange(rows), torch.arange(rows) % 3]  # one of the 3 largest
-    x[hidden, n + cls[hidden]] = x[hidden, cls[hidden]] - 0.05  # the next key of its class, 0.05 below its max
-    x = x.float().double()  # values the kernel holds exactly
-    root = _root(x, k)
-    tau = root - torch.linspace(0.02, 0.3, rows, dtype=torch.float64)
-    assert (x[hidden, n + cls[hidden]] > root[hidden]).all()  # the hidden key is in the support at the root
-    x_c = torch.stack([x[:, c::n].amax(1) for c in range(n)], 1)
-    out = torch.empty(rows, device=DEVICE)
-    _model_probe[(1,)](
-        x.float().to(DEVICE), x_c.float().to(DEVICE), torch.full((rows,), k, device=DEVICE), tau.float().to(DEVICE),
-        out, lk, ROWS=rows, BLOCK_N=64,
-    )  # fmt: skip
-    err = (out.double().cpu() - root).abs()
+    x, x_c, root, hidden, col = _rows_with_a_hidden_key(11, k)
+    assert (x[hidden, col[hidden]] > root[hidden]).all()  # the hidden key is in the support at the root
+    out, _ = _class_root(x, x_c, k, root - torch.linspace(0.02, 0.3, 16, dtype=torch.float64), bisect=False)
+    err = (out - root).abs()
     assert err.max() <= 2e-6, err
 
 
@@ -916,33 +909,17 @@ def test_class_bisection_finds_the_root_and_knows_when_it_is_exact(alpha):
     """α > 2: the class model's root, bisected per row, is the row's own where no hidden key (below its class's max)
     is in the support — every such key adds d^(k−1) ≥ 1 to Σ d^(k−1), so its absence is known from the pass's sums —
     and τ lies at or below the root; a hidden key in the support at τ, or τ above the root (keys may enter as it
-    falls), is reported (not exact), its model root still near. Rows: 16 class maxima in (−0.6, 0], a hidden key 0.05
-    under one of the three largest in three rows of four, 240 keys far below; τ 0.02 to 0.3 below the root, or in
-    every fourth row above it."""
-    g = torch.Generator().manual_seed(13)
+    falls), is reported (not exact), its model root still near (`_rows_with_a_hidden_key`; τ 0.02 to 0.3 below the
+    root, or in every fourth row above it)."""
     k = 1.0 / (alpha - 1.0)
-    rows, lk, n = 16, 256, PARTIALS.value
-    x = torch.full((rows, lk), -5.0, dtype=torch.float64) - torch.rand(rows, lk, generator=g, dtype=torch.float64)
-    x[:, :n] = -0.6 * torch.rand(rows, n, generator=g, dtype=torch.float64)
-    x[:, 0] = 0.0
-    hidden = torch.arange(rows) % 4 != 0
-    cls = x[:, :n].argsort(1, descending=True)[torch.arange(rows), torch.arange(rows) % 3]
-    x[hidden, n + cls[hidden]] = x[hidden, cls[hidden]] - 0.05
-    x = x.float().double()
-    root = _root(x, k)
-    tau = root - torch.linspace(0.02, 0.3, rows, dtype=torch.float64)
-    high = torch.arange(rows) % 4 == 1  # τ above the root (and below the max)
-    tau[high] = root[high] + 0.5 * (x[high, :n].topk(2, 1).values[:, 1] - root[high])
-    in_support = x[torch.arange(rows), n + cls] > tau  # at τ, where the pass's sums are taken
-    x_c = torch.stack([x[:, c::n].amax(1) for c in range(n)], 1)
-    out, exact = torch.empty(rows, device=DEVICE), torch.zeros(rows, dtype=torch.int32, device=DEVICE)
-    _bisect_probe[(1,)](
-        x.float().to(DEVICE), x_c.float().to(DEVICE), torch.full((rows,), k, device=DEVICE), tau.float().to(DEVICE),
-        out, exact, lk, ROWS=rows, BLOCK_N=64,
-    )  # fmt: skip
-    exact = exact.cpu().bool()
+    x, x_c, root, hidden, col = _rows_with_a_hidden_key(13, k)
+    tau = root - torch.linspace(0.02, 0.3, 16, dtype=torch.float64)
+    high = torch.arange(16) % 4 == 1  # τ above the root (and below the max)
+    tau[high] = root[high] + 0.5 * (x[high, : PARTIALS.value].topk(2, 1).values[:, 1] - root[high])
+    in_support = x[torch.arange(16), col] > tau  # at τ, where the pass's sums are taken
+    out, exact = _class_root(x, x_c, k, tau, bisect=True)
     assert torch.equal(exact, ~(hidden & in_support) & ~high), (exact, hidden & in_support, high)
-    err = (out.double().cpu() - root).abs()
+    err = (out - root).abs()
     assert err[exact].max() <= 2e-6, err
     assert err[~exact & ~high].max() <= 0.05, err
 
