@@ -41,6 +41,10 @@ LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied t
 # α, α ≥ 2, or rows of several heads): b is not 0 where d = 0, so it is formed at the log floor and selected. The
 # FAST value of that sweep; the kernels' FAST = 0 sweep needs e > 0.
 GENERAL_SELECTED = tl.constexpr(3)
+# That sweep in a search that takes the class model (`_threshold_step`, MODELED): at α > 2 its third sum counts the
+# keys in the support (a select where Σ d^(inv+1) took a multiply) — not where the model is off (Triton 3.6's prefill,
+# whose edge threshold loops then spill).
+GENERAL_COUNTED = tl.constexpr(4)
 # Columns of the row sums kept as partials (MMA_SUMS): the narrowest N of an MMA.
 PARTIALS = tl.constexpr(16)
 # Columns of entmax's Σ w log2 d partials in the output sweep: down to 8, each halving of the tile's columns stays
@@ -611,11 +615,16 @@ def _powers(d, inv, FAST: tl.constexpr):
         p0 = d
         p1 = tl.where(d > 0, 1.0, 0.0)
         p2 = tl.zeros_like(d)
-    elif FAST == GENERAL_SELECTED:  # e ≤ 0 possible: at d = 0 the floor keeps b finite (b ≤ 1 where e ≥ 0; e > −1,
-        # so 2^(99.7·|e|) fits fp32), so the products are 0 without a select; b itself is selected
+    elif FAST >= GENERAL_SELECTED:  # (or GENERAL_COUNTED) e ≤ 0 possible: at d = 0 the floor keeps b finite
+        # (b ≤ 1 where e ≥ 0; e > −1, so 2^(99.7·|e|) fits fp32), so the products are 0 without a select; b itself is
+        # selected
         b = tl.math.exp2(_power_exponent(inv) * _log2(tl.maximum(d, LOG_FLOOR)))
         p1 = b * d
-        p0 = p1 * d
+        if FAST == GENERAL_COUNTED:  # at α > 2 (inv < 1) the count of keys in the support, not Σ d^(inv+1): the
+            # class model reads from it per class whether it models the hidden keys exactly (`_class_root`)
+            p0 = tl.where(inv < 1.0, tl.where(d > 0, 1.0, 0.0), p1 * d)
+        else:
+            p0 = p1 * d
         p2 = tl.where(d > 0, b, 0.0)
     else:  # e > 0 (the program checked): log2 0 = −inf, so b = 2^(e·log2 d) is 0 exactly where d = 0 — no floor, no
         # select
@@ -632,7 +641,7 @@ def _power_sums(s0, s1, s2, inv, FAST: tl.constexpr):
     Newton's) from the sums of _powers. The general path sums b·d², b·d and b for b = d^e with e = inv − 2 where
     _refine reads S'' (Halley, inv ≥ 2) and e = inv − 1 below (Newton, whose far steps read b·d² = d^(inv+1)) —
     one exp2 per element instead of two. (α = 2's path sums no d^(inv+1): 0 in its place.)"""
-    if FAST == 0 or FAST == GENERAL_SELECTED:
+    if FAST == 0 or FAST >= GENERAL_SELECTED:  # (GENERAL_COUNTED too)
         halley = inv >= 2.0
         s0, s1, s2 = tl.where(halley, s0, s1), tl.where(halley, s1, s2), tl.where(halley, s2, s0)
     return s0, s1, s2
@@ -746,9 +755,11 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, 
     if MODELED:
         # A model step's error is that of the curvature it missed: the model matches S and S' at τ, so the error
         # is about |S'' − the model's S''|·step² / 2|S'| ≤ (|S''| + |the model's S''|)·step² / 2|S'|, S'' taken from
-        # the secant as above; the rule holds twice that to a quarter of the tolerance.
+        # the secant as above (at α > 2, where S is concave between keys, of either sign); the rule holds twice that
+        # to a quarter of the tolerance.
         taken = new - tau
-        near = newton_rows & (s0 <= 1.25) & (curv >= 0.0) & (curv < float("inf"))
+        low_k = tl.zeros_like(tau) + inv < 1.0
+        near = (newton_rows & (curv >= 0.0) | low_k) & (s0 <= 1.25) & (tl.abs(curv) < float("inf"))
         bound = (tl.abs(curv) + tl.abs(model_c2)) / tl.abs(fp) * taken * taken
         settled = settled | (ok & modeled & near & (tl.abs(taken) <= SETTLED_STEP) & (bound <= tol / 4))
     conv = (tl.abs(new - tau) <= tol) | (f == 0) | ((hi - lo) <= tol) | settled
@@ -774,69 +785,99 @@ def _add_powers(s0, s1, s2, d, gap, inv, FAST: tl.constexpr, MMA_SUMS: tl.conste
 
 
 @triton.jit
-def _known_powers(xc, t, k):
-    """Σ d^k and Σ d^(k−1) (d > 0) over the class maxima xc at τ = t (d = [x − t]_+, k ≥ 1 per row)."""
-    d = tl.maximum(xc - t[:, None], 0.0)
+def _class_model(xc, tau, c0, c1, k):
+    """The class model of S = Σ d^k at τ (k one per row) from one threshold pass's sums kept per key class (c0 = Σ d^k,
+    c1 = Σ d^(k−1); class j ≡ c (mod classes), as the max sweep's maxima xc): in each class its max, a key of the
+    row, is exact and the keys it hides are one key a·(c − τ)_+^k, fitted to their share of the class's two sums —
+    exact where a class hides one key in the support, or several at one value. (A class that hides none may keep
+    shares of a rounding's size: their key's S stays of that size for every τ above this one.) Returns (a, c) per
+    class and the hidden keys' S'' at τ per row."""
+    kk = k[:, None]
+    d = tl.maximum(xc - tau[:, None], 0.0)
     lg = _log2(d)  # −inf where d = 0: d^k = 0 there; d^(k−1) is selected
-    power1 = tl.where(d > 0, tl.math.exp2((k[:, None] - 1.0) * lg), 0.0)
-    return tl.sum(tl.math.exp2(k[:, None] * lg), 1), tl.sum(power1, 1)
-
-
-@triton.jit
-def _class_model_root(xc, tau, s0, s1, inv):
-    """Where Newton's rows (1 ≤ inv < 2) step: the root of a model of the row's S = Σ d^k (k = inv) in which the
-    class maxima xc (see `_seed`), keys of the row, are exact and the rest — the keys they hide — is one key's
-    A·(c − τ)^k, fitted to the hidden share of this pass's S and Σ d^(k−1) at τ. A row whose support is its class
-    maxima and one hidden key is modelled exactly; with more hidden keys the model's S is the row's at τ with its
-    slope. Newton's steps from τ find the model's root per row, with no work per key (an exponent fitted to the
-    hidden share of Σ d^(k+1), as `_refine`'s far steps fit theirs, took no fewer passes). Returns the root (NaN or
-    out of the bracket where the model has none) and the model's hidden S'' at τ."""
-    k = tau * 0.0 + inv  # one per row (a program's rows may belong to several heads)
-    known, known1 = _known_powers(xc, tau, k)
-    r = tl.maximum(s0 - known, 0.0)  # the hidden keys' share of S and of Σ d^(k−1)
-    r1 = tl.maximum(s1 - known1, 0.0)
-    y = r / r1  # c − τ: S / −S' = (c − τ) / k
+    r = tl.maximum(c0 - tl.math.exp2(kk * lg), 0.0)
+    r1 = tl.maximum(c1 - tl.where(d > 0, tl.math.exp2((kk - 1.0) * lg), 0.0), 0.0)
+    y = r / r1  # c − τ: S / −S' = (c − τ) / k for one key
     hidden = (r > 0.0) & (r1 > 0.0) & (y < float("inf"))
     ly = _log2(tl.where(hidden, y, 1.0))
-    a = tl.where(hidden, r * tl.math.exp2(-k * ly), 0.0)
-    c = tau + tl.where(hidden, y, 0.0)
-    c2 = a * k * (k - 1.0) * tl.math.exp2((k - 2.0) * ly)
-    t = tau
-    for _ in tl.static_range(MODEL_STEPS):
-        known, known1 = _known_powers(xc, t, k)
-        h = tl.maximum(c - t, 0.0)
-        lh = _log2(h)
-        f = known + a * tl.math.exp2(k * lh) - 1.0
-        fp = k * (known1 + tl.where(h > 0.0, a * tl.math.exp2((k - 1.0) * lh), 0.0))
-        t = t + f / fp
-    return t, c2
+    a = tl.where(hidden, r * tl.math.exp2(-kk * ly), 0.0)
+    c = tau[:, None] + tl.where(hidden, y, 0.0)
+    return a, c, tl.sum(a * kk * (kk - 1.0) * tl.math.exp2((kk - 2.0) * ly), 1)
 
 
 @triton.jit
-def _class_bisection_root(xc, tau, lo, hi, s0, s1, k):
-    """The class model of α > 2 (k < 1, S concave between keys: Newton's steps on it overshoot and cycle), its root
-    found per row by bisection on the bracket [lo, hi]: the class maxima xc exact and the keys they hide one key
-    (d = their share of S over their share of Σ d^(k−1), exact for one). Every hidden key in the support adds
-    d^(k−1) ≥ 1 to Σ d^(k−1) (d ≤ 1), so a share below 1/2 means there is none: then, for τ at or below the root
-    (S ≥ 1 there; the keys above τ stay those of the class maxima as τ rises), the model's root is the row's —
-    `exact`."""
-    known, known1 = _known_powers(xc, tau, k)
-    r = tl.maximum(s0 - known, 0.0)
-    r1 = tl.maximum(s1 - known1, 0.0)
-    hidden = (r1 >= 0.5) & (r > 0.0)
-    y = tl.where(hidden, r / r1, 1.0)
-    a = tl.where(hidden, r * tl.math.exp2(-k * _log2(y)), 0.0)
-    c = tau + tl.where(hidden, y, 0.0)
-    f_lo, f_hi = s0 - 1.0, tl.zeros_like(s0) - float("inf")  # the model's S − 1 at the ends (at τ: the row's)
+def _class_sums(xc, a, c, t, k):
+    """The class model's S and Σ d^(k−1) at τ = t (see `_class_model`)."""
+    kk = k[:, None]
+    d = tl.maximum(xc - t[:, None], 0.0)
+    h = tl.maximum(c - t[:, None], 0.0)
+    lg, lh = _log2(d), _log2(h)  # −inf where 0: the powers d^k are 0 there, d^(k−1) selected
+    s = tl.math.exp2(kk * lg) + a * tl.math.exp2(kk * lh)
+    s1 = tl.where(d > 0, tl.math.exp2((kk - 1.0) * lg), 0.0) + tl.where(h > 0, a * tl.math.exp2((kk - 1.0) * lh), 0.0)
+    return tl.sum(s, 1), tl.sum(s1, 1)
+
+
+@triton.jit
+def _class_model_root(xc, a, c, tau, k):
+    """Where Newton's rows (1 ≤ k < 2) step: the class model's root (`_class_model`), found per row by Newton's
+    steps from τ, where the model's S and slope are the row's — no work per key. S is convex, so from a τ below the
+    root the steps rise to it without overshooting. Returns the root (NaN or out of the bracket where the model has
+    none) and the last step's length (the root's error once it is below fp32's)."""
+    t = tau
+    step = tau * 0.0
+    for _ in tl.static_range(MODEL_STEPS):
+        s, s1 = _class_sums(xc, a, c, t, k)
+        step = (s - 1.0) / (k * s1)
+        t = t + step
+    return t, tl.abs(step)
+
+
+@triton.jit
+def _class_bisection_root(xc, a, c, lo, hi, f_lo, k):
+    """The class model's root at α > 2 (k < 1, S concave between keys: Newton's steps on it overshoot and cycle),
+    found per row by bisection on the bracket [lo, hi], where S − 1 at lo is f_lo: the end where the model's S is
+    nearer 1."""
+    f_hi = tl.zeros_like(f_lo) - float("inf")
     for _ in tl.static_range(BISECT_STEPS):
         m = 0.5 * (lo + hi)
-        known, _ = _known_powers(xc, m, k)
-        f = known + a * tl.math.exp2(k * _log2(tl.maximum(c - m, 0.0))) - 1.0
+        s, _ = _class_sums(xc, a, c, m, k)
+        f = s - 1.0
         above = f > 0.0
         lo, hi = tl.where(above, m, lo), tl.where(above, hi, m)
         f_lo, f_hi = tl.where(above, f, f_lo), tl.where(above, f_hi, f)
     # 28 halvings leave the ends an ulp or two of τ apart: the root is the end where the model's S is nearer 1
-    return tl.where(tl.abs(f_lo) < tl.abs(f_hi), lo, hi), (r1 < 0.5) & (s0 >= 1.0)
+    return tl.where(tl.abs(f_lo) < tl.abs(f_hi), lo, hi)
+
+
+@triton.jit
+def _class_partials(s0, s1, s2, k, FAST: tl.constexpr):
+    """A threshold pass's sums of _powers kept per key class (rows, classes) as the class model reads them: Σ d^k,
+    Σ d^(k−1) and the count of keys in the support where k ≤ 1 (α ≥ 2: Σ d^0 itself, or at α > 2 the third sum)."""
+    if FAST == 1:
+        return s0, s1, s1
+    else:  # Newton's rows (the model's): Σ b·d, Σ b, and Σ b·d² — a count where k < 1 (`_powers`)
+        return s1, s2, tl.where(k[:, None] < 1.0, s0, s2)
+
+
+@triton.jit
+def _class_root(xc, tau, lo, hi, c0, c1, counts, s0, k, tol, dead):
+    """Where the class model (`_class_model`, from a pass's `_class_partials` at τ, whose S summed over the row is s0)
+    puts the root, per row: Newton's steps on it (`_class_model_root`), bisection where k < 1 on [lo, hi] as the pass
+    leaves it. Where the pass counted the support (k ≤ 1), a model whose every class hides at most one key in it is
+    the row's S for every τ above this one, so its root, where S ≥ 1 here, is the row's: `exact`, and needs no pass
+    to confirm it. Returns the root, the hidden keys' S'' at τ and that flag."""
+    hides = counts - tl.where(xc > tau[:, None], 1.0, 0.0)  # the keys each class hides in the support
+    a, c, model_c2 = _class_model(xc, tau, c0, c1, k)
+    one = (k <= 1.0) & (tl.max(hides, 1) <= 1.5) & (s0 >= 1.0)
+    model, last = _class_model_root(xc, a, c, tau, k)
+    exact = one & (last <= tol)
+    if tl.min(tl.where(dead, 1.0, k), 0) < 1.0:  # α > 2 in some live row: the bisected model
+        above = s0 > 1.0
+        low = _class_bisection_root(
+            xc, a, c, tl.where(above, tau, lo), tl.where(above, hi, tau), tl.where(above, s0 - 1.0, float("inf")), k
+        )  # fmt: skip
+        model, exact = tl.where(k < 1.0, low, model), tl.where(k < 1.0, one, exact)
+    return model, model_c2, exact
 
 
 @triton.jit
@@ -845,26 +886,23 @@ def _threshold_step(
     MODELED: tl.constexpr,
 ):  # fmt: skip
     """One refinement of every row's τ after a sweep over the sums of _powers, and whether another sweep is needed
-    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine. MODELED: xc holds the
-    rows' class maxima (`_seed`), and Newton's rows and α > 2 step to the root of their class model
-    (`_class_model_root`; `_class_bisection_root`, bisected only where a live row has α > 2)."""
+    (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine. MODELED: the sums come per
+    key class (rows, classes), xc holds the classes' maxima (`_seed`), and Newton's rows and α > 2 step to the root of
+    their class model (`_class_root`)."""
+    k = tau * 0.0 + inv  # one per row (a program's rows may belong to several heads)
+    if MODELED:
+        c0, c1, counts = _class_partials(s0, s1, s2, k, FAST)
+        s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.max(s2, 1) if FAST == 1 else tl.sum(s2, 1)
     if FAST == 1:  # s2: minus the distance from τ to the row's nearest key (`_add_powers`)
         gap, s2 = -s2, tl.zeros_like(s2)
     else:
         gap = tl.zeros_like(s2)
     s0, s1, s2 = _power_sums(s0, s1, s2, inv, FAST)
-    exact = tau != tau
     if MODELED:
-        model, model_c2 = _class_model_root(xc, tau, s0, s1, inv)
-        k = tau * 0.0 + inv
-        if tl.min(tl.where(dead, 1.0, k), 0) < 1.0:  # α > 2 in some live row: the bisected model
-            above = s0 > 1.0
-            low, exact = _class_bisection_root(
-                xc, tau, tl.where(above, tau, lo), tl.where(above, hi, tau), s0, s1, k
-            )  # fmt: skip
-            model, exact = tl.where(k < 1.0, low, model), exact & (k < 1.0)
+        s2 = tl.where(k < 1.0, 0.0, s2)  # a count is no Σ d^(k+1): `_refine`'s far steps take the exponent k
+        model, model_c2, exact = _class_root(xc, tau, lo, hi, c0, c1, counts, s0, k, tol, dead)
     else:
-        model, model_c2 = tau, tau
+        model, model_c2, exact = tau, tau, tau != tau
     tau, lo, hi, conv, ptau, pfp = _refine(
         tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, exact, MODELED
     )  # fmt: skip
@@ -1059,12 +1097,17 @@ def _entmax_program(
     k_offs_s = offs_s[None, :] * skn + offs_d[:, None] * skd
     full_s = _interior_end(lo, hi, qpos, CAUSAL, SWEEP_N)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if MMA_SUMS:  # the sums as (rows, 16) column partials, reduced across the row once after each pass
+    if MMA_SUMS or MODELED:  # the sums as (rows, 16) column partials, reduced across the row once after each pass
+        # (MODELED: by the class model, which reads them per class)
         sums = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)
-        E0 = _unit_column(BLOCK_N, V.dtype.element_ty)
     else:
         sums = zero
+    if MMA_SUMS:
+        E0 = _unit_column(BLOCK_N, V.dtype.element_ty)
+        zsum0 = sums
+    else:
         E0 = 0.0
+        zsum0 = zero
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     skipped = pid_m * 0
     umax_c, cnt, _, _, _, _, _, _, _ = _entmax_pass(
@@ -1107,7 +1150,7 @@ def _entmax_program(
             umax, cnt, sums, sums, gaps, zero, zero, acc, skipped, lo, full_f, hi_f, qs, qx, kx_s, K, V, k_offs_s,
             v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
             CAUSAL=CAUSAL,
-            HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
+            HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS or MODELED,
             BLOCK_N=SWEEP_N,
         )  # fmt: skip
         if FAST == 0:  # the same sums where e ≤ 0 (an empty key range elsewhere)
@@ -1115,17 +1158,18 @@ def _entmax_program(
                 umax, cnt, s0, s1, s2, zero, zero, acc, skipped, lo, full_g, hi_g, qs, qx, kx_s, K, V, k_offs_s, v_offs,
                 skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
                 CAUSAL=CAUSAL,
-                HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=GENERAL_SELECTED, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
+                HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=GENERAL_COUNTED if MODELED else GENERAL_SELECTED,
+                DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS or MODELED,
                 BLOCK_N=SWEEP_N,
             )  # fmt: skip
-        if MMA_SUMS:
+        if MMA_SUMS and not MODELED:  # (MODELED: the class model reads them per class)
             s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.max(s2, 1) if FAST == 1 else tl.sum(s2, 1)
         tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
             tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, x_c, FAST, MODELED
         )
     plogp0 = tl.zeros([BLOCK_M, LOG_PARTIALS], dtype=tl.float32) if MMA_SUMS else zero
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
-        umax, cnt, zero, zero, zero, sums, plogp0, acc, skipped, lo, full, hi, qs, qx, kx, K, V, k_offs, v_offs, skn,
+        umax, cnt, zero, zero, zero, zsum0, plogp0, acc, skipped, lo, full, hi, qs, qx, kx, K, V, k_offs, v_offs, skn,
         svn, offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=2, CAUSAL=CAUSAL,
         HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
         BLOCK_N=BLOCK_N, ENTROPY=ENTROPY,
@@ -1245,16 +1289,17 @@ def _entmax_threshold_kernel(
                 U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
             )
             d = _support(u - shift[:, None], tau[:, None])  # rows of several heads: any e, selected
-            p0, p1, p2 = _powers(d, inv[:, None], GENERAL_SELECTED if FAST == 0 else FAST)
+            p0, p1, p2 = _powers(d, inv[:, None], GENERAL_COUNTED if FAST == 0 else FAST)
             a0 += p0
             a1 += p1
             if FAST == 1:  # −|x − τ| (see _add_powers)
                 a2 = tl.maximum(a2, -tl.abs((u - shift[:, None]) - tau[:, None]))
             else:
                 a2 += p2
-        s0, s1, s2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.max(a2, 1) if FAST == 1 else tl.sum(a2, 1)
+        if FAST == 2:  # the class model (FAST ≠ 2) reads the sums per class: the BLOCK_N columns
+            a0, a1, a2 = tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1)
         tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, x_c, FAST, FAST != 2
+            tau, t_lo, t_hi, ptau, pfp, a0, a1, a2, inv, tol, dead, passes, max_passes, x_c, FAST, FAST != 2
         )
     tl.store(UMAX_OUT + rows, shift, mask=keep)
     tl.store(TAU_OUT + rows, tau, mask=keep)
