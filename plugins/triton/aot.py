@@ -144,7 +144,7 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
                     out.append(Variant("softmax_family", dtype, d, flags))
                 # entmax / asentmax: max, threshold and output sweeps in one program (general α; no counters)
                 out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False, "ENTROPY": True,
-                                                        "EXACT_D": True, "MODELED": class_model(0)}))  # fmt: skip
+                                                        "EXACT_D": True, "MODELED": class_model()}))  # fmt: skip
     return out
 
 
@@ -177,7 +177,7 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
     exact = {**prefill, "EXACT_D": True}  # a head dim that fills its block (D = BLOCK_D)
-    general, fast = {"FAST": 0, "MODELED": class_model(0)}, {"FAST": 2, "MODELED": class_model(2)}
+    general, fast = {"FAST": 0, "MODELED": class_model()}, {"FAST": 2, "MODELED": class_model()}
     out += [  # entmax prefill: with and without its entropy
         ("entmax", {**exact, **general, "COUNT": False, "ENTROPY": True}, one),
         ("entmax", {**exact, **general, "COUNT": False, "ENTROPY": False}, one),

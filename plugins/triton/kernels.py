@@ -732,8 +732,8 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, 
     secant = newton_rows & (s0 <= 1.25) & (curv >= 0.0) & (curv < float("inf")) & (tl.abs(sec) < float("inf"))
     step = tl.where(secant, sec, step)
     cand = tau - step
-    if MODELED:  # rows whose class model has a root in the bracket step there
-        modeled = (tl.zeros_like(tau) + inv < 2.0) & (model == model) & (model >= lo) & (model <= hi)
+    if MODELED:  # rows whose class model has a root in the bracket step there (Halley's: where it is exact)
+        modeled = ((tl.zeros_like(tau) + inv < 2.0) | exact) & (model == model) & (model >= lo) & (model <= hi)
         cand = tl.where(modeled, model, cand)
     else:
         modeled = tau != tau
@@ -852,23 +852,26 @@ def _class_bisection_root(xc, a, c, lo, hi, f_lo, k):
 @triton.jit
 def _class_partials(s0, s1, s2, k, FAST: tl.constexpr):
     """A threshold pass's sums of _powers kept per key class (rows, classes) as the class model reads them: Σ d^k,
-    Σ d^(k−1) and the count of keys in the support where k ≤ 1 (α ≥ 2: Σ d^0 itself, or at α > 2 the third sum)."""
-    if FAST == 1:
-        return s0, s1, s1
-    else:  # Newton's rows (the model's): Σ b·d, Σ b, and Σ b·d² — a count where k < 1 (`_powers`)
-        return s1, s2, tl.where(k[:, None] < 1.0, s0, s2)
+    Σ d^(k−1) and, where the pass counted the keys in the support (`counted`, per row), that count: α = 1.5's Σ d^0
+    (its third sum), α = 2's (its second), the selecting sweep's third sum at α > 2."""
+    if FAST == 2:
+        return s0, s1, s2, k == k
+    elif FAST == 1:
+        return s0, s1, s1, k == k
+    else:  # Newton's rows (the model's): Σ b·d, Σ b (Σ d^0 where k = 1), and Σ b·d² — a count where k < 1
+        return s1, s2, tl.where(k[:, None] < 1.0, s0, s2), k <= 1.0
 
 
 @triton.jit
-def _class_root(xc, tau, lo, hi, c0, c1, counts, s0, k, tol, dead):
+def _class_root(xc, tau, lo, hi, c0, c1, counts, counted, s0, k, tol, dead):
     """Where the class model (`_class_model`, from a pass's `_class_partials` at τ, whose S summed over the row is s0)
     puts the root, per row: Newton's steps on it (`_class_model_root`), bisection where k < 1 on [lo, hi] as the pass
-    leaves it. Where the pass counted the support (k ≤ 1), a model whose every class hides at most one key in it is
-    the row's S for every τ above this one, so its root, where S ≥ 1 here, is the row's: `exact`, and needs no pass
-    to confirm it. Returns the root, the hidden keys' S'' at τ and that flag."""
+    leaves it. Where the pass counted the support, a model whose every class hides at most one key in it is the
+    row's S for every τ above this one, so its root, where S ≥ 1 here, is the row's: `exact`, and needs no pass to
+    confirm it. Returns the root, the hidden keys' S'' at τ and that flag."""
     hides = counts - tl.where(xc > tau[:, None], 1.0, 0.0)  # the keys each class hides in the support
     a, c, model_c2 = _class_model(xc, tau, c0, c1, k)
-    one = (k <= 1.0) & (tl.max(hides, 1) <= 1.5) & (s0 >= 1.0)
+    one = counted & (tl.max(hides, 1) <= 1.5) & (s0 >= 1.0)
     model, last = _class_model_root(xc, a, c, tau, k)
     exact = one & (last <= tol)
     if tl.min(tl.where(dead, 1.0, k), 0) < 1.0:  # α > 2 in some live row: the bisected model
@@ -891,7 +894,7 @@ def _threshold_step(
     their class model (`_class_root`)."""
     k = tau * 0.0 + inv  # one per row (a program's rows may belong to several heads)
     if MODELED:
-        c0, c1, counts = _class_partials(s0, s1, s2, k, FAST)
+        c0, c1, counts, counted = _class_partials(s0, s1, s2, k, FAST)
         s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.max(s2, 1) if FAST == 1 else tl.sum(s2, 1)
     if FAST == 1:  # s2: minus the distance from τ to the row's nearest key (`_add_powers`)
         gap, s2 = -s2, tl.zeros_like(s2)
@@ -900,7 +903,7 @@ def _threshold_step(
     s0, s1, s2 = _power_sums(s0, s1, s2, inv, FAST)
     if MODELED:
         s2 = tl.where(k < 1.0, 0.0, s2)  # a count is no Σ d^(k+1): `_refine`'s far steps take the exponent k
-        model, model_c2, exact = _class_root(xc, tau, lo, hi, c0, c1, counts, s0, k, tol, dead)
+        model, model_c2, exact = _class_root(xc, tau, lo, hi, c0, c1, counts, counted, s0, k, tol, dead)
     else:
         model, model_c2, exact = tau, tau, tau != tau
     tau, lo, hi, conv, ptau, pfp = _refine(
@@ -1061,9 +1064,9 @@ def _entmax_program(
     sweep walks the interior tiles without masks.
     The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
     and, with ENTROPY, the entropy (without it the output sweep forms no log w and no Σ w log w); COUNT: also
-    (threshold passes, skipped tiles) of the program. MODELED (seeded): Newton's rows (1.5 < α ≤ 2) and α > 2 step
-    to their class model's root (`_class_model_root`, `_class_bisection_root`), the class maxima held across the
-    threshold loop. The max and threshold sweeps,
+    (threshold passes, skipped tiles) of the program. MODELED (seeded): the threshold sums kept per key class;
+    Newton's rows (1.5 < α ≤ 2), α > 2 and, where the pass's count shows the model exact, Halley's rows step to their
+    class model's root (`_class_root`), the class maxima held across the threshold loop. The max and threshold sweeps,
     which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
     loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
     MMA_SUMS (half-precision inputs, both forms): their sums, and the output's Z, as (rows, 16) column partials (see
@@ -1202,8 +1205,7 @@ def _entmax_kernel(
     """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`);
     without ENTROPY (a caller that does not ask for it) ENT_OUT is not written. EXACT_D: D = BLOCK_D (as in the
     TensorRT form), so no load masks head-dim lanes — a masked load under a branch (the output sweep's V) zeroes its
-    registers first. MODELED: see `_entmax_program` (the host's choice: α = 1.5 as a Python float has no Newton's
-    rows)."""
+    registers first. MODELED: see `_entmax_program` (the host's choice: `attention.class_model`)."""
     _entmax_program(
         Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, BLOCK_D if EXACT_D else D,
