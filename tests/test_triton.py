@@ -945,9 +945,9 @@ def test_class_root_knows_when_it_is_exact(alpha):
     where each class hides at most one key in it: from a τ at or below the root its root is then the row's, where
     keys only leave the support (one hidden key is its class's fitted key). A class that hides two keys in the
     support at τ, or τ above the root (keys may enter as it falls), is reported (not exact), its model root still
-    near (`_rows_with_a_hidden_key` with second hidden keys, in the same class or in another; τ 0.02 to 0.3 below
-    the root, or in every fourth row from the second above it). α > 2 bisects the model (S is concave between keys),
-    α = 2 takes Newton's steps."""
+    near — at α > 2 within 10⁻⁶, the class's two keys fitted to its shares (`_two_keys`) — (`_rows_with_a_hidden_key`
+    with second hidden keys, in the same class or in another; τ 0.02 to 0.3 below the root, or in every fourth row
+    from the second above it). α > 2 bisects the model (S is concave between keys), α = 2 takes Newton's steps."""
     k = 1.0 / (alpha - 1.0)
     x, x_c, root, _, second, col = _rows_with_a_hidden_key(13, k, twice=True)
     tau = root - torch.linspace(0.02, 0.3, 16, dtype=torch.float64)
@@ -963,7 +963,7 @@ def test_class_root_knows_when_it_is_exact(alpha):
         assert torch.equal(exact, ~two & ~high), (exact, two, high)
     err = (out - root).abs()
     assert err[exact].max() <= 2e-6, err
-    assert err[~exact & ~high].max() <= 0.05, err
+    assert err[~exact & ~high].max() <= (0.05 if alpha == 2.0 else 1e-6), err  # α > 2: the two keys fitted
 
 
 def test_sparsemax_threshold_kernel_takes_an_exact_step_without_confirming_it():

@@ -34,6 +34,9 @@ MODEL_STEPS = tl.constexpr(4)
 # Bisection steps of the class model for α > 2 (`_class_bisection_root`): the bracket's width (≤ 1) to 2^-28, below
 # fp32's resolution of τ.
 BISECT_STEPS = tl.constexpr(28)
+# Bisection steps of the split of a class's two hidden keys (`_two_keys`): to 2^-21 of their shares of S, whose model
+# step a pass confirms.
+TWO_KEY_STEPS = tl.constexpr(20)
 # Where an entmax weight is 0 its log2 is taken at this floor instead (finite, so 0·log2 is 0, with no select).
 LOG_FLOOR = tl.constexpr(1.0e-30)
 LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied to a log2 already taken
@@ -802,19 +805,42 @@ def _class_model(xc, tau, c0, c1, k):
     ly = _log2(tl.where(hidden, y, 1.0))
     a = tl.where(hidden, r * tl.math.exp2(-kk * ly), 0.0)
     c = tau[:, None] + tl.where(hidden, y, 0.0)
-    return a, c, tl.sum(a * kk * (kk - 1.0) * tl.math.exp2((kk - 2.0) * ly), 1)
+    return a, c, tl.sum(a * kk * (kk - 1.0) * tl.math.exp2((kk - 2.0) * ly), 1), r, r1
+
+
+@triton.jit
+def _two_keys(r, r1, k):
+    """The two keys d1 ≥ d2 of a class that hides two in the support, from their shares r = Σ d^k and r1 = Σ d^(k−1)
+    (k < 1): with d_i^k = t·r and (1 − t)·r, t in [1/2, 1), r^e·(t^e + (1 − t)^e) = r1 (e = (k − 1)/k < 0: rising
+    in t there), bisected per class."""
+    kk = k[:, None]
+    e = (kk - 1.0) / kk
+    re = tl.math.exp2(e * _log2(r))
+    lo = r * 0.0 + 0.5
+    hi = lo + 0.5
+    for _ in tl.static_range(TWO_KEY_STEPS):
+        t = 0.5 * (lo + hi)
+        low = re * (tl.math.exp2(e * _log2(t)) + tl.math.exp2(e * _log2(1.0 - t))) < r1
+        lo, hi = tl.where(low, t, lo), tl.where(low, hi, t)
+    t = 0.5 * (lo + hi)
+    return tl.math.exp2(_log2(t * r) / kk), tl.math.exp2(_log2((1.0 - t) * r) / kk)
+
+
+@triton.jit
+def _key_sums(c, a, t, k):
+    """Σ a·(c − t)_+^k and Σ a·(c − t)_+^(k−1) per row over keys at c of weight a (rows, n)."""
+    kk = k[:, None]
+    h = tl.maximum(c - t[:, None], 0.0)
+    lh = _log2(h)  # −inf where 0: the power h^k is 0 there, h^(k−1) selected
+    return tl.sum(a * tl.math.exp2(kk * lh), 1), tl.sum(tl.where(h > 0, a * tl.math.exp2((kk - 1.0) * lh), 0.0), 1)
 
 
 @triton.jit
 def _class_sums(xc, a, c, t, k):
     """The class model's S and Σ d^(k−1) at τ = t (see `_class_model`)."""
-    kk = k[:, None]
-    d = tl.maximum(xc - t[:, None], 0.0)
-    h = tl.maximum(c - t[:, None], 0.0)
-    lg, lh = _log2(d), _log2(h)  # −inf where 0: the powers d^k are 0 there, d^(k−1) selected
-    s = tl.math.exp2(kk * lg) + a * tl.math.exp2(kk * lh)
-    s1 = tl.where(d > 0, tl.math.exp2((kk - 1.0) * lg), 0.0) + tl.where(h > 0, a * tl.math.exp2((kk - 1.0) * lh), 0.0)
-    return tl.sum(s, 1), tl.sum(s1, 1)
+    s, s1 = _key_sums(xc, 1.0, t, k)
+    h, h1 = _key_sums(c, a, t, k)
+    return s + h, s1 + h1
 
 
 @triton.jit
@@ -833,15 +859,16 @@ def _class_model_root(xc, a, c, tau, k):
 
 
 @triton.jit
-def _class_bisection_root(xc, a, c, lo, hi, f_lo, k):
+def _class_bisection_root(xc, a, c, a2, c2, lo, hi, f_lo, k):
     """The class model's root at α > 2 (k < 1, S concave between keys: Newton's steps on it overshoot and cycle),
-    found per row by bisection on the bracket [lo, hi], where S − 1 at lo is f_lo: the end where the model's S is
-    nearer 1."""
+    with a second hidden key of weight a2 at c2 per class, found per row by bisection on the bracket [lo, hi], where
+    S − 1 at lo is f_lo: the end where the model's S is nearer 1."""
     f_hi = tl.zeros_like(f_lo) - float("inf")
     for _ in tl.static_range(BISECT_STEPS):
         m = 0.5 * (lo + hi)
         s, _ = _class_sums(xc, a, c, m, k)
-        f = s - 1.0
+        s2, _ = _key_sums(c2, a2, m, k)
+        f = s + s2 - 1.0
         above = f > 0.0
         lo, hi = tl.where(above, m, lo), tl.where(above, hi, m)
         f_lo, f_hi = tl.where(above, f, f_lo), tl.where(above, f_hi, f)
@@ -870,14 +897,21 @@ def _class_root(xc, tau, lo, hi, c0, c1, counts, counted, s0, k, tol, dead):
     row's S for every τ above this one, so its root, where S ≥ 1 here, is the row's: `exact`, and needs no pass to
     confirm it. Returns the root, the hidden keys' S'' at τ and that flag."""
     hides = counts - tl.where(xc > tau[:, None], 1.0, 0.0)  # the keys each class hides in the support
-    a, c, model_c2 = _class_model(xc, tau, c0, c1, k)
+    a, c, model_c2, r, r1 = _class_model(xc, tau, c0, c1, k)
     one = counted & (tl.max(hides, 1) <= 1.5) & (s0 >= 1.0)
     model, last = _class_model_root(xc, a, c, tau, k)
     exact = one & (last <= tol)
     if tl.min(tl.where(dead, 1.0, k), 0) < 1.0:  # α > 2 in some live row: the bisected model
+        # a class that hides two keys in the support (counted): those two, fitted to its shares (`_two_keys`; from
+        # fp32 sums, not exact: its step is confirmed by a pass)
+        two = (k[:, None] < 1.0) & (hides > 1.5) & (hides < 2.5)
+        d1, d2 = _two_keys(r, r1, k)
+        a, c = tl.where(two, 1.0, a), tl.where(two, tau[:, None] + d1, c)
+        a2, c2 = tl.where(two, 1.0, 0.0), tl.where(two, tau[:, None] + d2, tau[:, None])
         above = s0 > 1.0
         low = _class_bisection_root(
-            xc, a, c, tl.where(above, tau, lo), tl.where(above, hi, tau), tl.where(above, s0 - 1.0, float("inf")), k
+            xc, a, c, a2, c2, tl.where(above, tau, lo), tl.where(above, hi, tau),
+            tl.where(above, s0 - 1.0, float("inf")), k,
         )  # fmt: skip
         model, exact = tl.where(k < 1.0, low, model), tl.where(k < 1.0, one, exact)
     return model, model_c2, exact
