@@ -177,11 +177,11 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
     exact = {**prefill, "EXACT_D": True}  # a head dim that fills its block (D = BLOCK_D)
-    general, fast = {"FAST": 0, "MODELED": class_model()}, {"FAST": 2, "MODELED": class_model()}
+    modeled = {**exact, "MODELED": class_model()}
     out += [  # entmax prefill: with and without its entropy
-        ("entmax", {**exact, **general, "COUNT": False, "ENTROPY": True}, one),
-        ("entmax", {**exact, **general, "COUNT": False, "ENTROPY": False}, one),
-        ("entmax", {**exact, **fast, "HAS_LAMBDA": True, "HAS_KMASK": True, "COUNT": True, "ENTROPY": True}, one),
+        ("entmax", {**modeled, "FAST": 0, "COUNT": False, "ENTROPY": True}, one),
+        ("entmax", {**modeled, "FAST": 0, "COUNT": False, "ENTROPY": False}, one),
+        ("entmax", {**modeled, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
     ]
     split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by the host
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]

@@ -694,9 +694,9 @@ def _refine(tau, lo, hi, s0, s1, s2, inv, tol, ptau, pfp, model, model_c2, gap, 
     where S'' is bounded, α ≤ 1.5, Newton otherwise, bisection when the step leaves the bracket) with five
     additions that save passes — steps on S^(1/inv) while S > 1.25 (on a power law fitted to S, S' and T =
     Σ d^(inv+1) where S'' is not summed), S'' from the previous pass's S' where it is not summed, a settling
-    rule (below) and, MODELED, Newton's rows (1 ≤ inv < 2) and α > 2 (inv < 1) step to the root of their class model
-    (`model`, whose S'' at τ is model_c2: `_class_model_root`; `_class_bisection_root` for inv < 1, exact where
-    `exact`) where it lies in the bracket. s2: Σ d^(inv−2) on Halley's rows, T on
+    rule (below) and, MODELED, Newton's rows (1 ≤ inv < 2), α > 2 (inv < 1) and, where it is `exact`, Halley's rows
+    step to the root of their class model (`model`, whose hidden keys' S'' at τ is model_c2: `_class_root`) where
+    it lies in the bracket. s2: Σ d^(inv−2) on Halley's rows, T on
     Newton's. (ptau, pfp): the previous pass's τ and S' (on the first, fp = 0 at τ). gap: the distance from τ to the
     row's nearest key where it was kept (α = 2; else 0). Returns τ, the bracket, convergence and this pass's
     (τ, S')."""
@@ -924,8 +924,8 @@ def _threshold_step(
 ):  # fmt: skip
     """One refinement of every row's τ after a sweep over the sums of _powers, and whether another sweep is needed
     (a row not converged, fewer than max_passes sweeps so far); (ptau, pfp): see _refine. MODELED: the sums come per
-    key class (rows, classes), xc holds the classes' maxima (`_seed`), and Newton's rows and α > 2 step to the root of
-    their class model (`_class_root`)."""
+    key class (rows, classes), xc holds the classes' maxima (`_seed`), and Newton's rows, α > 2 and (where it is
+    exact) Halley's rows step to the root of their class model (`_class_root`)."""
     k = tau * 0.0 + inv  # one per row (a program's rows may belong to several heads)
     if MODELED:
         c0, c1, counts, counted = _class_partials(s0, s1, s2, k, FAST)
