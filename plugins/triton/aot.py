@@ -144,7 +144,7 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
                     out.append(Variant("softmax_family", dtype, d, flags))
                 # entmax / asentmax: max, threshold and output sweeps in one program (general α; no counters)
                 out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False, "ENTROPY": True,
-                                                        "EXACT_D": True, "MODELED": class_model()}))  # fmt: skip
+                                                        "EXACT_D": True, "MODELED": class_model(0)}))  # fmt: skip
     return out
 
 
@@ -177,11 +177,11 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
     exact = {**prefill, "EXACT_D": True}  # a head dim that fills its block (D = BLOCK_D)
-    modeled = {**exact, "MODELED": class_model()}
+    general, halley = ({**exact, "FAST": f, "MODELED": class_model(f)} for f in (0, 2))
     out += [  # entmax prefill: with and without its entropy
-        ("entmax", {**modeled, "FAST": 0, "COUNT": False, "ENTROPY": True}, one),
-        ("entmax", {**modeled, "FAST": 0, "COUNT": False, "ENTROPY": False}, one),
-        ("entmax", {**modeled, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
+        ("entmax", {**general, "COUNT": False, "ENTROPY": True}, one),
+        ("entmax", {**general, "COUNT": False, "ENTROPY": False}, one),
+        ("entmax", {**halley, "HAS_LAMBDA": True, "HAS_KMASK": True, "COUNT": True, "ENTROPY": True}, one),
     ]
     split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by the host
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]

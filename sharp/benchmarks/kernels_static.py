@@ -87,7 +87,7 @@ def entries() -> list[Entry]:
         suffix = "" if entropy else NO_ENTROPY
         exact = {"COUNT": False, "ENTROPY": entropy, "EXACT_D": True}
         out += [Entry(norm + suffix, "prefill", "entmax",
-                      {**pre, **flags, **exact, "MODELED": class_model()}, PREFILL)
+                      {**pre, **flags, **exact, "MODELED": class_model(flags["FAST"])}, PREFILL)
                 for norm, flags in kinds.items()]  # fmt: skip
     dec = {**base, **DECODE_TILE, "ENTROPY": True}
     split = {**dec, "ADAPTIVE": False, "FINALIZE": False, "HAS_ROWF": False, "WITH_V": True, "SSA": False,
@@ -389,8 +389,8 @@ def run(args) -> int:
         "Entmax threshold passes per program, counted in Triton's interpreter (fp32): causal prefill of"
         f" {PASS_LENGTH:,} tokens, 2 heads, D = 64, 64×64 tiles, N(0, 1) keys, logits q·k/√D of standard deviation σ"
         " (per-head α: 1.25 and 1.75; ASEntmax: λ ~ U(0.5, 1.5) per query), this Triton's search (steps to the class"
-        f" model's root: {'yes' if class_model() else 'no'}). The budget's sum takes"
-        " P = 3; the last columns sum the prefill loops above at the mean measured instead (α = 2's sweep is not"
+        f" model's root: α = 1.5 and 2 yes, the general path {'yes' if class_model(0) else 'no'}). The budget's sum"
+        " takes P = 3; the last columns sum the prefill loops above at the mean measured instead (α = 2's sweep is not"
         " compiled above).",
         "",
         markdown_table(["case", "mean passes", "max passes", "instr/elt at the mean", "× floor"], pass_rows),
