@@ -113,9 +113,11 @@ def test_key_loops_stay_within_what_ci_holds(which):
     assert repeated == {("prefill", "entmax per-head α"): [False, True], ("prefill", "asentmax"): [False, True],
                         ("prefill", "entmax α=1.5"): [False], ("decode", "entmax (threshold)"): [False],
                         ("tensorrt", "entmax"): [False]}, repeated  # fmt: skip
-    for norm in ("entmax α=1.5", "entmax per-head α", "asentmax"):  # without entropy: no floored log, no Σ w log w
-        saved = rows[("prefill", norm)]["per_element"] - rows[("prefill", norm + " (no entropy)")]["per_element"]
-        assert saved >= 2 - 1e-9, (norm, saved)
+    for norm in ("entmax α=1.5", "entmax per-head α", "asentmax"):  # without entropy the output sweep forms no
+        # floored log and no Σ w log w (compared there: the other sweeps' schedules move by an instruction per tile)
+        with_entropy, without = ([lp["per_element"] for lp in rows[("prefill", n)]["loops"] if not lp["edge"]][-1]
+                                 for n in (norm, norm + " (no entropy)"))  # fmt: skip
+        assert with_entropy - without >= 2 - 1e-9, (norm, with_entropy, without)
     sweeps = [lp["keys"] for lp in rows[("prefill", "entmax α=1.5")]["loops"] if not lp["edge"]]
     assert sweeps == [128, 128, 64], sweeps  # entmax's max and threshold sweeps walk twice the launch's keys
     edges = {norm: sum(lp["edge"] for lp in rows[("prefill", norm)]["loops"]) for norm in ("softmax", "adaptive")}

@@ -31,7 +31,7 @@ from triton.runtime.jit import native_specialize_impl
 from sharp.models import registry
 from sharp.models.registry import Family, Norm, Transform
 from sharp.plugins.triton import floor, kernels, paged
-from sharp.plugins.triton.attention import THRESHOLD_ROWS, class_model, triton_version
+from sharp.plugins.triton.attention import THRESHOLD_ROWS, entmax_stages, triton_version
 
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 _TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
@@ -144,7 +144,7 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
                     out.append(Variant("softmax_family", dtype, d, flags))
                 # entmax / asentmax: max, threshold and output sweeps in one program (general α; no counters)
                 out.append(Variant("entmax", dtype, d, {**base, "FAST": 0, "COUNT": False, "ENTROPY": True,
-                                                        "EXACT_D": True, "MODELED": class_model(0)}))  # fmt: skip
+                                                        "EXACT_D": True}))  # fmt: skip
     return out
 
 
@@ -177,11 +177,11 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
     exact = {**prefill, "EXACT_D": True}  # a head dim that fills its block (D = BLOCK_D)
-    general, halley = ({**exact, "FAST": f, "MODELED": class_model(f)} for f in (0, 2))
+    general = {**exact, "FAST": 0, "num_stages": entmax_stages(0, 3)}  # the first tile's stages, as the host caps them
     out += [  # entmax prefill: with and without its entropy
         ("entmax", {**general, "COUNT": False, "ENTROPY": True}, one),
         ("entmax", {**general, "COUNT": False, "ENTROPY": False}, one),
-        ("entmax", {**halley, "HAS_LAMBDA": True, "HAS_KMASK": True, "COUNT": True, "ENTROPY": True}, one),
+        ("entmax", {**exact, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
     ]
     split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by the host
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
@@ -289,7 +289,8 @@ def compile_variant(v: Variant, arch: int, ptx_version: int) -> triton.compiler.
     if v.spec != "aligned":
         signature, constexprs, attrs = jit_specialise(v)
         src = ASTSource(fn=_ALL_KERNELS[v.kernel], signature=signature, constexprs=constexprs, attrs=attrs)
-        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version})
+        stages = {"num_stages": v.flags["num_stages"]} if "num_stages" in v.flags else {}  # else Triton's default, 3
+        return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"ptx_version": ptx_version, **stages})
     fn = kernels.KERNELS[v.kernel]
     constexprs = _check_constexprs(v.kernel, {**v.flags, **_TILE, "BLOCK_D": v.block_d})
     signature = _signature(v.kernel, v.dtype, constexprs)

@@ -284,14 +284,14 @@ def triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def class_model(fast: int) -> bool:
-    """Whether the entmax prefill kernel of the FAST path `fast` steps to its class model's root (MODELED: Newton's
-    rows, 1.5 < α ≤ 2, and α > 2; Halley's rows where the pass's count shows the model exact, α = 1.5). α = 1.5 and
-    α = 2 (FAST 2 and 1) take it under every supported Triton; the general path (FAST = 0) not under Triton 3.6,
-    where the class maxima held across its threshold loop make the diagonal tiles of both of its sweeps spill 2
-    instructions per tile (bf16, D = 128: `sharp-bench kernels --static`; 3.9 keeps them spill-free, and FAST 1
-    and 2 are spill-free under both). Versions between were not measured and take the newer's choice."""
-    return fast != 0 or triton_version() > (3, 6)
+def entmax_stages(fast: int, stages: int) -> int:
+    """Pipeline stages of an entmax prefill launch whose tile asks for `stages`. The kernel holds its class model's
+    16 class maxima across the threshold loop (8 registers a thread); under Triton 3.6 the general path's (FAST = 0)
+    diagonal threshold loops then spill 2 instructions per tile at 3 stages and none at 2 (bf16, D = 128, 64×64:
+    `sharp-bench kernels --static`), so there it launches with at most 2 — which also lets two programs share an
+    SM's shared memory (88 KB each, where 3 stages took 120 KB). α = 1.5 and 2 (FAST 2 and 1), and every path under
+    3.9, are spill-free at 3. Versions between were not measured and take the newer's choice."""
+    return min(stages, 2) if fast == 0 and triton_version() <= (3, 6) else stages
 
 
 THRESHOLD_TOL = threshold_tol(torch.float32)  # the kernels work in fp32
@@ -314,7 +314,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
             p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
             p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
             FAST=fast, COUNT=count, ENTROPY=run.entropy, EXACT_D=p.q.shape[-1] == cfg.block_d,
-            MODELED=class_model(fast), **run.flags,
+            **{**run.flags, "num_stages": entmax_stages(fast, cfg.num_stages)},
         )  # fmt: skip
         if count:
             per_program = counts[..., 0].flatten().tolist()

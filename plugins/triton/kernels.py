@@ -1234,18 +1234,19 @@ def _entmax_kernel(
     H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, ENTROPY: tl.constexpr, EXACT_D: tl.constexpr,
-    MODELED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`);
-    without ENTROPY (a caller that does not ask for it) ENT_OUT is not written. EXACT_D: D = BLOCK_D (as in the
-    TensorRT form), so no load masks head-dim lanes — a masked load under a branch (the output sweep's V) zeroes its
-    registers first. MODELED: see `_entmax_program` (the host's choice: `attention.class_model`)."""
+    """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`,
+    seeded and stepping to its class model's root); without ENTROPY (a caller that does not ask for it) ENT_OUT is
+    not written. EXACT_D: D = BLOCK_D (as in the TensorRT form), so no load masks head-dim lanes — a masked load
+    under a branch (the output sweep's V) zeroes its registers first. Under Triton 3.6 the general path (FAST = 0)
+    launches with at most 2 pipeline stages (`attention.entmax_stages`)."""
     _entmax_program(
         Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, BLOCK_D if EXACT_D else D,
         scale, smb, max_passes, tol,
         CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, not DOT_F32, BLOCK_M, BLOCK_N,
-        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY, True, MODELED,
+        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY, True, True,
     )  # fmt: skip
 
 
