@@ -29,7 +29,6 @@ from sharp.models.streamed import StreamStats
 from sharp.plugins.triton import attention, tiles
 from sharp.plugins.triton.attention import launch_config, run_problem
 from sharp.plugins.triton.kernels import (
-    GENERAL_COUNTED,
     GENERAL_SELECTED,
     PARTIALS,
     _bracket,
@@ -91,9 +90,9 @@ def _class_probe(X, XC, INV, TAU, OUT, EXACT, LK, tol, ROWS: tl.constexpr, BLOCK
     a1, a2 = a0, a0
     for start in range(0, LK, BLOCK_N):
         d = _support(tl.load(X + rows[:, None] * LK + start + offs[None, :]), tau[:, None])
-        p0, p1, p2 = _powers(d, inv[:, None], GENERAL_COUNTED)
+        p0, p1, p2 = _powers(d, inv[:, None], GENERAL_SELECTED)
         a0, a1, a2 = _fold_sum(a0, p0), _fold_sum(a1, p1), _fold_sum(a2, p2)
-    c0, c1, counts, counted = _class_partials(a0, a1, a2, inv, 0)  # (GENERAL_COUNTED: at α > 2 the third sum counts)
+    c0, c1, counts, counted = _class_partials(a0, a1, a2, inv, 0)  # (GENERAL_SELECTED: at α > 2 the third sum counts)
     s0 = tl.sum(c0, 1)
     xc = tl.load(XC + rows[:, None] * PARTIALS + tl.arange(0, PARTIALS)[None, :])
     above = s0 > 1.0
@@ -105,8 +104,9 @@ def _class_probe(X, XC, INV, TAU, OUT, EXACT, LK, tol, ROWS: tl.constexpr, BLOCK
 
 @triton.jit
 def _search_probe(X, ALPHA, TAU, COUNT, LK, max_passes, tol, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The threshold search's steps from the bracket's low end, as the TensorRT form (unseeded) takes them, on ROWS
-    rows of LK values x = u − max u (one α per row, the powers selected): τ per row and the passes."""
+    """The threshold search's own steps (`_threshold_step` without a seed or class model) from the bracket's low end
+    on ROWS rows of LK values x = u − max u (one α per row, Newton's or Halley's: the powers selected): τ per row and
+    the passes."""
     rows = tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK_N)
     am1 = tl.load(ALPHA + rows) - 1.0
@@ -1060,7 +1060,7 @@ def test_entmax_threshold_kernel_counts_the_support_above_alpha_2(alpha):
 
 
 def test_threshold_steps_from_the_bracket_end_find_tau_in_few_passes():
-    """The search's steps from the bracket's low end — the TensorRT form's search, unseeded — on the decode test's
+    """The search's own steps from the bracket's low end — without the seed or the class model — on the decode test's
     rows (α = 1.75 and 1.6: Newton's rows): τ within the tolerance of the float64 root, in 18 passes over four 16-row
     groups (23 with the far steps' exponent held at 1/(α − 1); 27 with Newton's step alone, 26 without the settling
     rule, which trusts the curvature from the previous pass's S' only when its error estimate is a quarter of the

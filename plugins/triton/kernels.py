@@ -41,13 +41,11 @@ TWO_KEY_STEPS = tl.constexpr(20)
 LOG_FLOOR = tl.constexpr(1.0e-30)
 LOG2_FLOOR = tl.constexpr(-99.66)  # log2 of LOG_FLOOR: the same floor applied to a log2 already taken
 # The general-α threshold sweep whose power b = d^e has e ≤ 0 (`_power_exponent`: a head with α = 1.5 among per-head
-# α, α ≥ 2, or rows of several heads): b is not 0 where d = 0, so it is formed at the log floor and selected. The
-# FAST value of that sweep; the kernels' FAST = 0 sweep needs e > 0.
+# α, α ≥ 2, or rows of several heads): b is not 0 where d = 0, so it is formed at the log floor and selected; at α > 2
+# its third sum counts the keys in the support (a select where Σ d^(inv+1) took a multiply: the class model reads from
+# it whether it models the hidden keys exactly). The FAST value of that sweep (the TensorRT form walks every head's
+# keys in it); the kernels' FAST = 0 sweep needs e > 0.
 GENERAL_SELECTED = tl.constexpr(3)
-# That sweep in a search that takes the class model (`_threshold_step`, MODELED): at α > 2 its third sum counts the
-# keys in the support (a select where Σ d^(inv+1) took a multiply) — not where the model is off (Triton 3.6's prefill,
-# whose edge threshold loops then spill).
-GENERAL_COUNTED = tl.constexpr(4)
 # Columns of the row sums kept as partials (MMA_SUMS): the narrowest N of an MMA.
 PARTIALS = tl.constexpr(16)
 # Columns of entmax's Σ w log2 d partials in the output sweep: down to 8, each halving of the tile's columns stays
@@ -618,16 +616,13 @@ def _powers(d, inv, FAST: tl.constexpr):
         p0 = d
         p1 = tl.where(d > 0, 1.0, 0.0)
         p2 = tl.zeros_like(d)
-    elif FAST >= GENERAL_SELECTED:  # (or GENERAL_COUNTED) e ≤ 0 possible: at d = 0 the floor keeps b finite
+    elif FAST == GENERAL_SELECTED:  # e ≤ 0 possible: at d = 0 the floor keeps b finite
         # (b ≤ 1 where e ≥ 0; e > −1, so 2^(99.7·|e|) fits fp32), so the products are 0 without a select; b itself is
         # selected
         b = tl.math.exp2(_power_exponent(inv) * _log2(tl.maximum(d, LOG_FLOOR)))
         p1 = b * d
-        if FAST == GENERAL_COUNTED:  # at α > 2 (inv < 1) the count of keys in the support, not Σ d^(inv+1): the
-            # class model reads from it per class whether it models the hidden keys exactly (`_class_root`)
-            p0 = tl.where(inv < 1.0, tl.where(d > 0, 1.0, 0.0), p1 * d)
-        else:
-            p0 = p1 * d
+        # at α > 2 (inv < 1) the count of keys in the support, not Σ d^(inv+1) (`_class_root`)
+        p0 = tl.where(inv < 1.0, tl.where(d > 0, 1.0, 0.0), p1 * d)
         p2 = tl.where(d > 0, b, 0.0)
     else:  # e > 0 (the program checked): log2 0 = −inf, so b = 2^(e·log2 d) is 0 exactly where d = 0 — no floor, no
         # select
@@ -644,7 +639,7 @@ def _power_sums(s0, s1, s2, inv, FAST: tl.constexpr):
     Newton's) from the sums of _powers. The general path sums b·d², b·d and b for b = d^e with e = inv − 2 where
     _refine reads S'' (Halley, inv ≥ 2) and e = inv − 1 below (Newton, whose far steps read b·d² = d^(inv+1)) —
     one exp2 per element instead of two. (α = 2's path sums no d^(inv+1): 0 in its place.)"""
-    if FAST == 0 or FAST >= GENERAL_SELECTED:  # (GENERAL_COUNTED too)
+    if FAST == 0 or FAST == GENERAL_SELECTED:
         halley = inv >= 2.0
         s0, s1, s2 = tl.where(halley, s0, s1), tl.where(halley, s1, s2), tl.where(halley, s2, s0)
     return s0, s1, s2
@@ -1089,7 +1084,7 @@ def _entmax_program(
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, MMA_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWEEP_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    ENTROPY: tl.constexpr, SEEDED: tl.constexpr, MODELED: tl.constexpr,
+    ENTROPY: tl.constexpr,
 ):  # fmt: skip
     """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep (which also finds where
     the search starts: `_seed`), safeguarded Halley/Newton threshold sweeps until every row has converged (at most
@@ -1098,14 +1093,16 @@ def _entmax_program(
     sweep walks the interior tiles without masks.
     The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
     and, with ENTROPY, the entropy (without it the output sweep forms no log w and no Σ w log w); COUNT: also
-    (threshold passes, skipped tiles) of the program. MODELED (seeded): the threshold sums kept per key class;
+    (threshold passes, skipped tiles) of the program. The threshold sums are kept per key class (rows, PARTIALS);
     Newton's rows (1.5 < α ≤ 2), α > 2 and, where the pass's count shows the model exact, Halley's rows step to their
-    class model's root (`_class_root`), the class maxima held across the threshold loop. The max and threshold sweeps,
+    class model's root (`_class_root`), the class maxima held across the threshold loop (under Triton 3.6 the general
+    path launches with 2 pipeline stages to hold them without a spill: `attention.entmax_stages`; the TensorRT form
+    does not spill in its key loops at 2). The max and threshold sweeps,
     which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
     loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
     MMA_SUMS (half-precision inputs, both forms): their sums, and the output's Z, as (rows, 16) column partials (see
-    _sweep_tiles). SEEDED: the search starts at `_seed`'s τ, not at the bracket's low end (the TensorRT form: not
-    seeded — under Triton 3.9 its output loop then reloads a spilled register every tile)."""
+    _sweep_tiles). The search starts at `_seed`'s τ, not at the bracket's low end (the TensorRT form seeded without
+    its class model spilled a register in its output loop under Triton 3.9; with it, none)."""
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, 0, H, GROUP, LQ, LK, LK, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1134,11 +1131,7 @@ def _entmax_program(
     k_offs_s = offs_s[None, :] * skn + offs_d[:, None] * skd
     full_s = _interior_end(lo, hi, qpos, CAUSAL, SWEEP_N)
     zero = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if MMA_SUMS or MODELED:  # the sums as (rows, 16) column partials, reduced across the row once after each pass
-        # (MODELED: by the class model, which reads them per class)
-        sums = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)
-    else:
-        sums = zero
+    sums = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)  # the threshold sums per key class (the class model's)
     if MMA_SUMS:
         E0 = _unit_column(BLOCK_N, V.dtype.element_ty)
         zsum0 = sums
@@ -1170,7 +1163,7 @@ def _entmax_program(
         else:
             cnt = zero + LK
     shift, t_lo, t_hi, dead = _bracket(umax, cnt, am1, keep)
-    tau = _seed(x_c, inv) if SEEDED else t_lo
+    tau = _seed(x_c, inv)
     ptau, pfp = tau, tl.zeros_like(tau)
     # The general path's threshold sweep needs b = d^e with e > 0 (0 exactly where d = 0, no select); a head whose
     # e ≤ 0 (α = 1.5 among per-head α, or α ≥ 2) walks its keys in the selecting sweep instead. The two run one after
@@ -1187,7 +1180,7 @@ def _entmax_program(
             umax, cnt, sums, sums, gaps, zero, zero, acc, skipped, lo, full_f, hi_f, qs, qx, kx_s, K, V, k_offs_s,
             v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
             CAUSAL=CAUSAL,
-            HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS or MODELED,
+            HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=True,
             BLOCK_N=SWEEP_N,
         )  # fmt: skip
         if FAST == 0:  # the same sums where e ≤ 0 (an empty key range elsewhere)
@@ -1195,14 +1188,12 @@ def _entmax_program(
                 umax, cnt, s0, s1, s2, zero, zero, acc, skipped, lo, full_g, hi_g, qs, qx, kx_s, K, V, k_offs_s, v_offs,
                 skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
                 CAUSAL=CAUSAL,
-                HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=GENERAL_COUNTED if MODELED else GENERAL_SELECTED,
-                DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS or MODELED,
+                HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=GENERAL_SELECTED,
+                DOT_F32=DOT_F32, MMA_SUMS=True,
                 BLOCK_N=SWEEP_N,
             )  # fmt: skip
-        if MMA_SUMS and not MODELED:  # (MODELED: the class model reads them per class)
-            s0, s1, s2 = tl.sum(s0, 1), tl.sum(s1, 1), tl.max(s2, 1) if FAST == 1 else tl.sum(s2, 1)
         tau, t_lo, t_hi, ptau, pfp, passes, todo = _threshold_step(
-            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, x_c, FAST, MODELED
+            tau, t_lo, t_hi, ptau, pfp, s0, s1, s2, inv, tol, dead, passes, max_passes, x_c, FAST, True
         )
     plogp0 = tl.zeros([BLOCK_M, LOG_PARTIALS], dtype=tl.float32) if MMA_SUMS else zero
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
@@ -1246,7 +1237,7 @@ def _entmax_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, BLOCK_D if EXACT_D else D,
         scale, smb, max_passes, tol,
         CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, not DOT_F32, BLOCK_M, BLOCK_N,
-        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY, True, True,
+        min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY,
     )  # fmt: skip
 
 
@@ -1326,7 +1317,7 @@ def _entmax_threshold_kernel(
                 U + rows[:, None] * LK + cols[None, :], mask=keep[:, None] & (cols[None, :] < LK), other=-float("inf")
             )
             d = _support(u - shift[:, None], tau[:, None])  # rows of several heads: any e, selected
-            p0, p1, p2 = _powers(d, inv[:, None], GENERAL_COUNTED if FAST == 0 else FAST)
+            p0, p1, p2 = _powers(d, inv[:, None], GENERAL_SELECTED if FAST == 0 else FAST)
             a0 += p0
             a1 += p1
             if FAST == 1:  # −|x − τ| (see _add_powers)
@@ -1441,9 +1432,10 @@ def _trt_entmax_kernel(
     HAS_LAMBDA: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """entmax, asentmax (HAS_LAMBDA: λ from QSCALE) in TensorRT's argument order: one launch. Every head's threshold
-    sweep selects its powers (GENERAL_SELECTED): a second, select-free sweep for the heads that allow it makes this
-    form's output loop spill."""
+    """entmax, asentmax (HAS_LAMBDA: λ from QSCALE) in TensorRT's argument order: one launch, seeded and stepping to
+    its class model's root as the torch path's does. Every head's threshold sweep selects its powers and counts the
+    support at α > 2 (GENERAL_SELECTED): a second, select-free sweep for the heads that allow it makes this form's
+    output loop spill."""
     sqb, sqh, sqm, sqd = _contiguous_strides(H, LQ, BLOCK_D)
     skb, skh, skn, skd = _contiguous_strides(H // GROUP, LK, BLOCK_D)
     _entmax_program(
@@ -1451,7 +1443,7 @@ def _trt_entmax_kernel(
         sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
         scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
         CAUSAL, True, HAS_LAMBDA, True, DOT_F32, GENERAL_SELECTED, False, not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_N,
-        BLOCK_D, True, False, False,
+        BLOCK_D, True,
     )  # fmt: skip
 
 

@@ -204,7 +204,7 @@ def _headers(source: str, line: int) -> list[str]:
 def _site(lp: sass.Loop, source: str) -> tuple[str, bool, bool, bool]:
     """The loop's chain of calls in `source`, innermost first, as `function:line`; whether it walks edge tiles;
     whether it repeats per threshold pass; whether its body forms the threshold powers with a select (`_powers`'
-    FAST >= GENERAL_SELECTED branch, read from the body's own lines under either Triton). With the inline chain on
+    FAST == GENERAL_SELECTED branch, read from the body's own lines under either Triton). With the inline chain on
     the back branch's line information (Triton ≥ 3.9): a call on the chain passes MASKED=True / a call or the loop
     sits inside a `while` block. Without it (Triton 3.6 writes the innermost line only): the body runs a line under
     `if MASKED:` / the loop lies inside another loop."""
@@ -212,7 +212,7 @@ def _site(lp: sass.Loop, source: str) -> tuple[str, bool, bool, bool]:
     site = " ← ".join(f"{_function_at(source, n)}:{n}" for n in lines[:2])  # the loop and the call that runs it
     body = {line for i in lp.body for f, line in i.lines[:1] if sass.same_file(f, source)}
     headers = {h for n in body for h in _headers(source, n)}
-    selected = any(h.startswith("elif FAST >= GENERAL_SELECTED:") for h in headers)
+    selected = any(h.startswith("elif FAST == GENERAL_SELECTED:") for h in headers)
     if len(lines) > 1:
         edge = any(re.search(r"\bMASKED=True\b", _statement(source, n)) for n in lines)
         repeated = any(h.startswith("while ") for n in lines for h in _headers(source, n))
