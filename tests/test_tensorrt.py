@@ -145,8 +145,8 @@ def test_the_tensorrt_entmax_entry_settles_in_three_threshold_passes(plugin):
     """The TensorRT form's threshold search is the torch path's: seeded (`_seed`) and stepping to its class model's
     root. Its output after at most 3 threshold passes per program is its output with the pass cap it launches with,
     bit for bit (causal, α = 1.5 and 2.5, logits of σ = 1, a left-padded row; fp16 in the interpreter) — where the
-    form's earlier search, unseeded and without the model, took up to 4 passes at α = 1.5 and 9 at 2.5 on such rows
-    (N(0, 1) logits, 1,024 tokens: 3.72 / 4 and 8 / 9 per program)."""
+    form's earlier search, unseeded and without the model, took up to 4 passes at α = 1.5 and 10 at 2.5 on such rows
+    (N(0, 1) logits, 1,024 tokens: 3.72 / 4 and 8.28 / 10 per program)."""
     from sharp.models.streamed import MAX_THRESHOLD_PASSES
     from sharp.plugins.tensorrt.launch_check import aot_launch, tensorrt_form_inputs
     from sharp.plugins.triton import kernels
