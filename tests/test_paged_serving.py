@@ -213,7 +213,10 @@ def test_long_context_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     from sharp.benchmarks.longctx import SHAPES, run
 
     assert run(["--smoke", "--norms", "ssa"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    for norm in ("softmax", "ssa"):  # progress on stderr: one load, a warm-up and the repeats (1 in smoke) per norm
+        steps = [line.split(f"demo {norm}: ")[1].split(" ")[0] for line in err.splitlines() if f"demo {norm}: " in line]
+        assert steps == ["built", "loaded", "warm-up", "run"]
     rows = [line for line in out.splitlines() if line.startswith("| demo |")]
     assert [r.split(" | ")[2] for r in rows] == ["softmax", "ssa"]
     assert all(r.split(" | ")[8] == "4" for r in rows)  # every run generated its 4 tokens

@@ -138,9 +138,21 @@ def _length_class(n: int) -> int:
 
 
 def head_vector(value: Param, heads: int, device: torch.device) -> Tensor:
-    """A parameter (float, (Hq,) or broadcastable (1, Hq, 1, 1) tensor) as the kernels read it: (Hq,) fp32."""
-    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+    """A parameter (float, (Hq,) or broadcastable (1, Hq, 1, 1) tensor) as the kernels read it: (Hq,) fp32. A float
+    is filled on the device: a tensor made from host data is copied from pageable memory, and PyTorch waits for
+    that copy — every launch would then wait for the work queued before it (on an H200, each call of a norm with float
+    parameters took as long to issue as its kernel ran)."""
+    if not isinstance(value, Tensor):
+        return torch.full((heads,), float(value), dtype=torch.float32, device=device)
+    t = value.to(device=device, dtype=torch.float32)
     return (t.reshape(heads) if t.numel() == heads else t.expand(1, heads, 1, 1).reshape(heads)).contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def device_constants(values: tuple[float, ...], device: torch.device) -> Tensor:
+    """Constants the kernels read through a pointer (adaptive's polynomial), copied to `device` once: a copy per
+    launch would synchronise as `head_vector` explains. Kernels only read it."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 class _Launcher:
@@ -204,7 +216,7 @@ def _softmax_family(
     ssmax_s = run.per_head(p.ssmax_s) if logn else run.dummy
     ssa_n = run.per_head(p.ssa_n) if ssa else run.dummy
     ssa_b = run.per_head(p.ssa_b) if ssa else run.dummy
-    poly = torch.as_tensor(p.poly, dtype=torch.float32, device=p.q.device).contiguous() if adaptive else run.dummy
+    poly = device_constants(p.poly, p.q.device) if adaptive else run.dummy
     _softmax_family_kernel[run.grid](
         p.q,
         p.k,

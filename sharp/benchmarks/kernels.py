@@ -346,6 +346,12 @@ def run(argv: list[str] | None = None) -> int:
         return 2
     device = "cuda" if gpu else "cpu"
     dtype = torch.bfloat16
+    import triton  # after the interpreter is chosen
+
+    from sharp.plugins.triton.attention import autotuning
+
+    tiles = "tuned per class (the first call of each)" if autotuning(torch.device(device)) else (
+        "the default 64×64, untuned (SHARP_TRITON_AUTOTUNE=0)")  # fmt: skip
     prefill = _prefill_rows(args, device, dtype, gpu)
     decode, copy_gbs = _decode_rows(args, device, dtype, gpu)
     name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter, smoke run: numbers meaningless)"
@@ -353,7 +359,8 @@ def run(argv: list[str] | None = None) -> int:
         [
             "## Triton kernels on GPU",
             "",
-            f"Measured {today()} on {name}, torch {torch.__version__}. Command: {args.command}.",
+            f"Measured {today()} on {name}, torch {torch.__version__}, Triton {triton.__version__}."
+            f" Command: {args.command}. Prefill tiles: {tiles}.",
             "bf16, one sequence, heads = 1024 / D; median of triton.testing.do_bench. TFLOP/s counts 4·H·L²·D"
             " (half of it when causal) for every norm, so it is comparable across rows; × SDPA = SDPA time / ours."
             " Entmax block sparsity = key tiles skipped in the output pass; passes = threshold passes."

@@ -1,17 +1,20 @@
 """`sharp-bench long-context`: one long prompt served by the torch backend on its paged KV cache, per model shape
 and norm, softmax alongside as the baseline.
 
-Each run builds a random-weight SharpLM of the shape (the demo models' shape, or a ~1B-parameter Llama-3.2-1B
-shape), saves it as a model.pt and serves it exactly as `sharp-serve model.pt --backend torch --device cuda` does
-(TorchBackend + Engine, stepped in-process): a prompt of --prompt tokens prefilled in --prefill-chunk chunks, then
---new-tokens greedy tokens. Reported per run: time to first token (the whole prefill), decode tokens/s, tokens
-generated (a random model may hit EOS early), and the peak GPU memory; ratios are against softmax of the same
-shape. Every cell is the median of --repeats runs after one warm-up run (kernel compiles, prefill tile tuning).
+Per shape and norm it builds a random-weight SharpLM (the demo models' shape, or a ~1B-parameter Llama-3.2-1B
+shape), saves it as a model.pt, loads it once and serves each run as `sharp-serve model.pt --backend torch --device
+cuda` serves a request (TorchBackend + a fresh Engine, stepped in-process; each step reported on stderr): a prompt
+of --prompt tokens prefilled in --prefill-chunk chunks, then --new-tokens greedy tokens. Reported per run: time to
+first token (the whole prefill), decode tokens/s, tokens generated (a random model may hit EOS early), and the peak
+GPU memory; ratios are against softmax of the same shape. Every cell is the median of --repeats runs after one
+warm-up run (kernel compiles, prefill tile tuning).
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,9 +46,15 @@ SHAPES = {
 HEADER = ["shape", "params", "norm", "prompt", "TTFT s", "× softmax", "decode tok/s", "× softmax", "tokens", "peak GiB"]
 
 
-def _serve_once(path: Path, device: str, prompt: int, new_tokens: int, chunk: int) -> dict:
-    """One request through the engine: TTFT (s), decode tokens/s, tokens, peak GPU memory (GiB)."""
-    backend = load_backend(path, "torch", device)
+def _progress(t0: float, message: str) -> None:
+    """A line on stderr per step: a run cut short by a time limit still shows how far it got and what took long."""
+    print(f"long-context [{time.perf_counter() - t0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _serve_once(backend, device: str, prompt: int, new_tokens: int, chunk: int) -> dict:
+    """One request through a fresh engine (its own KV cache) on a loaded backend, as a server serves each request:
+    TTFT (s), decode tokens/s, tokens, peak GPU memory (GiB)."""
+    gc.collect()  # the previous run's engine and KV cache, before the peak is reset
     kv_mb = (prompt + new_tokens + 64) * backend.kv_bytes_per_token / 2**20 * 1.02
     engine = Engine(
         backend, EngineConfig(kv_cache_mb=kv_mb, prefill_chunk=chunk, max_new_tokens_limit=max(new_tokens, 64))
@@ -94,6 +103,7 @@ def run(argv: list[str] | None = None) -> int:
         return 2
     device = "cuda" if gpu else "cpu"
     rows = []
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes:
             base = None
@@ -105,9 +115,17 @@ def run(argv: list[str] | None = None) -> int:
                 params = model.num_params()
                 save(model, path)
                 del model
-                case = (path, device, args.prompt, args.new_tokens, args.prefill_chunk)
-                _serve_once(*case)  # warm-up, not counted: kernel compiles and prefill tile tuning
-                runs = [_serve_once(*case) for _ in range(args.repeats)]
+                _progress(t0, f"{shape} {norm}: built and saved ({params / 1e6:,.0f}M parameters)")
+                backend = load_backend(path, "torch", device)  # once, as `sharp-serve` loads it
+                _progress(t0, f"{shape} {norm}: loaded on {device}")
+                case = (backend, device, args.prompt, args.new_tokens, args.prefill_chunk)
+                runs = []
+                for i in range(1 + args.repeats):  # run 0 is the warm-up: kernel compiles, prefill tile tuning
+                    r = _serve_once(*case)
+                    runs += [r] if i else []
+                    _progress(t0, f"{shape} {norm}: {'warm-up' if i == 0 else f'run {i}'} TTFT {r['ttft']:.2f} s, "
+                              f"{r['tok_s']:.1f} tok/s, {r['tokens']} tokens")  # fmt: skip
+                del backend
                 cell = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 base = base or cell
                 prefill_x, decode_x = base["ttft"] / cell["ttft"], cell["tok_s"] / base["tok_s"]
