@@ -70,6 +70,20 @@ def test_keys_per_iteration_come_from_the_qk_product():
     assert sass.Loop([], sass.Instr(0, "BRA", "", ())).hgmma_keys(128) is None
 
 
+def test_keys_per_iteration_of_a_loop_without_the_product_come_from_its_loads():
+    """The threshold kernel's sweeps read 4 bytes per score element and ptxas may unroll them (its max sweep walks 4
+    tiles a turn): the bytes a thread loads per iteration count its elements — each LDG by its width."""
+    texts = ["@P2 LDG.E.128 R4, desc[UR12][R16.64] ;"] * 4 + [
+        "LDG.E.64 R8, desc[UR4][R2.64] ;",
+        "LDG.E.U16 R9, desc[UR4][R2.64] ;",
+        "LDG.E R10, desc[UR4][R2.64] ;",
+        "FMNMX R25, R25, R8, !PT ;",
+    ]
+    opcodes = [t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in texts]
+    body = [sass.Instr(16 * n, op, t, ()) for n, (op, t) in enumerate(zip(opcodes, texts, strict=True))]
+    assert sass.Loop(body, body[-1]).loaded_bytes() == 4 * 16 + 8 + 2 + 4
+
+
 def _static(which: str) -> dict:
     env = compile_env(which)
     proc = subprocess.run([sys.executable, "-m", "sharp.benchmarks.kernels_static"], capture_output=True, text=True,

@@ -98,3 +98,38 @@ def test_paged_decode_refuses_what_it_does_not_run():
     q = torch.randn(1, 2, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="power of two"):
         paged_decode(q, k_pages[:, :, :12], v_pages[:, :, :12], table, seq_lens, norm="softmax")
+
+
+class _RecordGrids:
+    """Stands in for a Triton kernel: records each launch's grid and runs the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("path", ["paged", "split-k"])
+def test_entmax_decode_finds_each_rows_threshold_in_its_own_program(path, monkeypatch):
+    """A decode step has few rows (B·Hq): its threshold step takes one program per row, not 16 rows a program —
+    which left all but 2 of an H200's SMs idle on one sequence of 32 heads (paged entmax 8× ssmax's time there)."""
+    import importlib
+
+    module = importlib.import_module("sharp.plugins.triton." + ("paged" if path == "paged" else "attention"))
+    record = _RecordGrids(module._entmax_threshold_kernel)
+    monkeypatch.setattr(module, "_entmax_threshold_kernel", record)
+    hq, hkv, lq = 4, 2, 1
+    k_pages, v_pages, table, seq_lens, ks, vs = _paged(hkv, 16, LENGTHS, seed=1)
+    q = torch.randn(len(LENGTHS), hq, lq, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    if path == "paged":
+        out, _ = paged_decode(q, k_pages, v_pages, table, seq_lens, norm="entmax", alpha=1.5)
+        refs = [attend(q[b : b + 1], ks[b], vs[b], norm="entmax", causal=True, alpha=1.5) for b in range(len(LENGTHS))]
+        torch.testing.assert_close(out, torch.cat(refs), atol=ATOL, rtol=0)
+    else:
+        out = attend(q[:1], ks[0], vs[0], norm="entmax", causal=True, alpha=1.5, impl="triton")
+        torch.testing.assert_close(out, attend(q[:1], ks[0], vs[0], norm="entmax", causal=True, alpha=1.5), atol=ATOL,
+                                   rtol=0)  # fmt: skip
+    rows = hq * lq * (len(LENGTHS) if path == "paged" else 1)
+    assert [grid[0] for grid in record.grids] == [rows]

@@ -31,7 +31,7 @@ from triton.runtime.jit import native_specialize_impl
 from sharp.models import registry
 from sharp.models.registry import Family, Norm, Transform
 from sharp.plugins.triton import floor, kernels, paged
-from sharp.plugins.triton.attention import THRESHOLD_ROWS, entmax_stages, triton_version
+from sharp.plugins.triton.attention import THRESHOLD_KEYS, THRESHOLD_ROWS, entmax_stages, triton_version
 
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 _TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
@@ -193,7 +193,11 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("entmax_output", {**decode, "HAS_LAMBDA": True, "FAST": 2}, dec),
     ]
     out += [  # split-K and paged decode share the threshold kernel
-        ("entmax_threshold", {"FAST": fast, "COUNT": fast == 2, "BLOCK_R": THRESHOLD_ROWS, "BLOCK_N": 64}, ("LQ",))
+        (
+            "entmax_threshold",
+            {"FAST": fast, "COUNT": fast == 2, "BLOCK_R": THRESHOLD_ROWS, "BLOCK_N": THRESHOLD_KEYS},
+            ("LQ",),
+        )
         for fast in (0, 1, 2)
     ]
     pages = {"HAS_ALIBI": False, "CAUSAL": True, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}

@@ -307,7 +307,11 @@ def entmax_stages(fast: int, stages: int) -> int:
 
 
 THRESHOLD_TOL = threshold_tol(torch.float32)  # the kernels work in fp32
-THRESHOLD_ROWS = 16  # rows per program of the split-K threshold kernel
+# Split-K decode's threshold kernel: one row per program — a decode step has B·Hq rows (32 for one sequence of 32
+# heads), and 16 a program kept all but 2 of an H200's 132 SMs idle (paged entmax took 0.60 ms at 32K keys where
+# ssmax's one launch took 0.075) — over tiles of 512 keys, which are also its class model's key classes.
+THRESHOLD_ROWS = 1
+THRESHOLD_KEYS = 512
 
 
 def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
@@ -344,7 +348,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     counts = torch.zeros(programs, dtype=torch.int32, device=p.q.device) if count else run.dummy
     _entmax_threshold_kernel[(programs,)](
         u, alpha, umax, tau, counts, p.heads, p.lq, p.lk, rows, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
-        FAST=fast, COUNT=count, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=cfg.block_n,
+        FAST=fast, COUNT=count, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=THRESHOLD_KEYS,
     )  # fmt: skip
     zsum, plogp, acc = run.rows(), run.rows(), run.rows(cfg.block_d)
     skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)

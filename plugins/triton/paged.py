@@ -22,6 +22,7 @@ from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S, Family, Transfor
 from sharp.models.streamed import MAX_THRESHOLD_PASSES, finish_entmax_state
 from sharp.plugins.triton.attention import (
     TARGET_PROGRAMS,
+    THRESHOLD_KEYS,
     THRESHOLD_ROWS,
     THRESHOLD_TOL,
     _alpha_fast_path,
@@ -348,7 +349,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     fast = _alpha_fast_path(alpha)
     _entmax_threshold_kernel[(triton.cdiv(rows, THRESHOLD_ROWS),)](
         u, alpha_h, umax, tau, dummy, hq, lq, width, rows, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
-        FAST=fast, COUNT=False, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=64,
+        FAST=fast, COUNT=False, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=THRESHOLD_KEYS,
     )  # fmt: skip
     zsum = torch.empty(splits, rows, dtype=torch.float32, device=dev)
     plogp = torch.empty_like(zsum)

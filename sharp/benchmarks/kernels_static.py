@@ -59,6 +59,9 @@ class Entry:
     values: dict = field(default_factory=dict)
     rows: int = 64  # the tile a key loop iteration covers: rows × keys score elements
     keys: int = 64
+    # A kernel without Q·Kᵀ that reads this many bytes per score element (the threshold kernel's fp32 logits): its
+    # loops' keys per iteration come from their loads, since ptxas may unroll them (its max sweep: 4 tiles a turn).
+    element_bytes: int = 0
 
     def variant(self):
         from sharp.plugins.triton.aot import Variant
@@ -71,7 +74,7 @@ def entries() -> list[Entry]:
     """The launches of the default problem classes; the softmax family's prefill with and without its entropy
     (ENTROPY=False: what a caller that does not ask for it runs)."""
     from sharp.plugins.triton import aot
-    from sharp.plugins.triton.attention import entmax_stages
+    from sharp.plugins.triton.attention import THRESHOLD_KEYS, THRESHOLD_ROWS, entmax_stages
 
     base = dict(CAUSAL=True, HAS_ALIBI=False, HAS_LAMBDA=False, HAS_KMASK=False, DOT_F32=False)
     pre = {**base, **PREFILL_TILE}
@@ -93,7 +96,7 @@ def entries() -> list[Entry]:
     split = {**dec, "ADAPTIVE": False, "FINALIZE": False, "HAS_ROWF": False, "WITH_V": True, "SSA": False,
              "LOGN": False}  # fmt: skip
     tile = {"rows": DECODE_TILE["BLOCK_M"], "keys": DECODE_TILE["BLOCK_N"]}
-    threshold = {"FAST": 0, "COUNT": False, "BLOCK_R": 16, "BLOCK_N": 64}
+    threshold = {"FAST": 0, "COUNT": False, "BLOCK_R": THRESHOLD_ROWS, "BLOCK_N": THRESHOLD_KEYS}
     out += [
         Entry("softmax", "decode", "softmax_family", split, DECODE, **tile),
         Entry("ssmax", "decode", "softmax_family", {**split, "LOGN": True}, DECODE, **tile),
@@ -101,7 +104,16 @@ def entries() -> list[Entry]:
         Entry("adaptive (statistics)", "decode", "softmax_family", {**split, "WITH_V": False}, DECODE, **tile),
         Entry("adaptive (output)", "decode", "softmax_family", {**split, "HAS_ROWF": True}, DECODE, **tile),
         Entry("entmax (logits)", "decode", "entmax_logits", dec, DECODE, **tile),
-        Entry("entmax (threshold)", "decode", "entmax_threshold", threshold, DECODE, **tile),
+        Entry(
+            "entmax (threshold)",
+            "decode",
+            "entmax_threshold",
+            threshold,
+            DECODE,
+            rows=THRESHOLD_ROWS,
+            keys=THRESHOLD_KEYS,
+            element_bytes=4,
+        ),
         Entry("entmax (output)", "decode", "entmax_output", {**dec, "FAST": 0}, DECODE, **tile),
     ]
     trt = {"CAUSAL": True, "DOT_F32": False, "SSA": False, "LOGN": False, "ADAPTIVE": False,
@@ -234,6 +246,8 @@ def analyse(e: Entry, arch: int = 90) -> Report:
     for lp in sass.key_loops(sass.loops(instrs, labels)):
         site, edge, repeated, selected = _site(lp, source)
         keys = lp.hgmma_keys(HEAD_DIM) or e.keys  # a pass may walk wider tiles than the launch's (entmax's sweeps)
+        if e.element_bytes and lp.hgmma_keys(HEAD_DIM) is None:
+            keys = lp.loaded_bytes() * 32 * WARPS // (e.element_bytes * e.rows)
         per = 32 * WARPS / (e.rows * keys)  # thread-instructions per element per warp-instruction of the body
         counts = lp.counts()
         loops.append(KeyLoop(site, len(lp.body) * per, {c: counts.get(c, 0) * per for c in sass.COLUMNS}, edge,
@@ -366,14 +380,16 @@ def run(args) -> int:
         "",
         f"Read {today()} with Triton {triton.__version__} for sm_90. Command: {args.command}.",
         "Prefill: bf16, D = 128, causal, 8 heads, 16K queries and keys, tile 64×64, 4 warps, 3 stages; decode: 1 query,"
-        " 32 / 8 heads, 32K keys, 16-row tiles of 64 keys; TensorRT: its entry points at 64×64 (pointers 16-byte"
+        " 32 / 8 heads, 32K keys, 16-row tiles of 64 keys (the threshold kernel: one row of 512 keys a program);"
+        " TensorRT: its entry points at 64×64 (pointers 16-byte"
         " aligned). instr/elt = SASS instructions of the loop body per warp × 32 × warps / (rows × keys of a tile):"
         " one instruction per score element on every lane counts 1. A body's branches count both paths. [edge]:"
         " the loop of the causal diagonal and the last tile (bounded per row, not summed); [e ≤ 0]: the threshold sweep"
         " of a program whose head's power b = d^e has e ≤ 0 (α = 1.5 among per-head α, or α ≥ 2), which selects b"
         " where d = 0 and is taken instead of the sweep beside it (not summed); ×P: once per threshold"
         f" pass (P = {args.threshold_passes} in the sum); [128 keys]: a loop whose tiles are wider than the launch's"
-        " (read from its Q·Kᵀ HGMMA shape; entmax's max and threshold sweeps). Class columns, per element: "
+        " (read from its Q·Kᵀ HGMMA shape: entmax's max and threshold sweeps; or, in the decode threshold kernel,"
+        " from the bytes it loads, 4 per logit: ptxas unrolls its max sweep). Class columns, per element: "
         + ", ".join(sass.COLUMNS) + ". × floor: against the minimal FlashAttention-2 softmax (no entropy)."
         " (no entropy): the launch of a caller that does not ask for the entropy (ENTROPY=False).",
         "",

@@ -118,6 +118,16 @@ class Loop:
         qk = [int(n) for n, count in shapes.items() if count >= head_dim // 16]
         return max(qk) if qk else None
 
+    def loaded_bytes(self) -> int:
+        """Bytes one thread loads from global memory per iteration: each LDG's width (.128, .64, .U16/.S16,
+        .U8/.S8; 4 bytes otherwise)."""
+        return sum(_LDG_BYTES.get(m.group(1), 4) if (m := _LDG_WIDTH.search(i.text)) else 4
+                   for i in self.body if i.opcode == "LDG")  # fmt: skip
+
+
+_LDG_WIDTH = re.compile(r"LDG(?:\.E)?(?:\.EL)?(?:\.[A-Z_]+)*?\.(128|64|U16|S16|U8|S8)\b")
+_LDG_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+
 
 def loops(instrs: list[Instr], labels: dict[str, int]) -> list[Loop]:
     """Every loop, in program order, with its nesting. A loop is a label that branches jump back to; several back
