@@ -31,7 +31,13 @@ from triton.runtime.jit import native_specialize_impl
 from sharp.models import registry
 from sharp.models.registry import Family, Norm, Transform
 from sharp.plugins.triton import floor, kernels, paged
-from sharp.plugins.triton.attention import THRESHOLD_KEYS, THRESHOLD_ROWS, entmax_stages, triton_version
+from sharp.plugins.triton.attention import (
+    MERGE_ROWS,
+    THRESHOLD_KEYS,
+    THRESHOLD_ROWS,
+    entmax_stages,
+    triton_version,
+)
 
 _DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 _TILE = {"BLOCK_M": 64, "BLOCK_N": 64}
@@ -183,7 +189,7 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("entmax", {**general, "COUNT": False, "ENTROPY": False}, one),
         ("entmax", {**exact, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
     ]
-    split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by the host
+    split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by merge_softmax
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
     out += [  # adaptive split-K: statistics without V, then the output with β per row
         ("softmax_family", {**split, **plain, "HAS_ROWF": False, "WITH_V": False}, dec),
@@ -205,8 +211,8 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     out += [
         ("paged_softmax", {**pages, **plain, "HAS_ROWF": False, "WITH_V": False}, dec),
         ("paged_softmax", {**pages, **plain, "HAS_ROWF": True, "WITH_V": True}, dec),
-        ("merge_softmax", {"WITH_V": True, "BLOCK_R": 16}, ("SPLITS",)),
-        ("merge_softmax", {"WITH_V": False, "BLOCK_R": 16}, ("SPLITS",)),
+        ("merge_softmax", {"WITH_V": True, "BLOCK_R": MERGE_ROWS}, ("SPLITS",)),
+        ("merge_softmax", {"WITH_V": False, "BLOCK_R": MERGE_ROWS}, ("SPLITS",)),
         ("paged_entmax_logits", {**pages, "HAS_LAMBDA": True}, dec),
         ("paged_entmax_output", {"FAST": 0, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}, dec),
         ("paged_entmax_output", {"FAST": 2, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}, dec),

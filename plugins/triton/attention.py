@@ -1,8 +1,9 @@
 """Host side of the Triton kernels: launch configuration (prefill tiles tuned on first use, by tiles.py), split-K
 merging, adaptive's β and entmax's τ loop.
 
-Semantics are exactly `attend`'s (the problem comes from `sharp.models.problem`); the per-row state algebra
-(`merge_softmax_states`) and the threshold step (`refine_threshold`) are the streamed PyTorch oracle's own.
+Semantics are exactly `attend`'s (the problem comes from `sharp.models.problem`); the per-row state algebra (the
+streamed PyTorch oracle's `merge_softmax_states`, merged on the device by `_merge_softmax_kernel`) and the threshold
+step (`refine_threshold`) are the oracle's own.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from sharp.models.streamed import (
     MAX_THRESHOLD_PASSES,
     StreamStats,
     finish_entmax_state,
-    finish_softmax_state,
-    merge_softmax_states,
     threshold_tol,
 )
 from sharp.plugins.triton.kernels import (
@@ -34,6 +33,7 @@ from sharp.plugins.triton.kernels import (
     _entmax_logits_kernel,
     _entmax_output_kernel,
     _entmax_threshold_kernel,
+    _merge_softmax_kernel,
     _softmax_family_kernel,
 )
 from sharp.plugins.triton.tiles import Tile, tuned_tile
@@ -79,7 +79,7 @@ def interpreter_problem() -> str | None:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes, schedule and the key split; `splits > 1` is flash-decoding (partial states merged on the host)."""
+    """Tile sizes, schedule and the key split; `splits > 1` is flash-decoding (partial states merged by a kernel)."""
 
     block_m: int
     block_n: int
@@ -201,7 +201,7 @@ def _softmax_family(
     run: _Launcher, rowf: Tensor | None, ssa: bool, with_v: bool, adaptive: bool = False, logn: bool = False
 ) -> tuple[Tensor | None, Tensor]:
     """One launch. With one split and V (prefill) the kernel finishes the output and entropy itself; otherwise it
-    writes per-split partial states that are merged here (split-K decode, or adaptive's statistics pass)."""
+    writes per-split partial states that `merge_splits` merges (split-K decode, or adaptive's statistics pass)."""
     p, cfg = run.p, run.cfg
     finalize = cfg.splits == 1 and with_v
     entropy = run.entropy or not with_v  # a statistics launch exists for its entropy
@@ -251,11 +251,24 @@ def _softmax_family(
     )
     if finalize:
         return out[..., : p.v.shape[-1]].float(), ent if entropy else None
-    _, big_lam1, kp1, acc1 = merge_softmax_states(m, big_lam, kp, acc if with_v else None)
-    out, ent = finish_softmax_state(big_lam1, kp1, acc1)
-    if out is not None:
-        out = out[..., : p.v.shape[-1]]
-    return out, ent
+    out = torch.empty(run.bh, p.lq, cfg.block_d, dtype=torch.float32, device=p.q.device) if with_v else run.dummy
+    ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
+    merge_splits(m, big_lam, kp, acc, out, ent, cfg.block_d, with_v)
+    return (out[..., : p.v.shape[-1]] if with_v else None), ent
+
+
+MERGE_ROWS = 16  # rows per program of the split merge
+
+
+def merge_splits(m: Tensor, lam: Tensor, kp: Tensor, acc: Tensor, out: Tensor, ent: Tensor, block_d: int,
+                 with_v: bool) -> None:  # fmt: skip
+    """Merge per-split softmax states ((splits, rows) m, Λ, K' and (splits, rows, block_d) acc) into `out` (its
+    dtype) and `ent`, on the device in one launch: the host's tensor ops (the streamed oracle's merge_softmax_states
+    and finish_softmax_state) took about twenty, and split-K decode was host-bound on an H200."""
+    splits, rows = m.shape[0], m.numel() // m.shape[0]
+    _merge_softmax_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
+        m, lam, kp, acc, out, ent, rows, splits, WITH_V=with_v, BLOCK_R=MERGE_ROWS, BLOCK_D=block_d
+    )  # fmt: skip
 
 
 def _softmax_family_transform(run: _Launcher, stats: StreamStats) -> tuple[Tensor, Tensor]:

@@ -1,8 +1,8 @@
 """Triton kernels for the streamed normalizers (docs/attention.md); the host side is in `attention.py`.
 
 Grid: (query blocks, B·Hq, key splits). A program owns BLOCK_M query rows of one head and the key range
-of its split, walks that range in BLOCK_N tiles and writes *partial* per-row state; the host merges the
-splits (one split for prefill, FlashAttention-2 style; many for decode, flash-decoding style). Masking is
+of its split, walks that range in BLOCK_N tiles and writes *partial* per-row state; `_merge_softmax_kernel` merges
+the splits (one split for prefill, FlashAttention-2 style; many for decode, flash-decoding style). Masking is
 explicit: rows ≥ Lq, keys ≥ Lk, head-dim lanes ≥ D and causally hidden keys all read as −inf logits or 0.
 
 In the CPU interpreter a bf16 `tl.dot` does not work: DOT_F32 upcasts both operands and asks for IEEE fp32.
@@ -513,7 +513,7 @@ def _softmax_family_program(
     (ENT_OUT) — one launch per call. ADAPTIVE (with FINALIZE): a first sweep without V gives each row's softmax
     entropy H, β = max(poly(H), 1) where H > beta_threshold (else 1) is formed on chip, and the second sweep runs
     softmax(β·z) with V. Otherwise (split-K decode): writes the partial state of its split — m (max t),
-    Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the host to merge. MMA_SUMS: the row sums on
+    Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the merge kernel. MMA_SUMS: the row sums on
     the tensor cores (half-precision prefill; not adaptive's output sweep with entropy, whose partials would spill).
     """
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
@@ -1447,12 +1447,47 @@ def _trt_entmax_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def _merge_softmax_kernel(
+    M, L, KPS, ACC, OUT, ENT_OUT, ROWS, SPLITS,
+    WITH_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Merge per-split states (m, Λ, K', acc) of ROWS rows: rescale to the global max, sum, and finish the output
+    (OUT's dtype) and the entropy H = log Λ − K'/Λ (0 for a row that saw no key). Split-K and paged decode's last
+    step: one launch where tensor ops took about twenty."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    keep = rows < ROWS
+    offs_d = tl.arange(0, BLOCK_D)
+    top = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    for s in range(SPLITS):
+        top = tl.maximum(top, tl.load(M + s * ROWS + rows, mask=keep, other=-float("inf")))
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    kp_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for s in range(SPLITS):
+        m = tl.load(M + s * ROWS + rows, mask=keep, other=-float("inf"))
+        lam = tl.load(L + s * ROWS + rows, mask=keep, other=0.0)
+        w = tl.where(lam > 0, tl.exp(m - top_safe), 0.0)
+        shift = tl.where(lam > 0, m - top_safe, 0.0)
+        l_sum += w * lam
+        kp_sum += w * (tl.load(KPS + s * ROWS + rows, mask=keep, other=0.0) + lam * shift)
+        if WITH_V:
+            part = tl.load(ACC + (s * ROWS + rows)[:, None] * BLOCK_D + offs_d[None, :], mask=keep[:, None], other=0.0)
+            acc += w[:, None] * part
+    tl.store(ENT_OUT + rows, _entropy(l_sum, kp_sum), mask=keep)
+    if WITH_V:
+        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+        tl.store(OUT + rows[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
+
+
 KERNELS = {
     "softmax_family": _softmax_family_kernel,
     "entmax": _entmax_kernel,
     "entmax_logits": _entmax_logits_kernel,
     "entmax_threshold": _entmax_threshold_kernel,
     "entmax_output": _entmax_output_kernel,
+    "merge_softmax": _merge_softmax_kernel,
     "trt_softmax_family": _trt_softmax_family_kernel,
     "trt_entmax": _trt_entmax_kernel,
 }

@@ -28,11 +28,11 @@ from sharp.plugins.triton.attention import (
     _alpha_fast_path,
     dot_f32,
     head_vector,
+    merge_splits,
 )
 from sharp.plugins.triton.kernels import (
     _dot,
     _entmax_threshold_kernel,
-    _entropy,
     _online_step,
     _pv,
     _support,
@@ -136,39 +136,6 @@ def _paged_softmax_kernel(
 
 
 @triton.jit
-def _merge_softmax_kernel(
-    M, L, KPS, ACC, OUT, ENT_OUT, ROWS, SPLITS,
-    WITH_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Merge per-split states (m, Λ, K', acc) of ROWS rows: rescale to the global max, sum, and finish the output
-    (OUT's dtype) and the entropy H = log Λ − K'/Λ (0 for a row that saw no key)."""
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    keep = rows < ROWS
-    offs_d = tl.arange(0, BLOCK_D)
-    top = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
-    for s in range(SPLITS):
-        top = tl.maximum(top, tl.load(M + s * ROWS + rows, mask=keep, other=-float("inf")))
-    top_safe = tl.where(top == float("-inf"), 0.0, top)
-    l_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    kp_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for s in range(SPLITS):
-        m = tl.load(M + s * ROWS + rows, mask=keep, other=-float("inf"))
-        lam = tl.load(L + s * ROWS + rows, mask=keep, other=0.0)
-        w = tl.where(lam > 0, tl.exp(m - top_safe), 0.0)
-        shift = tl.where(lam > 0, m - top_safe, 0.0)
-        l_sum += w * lam
-        kp_sum += w * (tl.load(KPS + s * ROWS + rows, mask=keep, other=0.0) + lam * shift)
-        if WITH_V:
-            part = tl.load(ACC + (s * ROWS + rows)[:, None] * BLOCK_D + offs_d[None, :], mask=keep[:, None], other=0.0)
-            acc += w[:, None] * part
-    tl.store(ENT_OUT + rows, _entropy(l_sum, kp_sum), mask=keep)
-    if WITH_V:
-        out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-        tl.store(OUT + rows[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
-
-
-@triton.jit
 def _paged_entmax_logits_kernel(
     Q, K_PAGES, BT, SEQ, ALPHA, SLOPES, LAMBDA, U_OUT,
     sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
@@ -237,7 +204,6 @@ def _paged_entmax_output_kernel(
 # The paged kernels by name, as kernels.KERNELS (the AOT compile check reads both).
 KERNELS = {
     "paged_softmax": _paged_softmax_kernel,
-    "merge_softmax": _merge_softmax_kernel,
     "paged_entmax_logits": _paged_entmax_logits_kernel,
     "paged_entmax_output": _paged_entmax_output_kernel,
 }
@@ -304,9 +270,7 @@ def paged_decode(
         )  # fmt: skip
         out = torch.empty(rows, block_d, dtype=q.dtype, device=dev) if with_v else dummy
         ent = torch.empty(rows, dtype=torch.float32, device=dev)
-        _merge_softmax_kernel[(triton.cdiv(rows, 16),)](
-            m, lam, kp, acc, out, ent, rows, splits, WITH_V=with_v, BLOCK_R=16, BLOCK_D=block_d
-        )
+        merge_splits(m, lam, kp, acc, out, ent, block_d, with_v)
         return out, ent
 
     if spec.family is Family.ENTMAX:
