@@ -77,3 +77,9 @@ def test_cancelled_and_ended_sequences_leave_every_queue():
     ended.done = True  # its prefill failed: it leaves prefilling without joining the decode batch
     s.prefilled(ended)
     assert s.running == [] and s.clear() == [d] and not s.busy()
+    running = _seq(2, name="r")  # a stream cancelled mid-decode leaves the batch too
+    s.waiting.append(running)
+    s.admit(lambda seq, n: True)
+    s.prefilled(running)
+    running.cancelled = True
+    assert s.running == [running] and s.drop_cancelled() == [running] and s.running == [] and not s.busy()

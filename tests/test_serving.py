@@ -199,6 +199,14 @@ def test_metrics_after_traffic(model_files):
     assert (
         sample_value(m, "sharp_inter_token_latency_seconds", "sharp_inter_token_latency_seconds_count") == generated - 5
     )
+    # each request's gaps add up to its first token → its last, inside its duration after its first token
+    sums = {name: sample_value(m, name, f"{name}_sum") for name in ("sharp_inter_token_latency_seconds",
+            "sharp_time_to_first_token_seconds", "sharp_request_duration_seconds")}  # fmt: skip
+    assert (
+        0
+        < sums["sharp_inter_token_latency_seconds"]
+        <= (sums["sharp_request_duration_seconds"] - sums["sharp_time_to_first_token_seconds"])
+    )
     labels = {(s.labels["layer"], s.labels["head"]) for s in m["sharp_attention_entropy_nats"].samples}
     assert labels == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
     prompt_tokens = sample_value(m, "sharp_prompt_tokens", "sharp_prompt_tokens_total")
