@@ -117,9 +117,10 @@ def test_entmax_decode_finds_each_rows_threshold_in_its_own_program(path, monkey
     which left all but 2 of an H200's SMs idle on one sequence of 32 heads (paged entmax 8× ssmax's time there)."""
     import importlib
 
-    module = importlib.import_module("sharp.plugins.triton." + ("paged" if path == "paged" else "attention"))
-    record = _RecordGrids(module._entmax_threshold_kernel)
-    monkeypatch.setattr(module, "_entmax_threshold_kernel", record)
+    host = importlib.import_module("sharp.plugins.triton.attention")  # find_thresholds launches it for both paths
+
+    record = _RecordGrids(host._entmax_threshold_kernel)
+    monkeypatch.setattr(host, "_entmax_threshold_kernel", record)
     hq, hkv, lq = 4, 2, 1
     k_pages, v_pages, table, seq_lens, ks, vs = _paged(hkv, 16, LENGTHS, seed=1)
     q = torch.randn(len(LENGTHS), hq, lq, 16, generator=torch.Generator().manual_seed(2)).to(DEVICE)

@@ -327,6 +327,17 @@ THRESHOLD_ROWS = 1
 THRESHOLD_KEYS = 512
 
 
+def find_thresholds(u: Tensor, alpha: Tensor, umax: Tensor, tau: Tensor, counts: Tensor, heads: int, lq: int,
+                    lk: int, rows: int, fast: int, count: bool) -> None:  # fmt: skip
+    """Each of `rows` rows' max and entmax threshold τ from its logits u = (α − 1)·z (rows × lk), into `umax` and
+    `tau`; with `count`, each program's passes into `counts`. Split-K and paged decode's threshold step, in one
+    launch of THRESHOLD_ROWS rows a program."""
+    _entmax_threshold_kernel[(triton.cdiv(rows, THRESHOLD_ROWS),)](
+        u, alpha, umax, tau, counts, heads, lq, lk, rows, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
+        FAST=fast, COUNT=count, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=THRESHOLD_KEYS,
+    )  # fmt: skip
+
+
 def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     """One launch with one key split (prefill; without `run.entropy` it forms no log w and returns no entropy);
     split-K decode is three launches (logits → τ per row on chip → partial outputs) and device-side sums. Never a
@@ -357,12 +368,9 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     rows = run.bh * p.lq
     umax = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
     tau = torch.empty_like(umax)
-    programs = -(-rows // THRESHOLD_ROWS)
+    programs = triton.cdiv(rows, THRESHOLD_ROWS)
     counts = torch.zeros(programs, dtype=torch.int32, device=p.q.device) if count else run.dummy
-    _entmax_threshold_kernel[(programs,)](
-        u, alpha, umax, tau, counts, p.heads, p.lq, p.lk, rows, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
-        FAST=fast, COUNT=count, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=THRESHOLD_KEYS,
-    )  # fmt: skip
+    find_thresholds(u, alpha, umax, tau, counts, p.heads, p.lq, p.lk, rows, fast, count)
     zsum, plogp, acc = run.rows(), run.rows(), run.rows(cfg.block_d)
     skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)
     flags = {k: run.flags[k] for k in ("CAUSAL", "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages")}

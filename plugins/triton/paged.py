@@ -19,20 +19,17 @@ from torch import Tensor
 
 from sharp.models.normalizers import PAPER_POLY, Param, adaptive_beta
 from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S, Family, Transform, get
-from sharp.models.streamed import MAX_THRESHOLD_PASSES, finish_entmax_state
+from sharp.models.streamed import finish_entmax_state
 from sharp.plugins.triton.attention import (
     TARGET_PROGRAMS,
-    THRESHOLD_KEYS,
-    THRESHOLD_ROWS,
-    THRESHOLD_TOL,
     _alpha_fast_path,
     dot_f32,
+    find_thresholds,
     head_vector,
     merge_splits,
 )
 from sharp.plugins.triton.kernels import (
     _dot,
-    _entmax_threshold_kernel,
     _online_step,
     _pv,
     _support,
@@ -311,10 +308,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     umax = torch.empty(rows, dtype=torch.float32, device=dev)
     tau = torch.empty_like(umax)
     fast = _alpha_fast_path(alpha)
-    _entmax_threshold_kernel[(triton.cdiv(rows, THRESHOLD_ROWS),)](
-        u, alpha_h, umax, tau, dummy, hq, lq, width, rows, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
-        FAST=fast, COUNT=False, BLOCK_R=THRESHOLD_ROWS, BLOCK_N=THRESHOLD_KEYS,
-    )  # fmt: skip
+    find_thresholds(u, alpha_h, umax, tau, dummy, hq, lq, width, rows, fast, False)
     zsum = torch.empty(splits, rows, dtype=torch.float32, device=dev)
     plogp = torch.empty_like(zsum)
     acc = torch.empty(splits, rows, block_d, dtype=torch.float32, device=dev)
