@@ -31,6 +31,7 @@ import numpy as np
 
 from sharp.serving import cache as arrays
 from sharp.serving.cache import BatchCache
+from sharp.serving.prefix import PrefixStore
 from sharp.serving.spec import ModelSpec
 
 log = logging.getLogger("sharp.serving")
@@ -68,6 +69,24 @@ class StepResult:
 
 
 @dataclass
+class Prefix:
+    """What a leaving sequence's cache holds, to keep for later prompts: the token ids of its cached positions and,
+    where every one of its first n positions had it computed, their per-head attention entropy (layers, heads, n)."""
+
+    tokens: np.ndarray  # (len,) int64
+    entropy: np.ndarray | None
+
+
+@dataclass
+class Hit:
+    """An admitted sequence's cached prefix: its first `tokens` prompt tokens need no prefill; `entropy` (layers,
+    heads, tokens), when asked, is what their prefill would have reported."""
+
+    tokens: int = 0
+    entropy: np.ndarray | None = None
+
+
+@dataclass
 class Chunk:
     """A prefill chunk: the reserved sequence's prompt tokens start..start+n−1 as ids (1, n) int64; `scores`: return
     the logits at every position (to score the prompt), not only the last."""
@@ -83,13 +102,24 @@ class Backend(ABC):
     kv_bytes_per_token: int  # what one token of one sequence costs in the KV cache
 
     @abstractmethod
-    def allocate(self, budget_bytes: int) -> int:
-        """Set up the KV cache within `budget_bytes`; returns the bytes it can hold (what requests are checked
-        against). Raises BackendError if not even one token fits."""
+    def allocate(self, budget_bytes: int, prefix_bytes: int = 0) -> int:
+        """Set up the KV cache within `budget_bytes` and the prefix cache within `prefix_bytes` (0: off); returns
+        the bytes the KV cache can hold (what requests are checked against). Raises BackendError if not even one
+        token fits."""
 
     @abstractmethod
     def reserve(self, seq: Hashable, tokens: int) -> bool:
         """Room for `seq` to hold `tokens` tokens, or False (nothing reserved) when that does not fit now."""
+
+    def admit(self, seq: Hashable, prompt: np.ndarray, tokens: int, reuse: bool, entropy: bool) -> Hit | None:
+        """Reserve room for `seq` to hold `tokens` tokens and, when `reuse`, start it on the longest cached prefix
+        of `prompt` (at most all but its last token: that one's logits start the answer), whose entropies come
+        with it when `entropy`; None (nothing held) when it does not fit now."""
+        return Hit() if self.reserve(seq, tokens) else None
+
+    def cache_info(self) -> str:
+        """The prefix cache's size, in words (the start-up line)."""
+        return "prefix cache off"
 
     @abstractmethod
     def prefill(self, seq: Hashable, ids: np.ndarray, start: int, entropy: bool, scores: bool = False) -> StepResult:
@@ -111,8 +141,9 @@ class Backend(ABC):
         """The sequence's prompt is in: it decodes with the others from now on."""
 
     @abstractmethod
-    def release(self, seq: Hashable) -> None:
-        """The sequence left (finished, cancelled, failed); unknown sequences are ignored."""
+    def release(self, seq: Hashable, keep: Prefix | None = None) -> None:
+        """The sequence left (finished, cancelled, failed); unknown sequences are ignored. `keep`: what its cache
+        holds, to keep in the prefix cache (None: forget it, e.g. after a failure)."""
 
     @abstractmethod
     def clear(self) -> None:
@@ -171,6 +202,7 @@ class GraphBackend(Backend):
         self._batch = self._new_batch()
         self._own: dict[Hashable, list[Cache]] = {}  # caches of sequences prefilling (or run alone)
         self._reserved: dict[Hashable, int] = {}
+        self.prefixes = PrefixStore(0)
 
     @abstractmethod
     def forward(
@@ -196,12 +228,25 @@ class GraphBackend(Backend):
         s = self.spec
         return [np.zeros((batch, s.kv_heads, 0, s.head_dim), self._kv_array_type) for _ in range(2 * s.layers)]
 
-    def allocate(self, budget_bytes: int) -> int:
+    def allocate(self, budget_bytes: int, prefix_bytes: int = 0) -> int:
         if budget_bytes < self.kv_bytes_per_token:
             raise BackendError(f"a KV budget of {budget_bytes} bytes holds no token ({self.kv_bytes_per_token} each)")
         self.budget_bytes = budget_bytes
         self._batch.limit = budget_bytes // self.kv_bytes_per_token
+        self.prefixes = PrefixStore(prefix_bytes)
         return budget_bytes
+
+    def admit(self, seq, prompt, tokens, reuse, entropy):
+        if not self.reserve(seq, tokens):
+            return None
+        entry, n = self.prefixes.match(prompt, entropy) if reuse else (None, 0)
+        if not n:
+            return Hit()
+        self._own[seq] = [arrays.contiguous(t[:, :, :n]) for t in entry.cache]  # the copy a join makes anyway
+        return Hit(n, entry.entropy[..., :n] if entropy else None)
+
+    def cache_info(self):
+        return self.prefixes.describe()
 
     def reserve(self, seq, tokens):
         wanted = {**self._reserved, seq: tokens}
@@ -270,13 +315,18 @@ class GraphBackend(Backend):
         cache = self._own.pop(seq)
         self._batch.join(seq, cache, cache[0].shape[2])
 
-    def release(self, seq):
-        self._own.pop(seq, None)
+    def release(self, seq, keep=None):
+        own = self._own.pop(seq, None)
         self._reserved.pop(seq, None)
+        if keep is not None and self.prefixes.budget:
+            cache = own if own is not None else self._batch.row(seq) if seq in self._batch else None
+            if cache is not None:
+                n = min(len(keep.tokens), cache[0].shape[2])
+                self.prefixes.put(keep.tokens[:n], cache, keep.entropy)
         self._batch.leave(seq)
 
     def clear(self):
-        self._batch, self._own, self._reserved = self._new_batch(), {}, {}
+        self._batch, self._own, self._reserved = self._new_batch(), {}, {}  # kept prefixes stay: they are whole
 
     def _held(self) -> int:
         """Token slots held: the batch's (padding and free slots included) and the prefilling sequences' own."""

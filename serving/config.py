@@ -29,6 +29,12 @@ class EngineConfig:
         f"KV-cache budget (torch: a pool of {PAGE_SIZE}-token pages allocated at start; onnxruntime/tensorrt:"
         " padding included)",
     )
+    prefix_cache_mb: float | None = option(
+        None,
+        "prefix cache: finished requests' KV caches kept for later prompts that start the same (torch: unused pages"
+        " of the pool, counted free; onnxruntime/tensorrt: host memory beside the KV budget); default: --kv-cache-mb,"
+        " 0: off",
+    )
     prefill_chunk: int = option(256, "prompt tokens per engine step")
     max_new_tokens_limit: int = option(4096, "per request")
     default_max_new_tokens: int = option(64, "when a request does not say")
@@ -46,11 +52,19 @@ class EngineConfig:
                 raise ValueError(f"`{f.name}` must be an integer >= 1, got {value!r}")
         if not (isinstance(self.kv_cache_mb, int | float) and math.isfinite(self.kv_cache_mb) and self.kv_cache_mb > 0):
             raise ValueError(f"`kv_cache_mb` must be a finite number > 0, got {self.kv_cache_mb!r}")
+        mb = self.prefix_cache_mb
+        if mb is not None and not (isinstance(mb, int | float) and math.isfinite(mb) and mb >= 0):
+            raise ValueError(f"`prefix_cache_mb` must be a finite number >= 0, got {mb!r}")
         if self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(
                 f"`default_max_new_tokens` ({self.default_max_new_tokens}) must be <= `max_new_tokens_limit`"
                 f" ({self.max_new_tokens_limit})"
             )
+
+    def prefix_cache_bytes(self) -> int:
+        """The prefix cache's budget in bytes (0: off)."""
+        mb = self.kv_cache_mb if self.prefix_cache_mb is None else self.prefix_cache_mb
+        return int(mb * 2**20)
 
     def limits(self, spec: ModelSpec, kv_bytes_per_token: int, kv_budget_bytes: int) -> Limits:
         """What requests are checked against: this configuration's bounds and the served model's."""

@@ -185,7 +185,7 @@ def _core_main(conn, spec: CoreSpec) -> None:
         pipe.send(("failed", type(e).__name__, str(e)))
         return
     engine = core.engine
-    pipe.send(("ready", engine.spec, engine.limits, engine.attention))
+    pipe.send(("ready", engine.spec, engine.limits, engine.attention, engine.prefix_cache))
     core.serve()
 
 
@@ -207,8 +207,8 @@ class CoreExited(RuntimeError):
 
 class EngineProcess:
     """`Engine`'s front — `submit`, `cancel`, `stream`, `end_all`, `idle`, `draining`, `warm_up`, `start`, `stop`,
-    `spec`, `limits`, `tokenizer`, `metrics`, `config`, `attention` — over an engine in its own process. Raises
-    the core's error when it cannot build its engine (BackendError for a model it cannot load)."""
+    `spec`, `limits`, `tokenizer`, `metrics`, `config`, `attention`, `prefix_cache` — over an engine in its own
+    process. Raises the core's error when it cannot build its engine (BackendError for a model it cannot load)."""
 
     def __init__(self, spec: CoreSpec):
         spec.config.check()
@@ -230,7 +230,7 @@ class EngineProcess:
         if kind == "failed":
             self._process.join(5)
             raise _rebuilt(*args)
-        self.spec, self.limits, self.attention = args
+        self.spec, self.limits, self.attention, self.prefix_cache = args
         self.tokenizer = self.spec.tokenizer
         self.metrics = ServingMetrics(self.spec, entropy=spec.entropy)
         self.metrics.configured(self.config.max_queue, self.config.max_batch)

@@ -14,6 +14,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
+import numpy as np
+
 from sharp.models.sampling import generator
 from sharp.serving.backends import Backend
 from sharp.serving.config import EngineConfig
@@ -41,9 +43,10 @@ class Engine:
         self.tokenizer = self.spec.tokenizer
         self.metrics = metrics or ServingMetrics(self.spec, entropy="off")
         self.metrics.configured(config.max_queue, config.max_batch)
-        budget = backend.allocate(int(config.kv_cache_mb * 2**20))
+        budget = backend.allocate(int(config.kv_cache_mb * 2**20), config.prefix_cache_bytes())
         self.limits = config.limits(self.spec, backend.kv_bytes_per_token, budget)
         self.attention = backend.attention  # what runs attention, in words (GetModelInfo, the start-up line)
+        self.prefix_cache = backend.cache_info()  # its size, in words (the start-up line)
         self._cond = threading.Condition()
         self.scheduler = Scheduler(config.max_batch, config.max_queue, config.prefill_chunk)
         self.executor = Executor(backend)
@@ -130,9 +133,9 @@ class Engine:
         stats, out = self.output.stats, self.output
         with self._cond:
             gone = self.scheduler.drop_cancelled()
-            admitted = self.scheduler.admit(self.backend.reserve)
+            admitted = self.scheduler.admit(self._reserve)
         for s in gone:
-            self.backend.release(s)
+            self.backend.release(s, s.kept())
             out.cancelled(s)
         stats.queue_time += [(s.request.api, start - s.arrival) for s in admitted]
         self._prefill()
@@ -141,6 +144,17 @@ class Engine:
         stats.busy_seconds = end - start + self._end_seconds
         self._end_step()
         self._end_seconds = time.perf_counter() - end
+
+    def _reserve(self, seq: Sequence) -> int | None:
+        """Admission's question to the backend: room for `seq`, and how much of its prompt is cached already (a
+        prompt whose log-probabilities are asked for is computed, not read from the cache)."""
+        req, out = seq.request, self.output
+        reuse = req.prompt_logprobs is None and self.config.prefix_cache_bytes() > 0
+        prompt = np.asarray(req.prompt_ids, np.int64)
+        hit = self.backend.admit(seq, prompt, seq.reserved, reuse, out.want_entropy([seq]))
+        if hit is not None and reuse:
+            out.restored(seq, hit)
+        return None if hit is None else hit.tokens
 
     def _end_step(self) -> None:
         """Log the step's statistics, then send its events: a client that sees its answer sees it counted."""
@@ -170,7 +184,10 @@ class Engine:
             else:
                 out.sample([seq], res.logits[0:1])
             self.scheduler.prefilled(seq)
-            (self.backend.release if seq.done else self.backend.join)(seq)
+            if seq.done:
+                self.backend.release(seq, seq.kept())
+            else:
+                self.backend.join(seq)
 
     def _decode(self) -> None:
         seqs, out = self.scheduler.running, self.output
@@ -186,7 +203,7 @@ class Engine:
         ended = [s for s in seqs if s.done]
         self.scheduler.leave(ended)
         for s in ended:
-            self.backend.release(s)
+            self.backend.release(s, s.kept())
 
     def _fail_all(self, message: str, code: Status = Status.INTERNAL) -> None:
         """End every unfinished sequence with `code`; those that finished this step keep their answer."""

@@ -148,6 +148,12 @@ class ServingMetrics:
         self._requests = {(api, s): requests.labels(model, api, s) for api in APIS for s in STATUSES}
         self.prompt_tokens = per_api(Counter, "sharp_prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = per_api(Counter, "sharp_generation_tokens", "Tokens generated.")
+        self.prefix_queries = per_api(
+            Counter, "sharp_prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission."
+        )
+        self.prefix_hits = per_api(
+            Counter, "sharp_prefix_cache_hits", "Of the prompt tokens looked up, those found (not prefilled)."
+        )
         self.queue_size = per_model(Gauge, "sharp_queue_size", "Requests waiting for admission.")
         self.queue_capacity = per_model(
             Gauge, "sharp_queue_capacity", "Requests that may wait (--max-queue); more are refused."
@@ -155,7 +161,9 @@ class ServingMetrics:
         self.max_batch = per_model(Gauge, "sharp_max_batch", "Sequences decoded together at most (--max-batch).")
         self.running = per_model(Gauge, "sharp_running_requests", "Requests prefilling or decoding.")
         self.kv_usage = per_model(
-            Gauge, "sharp_kv_cache_usage_ratio", "KV cache in use (pages, or padded rows) / --kv-cache-mb."
+            Gauge,
+            "sharp_kv_cache_usage_ratio",
+            "KV cache in use (pages, or padded rows) / --kv-cache-mb; cached prefixes nobody holds count as free.",
         )
         self.steps = per_model(Counter, "sharp_engine_steps", "Engine steps run.")
         self.busy = per_model(Counter, "sharp_engine_busy_seconds", "Wall time of engine steps.")
@@ -207,6 +215,10 @@ class ServingMetrics:
             self.prompt_tokens[api].inc(n)
         for api, n in stats.generation_tokens.items():
             self.generation_tokens[api].inc(n)
+        for api, n in stats.prefix_queries.items():
+            self.prefix_queries[api].inc(n)
+        for api, n in stats.prefix_hits.items():
+            self.prefix_hits[api].inc(n)
         if stats.decode_batch is not None:
             self.batch_size.observe(stats.decode_batch)
         if stats.busy_seconds > 0:

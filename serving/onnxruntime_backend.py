@@ -57,8 +57,8 @@ class OnnxRuntimeBackend(GraphBackend):
         self.present_names = [n for n in self.output_names if n.startswith("present.")]
         self._binding: _Binding | None = None  # the running batch's buffers, bound
 
-    def release(self, seq):
-        super().release(seq)
+    def release(self, seq, keep=None):
+        super().release(seq, keep)
         if self._batch.tensors is None:  # the batch is gone: so is its buffers' binding (it keeps them alive)
             self._binding = None
 

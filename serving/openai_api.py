@@ -332,11 +332,12 @@ class ChatRequest(_Generation):
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the model rules out is reported at this, as vLLM reports it
 
 
-def _usage(ev: Finished) -> dict[str, int]:
+def _usage(ev: Finished) -> dict:
     return {
         "prompt_tokens": ev.prompt_tokens,
         "completion_tokens": ev.completion_tokens,
         "total_tokens": ev.prompt_tokens + ev.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
     }
 
 

@@ -25,7 +25,7 @@ from sharp.serving.status import Status
 log = logging.getLogger("sharp.serving")
 
 if TYPE_CHECKING:
-    from sharp.serving.backends import Chunk, StepResult
+    from sharp.serving.backends import Chunk, Hit, StepResult
     from sharp.serving.scheduler import Sequence
 
 S = TypeVar("S")  # what a stream's caller holds of its request: a Sequence in process, a handle across the pipe
@@ -71,6 +71,7 @@ class Finished:
     completion_tokens: int
     attention: list[HeadSummary] | None = None
     positions: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled)
 
 
 @dataclass
@@ -200,6 +201,15 @@ class Output:
             self.score_prompt(seq, res.scores, chunk.start)
         return seq.length == seq.prompt_len
 
+    def restored(self, seq: Sequence, hit: Hit) -> None:
+        """An admitted prompt looked up in the prefix cache: count the query and the hit, and record the cached
+        positions' entropies as their prefill would have (the request's statistics and the metrics' histograms)."""
+        api = seq.request.api
+        self.stats.prefix_queries[api] += seq.prompt_len
+        self.stats.prefix_hits[api] += hit.tokens
+        if hit.tokens and hit.entropy is not None:
+            self.record_entropy([seq], hit.entropy[None], [0])
+
     def scored(self, seq: Sequence) -> None:
         """A prompt-scoring request (max_new_tokens 0): its prompt's log-probabilities, and the end."""
         self.outbox.append((seq, Delta([], "", None, seq.prompt_scores)))
@@ -215,6 +225,7 @@ class Output:
             len(seq.generated),
             stats.summary() if stats else None,
             stats.positions if stats else 0,
+            seq.cached_tokens,
         )
         self.outbox.append((seq, summary))
         self.stats.outcomes.append(RequestOutcome("ok", seq.request.api, time.perf_counter() - seq.arrival))
@@ -222,7 +233,7 @@ class Output:
     def fail(self, seq: Sequence, code: Status, message: str) -> None:
         """End one sequence with `code`; the caller drops it from the batch (it is marked done)."""
         with self._lock:
-            seq.done = True
+            seq.done = seq.failed = True
         self.outbox.append((seq, Failed(code, message)))
         self.stats.outcomes.append(RequestOutcome(code.value, seq.request.api, time.perf_counter() - seq.arrival))
 
@@ -286,6 +297,9 @@ class Output:
         for i, s in enumerate(seqs):
             if s.stats is not None:
                 s.stats.add(ent[i], visible[i])
+            if first_pos[i] == s.entropy_positions:  # kept with its cache for the prefix cache, in order
+                s.entropies.append(entropy[i])
+                s.entropy_positions += entropy.shape[-1]
         if self.entropy_metrics:
             self.stats.entropy.append((ent.transpose(0, 3, 1, 2).reshape(-1, *ent.shape[1:3]), visible.reshape(-1)))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sharp.models.tokenizer import TextStream
-from sharp.serving.backends import Chunk
+from sharp.serving.backends import Chunk, Prefix
 from sharp.serving.output import Event, HeadStats, TokenLogprob
 from sharp.serving.requests import GenerationRequest
 from sharp.serving.text import StopText
@@ -31,12 +31,27 @@ class Sequence:
     text: StopText
     stats: HeadStats | None
     detokenizer: TextStream
-    length: int = 0  # prompt tokens prefilled so far
+    length: int = 0  # prompt tokens in its cache so far (prefilled, or found in the prefix cache)
+    cached_tokens: int = 0  # of which found in the prefix cache at admission
     generated: list[int] = field(default_factory=list)
     prompt_scores: list[TokenLogprob] = field(default_factory=list)  # with prompt_logprobs: tokens 2 … length
     cancelled: bool = False
     done: bool = False
+    failed: bool = False  # ended by a failure: its cache is not kept
     last_token_time: float = 0.0
+    entropies: list[np.ndarray] = field(default_factory=list)  # (layers, heads, L) of positions 0, 1, … in order
+    entropy_positions: int = 0  # positions the list covers
+
+    def kept(self) -> Prefix | None:
+        """What its cache holds as it leaves, for the prefix cache: the prompt tokens in it and, once the prompt is
+        in, every generated token but the newest (never fed); None after a failure."""
+        if self.failed:
+            return None
+        ids = list(self.request.prompt_ids[: self.length])
+        if self.length == self.prompt_len:
+            ids += self.generated[:-1]
+        entropy = np.concatenate(self.entropies, -1) if self.entropies else None
+        return Prefix(np.asarray(ids, np.int64), entropy)
 
     @property
     def prompt_len(self) -> int:
@@ -92,13 +107,16 @@ class Scheduler:
             self.running = [s for s in self.running if not s.cancelled]
         return gone
 
-    def admit(self, reserve: Callable[[Sequence, int], bool]) -> list[Sequence]:
-        """Move waiting sequences, in order, to prefilling while the batch has room and `reserve(seq, tokens)` finds
-        their KV cache; the first that does not fit waits (no overtaking) until running sequences leave."""
+    def admit(self, reserve: Callable[[Sequence], int | None]) -> list[Sequence]:
+        """Move waiting sequences, in order, to prefilling while the batch has room and `reserve(seq)` finds their
+        KV cache — it answers how many of the prompt's tokens are cached already (their prefill is skipped), or None
+        when it does not fit: that one waits (no overtaking) until running sequences leave."""
         admitted = []
         while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
-            if not reserve(self.waiting[0], self.waiting[0].reserved):
+            cached = reserve(self.waiting[0])
+            if cached is None:
                 break
+            self.waiting[0].length = self.waiting[0].cached_tokens = cached
             admitted.append(self.waiting.popleft())
             self.prefilling.append(admitted[-1])
         return admitted

@@ -146,6 +146,12 @@ def _stats(ev: Finished, norm: str) -> pb.AttentionStats | None:
     return pb.AttentionStats(norm=norm, positions=ev.positions, heads=heads)
 
 
+def _usage(ev: Finished) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens, cached_tokens=ev.cached_tokens
+    )
+
+
 def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
     return [
         pb.TokenLogprob(
@@ -189,7 +195,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     text="".join(text),
                     token_ids=ids,
                     finish_reason=FINISH[ev.reason],
-                    usage=pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
+                    usage=_usage(ev),
                     attention_stats=_stats(ev, self.engine.spec.norm),
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,
@@ -209,7 +215,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                 yield pb.GenerateChunk(
                     request_id=req.request_id,
                     finish_reason=FINISH[ev.reason],
-                    usage=pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens),
+                    usage=_usage(ev),
                     attention_stats=_stats(ev, self.engine.spec.norm),
                 )
 
@@ -440,7 +446,8 @@ class SharpServer:
                 raise OSError(f"cannot serve metrics on {metrics_host}:{cfg.metrics_port}: {e.strerror}") from None
         spec = self.engine.spec
         # the ports are ours: starting
-        log.info("%s: %s weights, %s KV cache; %s", spec.name, spec.precision, spec.kv_dtype, self.engine.attention)
+        log.info("%s: %s weights, %s KV cache, %s; %s", spec.name, spec.precision, spec.kv_dtype,
+                 self.engine.prefix_cache, self.engine.attention)  # fmt: skip
         for name in ("", SERVICE):  # until the engine runs (and, with warm_up, has run the model's shapes)
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()

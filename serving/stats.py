@@ -29,6 +29,8 @@ class StepStats:
     running: int = 0
     kv_usage: float = 0.0
     prompt_tokens: Counter[str] = field(default_factory=Counter)  # by API
+    prefix_queries: Counter[str] = field(default_factory=Counter)  # prompt tokens looked up in the prefix cache
+    prefix_hits: Counter[str] = field(default_factory=Counter)  # of which found there
     generation_tokens: Counter[str] = field(default_factory=Counter)
     decode_batch: int | None = None  # rows of the batched decode step, when one ran
     busy_seconds: float = 0.0  # the step's wall time (its hand-over of events is counted in the next step's)

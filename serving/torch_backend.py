@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from sharp.exporter import metadata
-from sharp.models.kvcache import OutOfPages, PagedKVCache
-from sharp.serving.backends import DTYPES, PAGE_SIZE, Backend, BackendError, StepResult
+from sharp.models.kvcache import OutOfPages, PagedKVCache, block_hashes
+from sharp.serving.backends import DTYPES, PAGE_SIZE, Backend, BackendError, Hit, StepResult
 from sharp.serving.spec import ModelSpec
 
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
@@ -55,7 +55,7 @@ class TorchBackend(Backend):
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
         self.cache: PagedKVCache | None = None
 
-    def allocate(self, budget_bytes):
+    def allocate(self, budget_bytes, prefix_bytes=0):
         pages = budget_bytes // (PAGE_SIZE * self.kv_bytes_per_token)
         if pages < 1:
             raise BackendError(
@@ -63,8 +63,31 @@ class TorchBackend(Backend):
                 f" ({PAGE_SIZE * self.kv_bytes_per_token} bytes)"
             )
         s = self.spec
-        self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, pages, PAGE_SIZE, self.device, self.dtype)
+        keep = min(pages, prefix_bytes // (PAGE_SIZE * self.kv_bytes_per_token))  # cached pages nobody holds
+        self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, pages, PAGE_SIZE, self.device, self.dtype, keep)
         return pages * PAGE_SIZE * self.kv_bytes_per_token
+
+    def admit(self, seq, prompt, tokens, reuse, entropy):
+        """The prompt's full pages already cached (hashes chained from the first page) are shared, not prefilled;
+        a hit is whole pages within all but the prompt's last token."""
+        cache, hit = self.cache, Hit()
+        if reuse and cache.allocator.keep:
+            digests = block_hashes(prompt[: len(prompt) - 1], PAGE_SIZE)
+            usable = (lambda page: page in cache.page_entropy) if entropy else None
+            hit.tokens = cache.share(seq, digests, usable)
+            if hit.tokens and entropy:
+                hit.entropy = np.concatenate([cache.page_entropy[p] for p in cache.tables[seq]], -1)
+        try:
+            cache.reserve(seq, tokens)
+        except OutOfPages:
+            cache.free(seq)
+            return None
+        return hit
+
+    def cache_info(self):
+        keep = self.cache.allocator.keep
+        mib = keep * PAGE_SIZE * self.kv_bytes_per_token / 2**20
+        return f"prefix cache up to {keep} pages ({mib:g} MiB) of the pool" if keep else "prefix cache off"
 
     def reserve(self, seq, tokens):
         try:
@@ -73,7 +96,9 @@ class TorchBackend(Backend):
             return False
         return True
 
-    def release(self, seq):
+    def release(self, seq, keep=None):
+        if keep is not None and self.cache.allocator.keep:
+            self.cache.publish(seq, block_hashes(keep.tokens, PAGE_SIZE), keep.entropy)
         self.cache.free(seq)
 
     def clear(self):

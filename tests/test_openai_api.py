@@ -460,7 +460,13 @@ def test_http_and_grpc_streams_interleave_in_one_batch_and_metrics_add_up(model_
             prompt_tokens = sum(
                 len(BYTES.encode(p)) for i, p in enumerate(prompts) if (i % 2 == 0) == (api_name == "http")
             )
-            assert sample_value(m, "sharp_prompt_tokens", "sharp_prompt_tokens_total", api=api_name) == prompt_tokens
+            prefilled = sample_value(m, "sharp_prompt_tokens", "sharp_prompt_tokens_total", api=api_name)
+            cached = sample_value(m, "sharp_prefix_cache_hits", "sharp_prefix_cache_hits_total", api=api_name)
+            assert (
+                prefilled + cached
+                == prompt_tokens
+                == sample_value(m, "sharp_prefix_cache_queries", "sharp_prefix_cache_queries_total", api=api_name)
+            )
             assert (
                 sample_value(
                     m, "sharp_time_to_first_token_seconds", "sharp_time_to_first_token_seconds_count", api=api_name
@@ -566,7 +572,7 @@ def test_logprobs_and_echo_equal_the_models_own_log_softmax(model_files):
 
 def test_chat_logprobs_in_openais_shape_with_exact_bytes(chat_files, reference):
     messages = [{"role": "user", "content": "hi"}]
-    with serving(chat_files, server=HTTP) as srv:
+    with serving(chat_files, server=HTTP, prefix_cache_mb=0) as srv:  # both prefilled alike: equal to the bit
         oa = api(srv)
         r = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True,
                                        top_logprobs=2)  # fmt: skip

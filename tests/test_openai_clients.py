@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import openai
 import pytest
 from test_openai_api import HTTP, _log_softmax, api
@@ -15,6 +16,7 @@ from test_serving import serving
 
 from sharp.models import load
 from sharp.models.tokenizer import render_chat
+from sharp.serving.prefix import common_prefix
 
 
 def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objects(chat_files, reference):
@@ -22,12 +24,17 @@ def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objec
         oa = api(srv)
         tok = srv.server.engine.tokenizer
         messages: list[dict] = [{"role": "system", "content": "be brief"}]
+        kept: list[list[int]] = []  # what each turn left in the prefix cache: its prompt and its reply but the last
         for turn in ("hi", "and then?", "bye"):
             messages.append({"role": "user", "content": turn})
             reply = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
             ids = tok.encode(render_chat(tok, [{"role": m["role"], "content": m["content"]} for m in messages]),
                              bos=False)  # fmt: skip
-            assert reply.choices[0].message.content == tok.decode(reference(ids, 5))
+            answer = reference(ids, 5)
+            assert reply.choices[0].message.content == tok.decode(answer)
+            hit = max((common_prefix(np.array(k), np.array(ids), len(ids) - 1) for k in kept), default=0)
+            assert reply.usage.prompt_tokens_details.cached_tokens == hit and (hit > 0) == bool(kept)
+            kept.append(ids + answer[:-1])
             messages.append(reply.choices[0].message.model_dump())  # refusal, annotations, audio, tool_calls: None
         assert set(messages[-1]) >= {"refusal", "tool_calls", "audio"} and len(messages) == 7
 
@@ -35,8 +42,11 @@ def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objec
             aoa = openai.AsyncOpenAI(base_url=oa.base_url, api_key="none", max_retries=0)
             whole = await aoa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
             stream = await aoa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
-                                                       stream=True)  # fmt: skip
-            parts = [ch.choices[0].delta.content or "" async for ch in stream if ch.choices]
+                                                       stream=True, stream_options={"include_usage": True})  # fmt: skip
+            chunks = [ch async for ch in stream]
+            parts = [ch.choices[0].delta.content or "" for ch in chunks if ch.choices]
+            assert whole.usage.prompt_tokens_details.cached_tokens < whole.usage.prompt_tokens - 1
+            assert chunks[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
             done = await aoa.completions.create(model="tiny", prompt="x = ", max_tokens=4, temperature=0)
             assert done.choices[0].text == oa.completions.create(model="tiny", prompt="x = ", max_tokens=4,
                                                                  temperature=0).choices[0].text  # fmt: skip

@@ -134,7 +134,7 @@ SERVING_ROOMS = {
         "warmup",
         "logs",
     },
-    "backends": {"backends", "onnxruntime_backend", "tensorrt_backend", "torch_backend", "cache", "spec"},
+    "backends": {"backends", "onnxruntime_backend", "tensorrt_backend", "torch_backend", "cache", "prefix", "spec"},
 }
 GRPC_MODULES = {"server", "client", "cli"}  # the gRPC edge: the only importers of grpc and the generated stubs
 

@@ -21,12 +21,12 @@ class Budget:
     def __init__(self, tokens: int):
         self.free, self.asked = tokens, []
 
-    def reserve(self, seq: Sequence, tokens: int) -> bool:
+    def reserve(self, seq: Sequence) -> int | None:
         self.asked.append(seq.request.request_id)
-        if tokens > self.free:
-            return False
-        self.free -= tokens
-        return True
+        if seq.reserved > self.free:
+            return None
+        self.free -= seq.reserved
+        return 0
 
 
 def test_admission_is_in_order_within_the_batch_and_the_kv_budget():
@@ -45,7 +45,7 @@ def test_a_plan_prefills_the_oldest_prompts_first_within_the_chunk_budget():
     s = Scheduler(max_batch=8, max_queue=8, prefill_chunk=10)
     a, b, c = _seq(7, name="a"), _seq(6, name="b"), _seq(3, name="c")
     s.waiting.extend([a, b, c])
-    s.admit(lambda seq, n: True)
+    s.admit(lambda seq: 0)
     plan = s.plan()
     assert [(ch.seq, ch.start, ch.ids.tolist()) for ch in plan.prefill] == [(a, 0, [[1, 2, 3, 4, 5, 6, 7]]),
                                                                            (b, 0, [[1, 2, 3]])]  # fmt: skip
@@ -60,7 +60,7 @@ def test_cancelled_and_ended_sequences_leave_every_queue():
     s = Scheduler(max_batch=2, max_queue=2, prefill_chunk=10)
     a, b, c, d = (_seq(2, name=n) for n in "abcd")
     s.waiting.extend([a, b, c])
-    s.admit(lambda seq, n: True)
+    s.admit(lambda seq: 0)
     s.prefilled(a)
     assert s.full() is False and s.running == [a] and s.prefilling == [b] and list(s.waiting) == [c]
     s.waiting.append(d)
@@ -73,13 +73,24 @@ def test_cancelled_and_ended_sequences_leave_every_queue():
     assert s.running == [] and s.unfinished() == [d]
     ended = _seq(2, name="e")
     s.waiting.append(ended)
-    s.admit(lambda seq, n: True)
+    s.admit(lambda seq: 0)
     ended.done = True  # its prefill failed: it leaves prefilling without joining the decode batch
     s.prefilled(ended)
     assert s.running == [] and s.clear() == [d] and not s.busy()
     running = _seq(2, name="r")  # a stream cancelled mid-decode leaves the batch too
     s.waiting.append(running)
-    s.admit(lambda seq, n: True)
+    s.admit(lambda seq: 0)
     s.prefilled(running)
     running.cancelled = True
     assert s.running == [running] and s.drop_cancelled() == [running] and s.running == [] and not s.busy()
+
+
+def test_a_cached_prefix_is_not_planned_again():
+    """Admission learns how many prompt tokens the prefix cache holds; the plan starts after them."""
+    s = Scheduler(max_batch=8, max_queue=8, prefill_chunk=100)
+    a, b = _seq(40, name="a"), _seq(40, name="b")
+    s.waiting.extend([a, b])
+    assert s.admit(lambda seq: 32 if seq is a else 0) == [a, b]
+    assert (a.length, a.cached_tokens, b.length, b.cached_tokens) == (32, 32, 0, 0)
+    plan = s.plan()
+    assert [(ch.seq, ch.start, ch.ids[0, 0], ch.ids.shape[1]) for ch in plan.prefill] == [(a, 32, 33, 8), (b, 0, 1, 40)]

@@ -92,7 +92,10 @@ def test_generate_matches_the_model_and_streams_the_same_text(model_files, refer
         chunks = list(c.generate_stream(prompt, max_new_tokens=24, temperature=0))
         assert "".join(ch.text for ch in chunks) == r.text
         assert [t for ch in chunks for t in ch.token_ids] == list(r.token_ids)
-        assert chunks[-1].finish_reason == r.finish_reason and chunks[-1].usage == r.usage
+        assert chunks[-1].finish_reason == r.finish_reason
+        usage = chunks[-1].usage  # the same prompt again: all but its last token from the prefix cache
+        assert (usage.prompt_tokens, usage.completion_tokens) == (r.usage.prompt_tokens, r.usage.completion_tokens)
+        assert r.usage.cached_tokens == 0 and usage.cached_tokens == (len(ids) - 1 if backend != "torch" else 0)
         assert all(ch.finish_reason == pb.FINISH_REASON_UNSPECIFIED for ch in chunks[:-1])
         info = c.info()
         assert (info.norm, info.layers, info.heads, info.context_length) == ("ssa", 2, 2, CONTEXT)
@@ -210,7 +213,11 @@ def test_metrics_after_traffic(model_files):
     labels = {(s.labels["layer"], s.labels["head"]) for s in m["sharp_attention_entropy_nats"].samples}
     assert labels == {("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")}
     prompt_tokens = sample_value(m, "sharp_prompt_tokens", "sharp_prompt_tokens_total")
-    positions = prompt_tokens + generated - 5  # the last sampled token of each request is never fed back
+    cached = sample_value(m, "sharp_prefix_cache_hits", "sharp_prefix_cache_hits_total")
+    assert cached == 4 * (1 + len("metrics "))  # BOS and "metrics " from the second request on
+    assert sample_value(m, "sharp_prefix_cache_queries", "sharp_prefix_cache_queries_total") == prompt_tokens + cached
+    # the last sampled token of each request is never fed back; cached positions are counted as if prefilled
+    positions = prompt_tokens + cached + generated - 5
     for layer, head in labels:
         n = sample_value(
             m, "sharp_attention_entropy_nats", "sharp_attention_entropy_nats_count", layer=layer, head=head
@@ -789,7 +796,7 @@ def test_sharp_serve_logs_one_json_object_per_event_and_reports_its_attention(mo
     assert re.fullmatch(r"attention: the native sharp::SharpAttention kernel \(x86-64-v[234]\)", attention), attention
     first = lines[0]
     assert first["level"] == "info" and first["logger"] == "sharp.serving"
-    assert first["message"] == f"tiny: fp32 weights, fp32 KV cache; {attention}"
+    assert first["message"] == f"tiny: fp32 weights, fp32 KV cache, prefix cache 256 MiB; {attention}"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
 
 
@@ -882,7 +889,9 @@ def test_async_client(model_files):
 
     with serving(model_files) as srv:
         unary, chunks, info, health, ids = asyncio.run(go(srv.target))
-    assert "".join(ch.text for ch in chunks) == unary.text and chunks[-1].usage == unary.usage
+    assert "".join(ch.text for ch in chunks) == unary.text
+    assert chunks[-1].usage.completion_tokens == unary.usage.completion_tokens == 6
+    assert (unary.usage.cached_tokens, chunks[-1].usage.cached_tokens) == (0, unary.usage.prompt_tokens - 1)
     assert info.norm == "ssa" and health == "SERVING" and ids == [97, 98]
 
 
