@@ -304,3 +304,33 @@ def test_genai_ttft_is_timed_from_the_jobs_arrival_as_a_servers_is_from_the_requ
     ttfts = sorted(r.ttft for r in readings)
     assert [r.tokens for r in readings] == [3, 3, 3]
     assert all(t >= 0.2 * (i + 1) for i, t in enumerate(ttfts)), ttfts
+
+
+def test_chat_reports_each_turn_against_llama_server_and_its_own_first_turn():
+    from types import SimpleNamespace
+
+    from sharp.benchmarks.chat import report
+    from sharp.benchmarks.peers import Peer
+
+    args = SimpleNamespace(questions=2, repeats=2, conversations=8, at_once=4, document=10000, answer_tokens=32,
+                              norm="softmax", command="`x`")  # fmt: skip
+    peers = [Peer("sharp-serve softmax"), Peer("sharp-serve softmax, no prefix cache"), Peer("llama-server f32")]
+    turns = {
+        "sharp-serve softmax": [[(10.0, 0), (0.2, 9000)], [(12.0, 0), (0.4, 9001)]],  # medians 11 s, 0.3 s
+        "sharp-serve softmax, no prefix cache": [[(11.0, 0), (11.0, 0)]] * 2,
+        "llama-server f32": [[(20.0, 0), (0.6, 9000)]] * 2,
+    }
+    totals = {"sharp-serve softmax": [50.0, 70.0], "llama-server f32": [150.0, 150.0]}
+    text = report(args, "a model", peers, turns, totals)
+    assert "| 1 | 11.00 (10.00–12.00) | 11.00 (11.00–11.00) | 20.00 (20.00–20.00) | 0.55× | 1.00× | 0 / 0 |" in text
+    assert "| 2 | 0.30 (0.20–0.40) | 11.00 (11.00–11.00) | 0.60 (0.60–0.60) | 0.50× | 0.03× | 9000 / 9001 |" in text
+    assert "| sharp-serve softmax | 60.0 (50.0–70.0) |" in text and "total: 2.50×" in text
+
+
+@pytest.mark.parametrize("argv", [["--questions", "0"], ["--questions", "99"], ["--at-once", "0"]])
+def test_chat_refuses_what_it_cannot_run(argv, capsys):
+    from sharp.benchmarks.chat import run
+
+    with pytest.raises(SystemExit) as e:
+        run(argv)
+    assert e.value.code == 2 and "must be" in capsys.readouterr().err

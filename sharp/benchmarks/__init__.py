@@ -16,6 +16,7 @@ COMMANDS = {
     "serve": ("sharp.benchmarks.serve", "sharp-serve under gRPC load vs its own baselines"),
     "genai": ("sharp.benchmarks.genai", "sharp-serve vs onnxruntime-genai on the same package"),
     "peers": ("sharp.benchmarks.peers", "long context on CPU vs llama.cpp and onnxruntime-genai (make peers)"),
+    "chat": ("sharp.benchmarks.chat", "multi-turn chat over a long document vs llama-server (prefix caches)"),
     "long-context": ("sharp.benchmarks.longctx", "long-context serving on a GPU vs softmax (--smoke: CPU check)"),
 }
 USAGE = "\n".join(

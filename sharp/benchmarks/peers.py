@@ -138,6 +138,7 @@ class Peer:
     rss: dict[int, float] = field(default_factory=dict)  # prompt length -> peak RSS MiB after it
     error: str | None = None
     disk_mib: float = float("nan")  # the model files it loads
+    model: str = ""  # the model name its OpenAI API answers to
 
     def peak_mib(self) -> float:
         """The peak RSS of the peer's process and every process under it (an engine core, a helper), summed: a
@@ -267,7 +268,7 @@ def _start_openai_server(
     def generate(prompts: list[list[int]], n: int) -> list[Reading]:
         return _concurrent(lambda p: _stream_completion(base + api, model, p, n, extra), prompts)
 
-    return Peer(name, time.perf_counter() - t0, proc.pid, base + api, generate, _stop(proc))
+    return Peer(name, time.perf_counter() - t0, proc.pid, base + api, generate, _stop(proc), model=model)
 
 
 def _mib(path: Path) -> float:
@@ -286,8 +287,11 @@ def start_sharp(onnx: Path, name: str, threads: int, log: Path) -> Peer:
     return peer
 
 
-def start_llama_server(gguf: Path, name: str, context: int, parallel: int, threads: int, log: Path) -> Peer:
-    """`llama-server` with `parallel` slots over one unified KV cache of `context` tokens (any slot may use it all)."""
+def start_llama_server(
+    gguf: Path, name: str, context: int, parallel: int, threads: int, log: Path, cache_prompt: bool = False
+) -> Peer:
+    """`llama-server` with `parallel` slots over one unified KV cache of `context` tokens (any slot may use it all);
+    its prompt cache off unless `cache_prompt` (on: llama-server's default)."""
     binary = LLAMA_CPP / "llama-server"
     if not binary.exists():
         raise PeerUnavailable(f"{binary} not built: run `make peers` (~12 min on 2 cores)")
@@ -295,7 +299,7 @@ def start_llama_server(gguf: Path, name: str, context: int, parallel: int, threa
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(context),
            "-np", str(parallel), "--kv-unified", "-fa", "on", "-t", str(threads or os.cpu_count()),
            "--no-webui"]  # fmt: skip
-    extra = {"cache_prompt": False, "ignore_eos": True}
+    extra = {"ignore_eos": True} | ({} if cache_prompt else {"cache_prompt": False})
     peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}", "/health", "/v1", "model", extra, log,
                                 output_to_log=True)  # fmt: skip
     peer.disk_mib = _mib(gguf)
