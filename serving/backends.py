@@ -137,8 +137,10 @@ class Backend(ABC):
                 results.append(None)
         return results
 
-    def join(self, seq: Hashable) -> None:  # noqa: B027  (a no-op unless the running batch has its own cache)
-        """The sequence's prompt is in: it decodes with the others from now on."""
+    def join(self, seq: Hashable, keep: Prefix | None = None) -> None:  # noqa: B027  (a no-op by default)
+        """The sequence's prompt is in: it decodes with the others from now on. `keep`: what its cache holds now,
+        to offer to later prompts while it runs (its prompt: requests with the same prefix need not wait for it to
+        end)."""
 
     @abstractmethod
     def release(self, seq: Hashable, keep: Prefix | None = None) -> None:
@@ -311,8 +313,10 @@ class GraphBackend(Backend):
             results.append(StepResult(out.logits[row : row + 1], ent, scores=every))
         return results
 
-    def join(self, seq):
+    def join(self, seq, keep=None):
         cache = self._own.pop(seq)
+        if keep is not None and self.prefixes.budget:  # its own arrays, which the batch only copies from
+            self.prefixes.put(keep.tokens[: cache[0].shape[2]], cache, keep.entropy)
         self._batch.join(seq, cache, cache[0].shape[2])
 
     def release(self, seq, keep=None):

@@ -5,10 +5,11 @@ flight (what a drain waits for)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from sharp.serving.engine import Engine
-from sharp.serving.output import Event
+from sharp.serving.output import Delivery, Event
 from sharp.serving.requests import GenerationRequest, RequestError
 from sharp.serving.stats import RequestOutcome
 
@@ -26,6 +27,15 @@ class Calls:
         """(request, event) pairs of one call, ending after its Finished or Failed event. A refusal raises
         RequestError, counted here; a call cancelled before it reached the engine is counted here too (after that
         the engine counts it)."""
+        async with contextlib.aclosing(self.choices(validate, api, prompt_chars)) as events:
+            async for req, _, ev in events:
+                yield req, ev
+
+    async def choices(
+        self, validate: Callable[[], GenerationRequest], api: str, prompt_chars: int = 0, n: int = 1
+    ) -> AsyncIterator[tuple[GenerationRequest, int, Event]]:
+        """(request, choice, event) of a call for `n` choices of one prompt (`GenerationRequest.choices`), as they
+        come, ending after every choice's Finished or Failed event; as `events` otherwise."""
         self.inflight += 1
         submitted = False
         try:
@@ -33,10 +43,28 @@ class Calls:
                 req = await asyncio.to_thread(validate)
             else:
                 req = validate()
-            events = self.engine.stream(req)
+            if n == 1:
+                events = self.engine.stream(req)
+                submitted = True
+                async for ev in events:  # the engine's stream ends after its Finished or Failed event
+                    yield req, 0, ev
+                return
+            engine, handles = self.engine, []
+            try:
+                for r in req.choices(n):
+                    queue: asyncio.Queue[Event] = asyncio.Queue()
+                    handles.append((engine.submit(r, engine.delivery.sink_for(queue)), queue))
+            except BaseException:  # a later choice refused (a full queue): the earlier ones leave too
+                for h, _ in handles:
+                    engine.cancel(h)
+                raise
             submitted = True
-            async for ev in events:  # the engine's stream ends after its Finished or Failed event
-                yield req, ev
+            merged = _Merged([Delivery.follow(h, q, engine.cancel) for h, q in handles])
+            try:
+                while (item := await merged.next()) is not None:
+                    yield req, *item
+            finally:
+                await merged.close()
         except RequestError as e:
             self.engine.metrics.log_outcome(RequestOutcome(e.code.value, api))
             raise
@@ -46,3 +74,37 @@ class Calls:
             raise
         finally:
             self.inflight -= 1
+
+
+class _Merged:
+    """The events of several streams as they come, each with its stream's index; from its start, each stream is
+    read by a task of its own, and `close` leaves them all (their requests are cancelled)."""
+
+    def __init__(self, streams: list[AsyncIterator[Event]]):
+        self._queue: asyncio.Queue[tuple[int, Event | None, BaseException | None]] = asyncio.Queue()
+        self._left = len(streams)
+        self._tasks = [asyncio.create_task(self._pump(i, s)) for i, s in enumerate(streams)]
+
+    async def _pump(self, i: int, stream: AsyncIterator[Event]) -> None:
+        try:
+            async for ev in stream:
+                self._queue.put_nowait((i, ev, None))
+            self._queue.put_nowait((i, None, None))
+        except Exception as e:  # handed to the reader
+            self._queue.put_nowait((i, None, e))
+
+    async def next(self) -> tuple[int, Event] | None:
+        """The next (index, event); None once every stream has ended."""
+        while self._left:
+            i, ev, error = await self._queue.get()
+            if error is not None:
+                raise error
+            if ev is not None:
+                return i, ev
+            self._left -= 1
+        return None
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -184,10 +184,7 @@ class Engine:
             else:
                 out.sample([seq], res.logits[0:1])
             self.scheduler.prefilled(seq)
-            if seq.done:
-                self.backend.release(seq, seq.kept())
-            else:
-                self.backend.join(seq)
+            (self.backend.release if seq.done else self.backend.join)(seq, seq.kept())
 
     def _decode(self) -> None:
         seqs, out = self.scheduler.running, self.output

@@ -185,8 +185,8 @@ class _Generation(_Body):
     sharp: SharpOptions = SharpOptions()
 
     def refused(self) -> Refusal | None:
-        if self.n != 1:
-            return "n", "n must be 1: one choice per request (send several requests, they batch together)"
+        if not 1 <= self.n <= MAX_CHOICES:
+            return "n", f"n must be in [1, {MAX_CHOICES}]"
         if self.presence_penalty or self.frequency_penalty:
             name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
             return name, "presence_penalty and frequency_penalty are not supported (only 0)"
@@ -197,6 +197,11 @@ class _Generation(_Body):
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream: true"
         return None
+
+    @property
+    def runs(self) -> int:
+        """Choices generated for this request (all returned)."""
+        return self.n
 
     def params(self, max_tokens: int | None) -> RequestParams:
         """Every field but the prompt, as the engine's transport-neutral request."""
@@ -221,13 +226,20 @@ class CompletionRequest(_Generation):
     def refused(self) -> Refusal | None:
         if isinstance(self.prompt, list) and len(self.prompt) > 1 and isinstance(self.prompt[0], str | list):
             return "prompt", "one prompt per request (send several requests, they batch together)"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of must be 1"
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_CHOICES:
+            return "best_of", f"best_of must be in [n, {MAX_CHOICES}]"
+        if self.best_of not in (None, self.n) and self.stream:
+            return "best_of", "best_of > n cannot be streamed (the best choices are known at the end)"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported"
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens: 0 only with echo: true (to score the prompt)"
         return super().refused()
+
+    @property
+    def runs(self) -> int:
+        """Choices generated: best_of, of which the n most likely are returned."""
+        return self.best_of or self.n
 
     @property
     def single_prompt(self) -> str | list[int]:
@@ -243,6 +255,8 @@ class CompletionRequest(_Generation):
         else:
             msg.input_ids = prompt
         msg.logprobs = self.logprobs
+        if self.runs > self.n and msg.logprobs is None:
+            msg.logprobs = 0  # best_of ranks the choices by their tokens' log-probabilities (not shown)
         if self.echo and (self.logprobs is not None or self.max_tokens == 0):
             msg.prompt_logprobs = self.logprobs or 0  # max_tokens 0 runs the prompt only: as a scoring request
         return msg
@@ -329,15 +343,19 @@ class ChatRequest(_Generation):
 
 
 # ---- responses ---------------------------------------------------------------------------------------------------
+MAX_CHOICES = 16  # n and best_of: choices of one request
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token the model rules out is reported at this, as vLLM reports it
 
 
-def _usage(ev: Finished) -> dict:
+def _usage(ends: list[Finished]) -> dict:
+    """The usage of a request's choices: the prompt counted once (the first choice prefilled it), the tokens of
+    every choice generated."""
+    first, completion = ends[0], sum(ev.completion_tokens for ev in ends)
     return {
-        "prompt_tokens": ev.prompt_tokens,
-        "completion_tokens": ev.completion_tokens,
-        "total_tokens": ev.prompt_tokens + ev.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": ev.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
@@ -410,7 +428,13 @@ class _Reply:
         return {"id": prefix + self.request_id, "object": kind, "created": self.created, "model": self.model}
 
     def choice(
-        self, text: str | None, finish: str | None, chunk: bool, role: bool = False, logprobs: dict | None = None
+        self,
+        text: str | None,
+        finish: str | None,
+        chunk: bool,
+        role: bool = False,
+        logprobs: dict | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
         """One choice: a completion's text, a chat chunk's delta (`role`: the first, naming it) or a chat message."""
         if not self.chat:
@@ -419,7 +443,7 @@ class _Reply:
             body = {"delta": ({"role": "assistant"} if role else {}) | ({} if text is None else {"content": text})}
         else:
             body = {"message": {"role": "assistant", "content": text, "refusal": None}}
-        return {"index": 0, **body, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish}
 
 
 @dataclasses.dataclass
@@ -811,74 +835,108 @@ class OpenAIServer:
         if (request_id := request.headers.get("X-Request-Id")) is not None:
             msg.request_id = request_id
         limits = self.engine.limits
-        events = self.calls.events(
-            lambda: validate(msg, limits, encode, api="http", names=names), "http", len(msg.prompt)
+        runs = body.runs
+        events = self.calls.choices(
+            lambda: validate(msg, limits, encode, api="http", names=names), "http", len(msg.prompt), runs
         )
         async with contextlib.aclosing(events):
             try:
-                req, first = await anext(events)
+                req, index, first = await anext(events)
             except RequestError as e:
                 raise APIError.of(e.code, e.message, e.transient, e.field, e.reason) from None
             if isinstance(first, Failed):  # before any text: the status line can still say so
                 raise APIError.of(first.code, first.message)
             choice.prompt_ids = req.prompt_ids
+            choices = [choice] + [dataclasses.replace(choice, shapes=_Logprobs(choice.shapes.tokenizer))
+                                  for _ in range(runs - 1)]  # fmt: skip
             reply = _Reply(choice.chat, req.request_id, self.engine.spec.name)
             if body.stream:
-                return await self._stream(request, body, reply, choice, first, events)
-            text, pieces = [], []
-            ev = first
-            while isinstance(ev, Delta):
-                piece, logprobs = choice.piece(ev, first=not pieces)
-                text.append(piece)
-                pieces.append(logprobs)
-                _, ev = await anext(events)
-            if isinstance(ev, Failed):
-                raise APIError.of(ev.code, ev.message)
-            finish = FINISH_REASON[ev.reason]
+                return await self._stream(request, body, reply, choices, (index, first), events)
+            text: list[list[str]] = [[] for _ in range(runs)]
+            pieces: list[list[dict | None]] = [[] for _ in range(runs)]
+            likelihood, ends = [0.0] * runs, {}
+            item: tuple[int, Event] | None = (index, first)
+            while item is not None:
+                i, ev = item
+                if isinstance(ev, Failed):
+                    raise APIError.of(ev.code, ev.message)
+                if isinstance(ev, Finished):
+                    ends[i] = ev
+                else:
+                    piece, logprobs = choices[i].piece(ev, first=not pieces[i])
+                    text[i].append(piece)
+                    pieces[i].append(logprobs)
+                    likelihood[i] += sum(lp.logprob for lp in ev.logprobs or ())
+                item = None if len(ends) == runs else (await anext(events))[1:]
+            kept = range(runs) if runs == body.n else sorted(range(runs), key=lambda i: -likelihood[i])[: body.n]
             out = reply.envelope(chunk=False) | {
-                "choices": [reply.choice("".join(text), finish, chunk=False, logprobs=_join(pieces, choice.chat))],
-                "usage": _usage(ev),
+                "choices": [
+                    reply.choice(
+                        "".join(text[i]),
+                        FINISH_REASON[ends[i].reason],
+                        chunk=False,
+                        logprobs=_join(pieces[i], choice.chat),
+                        index=k,
+                    )
+                    for k, i in enumerate(kept)
+                ],
+                "usage": _usage([ends[i] for i in range(runs)]),
             }
-            return web.json_response(out | _extension(ev, self.engine.spec.norm))
+            return web.json_response(out | _extension(ends[0], self.engine.spec.norm))
 
     async def _stream(
         self,
         request: web.Request,
         body: _Generation,
         reply: _Reply,
-        choice: _Choice,
-        first: Event,
-        events: AsyncIterator[tuple[GenerationRequest, Event]],
+        choices: list[_Choice],
+        first: tuple[int, Event],
+        events: AsyncIterator[tuple[GenerationRequest, int, Event]],
     ) -> web.StreamResponse:
-        """Server-sent events as OpenAI sends them: a chunk per piece of text, one with the finish reason, one with
-        the usage when stream_options.include_usage, then `data: [DONE]`; sharp's extension in the last chunk.
-        Log-probabilities of tokens whose text is held back (a stop string may be starting) travel with the next
-        chunk that has text."""
+        """Server-sent events as OpenAI sends them: a chunk per piece of text (with its choice's index), one with
+        each choice's finish reason, one with the usage when stream_options.include_usage, then `data: [DONE]`;
+        sharp's extension in the last chunk. Log-probabilities of tokens whose text is held back (a stop string may
+        be starting) travel with the next chunk that has text."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         usage = body.stream_options is not None and body.stream_options.include_usage
         base = reply.envelope(chunk=True) | ({"usage": None} if usage else {})
-        if reply.chat:  # the first chunk names the role
-            await resp.write(_sse(base | {"choices": [reply.choice("", None, chunk=True, role=True)]}))
-        ev, held, sent = first, [], False
-        while isinstance(ev, Delta):
-            text, logprobs = choice.piece(ev, first=not sent)
-            sent = True
-            held.append(logprobs)
-            if text:
-                chunk = reply.choice(text, None, chunk=True, logprobs=_join(held, choice.chat))
-                await resp.write(_sse(base | {"choices": [chunk]}))
-                held = []
-            _, ev = await anext(events)
-        if isinstance(ev, Failed):  # the status line is sent: the error travels as an event, as OpenAI's does
-            await resp.write(_sse(APIError.of(ev.code, ev.message).body()))
+        runs, chat = len(choices), reply.chat
+        if chat:  # the first chunk of each choice names the role
+            for i in range(runs):
+                await resp.write(_sse(base | {"choices": [reply.choice("", None, chunk=True, role=True, index=i)]}))
+        held: list[list[dict | None]] = [[] for _ in range(runs)]
+        sent, ends, failed = [False] * runs, {}, None
+        item: tuple[int, Event] | None = first
+        while item is not None:
+            i, ev = item
+            if isinstance(ev, Failed):  # the status line is sent: the error travels as an event, as OpenAI's does
+                failed = ev
+                break
+            if isinstance(ev, Finished):
+                ends[i] = ev
+                finish = reply.choice(None, FINISH_REASON[ev.reason], chunk=True, logprobs=_join(held[i], chat),
+                                      index=i)  # fmt: skip
+                last = base | {"choices": [finish]}
+                if len(ends) < runs:
+                    await resp.write(_sse(last))
+            else:
+                text, logprobs = choices[i].piece(ev, first=not sent[i])
+                sent[i] = True
+                held[i].append(logprobs)
+                if text:
+                    chunk = reply.choice(text, None, chunk=True, logprobs=_join(held[i], chat), index=i)
+                    await resp.write(_sse(base | {"choices": [chunk]}))
+                    held[i] = []
+            item = None if len(ends) == runs else (await anext(events))[1:]
+        if failed is not None:
+            await resp.write(_sse(APIError.of(failed.code, failed.message).body()))
         else:
-            finish = reply.choice(None, FINISH_REASON[ev.reason], chunk=True, logprobs=_join(held, choice.chat))
-            last = [base | {"choices": [finish]}]
+            tail = [last]
             if usage:
-                last.append(base | {"choices": [], "usage": _usage(ev)})
-            last[-1] |= _extension(ev, self.engine.spec.norm)
-            for chunk in last:
+                tail.append(base | {"choices": [], "usage": _usage([ends[i] for i in range(runs)])})
+            tail[-1] |= _extension(ends[0], self.engine.spec.norm)
+            for chunk in tail:
                 await resp.write(_sse(chunk))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

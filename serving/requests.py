@@ -13,7 +13,7 @@ import re
 import secrets
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sharp.models.sampling import MAX_LOGPROBS, SamplingParams
 from sharp.serving.status import Status
@@ -89,6 +89,15 @@ class GenerationRequest:
     api: str = "grpc"  # the door it came in by (serving.stats.APIS), for the metrics
     logprobs: int | None = None  # alternatives per generated token; None: no log-probabilities
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    group: int = 0  # several choices of one prompt (n > 1) share a group id; 0: a request alone
+    choice: int = 0  # its index among them: choice 0 prefills the prompt, the others start from its cache
+
+    def choices(self, n: int) -> list[GenerationRequest]:
+        """`n` choices of this request, one group: choice i samples with seed + i (so they differ)."""
+        if n == 1:
+            return [self]
+        group = secrets.randbits(63) or 1
+        return [replace(self, group=group, choice=i, seed=(self.seed + i) % 2**63) for i in range(n)]
 
 
 @dataclass

@@ -113,6 +113,8 @@ class Scheduler:
         when it does not fit: that one waits (no overtaking) until running sequences leave."""
         admitted = []
         while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
+            if self._waits_for_its_first_choice(self.waiting[0]):
+                break
             cached = reserve(self.waiting[0])
             if cached is None:
                 break
@@ -120,6 +122,14 @@ class Scheduler:
             admitted.append(self.waiting.popleft())
             self.prefilling.append(admitted[-1])
         return admitted
+
+    def _waits_for_its_first_choice(self, seq: Sequence) -> bool:
+        """A later choice of a request with n > 1 is admitted once choice 0 has prefilled the prompt, so that it
+        starts from that prompt's cache (one prefill for all choices) — or once choice 0 has ended."""
+        req = seq.request
+        return bool(req.choice and req.group) and any(
+            s.request.group == req.group and s.request.choice == 0 for s in (*self.prefilling, *self.waiting)
+        )
 
     def plan(self) -> StepPlan:
         budget, chunks = self.prefill_chunk, []

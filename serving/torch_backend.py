@@ -10,7 +10,7 @@ import torch
 
 from sharp.exporter import metadata
 from sharp.models.kvcache import OutOfPages, PagedKVCache, block_hashes
-from sharp.serving.backends import DTYPES, PAGE_SIZE, Backend, BackendError, Hit, StepResult
+from sharp.serving.backends import DTYPES, PAGE_SIZE, Backend, BackendError, Hit, Prefix, StepResult
 from sharp.serving.spec import ModelSpec
 
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
@@ -96,10 +96,17 @@ class TorchBackend(Backend):
             return False
         return True
 
+    def join(self, seq, keep=None):
+        self._publish(seq, keep)
+
     def release(self, seq, keep=None):
+        self._publish(seq, keep)
+        self.cache.free(seq)
+
+    def _publish(self, seq: Hashable, keep: Prefix | None) -> None:
+        """Name the sequence's full pages (those named already stay as they are)."""
         if keep is not None and self.cache.allocator.keep:
             self.cache.publish(seq, block_hashes(keep.tokens, PAGE_SIZE), keep.entropy)
-        self.cache.free(seq)
 
     def clear(self):
         self.cache.clear()

@@ -133,3 +133,47 @@ def test_lm_eval_local_completions_scores_and_generates(chat_files, model_files,
         greedy = all(ref[i - 1].argmax().item() == ids[i] for i in range(len(context), len(ids)))
         (got, got_greedy), = sample["resps"][0]  # fmt: skip
         assert got == pytest.approx(want, abs=1e-4) and got_greedy == greedy
+
+
+def test_openai_sdk_n_choices_and_best_of_share_one_prefill(chat_files, reference):
+    """n = 3: three choices of one prompt, indexed, the prompt prefilled once (usage counts it once, the later
+    choices start from its cache); streamed, each chunk names its choice; best_of = 3, n = 1 returns the choice
+    whose tokens are the most likely, as three requests alone with seeds s, s + 1, s + 2 rank them."""
+    with serving(chat_files, server=HTTP) as srv:
+        oa = api(srv)
+        prompt = "def main(): return"
+        ids = srv.server.engine.tokenizer.encode(prompt)
+        r = oa.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, n=3)
+        assert [c.index for c in r.choices] == [0, 1, 2]
+        want = srv.server.engine.tokenizer.decode(reference(ids, 6))
+        assert all(c.text == want for c in r.choices)  # greedy: every choice the same
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 18)
+        sampled = oa.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1, seed=5, n=3)
+        texts = [c.text for c in sampled.choices]
+        assert len(set(texts)) > 1
+        for i, text in enumerate(texts):  # choice i samples as a request alone with seed + i
+            alone = oa.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1, seed=5 + i)
+            assert alone.choices[0].text == text
+        stream = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                            temperature=1, seed=3, n=2, stream=True,
+                                            stream_options={"include_usage": True})  # fmt: skip
+        parts: dict[int, str] = {0: "", 1: ""}
+        finished = set()
+        for ch in stream:
+            for c in ch.choices:
+                parts[c.index] += c.delta.content or ""
+                if c.finish_reason:
+                    finished.add(c.index)
+            usage = ch.usage or None
+        whole = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                           temperature=1, seed=3, n=2)  # fmt: skip
+        assert finished == {0, 1} and [parts[0], parts[1]] == [c.message.content for c in whole.choices]
+        assert usage.completion_tokens == 10 and usage.prompt_tokens_details.cached_tokens > 0
+        best = oa.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1, seed=11, best_of=3)
+        scored = []
+        for i in range(3):
+            alone = oa.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1, seed=11 + i,
+                                          logprobs=0)  # fmt: skip
+            scored.append((sum(alone.choices[0].logprobs.token_logprobs), alone.choices[0].text))
+        assert len(best.choices) == 1 and best.choices[0].text == max(scored)[1]
+        assert best.choices[0].logprobs is None and best.usage.completion_tokens == 24

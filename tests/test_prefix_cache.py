@@ -8,6 +8,7 @@ model: greedy tokens, log-probabilities, the request's per-head entropy and what
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -287,3 +288,34 @@ def test_the_graph_store_matches_the_longest_prefix_within_its_budget():
     assert common_prefix(np.arange(5), np.array([0, 1, 7]), None) == 2
     store.put(np.arange(500), cache(500), None)  # larger than the budget: its first 100 tokens are kept
     assert store.match(np.arange(200), entropy=False)[1] == 100
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_n_choices_share_one_prefill(norm_models, backend):
+    """n = 3 choices of one prompt: choice 0 prefills it, the others wait for that and start from its cache; each
+    samples as a request alone with its seed (seed + i) does on a cold engine."""
+    files = norm_models["entmax"]
+    prompt = _prompt(40, 53)
+    eng, _ = _engine(BACKENDS[backend](files), prefill_chunk=16)
+    req = greedy_request(eng, prompt, 6, return_attention_stats=True)
+    req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, temperature=1.0), seed=7)
+    tokens, ends = {i: [] for i in range(3)}, {}
+    choices = req.choices(3)
+    assert len({r.group for r in choices}) == 1 and choices[0].group and [r.seed for r in choices] == [7, 8, 9]
+    for r in choices:
+        eng.submit(r, lambda ev, i=r.choice: tokens[i].extend(ev.token_ids) if isinstance(ev, Delta)
+                   else ends.__setitem__(i, ev))  # fmt: skip
+    run_until_idle(eng)
+    hit = _expected_hit(backend, 52)
+    assert [ends[i].cached_tokens for i in range(3)] == [0, hit, hit]
+    prefilled = eng.metrics.prompt_tokens["grpc"]._value.get()
+    assert prefilled == 53 + 2 * (53 - hit)  # the prompt once, then each later choice's uncached tail
+    cold, _ = _engine(BACKENDS[backend](files), prefix_cache_mb=0)
+    for i in range(3):
+        alone = []
+        cold.submit(
+            dataclasses.replace(req, seed=7 + i), lambda ev, a=alone: isinstance(ev, Delta) and a.extend(ev.token_ids)
+        )
+        run_until_idle(cold)
+        assert tokens[i] == alone
+    assert len({tuple(t) for t in tokens.values()}) > 1  # the seeds differ: so do the choices
