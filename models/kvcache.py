@@ -116,6 +116,14 @@ class PageAllocator:
         self._hash_of[page], self._page_of[digest] = digest, page
         return True
 
+    def unregister(self, pages: Sequence[int]) -> None:
+        """Withdraw the pages' names (what a failed sequence wrote is offered to nobody); held pages stay held."""
+        for page in pages:
+            if page in self._lru:
+                self._forget(page)
+            elif (digest := self._hash_of.pop(page, None)) is not None:
+                del self._page_of[digest]
+
     def lookup(self, digests: Sequence[bytes], usable: Callable[[int], bool] | None = None) -> list[int]:
         """The pages of the longest run of `digests` registered from the first (and, with `usable`, passing it),
         each now held once more."""
@@ -204,20 +212,22 @@ class PagedKVCache:
         self.lengths[seq] = len(pages) * self.page_size
         return self.lengths[seq]
 
-    def publish(self, seq: Hashable, digests: Sequence[bytes], entropy: np.ndarray | None = None) -> None:
+    def publish(self, seq: Hashable, digests: Sequence[bytes], entropy: np.ndarray | None = None) -> list[int]:
         """Register the sequence's first full pages under `digests` (their block hashes, from its tokens) so that
         they outlive it for later prompts with the same prefix; only pages its committed tokens fill. `entropy`
         (layers, heads, n): the per-head attention entropy of its first n positions, kept with each page it covers
-        (`page_entropy`), so a hit reports the statistics a cold prefill would."""
+        (`page_entropy`), so a hit reports the statistics a cold prefill would. Returns the pages it named."""
         full = min(len(digests), self.lengths.get(seq, 0) // self.page_size)
-        size = self.page_size
+        size, named = self.page_size, []
         for i, (page, digest) in enumerate(zip(self.tables.get(seq, [])[:full], digests[:full], strict=True)):
             if not self.allocator.register(page, digest):
                 continue
+            named.append(page)
             if entropy is not None and entropy.shape[-1] >= (i + 1) * size:
                 self.page_entropy[page] = np.ascontiguousarray(entropy[..., i * size : (i + 1) * size])
             else:
                 self.page_entropy.pop(page, None)
+        return named
 
     def free(self, seq: Hashable) -> None:
         """The sequence left (finished, cancelled, failed): its pages return to the pool. Unknown sequences are

@@ -316,7 +316,7 @@ class GraphBackend(Backend):
     def join(self, seq, keep=None):
         cache = self._own.pop(seq)
         if keep is not None and self.prefixes.budget:  # its own arrays, which the batch only copies from
-            self.prefixes.put(keep.tokens[: cache[0].shape[2]], cache, keep.entropy)
+            self.prefixes.put(keep.tokens[: cache[0].shape[2]], cache, keep.entropy, owner=seq)
         self._batch.join(seq, cache, cache[0].shape[2])
 
     def release(self, seq, keep=None):
@@ -327,10 +327,12 @@ class GraphBackend(Backend):
             if cache is not None:
                 n = min(len(keep.tokens), cache[0].shape[2])
                 self.prefixes.put(keep.tokens[:n], cache, keep.entropy)
+        self.prefixes.settle(seq, failed=keep is None)  # what a failed sequence offered is withdrawn
         self._batch.leave(seq)
 
     def clear(self):
-        self._batch, self._own, self._reserved = self._new_batch(), {}, {}  # kept prefixes stay: they are whole
+        self.prefixes.settle(None, failed=True)  # a failure nobody could attribute: what ran is withdrawn
+        self._batch, self._own, self._reserved = self._new_batch(), {}, {}
 
     def _held(self) -> int:
         """Token slots held: the batch's (padding and free slots included) and the prefilling sequences' own."""

@@ -335,6 +335,7 @@ class EngineProcess:
                 if h is not None:
                     h.done = True
         self.delivery.send(sends)
+        self.metrics.bin_due()
 
     def _exited(self) -> None:
         """The pipe closed: every unfinished request ends with INTERNAL (a crash) or UNAVAILABLE (a stop)."""

@@ -130,18 +130,19 @@ class Engine:
 
     def step(self) -> None:
         start = time.perf_counter()
-        stats, out = self.output.stats, self.output
+        out = self.output
         with self._cond:
             gone = self.scheduler.drop_cancelled()
             admitted = self.scheduler.admit(self._reserve)
         for s in gone:
             self.backend.release(s, s.kept())
             out.cancelled(s)
-        stats.queue_time += [(s.request.api, start - s.arrival) for s in admitted]
-        self._prefill()
+        out.stats.queue_time += [(s.request.api, start - s.arrival) for s in admitted]
+        if self._prefill():  # first tokens go out now, not after this step's decode (their time to first token)
+            self._end_step()
         self._decode()
         end = time.perf_counter()
-        stats.busy_seconds = end - start + self._end_seconds
+        out.stats.busy_seconds = end - start + self._end_seconds  # the step's record (its second, if it sent two)
         self._end_step()
         self._end_seconds = time.perf_counter() - end
 
@@ -167,11 +168,13 @@ class Engine:
     def _publish_here(self, st: StepStats, outbox: list[tuple[Sequence, Event]]) -> None:
         self.metrics.log_step(st)
         self.delivery.send([(seq.sink, ev) for seq, ev in outbox])
+        self.metrics.bin_due()
 
-    def _prefill(self) -> None:
+    def _prefill(self) -> bool:
+        """Run the plan's prompt chunks; True when a sequence got its first token (or ended)."""
         plan, out = self.scheduler.plan(), self.output
         if not plan.prefill:
-            return
+            return False
         results = self.executor.prefill(plan.prefill, out.want_entropy([c.seq for c in plan.prefill]), out.stats)
         for chunk, res in zip(plan.prefill, results, strict=True):
             seq = chunk.seq
@@ -185,6 +188,7 @@ class Engine:
                 out.sample([seq], res.logits[0:1])
             self.scheduler.prefilled(seq)
             (self.backend.release if seq.done else self.backend.join)(seq, seq.kept())
+        return bool(out.outbox)
 
     def _decode(self) -> None:
         seqs, out = self.scheduler.running, self.output

@@ -239,12 +239,17 @@ class ServingMetrics:
 
     def observe_attention(self, entropy: np.ndarray, visible: np.ndarray) -> None:
         """entropy (N, layers, heads) nats of N query positions that see `visible` (N,) keys each; binned at the
-        next scrape, or now once ATTENTION_BATCH positions wait."""
+        next scrape, or by `bin_due` once ATTENTION_BATCH positions wait."""
         if not self.attention:
             return
         with self._pending_lock:
             self._pending.append((entropy, visible))
             self._pending_positions += len(visible)
+
+    def bin_due(self) -> None:
+        """Bin the waiting entropies once ATTENTION_BATCH positions wait (bounds their memory). Called after a
+        step's events are sent: binning a prefix hit's thousands of positions must not delay its first token."""
+        with self._pending_lock:
             full = self._pending_positions >= ATTENTION_BATCH
         if full:
             self.flush_attention()

@@ -12,6 +12,7 @@ alone and are reused exactly.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,7 @@ class Entry:
     cache: list[Cache]
     entropy: np.ndarray | None
     nbytes: int
+    owner: Hashable | None = None  # the running sequence it was taken from, until that one ends well
 
     def covered(self) -> int:
         """Positions whose entropies are kept."""
@@ -74,9 +76,12 @@ class PrefixStore:
         self._entries.move_to_end(best)
         return self._entries[best], best_n
 
-    def put(self, tokens: np.ndarray, cache: list[Cache], entropy: np.ndarray | None) -> None:
+    def put(
+        self, tokens: np.ndarray, cache: list[Cache], entropy: np.ndarray | None, owner: Hashable | None = None
+    ) -> None:
         """Keep a cache of `tokens` (its columns beyond the budget dropped); an entry it extends is dropped, and it
-        is not kept where an entry already holds it."""
+        is not kept where an entry already holds it. `owner`: the sequence it comes from is still running (`forget`
+        drops it if that one fails)."""
         if not self.budget or not len(tokens):
             return
         per_token = sum(_nbytes(t) for t in cache) // cache[0].shape[2]
@@ -96,9 +101,19 @@ class PrefixStore:
             self._drop(next(iter(self._entries)))
         kept = [_own(t, n) for t in cache]
         ent = None if not covered else np.ascontiguousarray(entropy[..., :covered], np.float32)
-        self._entries[self._next] = Entry(tokens, kept, ent, n * per_token)
+        self._entries[self._next] = Entry(tokens, kept, ent, n * per_token, owner)
         self._next += 1
         self.nbytes += n * per_token
+
+    def settle(self, owner: Hashable | None, failed: bool) -> None:
+        """`owner` ended (None: every running one): its entries are dropped if it failed (its cache may be what
+        failed), else kept as anyone's."""
+        for key, e in list(self._entries.items()):
+            if e.owner is not None and (owner is None or e.owner == owner):
+                if failed:
+                    self._drop(key)
+                else:
+                    e.owner = None
 
     def _drop(self, key: int) -> None:
         self.nbytes -= self._entries.pop(key).nbytes
@@ -113,8 +128,10 @@ def _nbytes(t: Cache) -> int:
 
 
 def _own(t: Cache, n: int) -> Cache:
-    """The first `n` columns of `t` as an array of their own: never a view of a buffer the batch writes again or of
-    a larger array it would keep alive (a leaving sequence's own contiguous cache is taken as it is)."""
+    """The first `n` columns of `t` as an array of their own: never a view of another array (a batch buffer written
+    again, or a larger array it would keep alive). A sequence's own cache — an array onnxruntime returned, or the
+    batch's copy of its row — is nobody else's and never written again: it is taken as it is, uncopied."""
     if isinstance(t, np.ndarray):
-        return t if n == t.shape[2] and t.base is None and t.flags.c_contiguous else t[:, :, :n].copy()
+        whole = n == t.shape[2] and t.flags.c_contiguous and not isinstance(t.base, np.ndarray)
+        return t if whole else t[:, :, :n].copy()
     return t[:, :, :n].clone()

@@ -54,6 +54,7 @@ class TorchBackend(Backend):
         self.spec = ModelSpec(Path(path).stem, "torch", meta)
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
         self.cache: PagedKVCache | None = None
+        self._named: dict[Hashable, list[int]] = {}  # pages a running sequence named (withdrawn if it fails)
 
     def allocate(self, budget_bytes, prefix_bytes=0):
         pages = budget_bytes // (PAGE_SIZE * self.kv_bytes_per_token)
@@ -101,15 +102,22 @@ class TorchBackend(Backend):
 
     def release(self, seq, keep=None):
         self._publish(seq, keep)
+        named = self._named.pop(seq, [])
+        if keep is None:  # it failed: what it offered while running is withdrawn
+            self.cache.allocator.unregister(named)
         self.cache.free(seq)
+
+    def clear(self):
+        for named in self._named.values():  # a failure nobody could attribute: nothing running is offered
+            self.cache.allocator.unregister(named)
+        self._named.clear()
+        self.cache.clear()
 
     def _publish(self, seq: Hashable, keep: Prefix | None) -> None:
         """Name the sequence's full pages (those named already stay as they are)."""
         if keep is not None and self.cache.allocator.keep:
-            self.cache.publish(seq, block_hashes(keep.tokens, PAGE_SIZE), keep.entropy)
-
-    def clear(self):
-        self.cache.clear()
+            named = self.cache.publish(seq, block_hashes(keep.tokens, PAGE_SIZE), keep.entropy)
+            self._named.setdefault(seq, []).extend(named)
 
     def kv_usage(self):
         return self.cache.allocator.usage()

@@ -226,14 +226,23 @@ def test_prompt_logprobs_are_computed_not_read_and_the_counters_move(norm_models
     assert "prefix cache 256 MiB" in eng.prefix_cache
 
 
-def test_a_failed_request_leaves_nothing_in_the_cache(norm_models):
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_what_a_failed_request_offered_is_withdrawn(norm_models, backend):
+    """A running request's prompt is offered from its join; if it then fails (its cache may be what failed), the
+    offer is withdrawn: the same prompt afterwards is prefilled cold. One that ends well keeps it."""
     files = norm_models["softmax"]
-    eng, _ = _engine(BACKENDS["native"](files))
-    prompt = _prompt(4, 30)
-    seq = eng.submit(greedy_request(eng, prompt, 3), lambda ev: None)
-    eng.step()
-    eng.output.fail_forward(seq, "a test")  # what a forward failure does to the sequence
+    eng, pub = _engine(BACKENDS[backend](files))
+    prompt = _prompt(4, 40)
+    seq = eng.submit(greedy_request(eng, prompt, 5), lambda ev: None)
+    eng.step()  # prefilled and joined: its prompt is offered now
+    # what a second request would find, asked of the running engine's backend
+    assert eng.backend.admit("probe", np.asarray(prompt), 48, True, False).tokens == _expected_hit(backend, 39)
+    eng.backend.release("probe", None)
+    eng.output.fail_forward(seq, "a test")  # what a forward failure does to it
+    run_until_idle(eng)
     assert seq.kept() is None
+    assert _ask(eng, pub, prompt, n=2).end.cached_tokens == 0
+    assert _ask(eng, pub, prompt, n=2).end.cached_tokens == _expected_hit(backend, 39)  # kept: it ended well
 
 
 # ---- the pieces alone --------------------------------------------------------------------------------------------
@@ -319,3 +328,21 @@ def test_n_choices_share_one_prefill(norm_models, backend):
         run_until_idle(cold)
         assert tokens[i] == alone
     assert len({tuple(t) for t in tokens.values()}) > 1  # the seeds differ: so do the choices
+
+
+def test_paged_cached_pages_are_evicted_before_a_request_is_refused(norm_models):
+    """A pool of 8 pages, all of them kept after a first request: the gauge reads 0, and a request that needs 7
+    pages is admitted (the kept pages evicted, the tail first) instead of waiting for ever."""
+    files = norm_models["softmax"]
+    probe = BACKENDS["torch"](files)
+    mb = 8 * PAGE_SIZE * probe.kv_bytes_per_token / 2**20
+    eng, pub = _engine(BACKENDS["torch"](files), kv_cache_mb=mb)
+    allocator = eng.backend.cache.allocator
+    first = _prompt(50, 100)
+    _ask(eng, pub, first, n=4)  # 103 tokens cached: 6 full pages kept
+    assert allocator.cached_pages == 6 and eng.backend.kv_usage() == 0 and allocator.free_pages == 8
+    other = _prompt(51, 100)
+    got = _ask(eng, pub, other, n=10)  # 110 tokens: 7 pages, 2 of them only by evicting kept ones
+    assert got.end.cached_tokens == 0 and len(got.tokens) == 10
+    assert allocator.cached_pages == 1 + 6  # the first's head page survived (tails go first), beside the new 6
+    assert _ask(eng, pub, first[:40], n=1).end.cached_tokens == 16

@@ -263,7 +263,12 @@ def test_attention_entropies_wait_for_a_scrape_but_never_pile_up(model_files):
     families = {f.name: f for f in metrics.registry.collect()}
     assert sample_value(families, "sharp_attention_entropy_nats", "sharp_attention_entropy_nats_count") == 3 * 4
     assert counted() == 3 and metrics._pending_positions == 0
-    metrics.observe_attention(np.full((ATTENTION_BATCH, 2, 2), 1.0), np.full(ATTENTION_BATCH, 9))
+    metrics.observe_attention(np.full((ATTENTION_BATCH - 1, 2, 2), 1.0), np.full(ATTENTION_BATCH - 1, 9))
+    metrics.bin_due()
+    assert counted() == 3 and metrics._pending_positions == ATTENTION_BATCH - 1  # not a batch yet: it waits
+    metrics.observe_attention(np.full((1, 2, 2), 1.0), np.full(1, 9))
+    assert counted() == 3  # observing never bins: the step's events go out first
+    metrics.bin_due()
     assert counted() == 3 + ATTENTION_BATCH and metrics._pending_positions == 0  # a full batch bins at once
 
 

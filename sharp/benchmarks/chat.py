@@ -150,7 +150,10 @@ def bench(args) -> str:
     if not (hf / "config.json").exists():
         print(f"building {args.shape} in {hf}", flush=True)
         build_model(hf, args.shape)
-    docs = documents(hf, args.conversations + args.repeats + 1, args.document)
+    # fresh documents for every round (a document seen before is a hit on both servers): per round the concurrent
+    # conversations' and one for the one-at-a-time conversation, and one for the untimed warm-up
+    per_round = args.conversations + 1
+    docs = documents(hf, args.repeats * per_round + 1, args.document)
     onnx = sharp_export(hf, work, args.norm, log)
     context = args.at_once * (args.document + args.questions * (args.answer_tokens + 32) + 64)
     peers: list[tuple[Peer, dict]] = []
@@ -176,8 +179,9 @@ def bench(args) -> str:
         for p, extra in peers:  # one untimed short conversation each (first-request costs)
             conversation(p, extra, docs[-1][:2000], 1, 4)
         for r in range(args.repeats):
+            mine = docs[r * per_round : (r + 1) * per_round]
             for p, extra in peers:
-                got = conversation(p, extra, docs[args.conversations + r], args.questions, args.answer_tokens)
+                got = conversation(p, extra, mine[-1], args.questions, args.answer_tokens)
                 turns.setdefault(p.name, []).append(got)
                 print(f"{p.name:<40} turns TTFT " + " ".join(f"{t:.2f}" for t, _ in got)
                       + "  cached " + " ".join(str(c) for _, c in got), flush=True)  # fmt: skip
@@ -186,7 +190,7 @@ def bench(args) -> str:
                     continue  # its conversations cost as its first turns do: the TTFT rows say it
                 total = _at_once(
                     lambda d, p=p, extra=extra: conversation(p, extra, d, args.questions, args.answer_tokens),
-                    docs[: args.conversations],
+                    mine[:-1],
                     args.at_once,
                 )
                 totals.setdefault(p.name, []).append(total)
@@ -230,7 +234,8 @@ def report(args, about, peers, turns, totals) -> str:
         "",
         markdown_table(header, rows),
         "",
-        f"{args.conversations} conversations (other documents), {args.at_once} at a time, wall time s:",
+        f"{args.conversations} conversations (other documents, new in each round), {args.at_once} at a time, wall time"
+        " s:",
         "",
         markdown_table(["peer", "total s"], total_rows),
         "",
