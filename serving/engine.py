@@ -1,9 +1,11 @@
 """The serving engine: the loop that ties the scheduler, the executor and the output processor together.
 
 One engine thread runs steps. Each step drops cancelled sequences, admits queued requests whose KV cache fits the
-budget (scheduler.py), prefills the plan's prompt chunks, then runs one batched decode step over every running
-sequence (executor.py), sampling each row and turning the tokens into events (output.py). The backend owns the KV
-cache: the engine reserves each admitted sequence's room up front and releases it on every way out.
+budget (scheduler.py) — starting each on the longest prefix of its prompt the backend has cached —, prefills the
+plan's prompt chunks (first tokens are sent at once), then runs one batched decode step over every running sequence
+(executor.py), sampling each row and turning the tokens into events (output.py). The backend owns the KV cache: the
+engine reserves each admitted sequence's room up front and releases it on every way out, handing over what its
+cache holds for the prefix cache (nothing after a failure).
 """
 
 from __future__ import annotations
