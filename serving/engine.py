@@ -16,8 +16,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-import numpy as np
-
 from sharp.models.sampling import generator
 from sharp.serving.backends import Backend
 from sharp.serving.config import EngineConfig
@@ -153,8 +151,7 @@ class Engine:
         prompt whose log-probabilities are asked for is computed, not read from the cache)."""
         req, out = seq.request, self.output
         reuse = req.prompt_logprobs is None and self.config.prefix_cache_bytes() > 0
-        prompt = np.asarray(req.prompt_ids, np.int64)
-        hit = self.backend.admit(seq, prompt, seq.reserved, reuse, out.want_entropy([seq]))
+        hit = self.backend.admit(seq, seq.prompt_array(), seq.reserved, reuse, out.want_entropy([seq]))
         if hit is not None and reuse:
             out.restored(seq, hit)
         return None if hit is None else hit.tokens

@@ -46,11 +46,14 @@ class Entry:
         return 0 if self.entropy is None else min(self.entropy.shape[-1], len(self.tokens))
 
 
-class PrefixStore:
-    """Kept caches, least recently used first, within `budget` bytes (0: off)."""
+MAX_ENTRIES = 512  # kept caches at most: a lookup compares the prompt with each (a flood of short prompts stays cheap)
 
-    def __init__(self, budget: int):
-        self.budget = budget
+
+class PrefixStore:
+    """Kept caches, least recently used first, within `budget` bytes (0: off) and MAX_ENTRIES entries."""
+
+    def __init__(self, budget: int, max_entries: int = MAX_ENTRIES):
+        self.budget, self.max_entries = budget, max_entries
         self.nbytes = 0
         self._entries: OrderedDict[int, Entry] = OrderedDict()
         self._next = 0
@@ -97,7 +100,7 @@ class PrefixStore:
                 return
             if common == len(e.tokens) and covered >= e.covered():  # this one extends it
                 self._drop(key)
-        while self._entries and self.nbytes + n * per_token > self.budget:
+        while self._entries and (self.nbytes + n * per_token > self.budget or len(self._entries) >= self.max_entries):
             self._drop(next(iter(self._entries)))
         kept = [_own(t, n) for t in cache]
         ent = None if not covered else np.ascontiguousarray(entropy[..., :covered], np.float32)

@@ -41,6 +41,13 @@ class Sequence:
     last_token_time: float = 0.0
     entropies: list[np.ndarray] = field(default_factory=list)  # (layers, heads, L) of positions 0, 1, … in order
     entropy_positions: int = 0  # positions the list covers
+    _prompt: np.ndarray | None = None
+
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's ids as int64, made once (admission may ask every step while the request waits)."""
+        if self._prompt is None:
+            self._prompt = np.asarray(self.request.prompt_ids, np.int64)
+        return self._prompt
 
     def kept(self) -> Prefix | None:
         """What its cache holds as it leaves, for the prefix cache: the prompt tokens in it and, once the prompt is

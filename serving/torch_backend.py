@@ -72,6 +72,9 @@ class TorchBackend(Backend):
         """The prompt's full pages already cached (hashes chained from the first page) are shared, not prefilled;
         a hit is whole pages within all but the prompt's last token."""
         cache, hit = self.cache, Hit()
+        best = (len(prompt) - 1) // PAGE_SIZE if reuse else 0  # pages a hit could save at most
+        if cache.pages_for(tokens) - best > cache.allocator.free_pages:
+            return None  # no hit could make it fit: say so before hashing the prompt (it may ask every step)
         if reuse and cache.allocator.keep:
             digests = block_hashes(prompt[: len(prompt) - 1], PAGE_SIZE)
             usable = (lambda page: page in cache.page_entropy) if entropy else None

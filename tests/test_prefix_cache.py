@@ -297,6 +297,11 @@ def test_the_graph_store_matches_the_longest_prefix_within_its_budget():
     assert common_prefix(np.arange(5), np.array([0, 1, 7]), None) == 2
     store.put(np.arange(500), cache(500), None)  # larger than the budget: its first 100 tokens are kept
     assert store.match(np.arange(200), entropy=False)[1] == 100
+    few = PrefixStore(10**6, max_entries=2)  # a flood of short prompts: the entries stay few, the oldest go
+    for start in (0, 1000, 2000):
+        few.put(np.arange(start, start + 3), cache(3), None)
+    assert len(few) == 2 and few.match(np.arange(0, 3), entropy=False) == (None, 0)
+    assert few.match(np.arange(2000, 2003), entropy=False)[1] == 2
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
