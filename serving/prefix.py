@@ -83,7 +83,7 @@ class PrefixStore:
         self, tokens: np.ndarray, cache: list[Cache], entropy: np.ndarray | None, owner: Hashable | None = None
     ) -> None:
         """Keep a cache of `tokens` (its columns beyond the budget dropped); an entry it extends is dropped, and it
-        is not kept where an entry already holds it. `owner`: the sequence it comes from is still running (`forget`
+        is not kept where an entry already holds it. `owner`: the sequence it comes from is still running (`settle`
         drops it if that one fails)."""
         if not self.budget or not len(tokens):
             return
@@ -120,10 +120,6 @@ class PrefixStore:
 
     def _drop(self, key: int) -> None:
         self.nbytes -= self._entries.pop(key).nbytes
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.nbytes = 0
 
 
 def _nbytes(t: Cache) -> int:
