@@ -279,8 +279,10 @@ def _mib(path: Path) -> float:
 
 def start_sharp(onnx: Path, name: str, threads: int, log: Path) -> Peer:
     port = _free_port()
+    # --prefix-cache-mb=0: every prompt is fresh, so kept caches would only add to the peak memory measured (the
+    # peers' prompt caches are off as well)
     cmd = [sys.executable, "-m", "sharp.serving.cli", str(onnx), "--port=0", "--metrics-port=-1",
-           f"--http-port={port}", "--kv-cache-mb=4096", "--max-batch=8", "--log-level=warning",
+           f"--http-port={port}", "--kv-cache-mb=4096", "--prefix-cache-mb=0", "--max-batch=8", "--log-level=warning",
            *([f"--threads={threads}"] if threads else [])]  # fmt: skip
     peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, {}, log)
     peer.disk_mib = _mib(onnx)
