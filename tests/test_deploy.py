@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from test_serving import serving
+from helpers import serving
 
 from sharp.serving import Client
 from sharp.serving.cli import serve_parser

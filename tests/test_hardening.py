@@ -14,136 +14,33 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 
 import grpc
-import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import (
+    BREAKS_DECODE,
+    BREAKS_PREFILL,
+    POISON,
+    Bystander,
+    NaNForMarkedRows,
+    RaisesForMarkedRows,
+    SlowEndless,
+    Wrapped,
+    _wait_idle,
+    sample_value,
+    scrape,
+    server,
+)
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from test_serving import sample_value, scrape
 
 from sharp.serving import (
-    BackgroundServer,
     Client,
-    CoreSpec,
-    Engine,
-    EngineConfig,
-    EngineProcess,
-    ServerConfig,
-    ServingMetrics,
-    load_backend,
 )
 from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
-
-POISON = 255  # a prompt (of two or more ids) containing this id gets NaN logits from the wrapped backend
-BREAKS_PREFILL, BREAKS_DECODE = 254, 253  # ... makes the wrapped backend raise in prefill, or in decode
-
-
-class Wrapped:
-    """A real backend whose graph forward goes through a stand-in that changes what it does (`inner` is the real
-    forward); `backend` is the backend to serve."""
-
-    def __init__(self, backend):
-        self.backend, self.spec, self.inner = backend, backend.spec, backend.forward
-        backend.forward, backend.stand_in = self.forward, self
-
-
-class NaNForMarkedRows(Wrapped):
-    """Wraps a real backend; a prompt that contains POISON gets NaN logits."""
-
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, **kw):
-        out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last, **kw)
-        for row in range(input_ids.shape[0]):
-            if input_ids.shape[1] > 1 and (input_ids[row] == POISON).any():  # prompts only, never sampled ids
-                out.logits[row] = float("nan")
-        return out
-
-
-class RaisesForMarkedRows(Wrapped):
-    """Wraps a real backend. A prompt holding BREAKS_PREFILL makes its prefill raise; a prompt holding BREAKS_DECODE
-    leaves NaN keys in its own cache, and any forward given such a cache raises, as a backend that checks its inputs
-    would — so a decode batch holding that row fails as a whole."""
-
-    def __init__(self, backend):
-        super().__init__(backend)
-        self.batch_failures = 0
-
-    def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, **kw):
-        if input_ids.shape[1] > 1 and (input_ids == BREAKS_PREFILL).any():
-            raise RuntimeError("prefill refused")
-        if any(np.isnan(t).any() for t in past):
-            self.batch_failures += input_ids.shape[0] > 1
-            raise RuntimeError("non-finite keys in the cache")
-        out = self.inner(input_ids, attention_mask, position_ids, past, entropy, last, **kw)
-        if input_ids.shape[1] > 1:
-            for row in range(input_ids.shape[0]):
-                if (input_ids[row] == BREAKS_DECODE).any():
-                    out.presents[0][row] = float("nan")
-                    out.logits[row, self.spec.tokenizer.eos] = float("-inf")  # its first token never ends it
-        return out
-
-
-class SlowEndless(Wrapped):
-    """Wraps a real backend: a prefill takes 0.3 s more (a short deadline expires before the first token) and the
-    model never emits EOS (a stream runs until it is cancelled, never ending by chance)."""
-
-    def forward(self, input_ids, *args, **kw):
-        if input_ids.shape[1] > 1:
-            time.sleep(0.3)
-        out = self.inner(input_ids, *args, **kw)
-        out.logits[:, self.spec.tokenizer.eos] = float("-inf")
-        return out
-
-
-@contextmanager
-def server(model_files, wrap=None, engine: dict | None = None, **config):
-    """sharp-serve's server with the engine core in its own process, as sharp-serve runs it; with a stand-in
-    (`wrap`) around the real backend, the engine in the test's process."""
-    if wrap is None:
-        spec = CoreSpec(str(model_files["onnxruntime"]), config=EngineConfig(**(engine or {})), entropy="head")
-        eng = EngineProcess(spec)
-    else:
-        be = wrap(load_backend(model_files["onnxruntime"])).backend
-        eng = Engine(be, EngineConfig(**(engine or {})), ServingMetrics(be.spec, entropy="head"))
-    with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0, **config)) as srv:
-        yield srv
-
-
-class Bystander:
-    """A greedy stream running beside the abuse; afterwards its tokens must equal the model's own."""
-
-    def __init__(self, target: str, prompt: str, n: int):
-        self.client, self.prompt, self.n = Client(target), prompt, n
-        self.tokens: list[int] = []
-        self.error: Exception | None = None
-        self.started = threading.Event()  # its first tokens arrived: it is in the engine's batch
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        try:
-            for chunk in self.client.generate_stream(self.prompt, max_new_tokens=self.n, temperature=0):
-                self.tokens.extend(chunk.token_ids)
-                self.started.set()
-        except Exception as e:  # reported by check()
-            self.error = e
-
-    def __enter__(self) -> Bystander:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.thread.join(timeout=120)
-        self.client.close()
-
-    def check(self, reference) -> None:
-        self.thread.join(timeout=120)
-        assert self.error is None, self.error
-        ids = self.client.tokenize(self.prompt, add_bos=True)
-        assert self.tokens == reference(ids, self.n)
 
 
 def test_nan_logits_end_only_that_request(model_files, reference):
@@ -228,18 +125,6 @@ def test_a_tiny_temperature_samples_greedily(model_files, reference):
         ids = c.tokenize("tiny", add_bos=True)
         r = c.generate("tiny", max_new_tokens=12, temperature=1e-38)
         assert list(r.token_ids) == reference(ids, 12)
-
-
-def _wait_idle(srv, timeout: float = 30) -> None:
-    """Until the engine is empty and the step that emptied it has logged its record (no request running)."""
-    end = time.monotonic() + timeout
-    while not (srv.server.engine.idle() and _running(srv) == 0):
-        assert time.monotonic() < end, "the engine never went idle"
-        time.sleep(0.01)
-
-
-def _running(srv) -> float:
-    return sample_value(scrape(srv), "sharp_running_requests", "sharp_running_requests")
 
 
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED}

@@ -19,8 +19,7 @@ import zlib
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_hardening import server
-from test_serving import scrape
+from helpers import scrape, server
 
 from sharp.serving import openai_api
 

@@ -22,8 +22,21 @@ import openai
 import pytest
 from conftest import CHAT_TEMPLATE
 from google.protobuf import json_format
-from test_hardening import BREAKS_PREFILL, Bystander, RaisesForMarkedRows, SlowEndless, _wait_idle, server
-from test_serving import sample_value, scrape, serving, start_sharp_serve
+from helpers import (
+    BREAKS_PREFILL,
+    HTTP,
+    Bystander,
+    RaisesForMarkedRows,
+    SlowEndless,
+    _log_softmax,
+    _wait_idle,
+    api,
+    sample_value,
+    scrape,
+    server,
+    serving,
+    start_sharp_serve,
+)
 
 from sharp.exporter.genai import tokenizer_files
 from sharp.models.tokenizer import BYTES, ChatTemplateError, HFTokenizer, render_chat
@@ -31,14 +44,8 @@ from sharp.serving import Client
 from sharp.serving.cli import client_main
 from sharp.v1 import generator_pb2 as pb
 
-HTTP = {"http_port": 0}
 TEMPLATE = CHAT_TEMPLATE
 PROMPT = "def main():\n"
-
-
-def api(srv, token: str = "none", scheme: str = "http", **kw) -> openai.OpenAI:
-    base = f"{scheme}://127.0.0.1:{srv.server.http_port}/v1"
-    return openai.OpenAI(base_url=base, api_key=token, max_retries=0, timeout=60, **kw)
 
 
 def post(srv, path: str, body, **headers) -> httpx.Response:
@@ -500,15 +507,6 @@ def test_sharp_serve_sigterm_drains_http_and_grpc_together(model_files):
             oa.models.list()
     finally:
         proc.kill()
-
-
-def _log_softmax(model, ids: list[int]):
-    """The model's own log-probabilities (positions, V) over `ids`, in PyTorch."""
-    import torch
-
-    with torch.no_grad():
-        out = model(torch.tensor([ids]))
-    return torch.log_softmax(getattr(out, "logits", out).double(), -1)[0]
 
 
 def test_logprobs_and_echo_equal_the_models_own_log_softmax(model_files):

@@ -11,8 +11,7 @@ import json
 import numpy as np
 import openai
 import pytest
-from test_openai_api import HTTP, _log_softmax, api
-from test_serving import serving
+from helpers import HTTP, _log_softmax, api, serving
 
 from sharp.models import load
 from sharp.models.tokenizer import render_chat

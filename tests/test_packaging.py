@@ -163,3 +163,18 @@ def test_serving_rooms_import_one_way_and_grpc_stays_at_its_edge():
                 if (parts[0] == "grpc" or "_pb2" in target) and name not in GRPC_MODULES:
                     wrong.append(f"serving/{name}.py imports {target} (gRPC outside its edge)")
     assert wrong == []
+
+
+def test_no_test_module_imports_another():
+    """Shared helpers live in tests/helpers.py (or conftest): a test module imported by another is collected twice
+    over and ties their fixtures together."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            offenders += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
+    assert not offenders, offenders

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import DEVICE
-from test_serving import _req
+from helpers import greedy_request
 
 from sharp.models import ModelConfig, SharpLM
 from sharp.serving import Engine, EngineConfig, RequestError, load_backend
@@ -37,7 +37,7 @@ def _collect(eng: Engine, prompts: dict[str, tuple[list[int], int]]) -> tuple[di
 
         return put
 
-    seqs = {name: eng.submit(_req(eng, ids, n), sink(name)) for name, (ids, n) in prompts.items()}
+    seqs = {name: eng.submit(greedy_request(eng, ids, n), sink(name)) for name, (ids, n) in prompts.items()}
     return tokens, ends, seqs
 
 
@@ -105,9 +105,9 @@ def test_the_budget_is_counted_in_pages(model_files):
         assert _pages(be) <= 10
     assert sorted(ends) == ["a", "b", "c"] and _pages(be) == 0
     assert tokens["a"] == tokens["b"] == tokens["c"]  # same greedy request, alone or beside others
-    _req(eng, [256] * 100, 60)  # 160 tokens = the whole pool: accepted
+    greedy_request(eng, [256] * 100, 60)  # 160 tokens = the whole pool: accepted
     with pytest.raises(RequestError) as err:
-        _req(eng, [256] * 100, 61)  # 161 tokens need an 11th page
+        greedy_request(eng, [256] * 100, 61)  # 161 tokens need an 11th page
     assert err.value.code is Status.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
 
 

@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import random
 import re
 import signal
@@ -22,7 +21,6 @@ import sys
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -30,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
+from helpers import greedy_request, sample_value, scrape, serving, start_sharp_serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from sharp.models.tokenizer import BYTES
@@ -46,33 +45,11 @@ from sharp.serving import (
 from sharp.serving.backends import BackendError, Chunk, _prefill_batches
 from sharp.serving.cache import BatchCache
 from sharp.serving.output import Delta, Finished
-from sharp.serving.requests import RequestParams, validate
 from sharp.serving.status import Status
 from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
 CONTEXT = 4096
-
-
-@contextmanager
-def serving(model_files, backend="onnxruntime", entropy="head", server: dict | None = None, **engine):
-    be = load_backend(model_files[backend], backend)
-    eng = Engine(be, EngineConfig(**engine), ServingMetrics(be.spec, entropy=entropy))
-    with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0, **(server or {}))) as srv:
-        yield srv
-
-
-def scrape(srv) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{srv.server.metrics_port}/metrics", timeout=10).read().decode()
-    return {f.name: f for f in text_string_to_metric_families(text)}
-
-
-def sample_value(families, family, name, **labels) -> float:
-    return sum(
-        s.value
-        for s in families[family].samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
 
 
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
@@ -278,7 +255,7 @@ def test_a_reader_that_falls_behind_gets_the_pending_text_in_one_delta(model_fil
     ids = [256, *b"slow reader"]
 
     async def read() -> list[Delta]:
-        events = eng.stream(_req(eng, ids, 12))
+        events = eng.stream(greedy_request(eng, ids, 12))
         await asyncio.sleep(1.0)  # the engine produces every token meanwhile
         return [ev async for ev in events]
 
@@ -367,21 +344,15 @@ def test_stop_text_holds_back_a_possible_stop_string():
     assert [stream.step(b) for b in "é".encode()] == ["", "é"]  # a split UTF-8 character is sent whole
 
 
-def _req(eng: Engine, ids, n, **kw):
-    """A validated greedy request for an engine stepped by hand."""
-    return validate(RequestParams(input_ids=list(ids), max_new_tokens=n, temperature=0.0, **kw), eng.limits,
-                    eng.tokenizer.encode)  # fmt: skip
-
-
 def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference):
     be = load_backend(model_files["onnxruntime"])
     eng = Engine(be, EngineConfig(prefill_chunk=64))  # stepped by hand: no engine thread
     got: dict[str, list] = {"a": [], "b": []}
     a_prompt, b_prompt = [256, 1, 2, 3], [256, *range(40, 140), *range(40, 140), *range(40, 140)]  # 301 tokens
-    eng.submit(_req(eng, a_prompt, 40), lambda ev: isinstance(ev, Delta) and got["a"].extend(ev.token_ids))
+    eng.submit(greedy_request(eng, a_prompt, 40), lambda ev: isinstance(ev, Delta) and got["a"].extend(ev.token_ids))
     eng.step()
     assert len(got["a"]) == 2  # prefill's token, then one decode step
-    eng.submit(_req(eng, b_prompt, 5), lambda ev: isinstance(ev, Delta) and got["b"].extend(ev.token_ids))
+    eng.submit(greedy_request(eng, b_prompt, 5), lambda ev: isinstance(ev, Delta) and got["b"].extend(ev.token_ids))
     for i in range(5):  # 301 prompt tokens in chunks of 64: four steps prefill, the fifth finishes it
         eng.step()
         assert len(got["a"]) == 3 + i, "the running stream gets a token every step"
@@ -402,9 +373,13 @@ def test_decode_steps_write_into_the_batch_buffers_and_match_the_model(model_fil
     eng = Engine(be, EngineConfig())  # stepped by hand
     got: dict[str, list] = {"a": [], "b": []}
     prompts = {"a": [256, *range(1, 30)], "b": [256, 5, 6]}
-    eng.submit(_req(eng, prompts["a"], 150), lambda ev: isinstance(ev, Delta) and got["a"].extend(ev.token_ids))
+    eng.submit(
+        greedy_request(eng, prompts["a"], 150), lambda ev: isinstance(ev, Delta) and got["a"].extend(ev.token_ids)
+    )
     eng.step()
-    eng.submit(_req(eng, prompts["b"], 100), lambda ev: isinstance(ev, Delta) and got["b"].extend(ev.token_ids))
+    eng.submit(
+        greedy_request(eng, prompts["b"], 100), lambda ev: isinstance(ev, Delta) and got["b"].extend(ev.token_ids)
+    )
     buffers, moves, widths = None, 0, []
     while not eng.idle():
         eng.step()
@@ -447,7 +422,9 @@ def test_a_buffer_that_fills_beside_a_free_slot_moves_before_the_step_is_laid_ou
     lengths = {"a": 4, "b": 90, "c": 90, "d": 90}  # a leaves early; the rest outgrow the first buffers (64 columns)
     got: dict[str, list] = {k: [] for k in prompts}
     for k, ids in prompts.items():
-        eng.submit(_req(eng, ids, lengths[k]), lambda ev, k=k: isinstance(ev, Delta) and got[k].extend(ev.token_ids))
+        eng.submit(
+            greedy_request(eng, ids, lengths[k]), lambda ev, k=k: isinstance(ev, Delta) and got[k].extend(ev.token_ids)
+        )
     moved_beside_a_free_slot = False
     with caplog.at_level(logging.WARNING, logger="sharp.serving"):
         while not eng.idle():
@@ -579,7 +556,9 @@ def test_sequences_joining_and_leaving_at_different_steps_each_match_the_model(m
     seen_free = seen_reuse = 0
     for i, (prompt, n) in enumerate(jobs):
         got[i] = []
-        eng.submit(_req(eng, prompt, n), lambda ev, i=i: isinstance(ev, Delta) and got[i].extend(ev.token_ids))
+        eng.submit(
+            greedy_request(eng, prompt, n), lambda ev, i=i: isinstance(ev, Delta) and got[i].extend(ev.token_ids)
+        )
         for _ in range(3):  # a new request every three steps: sequences come and go mid-batch
             slots = list(be._batch.owners)
             eng.step()
@@ -600,7 +579,8 @@ def test_kv_budget_admits_only_what_fits(model_files):
     done = []
     for i in range(4):
         eng.submit(
-            _req(eng, [256, *range(1, 100)], 100, seed=i), lambda ev: isinstance(ev, Finished) and done.append(ev)
+            greedy_request(eng, [256, *range(1, 100)], 100, seed=i),
+            lambda ev: isinstance(ev, Finished) and done.append(ev),
         )
     usage = []
     while not eng.idle():
@@ -609,7 +589,7 @@ def test_kv_budget_admits_only_what_fits(model_files):
         usage.append(eng.metrics.kv_usage._value.get())
     assert len(done) == 4 and max(usage) <= 1.0 and max(usage) > 0.5
     with pytest.raises(RequestError) as err:
-        _req(eng, [256] * 10, 600)
+        greedy_request(eng, [256] * 10, 600)
     assert err.value.code is Status.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
 
 
@@ -627,7 +607,7 @@ def test_random_arrivals_and_cancels_stay_within_the_kv_budget_and_match_the_mod
             prompt, n = [256, *range(1, rng.randint(1, 12))], rng.randint(1, 12)
             got: list[int] = []
             seq = eng.submit(
-                _req(eng, prompt, n), lambda ev, got=got: isinstance(ev, Delta) and got.extend(ev.token_ids)
+                greedy_request(eng, prompt, n), lambda ev, got=got: isinstance(ev, Delta) and got.extend(ev.token_ids)
             )
             jobs.append((seq, prompt, n, got))
         if jobs and rng.random() < 0.15:
@@ -723,13 +703,6 @@ def test_a_drain_deadline_ends_calls_with_a_status_that_says_so(model_files):
         text = generate_latest(srv.server.engine.metrics.registry).decode()  # the endpoint stopped with the server
         families = {f.name: f for f in text_string_to_metric_families(text)}
         assert sample_value(families, "sharp_requests", "sharp_requests_total", status="unavailable") == 1
-
-
-def start_sharp_serve(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
-    """`sharp-serve MODEL --port 0 --metrics-port -1 FLAGS` in its own process, and its first stdout line."""
-    cmd = [sys.executable, "-m", "sharp.serving.cli", str(model), "--port", "0", "--metrics-port", "-1", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ})
-    return proc, proc.stdout.readline()
 
 
 def test_sharp_serve_sigterm_drains_and_exits_0(model_files):
