@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import DEVICE
-from helpers import greedy_request
+from helpers import greedy_request, run_until_idle
 
 from sharp.models import ModelConfig, SharpLM
 from sharp.serving import Engine, EngineConfig, RequestError, load_backend
@@ -39,14 +39,6 @@ def _collect(eng: Engine, prompts: dict[str, tuple[list[int], int]]) -> tuple[di
 
     seqs = {name: eng.submit(greedy_request(eng, ids, n), sink(name)) for name, (ids, n) in prompts.items()}
     return tokens, ends, seqs
-
-
-def _run(eng: Engine, steps: int = 500) -> None:
-    for _ in range(steps):
-        if eng.idle():
-            return
-        eng.step()
-    raise AssertionError(f"the engine is still busy after {steps} steps")
 
 
 def _pages(be) -> int:
@@ -174,7 +166,7 @@ def test_a_failed_batched_step_reruns_row_by_row_and_ends_only_the_failing_row(m
         "refused": ([256, REFUSED, 2], 12),  # its prefill raises after the model ran: its room must come back
     }
     tokens, ends, _ = _collect(eng, prompts)
-    _run(eng)
+    run_until_idle(eng, 500)
     assert isinstance(ends["refused"], Failed) and "prefill" in ends["refused"].message
     assert batches[0] == 3 and 1 in batches  # batched beside the bystanders first, then alone
     assert decode_rows.count(1) == 3 and decode_rows[-1] == 2  # one round alone, then the survivors batch again
@@ -201,7 +193,7 @@ def test_triton_paged_kernels_in_the_engine(model_files, reference, dtype):
     assert be.spec.kv_dtype == be.spec.precision == dtype  # what the start-up line says
     prompts = {"a": ([256, *range(70, 90)], 6), "b": ([256, 3, 4], 6)}
     tokens, ends, _ = _collect(eng, prompts)
-    _run(eng)
+    run_until_idle(eng, 500)
     for name, (ids, n) in prompts.items():
         assert isinstance(ends[name], Finished)
         assert tokens[name] == reference(ids, n)[: len(tokens[name])] and len(tokens[name]) > 0

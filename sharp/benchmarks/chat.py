@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import sysconfig
-import tempfile
 import threading
 import time
 import urllib.request
@@ -38,12 +36,12 @@ from sharp.benchmarks.peers import (
     SHAPES,
     Peer,
     PeerUnavailable,
-    _free_port,
-    _start_openai_server,
-    build_model,
+    _fmt,
     convert_gguf,
     sharp_export,
     start_llama_server,
+    start_sharp,
+    workspace,
 )
 
 QUESTIONS = [
@@ -133,23 +131,10 @@ def _at_once(run_one, items: list, width: int) -> float:
     return time.perf_counter() - t0
 
 
-def start_sharp_chat(onnx: Path, name: str, prefix_mb: int, log: Path) -> Peer:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "sharp.serving.cli", str(onnx), "--port=0", "--metrics-port=-1",
-           f"--http-port={port}", "--kv-cache-mb=4096", f"--prefix-cache-mb={prefix_mb}", "--max-batch=8",
-           "--log-level=warning"]  # fmt: skip
-    return _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, {}, log)
-
-
 def bench(args) -> str:
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-chat-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work, hf = workspace(args.workdir, args.shape, "chat")
     log = work / "chat.log"
     _, about = SHAPES[args.shape]
-    hf = work / "hf"
-    if not (hf / "config.json").exists():
-        print(f"building {args.shape} in {hf}", flush=True)
-        build_model(hf, args.shape)
     # fresh documents for every round (a document seen before is a hit on both servers): per round the concurrent
     # conversations' and one for the one-at-a-time conversation, and one for the untimed warm-up
     per_round = args.conversations + 1
@@ -158,9 +143,9 @@ def bench(args) -> str:
     context = args.at_once * (args.document + args.questions * (args.answer_tokens + 32) + 64)
     peers: list[tuple[Peer, dict]] = []
     for name, start, extra in (
-        (f"sharp-serve {args.norm}", lambda n: start_sharp_chat(onnx, n, 4096, work / "sharp.log"), {}),
+        (f"sharp-serve {args.norm}", lambda n: start_sharp(onnx, n, 0, work / "sharp.log", prefix_cache_mb=4096), {}),
         (f"sharp-serve {args.norm}, no prefix cache",
-         lambda n: start_sharp_chat(onnx, n, 0, work / "sharp-off.log"), {}),
+         lambda n: start_sharp(onnx, n, 0, work / "sharp-off.log"), {}),
         ("llama-server f32", lambda n: start_llama_server(
             work / "model-f32.gguf" if (work / "model-f32.gguf").exists() else convert_gguf(hf, work, "f32", log),
             n, context, args.at_once, 0, work / "llama.log", cache_prompt=True), {"ignore_eos": True}),
@@ -200,10 +185,6 @@ def bench(args) -> str:
         for p, _ in peers:
             p.stop()
     return report(args, about, [p for p, _ in peers], turns, totals)
-
-
-def _fmt(xs: list[float], spec: str) -> str:
-    return f"{statistics.median(xs):{spec}} ({min(xs):{spec}}–{max(xs):{spec}})"
 
 
 def report(args, about, peers, turns, totals) -> str:

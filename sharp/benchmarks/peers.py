@@ -277,13 +277,13 @@ def _mib(path: Path) -> float:
     return sum(f.stat().st_size for f in files) / 2**20
 
 
-def start_sharp(onnx: Path, name: str, threads: int, log: Path) -> Peer:
+def start_sharp(onnx: Path, name: str, threads: int, log: Path, prefix_cache_mb: int = 0) -> Peer:
+    """sharp-serve's OpenAI API on `onnx`. Its prefix cache is off unless asked: in `peers` every prompt is fresh,
+    so kept caches would only add to the peak memory measured (the peers' prompt caches are off as well)."""
     port = _free_port()
-    # --prefix-cache-mb=0: every prompt is fresh, so kept caches would only add to the peak memory measured (the
-    # peers' prompt caches are off as well)
     cmd = [sys.executable, "-m", "sharp.serving.cli", str(onnx), "--port=0", "--metrics-port=-1",
-           f"--http-port={port}", "--kv-cache-mb=4096", "--prefix-cache-mb=0", "--max-batch=8", "--log-level=warning",
-           *([f"--threads={threads}"] if threads else [])]  # fmt: skip
+           f"--http-port={port}", "--kv-cache-mb=4096", f"--prefix-cache-mb={prefix_cache_mb}", "--max-batch=8",
+           "--log-level=warning", *([f"--threads={threads}"] if threads else [])]  # fmt: skip
     peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, {}, log)
     peer.disk_mib = _mib(onnx)
     return peer
@@ -449,15 +449,22 @@ def _fmt(xs: list[float], spec: str) -> str:
     return f"{statistics.median(xs):{spec}} ({min(xs):{spec}}–{max(xs):{spec}})"
 
 
-def bench(args) -> str:
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-peers-"))
+def workspace(workdir: str | None, shape: str, name: str) -> tuple[Path, Path]:
+    """The run's directory (`workdir`, or a new temporary one) and the Hugging Face model of `shape` in it, built
+    unless it is there already."""
+    work = Path(workdir or tempfile.mkdtemp(prefix=f"sharp-{name}-"))
     work.mkdir(parents=True, exist_ok=True)
-    log = work / "peers.log"
-    fields, about = SHAPES[args.shape]
     hf = work / "hf"
     if not (hf / "config.json").exists():
-        print(f"building {args.shape} in {hf}", flush=True)
-        build_model(hf, args.shape)
+        print(f"building {shape} in {hf}", flush=True)
+        build_model(hf, shape)
+    return work, hf
+
+
+def bench(args) -> str:
+    work, hf = workspace(args.workdir, args.shape, "peers")
+    log = work / "peers.log"
+    fields, about = SHAPES[args.shape]
     context = max(args.lengths) + args.new_tokens
     together = args.concurrent * (max(args.concurrent_lengths, default=0) + args.new_tokens)  # llama-server's cache
     peers: list[Peer] = []
