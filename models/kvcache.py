@@ -103,10 +103,13 @@ class PageAllocator:
     def _forget(self, page: int) -> None:
         """A page nobody holds becomes free and loses its hash."""
         self._lru.pop(page, None)
+        self._unname(page)
+        self._free[page] = True
+
+    def _unname(self, page: int) -> None:
         digest = self._hash_of.pop(page, None)
         if digest is not None:
             del self._page_of[digest]
-        self._free[page] = True
 
     def register(self, page: int, digest: bytes) -> bool:
         """Name a held, full page by its block hash; False when that hash already names a page (this one stays
@@ -121,8 +124,8 @@ class PageAllocator:
         for page in pages:
             if page in self._lru:
                 self._forget(page)
-            elif (digest := self._hash_of.pop(page, None)) is not None:
-                del self._page_of[digest]
+            else:
+                self._unname(page)
 
     def lookup(self, digests: Sequence[bytes], usable: Callable[[int], bool] | None = None) -> list[int]:
         """The pages of the longest run of `digests` registered from the first (and, with `usable`, passing it),
@@ -139,12 +142,12 @@ class PageAllocator:
         return pages
 
 
-def block_hashes(tokens: Sequence[int], page_size: int, salt: bytes = b"") -> list[bytes]:
+def block_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
     """The hash of each full page of `tokens`: hash(parent's hash, the page's tokens), so a page's hash names its
     whole prefix (the same tokens after another prefix are another block). BLAKE2b: a prompt cannot be crafted to
     collide with another user's."""
     ids = np.asarray(tokens, dtype=np.int64)
-    out, parent = [], salt
+    out, parent = [], b""
     for start in range(0, len(ids) - page_size + 1, page_size):
         parent = hashlib.blake2b(parent + ids[start : start + page_size].tobytes(), digest_size=16).digest()
         out.append(parent)
