@@ -12,8 +12,8 @@ values are kept is the backend's business:
   sequence joins and leaves without moving data, and on CUDA the attention reads the pages with the Triton kernels.
 A row the model fails on in a batched decode or prefill ends alone: the rows are run one by one and only failing ones
 end.
-This module holds the interface, the graph backends' shared part and `load_backend`; each backend has its own
-module (onnxruntime_backend.py, torch_backend.py, tensorrt_backend.py), imported only when it is the one asked for.
+This module holds the interface and the graph backends' shared part; each backend has its own module
+(onnxruntime_backend.py, torch_backend.py, tensorrt_backend.py), and loading.py imports only the one asked for.
 The engine and a backend exchange NumPy arrays (ids in, logits and entropies out): torch is the torch and TensorRT
 backends' own business, and a server of ONNX files never imports it.
 """
@@ -24,7 +24,6 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -397,45 +396,3 @@ def _prefill_batches(chunks: list[Chunk]) -> list[list[int]]:
             real += n
         batches.append(batch)
     return batches
-
-
-def check_model_path(path: str | Path, backend: str) -> Path:
-    """`path` as a file `backend` could serve, judged by its name alone; raises BackendError saying what was found
-    and what was expected (before any process or runtime starts)."""
-    path = Path(path)
-    if backend not in BACKENDS:
-        raise BackendError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
-    if path.is_dir():
-        raise BackendError(
-            f"{path}: a directory; export a Hugging Face model directory with `sharp-export {path} -o model.onnx`"
-            " and serve the file"
-        )
-    if not path.is_file():
-        expected = {
-            "onnxruntime": "an .onnx file",
-            "torch": "a model.pt",
-            "tensorrt": "an engine from sharp-build-engine",
-        }
-        raise BackendError(f"{path}: no such file (expected {expected[backend]})")
-    if backend == "onnxruntime" and path.suffix == ".pt":
-        raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")
-    if backend == "torch" and path.suffix == ".onnx":
-        raise BackendError(f"{path}: an ONNX file; --backend torch serves a model.pt checkpoint, serve this file with"
-                           " --backend onnxruntime")  # fmt: skip
-    return path
-
-
-def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "cpu", **kw) -> Backend:
-    """The backend for `path`; raises BackendError with what was found and what was expected."""
-    path = check_model_path(path, backend)
-    if backend == "tensorrt":
-        from sharp.serving.tensorrt_backend import TensorRTBackend
-
-        return TensorRTBackend(path, device)
-    if backend == "onnxruntime":
-        from sharp.serving.onnxruntime_backend import OnnxRuntimeBackend
-
-        return OnnxRuntimeBackend(path, device, **kw)
-    from sharp.serving.torch_backend import TorchBackend
-
-    return TorchBackend(path, device, **kw)

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from sharp.serving.engine import Engine
+from sharp.serving.engine_client import EngineClient
 from sharp.serving.output import Delivery, Event
 from sharp.serving.requests import GenerationRequest, RequestError
 from sharp.serving.stats import RequestOutcome
@@ -17,7 +17,7 @@ LARGE_PROMPT = 1 << 16  # characters: validation of a longer prompt runs in a wo
 
 
 class Calls:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
         self.inflight = 0
 

@@ -82,7 +82,7 @@ def _tls(cert_path: Path | None, key_path: Path | None) -> tuple[bytes | None, b
 
 
 def _config_flags(ap: argparse.ArgumentParser, config_type) -> None:
-    """A flag per config field made with `option` (serving/engine.py): `--name-with-dashes`, the field's type,
+    """A flag per config field made with `option` (serving/config.py): `--name-with-dashes`, the field's type,
     default and help — the one source of each setting."""
     for f in dataclasses.fields(config_type):
         if "help" in f.metadata:
@@ -165,9 +165,9 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def build_server(args):
     """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
-    from sharp.serving.backends import check_model_path
     from sharp.serving.config import EngineConfig
     from sharp.serving.core import CoreSpec, EngineProcess, build_engine
+    from sharp.serving.loading import check_model_path
     from sharp.serving.server import ServerConfig
 
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -209,7 +209,6 @@ def build_server(args):
 
 async def _serve(engine, config) -> int:
     """Serve until a signal drains the server (0) or the engine's process dies (1: its clients were told)."""
-    from sharp.serving.core import EngineProcess
     from sharp.serving.server import SharpServer
 
     server = SharpServer(engine, config)
@@ -250,8 +249,7 @@ async def _serve(engine, config) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     crashed = asyncio.Event()
-    if isinstance(engine, EngineProcess):
-        engine.on_exit(lambda: loop.call_soon_threadsafe(crashed.set))
+    engine.on_exit(lambda: loop.call_soon_threadsafe(crashed.set))
     waiter = asyncio.ensure_future(server.wait())
     stopper = asyncio.ensure_future(draining.wait())
     crash = asyncio.ensure_future(crashed.wait())

@@ -17,7 +17,6 @@ into a live engine use it, and so may an embedding that builds its own backend.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import io
@@ -29,14 +28,16 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from sharp.serving.config import EngineConfig
 from sharp.serving.engine import Engine
+from sharp.serving.engine_client import EngineClient
 from sharp.serving.metrics import ServingMetrics
-from sharp.serving.output import Delivery, Delta, Event, Failed
-from sharp.serving.requests import GenerationRequest, RequestError, draining_error, queue_full_error
+from sharp.serving.output import Delivery, Delta, Event, Failed, RequestState
+from sharp.serving.requests import GenerationRequest, RequestError
+from sharp.serving.scheduler import Sequence
 from sharp.serving.stats import RequestOutcome, StepStats
 from sharp.serving.status import Status
 from sharp.serving.warmup import WarmUp, WarmUpError
@@ -101,7 +102,7 @@ class CoreSpec:
 
 def build_engine(spec: CoreSpec, publish=None) -> Engine:
     """The engine `spec` describes, in this process; raises BackendError (and ValueError for a bad config)."""
-    from sharp.serving.backends import load_backend
+    from sharp.serving.loading import load_backend
 
     backend = load_backend(spec.model, spec.backend, spec.device, **spec.backend_options)
     if spec.model_name is not None:
@@ -117,19 +118,19 @@ class _Core:
         self.pipe = pipe
         self.engine: Engine | None = None
         self._lock = threading.Lock()  # the key maps: the reader thread adds, the engine thread's publish removes
-        self._seqs: dict[int, object] = {}
-        self._keys: dict[object, int] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._keys: dict[RequestState, int] = {}
         self._cancelling: set[int] = set()
 
     def publish(self, st: StepStats, outbox: list) -> None:
         """One message per step: its statistics, every row's events, and the requests that ended (finished,
         failed or dropped after a cancel)."""
         with self._lock:
-            events = [(self._keys[seq], ev) for seq, ev in outbox]
+            events = [(self._keys[state], ev) for state, ev in outbox]
             ended = {k for k, ev in events if not isinstance(ev, Delta)}
             ended |= {k for k in self._cancelling if self._seqs[k].done}
             for k in ended:
-                del self._keys[self._seqs.pop(k)]
+                del self._keys[self._seqs.pop(k).state]
             self._cancelling -= ended
         self.pipe.send(("step", st, events, sorted(ended)))
 
@@ -144,7 +145,7 @@ class _Core:
                 key, req, arrival = args
                 with self._lock:  # registered before the engine thread can publish an event of it
                     seq = engine.submit(req, _no_sink, arrival)
-                    self._seqs[key], self._keys[seq] = seq, key
+                    self._seqs[key], self._keys[seq.state] = seq, key
             elif kind == "cancel":
                 with self._lock:
                     seq = self._seqs.get(args[0])
@@ -205,10 +206,9 @@ class CoreExited(RuntimeError):
     """The core's process ended before it was told to stop."""
 
 
-class EngineProcess:
-    """`Engine`'s front — `submit`, `cancel`, `stream`, `end_all`, `idle`, `draining`, `warm_up`, `start`, `stop`,
-    `spec`, `limits`, `tokenizer`, `metrics`, `config`, `attention`, `prefix_cache` — over an engine in its own
-    process. Raises the core's error when it cannot build its engine (BackendError for a model it cannot load)."""
+class EngineProcess(EngineClient):
+    """The `EngineClient` of an engine in its own process. Raises the core's error when it cannot build its engine
+    (BackendError for a model it cannot load)."""
 
     def __init__(self, spec: CoreSpec):
         spec.config.check()
@@ -235,9 +235,6 @@ class EngineProcess:
         self.metrics = ServingMetrics(self.spec, entropy=spec.entropy)
         self.metrics.configured(self.config.max_queue, self.config.max_batch)
         self.delivery = Delivery()
-        self.draining = False
-        self.exit_code: int | None = None
-        self._stopping = False
         self._lock = threading.Lock()  # the handles, the row count and the pipe's order of submits
         self._handles: dict[int, Handle] = {}
         self._running = 0  # rows prefilling or decoding at the core's last step
@@ -248,16 +245,13 @@ class EngineProcess:
         self._reader.start()
         atexit.register(self.stop)  # before multiprocessing's own exit hook, which waits for the core forever
 
-    # ---- Engine's front ----------------------------------------------------------------------------------------
+    # ---- the client -----------------------------------------------------------------------------------------------
     def submit(self, req: GenerationRequest, sink: Callable[[Event], None], arrival: float | None = None) -> Handle:
         with self._lock:
             if self.exit_code is not None:
                 raise RequestError(Status.UNAVAILABLE, "the engine process has exited; the server is stopping",
                                    transient=True)  # fmt: skip
-            if self.draining or self._stopping:
-                raise draining_error()
-            if (waiting := len(self._handles) - self._running) >= self.config.max_queue:  # never fewer waiting
-                raise queue_full_error(waiting)
+            self.admission(len(self._handles) - self._running)  # waiting as of the core's last step: never fewer
             h = Handle(next(self._keys), sink, req.api, time.perf_counter() if arrival is None else arrival)
             self._handles[h.key] = h  # a core that dies from here on fails it with the others (`_exited`)
             self._send(("submit", h.key, req, h.arrival))
@@ -266,10 +260,6 @@ class EngineProcess:
     def cancel(self, h: Handle) -> None:
         if not h.done:
             self._send(("cancel", h.key))
-
-    def stream(self, req: GenerationRequest) -> AsyncIterator[Event]:
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        return Delivery.follow(self.submit(req, self.delivery.sink_for(events)), events, self.cancel)
 
     def end_all(self, code: Status, message: str) -> None:
         self._send(("end_all", code, message))

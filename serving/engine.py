@@ -3,26 +3,27 @@
 One engine thread runs steps. Each step drops cancelled sequences, admits queued requests whose KV cache fits the
 budget (scheduler.py) — starting each on the longest prefix of its prompt the backend has cached —, prefills the
 plan's prompt chunks (first tokens are sent at once), then runs one batched decode step over every running sequence
-(executor.py), sampling each row and turning the tokens into events (output.py). The backend owns the KV cache: the
-engine reserves each admitted sequence's room up front and releases it on every way out, handing over what its
-cache holds for the prefix cache (nothing after a failure).
+(executor.py). Each step's sampled tokens advance the scheduler's sequences (`Scheduler.update`: which requests
+end) and become events in the output processor (output.py), which sees stop strings. The backend owns the KV cache:
+the engine reserves each admitted sequence's room up front and releases it on every way out, handing over what its
+cache holds for the prefix cache (nothing after a failure). `Engine` is also the in-process `EngineClient`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from sharp.models.sampling import generator
 from sharp.serving.backends import Backend
 from sharp.serving.config import EngineConfig
+from sharp.serving.engine_client import EngineClient
 from sharp.serving.executor import Executor
 from sharp.serving.metrics import ServingMetrics
-from sharp.serving.output import Delivery, Event, HeadStats, Output
-from sharp.serving.requests import GenerationRequest, draining_error, queue_full_error
+from sharp.serving.output import Delivery, Event, HeadStats, Output, RequestState
+from sharp.serving.requests import GenerationRequest
 from sharp.serving.scheduler import Scheduler, Sequence
 from sharp.serving.stats import StepStats
 from sharp.serving.status import Status
@@ -32,12 +33,12 @@ from sharp.serving.warmup import WarmUp, warm_up
 log = logging.getLogger("sharp.serving")
 
 
-class Engine:
+class Engine(EngineClient):
     """Thread-safe front (`submit`, `cancel`, `stream`) over one engine thread. Each step's statistics and events
     go to `publish`: the metrics and the requests' sinks here, or the pipe of the engine's process (core.py)."""
 
     def __init__(self, backend: Backend, config: EngineConfig, metrics: ServingMetrics | None = None,
-                 publish: Callable[[StepStats, list[tuple[Sequence, Event]]], None] | None = None):  # fmt: skip
+                 publish: Callable[[StepStats, list[tuple[RequestState, Event]]], None] | None = None):  # fmt: skip
         config.check()
         self.backend, self.config, self.spec = backend, config, backend.spec
         self.tokenizer = self.spec.tokenizer
@@ -48,9 +49,9 @@ class Engine:
         self.attention = backend.attention  # what runs attention, in words (GetModelInfo, the start-up line)
         self.prefix_cache = backend.cache_info()  # its size, in words (the start-up line)
         self._cond = threading.Condition()
-        self.scheduler = Scheduler(config.max_batch, config.max_queue, config.prefill_chunk)
+        self.scheduler = Scheduler(config.max_batch, config.prefill_chunk, self.tokenizer.eos_ids)
         self.executor = Executor(backend)
-        self.output = Output(self.tokenizer, self.metrics.entropy != "off", self._cond)
+        self.output = Output(self.metrics.entropy != "off")
         self.delivery = Delivery()
         self._publish = publish or self._publish_here
         self._end_seconds = 0.0  # the previous step's end, counted in the next step's busy time
@@ -77,13 +78,11 @@ class Engine:
     def submit(self, req: GenerationRequest, sink: Callable[[Event], None], arrival: float | None = None) -> Sequence:
         """Queue a validated request that arrived at `arrival` (perf_counter); its events go to `sink`."""
         stats = HeadStats(self.spec.layers, self.spec.heads) if req.attention_stats else None
-        seq = Sequence(req, sink, time.perf_counter() if arrival is None else arrival, generator(req.seed),
-                       StopText(req.stop), stats, self.tokenizer.stream())  # fmt: skip
+        arrival = time.perf_counter() if arrival is None else arrival
+        state = RequestState(req, sink, arrival, StopText(req.stop), self.tokenizer.stream(), stats)
+        seq = Sequence(req, generator(req.seed), state)
         with self._cond:
-            if self.draining or self._stopping:
-                raise draining_error()
-            if self.scheduler.full():
-                raise queue_full_error(len(self.scheduler.waiting))
+            self.admission(len(self.scheduler.waiting))
             self.scheduler.waiting.append(seq)
             self._cond.notify_all()
         return seq
@@ -94,11 +93,6 @@ class Engine:
             if not seq.done:
                 seq.cancelled = True
                 self._cond.notify_all()
-
-    def stream(self, req: GenerationRequest) -> AsyncIterator[Event]:
-        """Submit `req` (RequestError if refused); its events. Leaving early (cancel, deadline) frees its work."""
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        return Delivery.follow(self.submit(req, self.delivery.sink_for(events)), events, self.cancel)
 
     def end_all(self, code: Status, message: str) -> None:
         """End every unfinished request with `code` (a drain's deadline); the engine thread does it."""
@@ -136,8 +130,8 @@ class Engine:
             admitted = self.scheduler.admit(self._reserve)
         for s in gone:
             self.backend.release(s, s.kept())
-            out.cancelled(s)
-        out.stats.queue_time += [(s.request.api, start - s.arrival) for s in admitted]
+            out.cancelled(s.state)
+        out.stats.queue_time += [(s.request.api, start - s.state.arrival) for s in admitted]
         if self._prefill():  # first tokens go out now, not after this step's decode (their time to first token)
             self._end_step()
         self._decode()
@@ -151,9 +145,9 @@ class Engine:
         prompt whose log-probabilities are asked for is computed, not read from the cache)."""
         req, out = seq.request, self.output
         reuse = req.prompt_logprobs is None and self.config.prefix_cache_bytes() > 0
-        hit = self.backend.admit(seq, seq.prompt_array(), seq.reserved, reuse, out.want_entropy([seq]))
+        hit = self.backend.admit(seq, seq.prompt_array(), seq.reserved, reuse, out.want_entropy([seq.state]))
         if hit is not None and reuse:
-            out.restored(seq, hit)
+            out.restored(seq.state, hit)
         return None if hit is None else hit.tokens
 
     def _end_step(self) -> None:
@@ -164,9 +158,9 @@ class Engine:
         st.kv_usage = self.backend.kv_usage()
         self._publish(st, outbox)
 
-    def _publish_here(self, st: StepStats, outbox: list[tuple[Sequence, Event]]) -> None:
+    def _publish_here(self, st: StepStats, outbox: list[tuple[RequestState, Event]]) -> None:
         self.metrics.log_step(st)
-        self.delivery.send([(seq.sink, ev) for seq, ev in outbox])
+        self.delivery.send([(state.sink, ev) for state, ev in outbox])
         self.metrics.bin_due()
 
     def _prefill(self) -> bool:
@@ -174,36 +168,63 @@ class Engine:
         plan, out = self.scheduler.plan(), self.output
         if not plan.prefill:
             return False
-        results = self.executor.prefill(plan.prefill, out.want_entropy([c.seq for c in plan.prefill]), out.stats)
+        want = out.want_entropy([c.seq.state for c in plan.prefill])
+        results = self.executor.prefill(plan.prefill, want, out.stats)
         for chunk, res in zip(plan.prefill, results, strict=True):
-            seq = chunk.seq
+            seq, n = chunk.seq, chunk.ids.shape[1]
             if res is None:  # the model failed on this prompt: it ends alone
-                out.fail_forward(seq, f"prefill at prompt token {chunk.start}")
-            elif not out.prefilled(chunk, res):
-                continue  # more of its prompt to come
-            elif seq.request.max_new_tokens == 0:  # scored, nothing to generate: its cache is freed now
-                out.scored(seq)
+                self._fail_forward(seq, f"prefill at prompt token {chunk.start}")
             else:
-                out.sample([seq], res.logits[0:1])
+                out.prefilled(seq.state, chunk.start, n, res)
+                if not self.scheduler.prompt_advanced(seq, n):
+                    continue  # more of its prompt to come
+                if seq.request.max_new_tokens == 0:  # scored, nothing to generate: its cache is freed now
+                    self._end(seq)
+                    out.scored(seq.state)
+                else:
+                    self._advance([seq], res.logits[0:1])
             self.scheduler.prefilled(seq)
             (self.backend.release if seq.done else self.backend.join)(seq, seq.kept())
         return bool(out.outbox)
 
     def _decode(self) -> None:
-        seqs, out = self.scheduler.running, self.output
+        seqs = self.scheduler.running
         if not seqs:
             return
-        res = self.executor.decode(seqs, out.want_entropy(seqs), out.stats)
+        out = self.output
+        res = self.executor.decode(seqs, out.want_entropy([s.state for s in seqs]), out.stats)
         for s in res.failed:
-            out.fail_forward(s, f"decode at token {len(s.generated)}")
+            self._fail_forward(s, f"decode at token {len(s.generated)}")
         failed = set(res.failed)
         kept = [s for s in seqs if s not in failed]
-        out.record_entropy(kept, res.entropy, [s.cached for s in kept])
-        out.sample(kept, res.logits)
+        out.record_entropy([s.state for s in kept], res.entropy, [s.cached for s in kept])
+        self._advance(kept, res.logits)
         ended = [s for s in seqs if s.done]
         self.scheduler.leave(ended)
         for s in ended:
             self.backend.release(s, s.kept())
+
+    def _advance(self, seqs: list[Sequence], logits) -> None:
+        """Sample the rows' next tokens; the scheduler learns which requests they end, the output processor makes
+        their events (and finds the stop strings, which end theirs too)."""
+        tokens, logprobs = self.executor.sample(seqs, logits)
+        with self._cond:  # `done` is read by the threads that cancel
+            reasons = self.scheduler.update(seqs, tokens)
+        out = self.output
+        for seq, token, logprob, reason in zip(seqs, tokens, logprobs, reasons, strict=True):
+            if token is None:
+                out.unusable(seq.state)
+            elif out.emit(seq.state, token, reason, logprob) == "stop":
+                self._end(seq)
+
+    def _end(self, seq: Sequence, failed: bool = False) -> None:
+        with self._cond:
+            self.scheduler.end(seq, failed)
+
+    def _fail_forward(self, seq: Sequence, where: str) -> None:
+        """The model failed on `seq`'s rows: it ends alone, its cache not kept."""
+        self._end(seq, failed=True)
+        self.output.fail_forward(seq.state, where)
 
     def _fail_all(self, message: str, code: Status = Status.INTERNAL) -> None:
         """End every unfinished sequence with `code`; those that finished this step keep their answer."""
@@ -212,5 +233,5 @@ class Engine:
             for s in seqs:
                 s.done = True
         self.backend.clear()
-        self.output.fail_all(seqs, code, message)
+        self.output.fail_all([s.state for s in seqs], code, message)
         self._end_step()

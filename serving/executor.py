@@ -1,6 +1,7 @@
 """The executor: a step's model calls on the backend — one batched prefill of the plan's chunks, one batched decode
-step of the running sequences — timed into the step's statistics. The backend owns the KV cache and the batching
-of what it is given (serving/backends.py)."""
+step of the running sequences — timed into the step's statistics, and the sampling of their logits into tokens
+(with the model's own log-probabilities, when asked). The backend owns the KV cache and the batching of what it is
+given (serving/backends.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import time
 
 import numpy as np
 
+from sharp.models.sampling import sample_rows, token_logprobs
 from sharp.serving.backends import Backend, Chunk, StepResult
+from sharp.serving.output import TokenLogprob, as_token_logprobs
 from sharp.serving.scheduler import Sequence
 from sharp.serving.stats import StepStats
 
@@ -32,3 +35,18 @@ class Executor:
         stats.forward_seconds += time.perf_counter() - began
         stats.decode_batch = len(seqs)
         return out
+
+    @staticmethod
+    def sample(seqs: list[Sequence], logits: np.ndarray) -> tuple[list[int | None], list[TokenLogprob | None]]:
+        """Each row's next token (None where its logits are unusable) and, for the rows whose request asked, its
+        log-probability — computed in one batched pass over those rows only."""
+        chosen = sample_rows(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        rows = [i for i, s in enumerate(seqs) if s.request.logprobs is not None and chosen[i] is not None]
+        if rows:
+            top = [seqs[i].request.logprobs for i in rows]
+            picked = [chosen[i] for i in rows]
+            lp = token_logprobs(logits[rows], np.array(picked), max(top))
+            for i, made in zip(rows, as_token_logprobs(lp, picked, top), strict=True):
+                out[i] = made
+        return chosen, out

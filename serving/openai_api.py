@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sharp.models.tokenizer import ChatTemplateError, render_chat
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
-from sharp.serving.engine import Engine
+from sharp.serving.engine_client import EngineClient
 from sharp.serving.output import Delta, Event, Failed, Finished, TokenLogprob
 from sharp.serving.requests import GenerationRequest, RequestError, RequestParams, validate
 from sharp.serving.stats import RequestOutcome
@@ -593,7 +593,7 @@ class OpenAIServer:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineClient,
         calls: Calls,
         auth_token: str | None,
         serving: Callable[[], bool] = lambda: True,

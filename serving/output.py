@@ -1,7 +1,7 @@
 """The output processor: what the model's sampled tokens become for clients — detokenized text with stop strings
 held back, finish reasons, log-probabilities, per-head attention statistics — as events (`Delta`, `Finished`,
-`Failed`), collected during an engine step (`Output`); and their delivery at the step's end to the requests' sinks
-and asyncio callers, one hand-over per event loop per step (`Delivery`).
+`Failed`), collected during an engine step (`Output`) from each request's `RequestState`; and their delivery at
+the step's end to the requests' sinks and asyncio callers, one hand-over per event loop per step (`Delivery`).
 """
 
 from __future__ import annotations
@@ -12,21 +12,22 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from sharp.models.sampling import sample_rows, token_logprobs
-from sharp.models.tokenizer import Tokenizer
+from sharp.models.sampling import Logprobs, token_logprobs
+from sharp.models.tokenizer import TextStream
+from sharp.serving.requests import GenerationRequest
 from sharp.serving.stats import RequestOutcome, StepStats
 from sharp.serving.status import Status
+from sharp.serving.text import StopText
 
 log = logging.getLogger("sharp.serving")
 
 if TYPE_CHECKING:
-    from sharp.serving.backends import Chunk, Hit, StepResult
-    from sharp.serving.scheduler import Sequence
+    from sharp.serving.backends import Hit, StepResult
 
 S = TypeVar("S")  # what a stream's caller holds of its request: a Sequence in process, a handle across the pipe
 
@@ -108,15 +109,6 @@ class HeadStats:
         ]
 
 
-def _token_logprobs(lp, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
-    """Rows of `token_logprobs` as TokenLogprob objects, row i with its top[i] alternatives."""
-    ids, vals = lp.top_ids.tolist(), lp.top.tolist()
-    return [
-        TokenLogprob(t, c, list(zip(i[:k], v[:k], strict=True)))
-        for t, c, i, v, k in zip(tokens, lp.chosen.tolist(), ids, vals, top, strict=True)
-    ]
-
-
 class _Courier:
     """Events bound for one event loop's stream() callers, handed over once per engine step: one wake-up of that
     loop per step, not one per event."""
@@ -145,166 +137,164 @@ def _deliver(batch: list[tuple[asyncio.Queue, Event]]) -> None:
         queue.put_nowait(ev)
 
 
-class Output:
-    """Turns a step's sampled tokens into events and records what they mean for the metrics (`stats`). Events wait
-    in `outbox` until the step ends: a client that sees its answer sees it counted. `lock` is the engine's: it
-    guards a sequence's `done` against the threads that submit and cancel."""
+@dataclass(eq=False)
+class RequestState:
+    """One request as the output processor keeps it: where its events go, its text so far (stop strings held
+    back), its statistics, and the per-position entropies kept with its cache for the prefix cache."""
 
-    def __init__(self, tokenizer: Tokenizer, entropy_metrics: bool, lock: threading.Condition):
-        self.tokenizer, self.entropy_metrics, self._lock = tokenizer, entropy_metrics, lock
+    request: GenerationRequest
+    sink: Callable[[Event], None]
+    arrival: float  # perf_counter
+    text: StopText
+    detokenizer: TextStream
+    stats: HeadStats | None = None  # with attention_stats
+    tokens: int = 0  # generated so far
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    prompt_scores: list[TokenLogprob] = field(default_factory=list)  # with prompt_logprobs: tokens 2 … length
+    last_token_time: float = 0.0
+    entropies: list[np.ndarray] = field(default_factory=list)  # (layers, heads, L) of positions 0, 1, … in order
+    entropy_positions: int = 0  # positions the list covers
+
+    def kept_entropy(self) -> np.ndarray | None:
+        """(layers, heads, positions) of what the prefix cache keeps of its positions; None when not recorded."""
+        return np.concatenate(self.entropies, -1) if self.entropies else None
+
+
+def as_token_logprobs(lp: Logprobs, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """Rows of `token_logprobs` as TokenLogprob objects, row i with its top[i] alternatives."""
+    ids, vals = lp.top_ids.tolist(), lp.top.tolist()
+    return [
+        TokenLogprob(t, c, list(zip(i[:k], v[:k], strict=True)))
+        for t, c, i, v, k in zip(tokens, lp.chosen.tolist(), ids, vals, top, strict=True)
+    ]
+
+
+class Output:
+    """Turns a step's tokens into events and records what they mean for the metrics (`stats`). Events wait in
+    `outbox` until the step ends: a client that sees its answer sees it counted. It reads requests' states only;
+    whether a request goes on is the scheduler's (a stop string is the one ending found here: `emit` says so)."""
+
+    def __init__(self, entropy_metrics: bool):
+        self.entropy_metrics = entropy_metrics
         self.stats = StepStats()
-        self.outbox: list[tuple[Sequence, Event]] = []
+        self.outbox: list[tuple[RequestState, Event]] = []
 
     # ---- the step's events ---------------------------------------------------------------------------------
-    def emit(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None = None) -> None:
-        """Send the sampled token of `seq` (and its log-probability, when asked) and finish the sequence when a stop
-        condition holds; None: its logits were unusable (it ends alone, the batch goes on). A first token carries
-        the prompt's log-probabilities, when asked."""
-        if token is None:
-            self.fail(
-                seq,
-                Status.INTERNAL,
-                f"the model produced non-finite logits for this request after {len(seq.generated)} tokens",
-            )
-            return
+    def emit(self, st: RequestState, token: int, reason: str | None, logprob: TokenLogprob | None = None) -> str | None:
+        """Send a sampled token (and its log-probability, when asked); `reason`: why the scheduler ends the request
+        with it (eos, length), None if it goes on. Returns the reason it ended for, "stop" when the token completed
+        a stop string. A first token carries the prompt's log-probabilities, when asked."""
         now = time.perf_counter()
-        api = seq.request.api
-        if seq.generated:
-            self.stats.inter_token.append((api, now - seq.last_token_time))
+        api = st.request.api
+        if st.tokens:
+            self.stats.inter_token.append((api, now - st.last_token_time))
         else:
-            self.stats.ttft.append((api, now - seq.arrival))
-        seq.last_token_time = now
-        seq.generated.append(token)
+            self.stats.ttft.append((api, now - st.arrival))
+        st.last_token_time = now
+        st.tokens += 1
         self.stats.generation_tokens[api] += 1
-        text = seq.text.push(seq.detokenizer.step(token))
-        reason = None
-        if token in self.tokenizer.eos_ids:
-            reason = "eos"
-        elif seq.text.stopped:
+        text = st.text.push(st.detokenizer.step(token))
+        if reason is None and st.text.stopped:
             reason = "stop"
-        elif len(seq.generated) >= seq.request.max_new_tokens:
-            reason = "length"
         if reason is not None:
-            text += seq.text.finish(seq.detokenizer.finish())
-        prompt = seq.prompt_scores if len(seq.generated) == 1 and seq.request.prompt_logprobs is not None else None
-        self.outbox.append((seq, Delta([token], text, None if logprob is None else [logprob], prompt)))
+            text += st.text.finish(st.detokenizer.finish())
+        prompt = st.prompt_scores if st.tokens == 1 and st.request.prompt_logprobs is not None else None
+        self.outbox.append((st, Delta([token], text, None if logprob is None else [logprob], prompt)))
         if reason is not None:
-            self.finish(seq, reason)
+            self.finish(st, reason)
+        return reason
 
-    def prefilled(self, chunk: Chunk, res: StepResult) -> bool:
-        """Record a prefilled prompt chunk (tokens, entropy, prompt log-probabilities); True when it was the last."""
-        seq, n = chunk.seq, chunk.ids.shape[1]
-        seq.length = chunk.start + n
-        self.stats.prompt_tokens[seq.request.api] += n
-        self.record_entropy([seq], res.entropy, [chunk.start])
+    def unusable(self, st: RequestState) -> None:
+        """Its logits were not finite: it ends alone, the batch goes on."""
+        message = f"the model produced non-finite logits for this request after {st.tokens} tokens"
+        self.fail(st, Status.INTERNAL, message)
+
+    def prefilled(self, st: RequestState, start: int, n: int, res: StepResult) -> None:
+        """Record a prefilled prompt chunk of `n` tokens from `start`: tokens, entropy, prompt log-probabilities."""
+        self.stats.prompt_tokens[st.request.api] += n
+        self.record_entropy([st], res.entropy, [start])
         if res.scores is not None:
-            self.score_prompt(seq, res.scores, chunk.start)
-        return seq.length == seq.prompt_len
+            self.score_prompt(st, res.scores, start)
 
-    def restored(self, seq: Sequence, hit: Hit) -> None:
+    def restored(self, st: RequestState, hit: Hit) -> None:
         """An admitted prompt looked up in the prefix cache: count the query and the hit, and record the cached
         positions' entropies as their prefill would have (the request's statistics and the metrics' histograms)."""
-        api = seq.request.api
-        self.stats.prefix_queries[api] += seq.prompt_len
+        api = st.request.api
+        st.cached_tokens = hit.tokens
+        self.stats.prefix_queries[api] += len(st.request.prompt_ids)
         self.stats.prefix_hits[api] += hit.tokens
         if hit.tokens and hit.entropy is not None:
-            self.record_entropy([seq], hit.entropy[None], [0])
+            self.record_entropy([st], hit.entropy[None], [0])
 
-    def scored(self, seq: Sequence) -> None:
+    def scored(self, st: RequestState) -> None:
         """A prompt-scoring request (max_new_tokens 0): its prompt's log-probabilities, and the end."""
-        self.outbox.append((seq, Delta([], "", None, seq.prompt_scores)))
-        self.finish(seq, "length")
+        self.outbox.append((st, Delta([], "", None, st.prompt_scores)))
+        self.finish(st, "length")
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        with self._lock:
-            seq.done = True
-        stats = seq.stats
+    def finish(self, st: RequestState, reason: str) -> None:
+        stats = st.stats
         summary = Finished(
             reason,
-            seq.prompt_len,
-            len(seq.generated),
+            len(st.request.prompt_ids),
+            st.tokens,
             stats.summary() if stats else None,
             stats.positions if stats else 0,
-            seq.cached_tokens,
+            st.cached_tokens,
         )
-        self.outbox.append((seq, summary))
-        self.stats.outcomes.append(RequestOutcome("ok", seq.request.api, time.perf_counter() - seq.arrival))
+        self.outbox.append((st, summary))
+        self.stats.outcomes.append(RequestOutcome("ok", st.request.api, time.perf_counter() - st.arrival))
 
-    def fail(self, seq: Sequence, code: Status, message: str) -> None:
-        """End one sequence with `code`; the caller drops it from the batch (it is marked done)."""
-        with self._lock:
-            seq.done = seq.failed = True
-        self.outbox.append((seq, Failed(code, message)))
-        self.stats.outcomes.append(RequestOutcome(code.value, seq.request.api, time.perf_counter() - seq.arrival))
+    def fail(self, st: RequestState, code: Status, message: str) -> None:
+        """End one request with `code` (the scheduler has ended it)."""
+        self.outbox.append((st, Failed(code, message)))
+        self.stats.outcomes.append(RequestOutcome(code.value, st.request.api, time.perf_counter() - st.arrival))
 
-    def fail_forward(self, seq: Sequence, where: str) -> None:
-        log.error("model forward failed for request %r (%s)", seq.request.request_id, where)
-        self.fail(seq, Status.INTERNAL, f"the model failed on this request ({where}); see the server log")
+    def fail_forward(self, st: RequestState, where: str) -> None:
+        log.error("model forward failed for request %r (%s)", st.request.request_id, where)
+        self.fail(st, Status.INTERNAL, f"the model failed on this request ({where}); see the server log")
 
-    def cancelled(self, seq: Sequence) -> None:
-        self.stats.outcomes.append(RequestOutcome("cancelled", seq.request.api, time.perf_counter() - seq.arrival))
+    def cancelled(self, st: RequestState) -> None:
+        self.stats.outcomes.append(RequestOutcome("cancelled", st.request.api, time.perf_counter() - st.arrival))
 
-    def fail_all(self, seqs: list[Sequence], code: Status, message: str) -> None:
-        """End `seqs` with `code`, dropping what this step had for them; those that finished keep their answer."""
-        failing = set(seqs)
+    def fail_all(self, states: list[RequestState], code: Status, message: str) -> None:
+        """End `states` with `code`, dropping what this step had for them; those that finished keep their answer."""
+        failing = set(states)
         self.outbox = [(q, ev) for q, ev in self.outbox if q not in failing]
-        for s in seqs:
-            self.outbox.append((s, Failed(code, message)))
-            self.stats.outcomes.append(RequestOutcome(code.value, s.request.api, time.perf_counter() - s.arrival))
-
-    def sample(self, seqs: list[Sequence], logits: np.ndarray) -> None:
-        """Sample each row's next token from `logits` (rows of `seqs`) and emit it, with its log-probability when
-        the request asked."""
-        chosen = sample_rows(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
-        for s, token, logprob in zip(seqs, chosen, self.logprobs(seqs, logits, chosen), strict=True):
-            self.emit(s, token, logprob)
+        for st in states:
+            self.fail(st, code, message)
 
     @staticmethod
-    def logprobs(seqs: list[Sequence], logits: np.ndarray, chosen: list[int | None]) -> list[TokenLogprob | None]:
-        """The chosen tokens' log-probabilities for the rows whose request asked (None for the others), in one
-        batched pass over those rows only."""
-        out: list[TokenLogprob | None] = [None] * len(seqs)
-        rows = [i for i, s in enumerate(seqs) if s.request.logprobs is not None and chosen[i] is not None]
-        if not rows:
-            return out
-        top = [seqs[i].request.logprobs for i in rows]
-        lp = token_logprobs(logits[rows], np.array([chosen[i] for i in rows]), max(top))
-        for i, made in zip(rows, _token_logprobs(lp, [chosen[i] for i in rows], top), strict=True):
-            out[i] = made
-        return out
-
-    @staticmethod
-    def score_prompt(seq: Sequence, scores: np.ndarray, start: int) -> None:
+    def score_prompt(st: RequestState, scores: np.ndarray, start: int) -> None:
         """Log-probabilities of the prompt tokens that the chunk's positions predict (scores (n, V) from `start`)."""
-        ids = seq.request.prompt_ids
+        ids = st.request.prompt_ids
         n = min(len(scores), len(ids) - 1 - start)  # the prompt's last position predicts the first new token
         if n <= 0:
             return
         targets = list(ids[start + 1 : start + 1 + n])
-        k = seq.request.prompt_logprobs
+        k = st.request.prompt_logprobs
         lp = token_logprobs(scores[:n], np.array(targets), k)
-        seq.prompt_scores += _token_logprobs(lp, targets, [k] * n)
+        st.prompt_scores += as_token_logprobs(lp, targets, [k] * n)
 
-    def want_entropy(self, seqs: list[Sequence]) -> bool:
-        return self.entropy_metrics or any(s.stats is not None for s in seqs)
+    def want_entropy(self, states: list[RequestState]) -> bool:
+        return self.entropy_metrics or any(st.stats is not None for st in states)
 
-    def record_entropy(self, seqs: list[Sequence], entropy: np.ndarray | None, first_pos: list[int]) -> None:
-        """entropy (B, layers, heads, L) of rows `seqs` whose first query sits at position first_pos[i]."""
+    def record_entropy(self, states: list[RequestState], entropy: np.ndarray | None, first_pos: list[int]) -> None:
+        """entropy (B, layers, heads, L) of rows `states` whose first query sits at position first_pos[i]."""
         if entropy is None:
             return
         ent = entropy.astype(np.float64)
         visible = np.asarray(first_pos)[:, None] + np.arange(ent.shape[-1])[None] + 1  # (B, L)
-        for i, s in enumerate(seqs):
-            if s.stats is not None:
-                s.stats.add(ent[i], visible[i])
-            if first_pos[i] == s.entropy_positions:  # kept with its cache for the prefix cache, in order
-                s.entropies.append(entropy[i])
-                s.entropy_positions += entropy.shape[-1]
+        for i, st in enumerate(states):
+            if st.stats is not None:
+                st.stats.add(ent[i], visible[i])
+            if first_pos[i] == st.entropy_positions:  # kept with its cache for the prefix cache, in order
+                st.entropies.append(entropy[i])
+                st.entropy_positions += entropy.shape[-1]
         if self.entropy_metrics:
             self.stats.entropy.append((ent.transpose(0, 3, 1, 2).reshape(-1, *ent.shape[1:3]), visible.reshape(-1)))
 
     # ---- the step's end --------------------------------------------------------------------------------------
-    def take(self) -> tuple[StepStats, list[tuple[Sequence, Event]]]:
+    def take(self) -> tuple[StepStats, list[tuple[RequestState, Event]]]:
         """The step's statistics and events; the next step starts empty."""
         st, self.stats = self.stats, StepStats()
         out, self.outbox = self.outbox, []

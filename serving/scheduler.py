@@ -1,10 +1,14 @@
 """The scheduler: the request queues and the decisions of a step, with no model calls (tested with plans alone).
 
-A `Sequence` is one request's state. The scheduler holds them in three places — waiting (FIFO), prefilling and
-running (the decode batch, in order) — admits waiting ones while the batch has room and the backend can reserve
-their KV cache (prompt + max_new_tokens, up front), and returns each step's `StepPlan`: the next prompt chunk of
-each prefilling sequence, oldest first, up to `prefill_chunk` tokens in all (a long prompt never stalls running
-streams for more than one chunk), and the running sequences to decode.
+A `Sequence` is one request's scheduling state: how much of its prompt is in the cache, the tokens it generated,
+whether it has ended. What those tokens mean to its client (text, stop strings, log-probabilities, statistics) is
+the output processor's `RequestState` (output.py), which it carries but never reads. The scheduler holds sequences
+in three places — waiting (FIFO), prefilling and running (the decode batch, in order) — admits waiting ones while
+the batch has room and the backend can reserve their KV cache (prompt + max_new_tokens, up front), and returns
+each step's `StepPlan`: the next prompt chunk of each prefilling sequence, oldest first, up to `prefill_chunk`
+tokens in all (a long prompt never stalls running streams for more than one chunk), and the running sequences to
+decode. After a step it advances each sequence from what the step produced (`prompt_advanced`, `update`): the
+tokens sampled, and which requests they end.
 """
 
 from __future__ import annotations
@@ -15,32 +19,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sharp.models.tokenizer import TextStream
 from sharp.serving.backends import Chunk, Prefix
-from sharp.serving.output import Event, HeadStats, TokenLogprob
+from sharp.serving.output import RequestState
 from sharp.serving.requests import GenerationRequest
-from sharp.serving.text import StopText
 
 
 @dataclass(eq=False)
 class Sequence:
     request: GenerationRequest
-    sink: Callable[[Event], None]
-    arrival: float
-    generator: np.random.Generator
-    text: StopText
-    stats: HeadStats | None
-    detokenizer: TextStream
+    generator: np.random.Generator  # its sampler's, seeded by the request
+    state: RequestState | None = None  # the output processor's (None where no output is made: the scheduler's tests)
     length: int = 0  # prompt tokens in its cache so far (prefilled, or found in the prefix cache)
-    cached_tokens: int = 0  # of which found in the prefix cache at admission
     generated: list[int] = field(default_factory=list)
-    prompt_scores: list[TokenLogprob] = field(default_factory=list)  # with prompt_logprobs: tokens 2 … length
     cancelled: bool = False
     done: bool = False
     failed: bool = False  # ended by a failure: its cache is not kept
-    last_token_time: float = 0.0
-    entropies: list[np.ndarray] = field(default_factory=list)  # (layers, heads, L) of positions 0, 1, … in order
-    entropy_positions: int = 0  # positions the list covers
     _prompt: np.ndarray | None = None
 
     def prompt_array(self) -> np.ndarray:
@@ -57,7 +50,7 @@ class Sequence:
         ids = list(self.request.prompt_ids[: self.length])
         if self.length == self.prompt_len:
             ids += self.generated[:-1]
-        entropy = np.concatenate(self.entropies, -1) if self.entropies else None
+        entropy = self.state.kept_entropy() if self.state is not None else None
         return Prefix(np.asarray(ids, np.int64), entropy)
 
     @property
@@ -88,17 +81,14 @@ class Scheduler:
     """Queues and admission; the engine calls it under its lock where other threads touch the same state (the
     waiting queue, a sequence's `cancelled` and `done`)."""
 
-    def __init__(self, max_batch: int, max_queue: int, prefill_chunk: int):
-        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+    def __init__(self, max_batch: int, prefill_chunk: int, eos_ids: frozenset[int] | set[int] = frozenset()):
+        self.max_batch, self.prefill_chunk, self.eos_ids = max_batch, prefill_chunk, eos_ids
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []  # the decode batch, in order
 
     def busy(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
-
-    def full(self) -> bool:
-        return len(self.waiting) >= self.max_queue
 
     def unfinished(self) -> list[Sequence]:
         return [s for s in (*self.waiting, *self.prefilling, *self.running) if not s.done]
@@ -125,7 +115,7 @@ class Scheduler:
             cached = reserve(self.waiting[0])
             if cached is None:
                 break
-            self.waiting[0].length = self.waiting[0].cached_tokens = cached
+            self.waiting[0].length = cached
             admitted.append(self.waiting.popleft())
             self.prefilling.append(admitted[-1])
         return admitted
@@ -148,6 +138,38 @@ class Scheduler:
             chunks.append(Chunk(seq, ids, seq.length, seq.request.prompt_logprobs is not None))
             budget -= n
         return StepPlan(chunks)
+
+    @staticmethod
+    def prompt_advanced(seq: Sequence, tokens: int) -> bool:
+        """`tokens` more of the prompt of `seq` are in its cache; True when the whole prompt is."""
+        seq.length += tokens
+        return seq.length == seq.prompt_len
+
+    def update(self, seqs: list[Sequence], tokens: list[int | None]) -> list[str | None]:
+        """Append each row's sampled token; the reason each ends for — eos, length, or error (None: its logits were
+        unusable) — or None where it goes on. An ended sequence is marked done; `leave` takes it out."""
+        reasons: list[str | None] = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            reason = None
+            if token is None:
+                reason = "error"
+                seq.failed = True
+            else:
+                seq.generated.append(token)
+                if token in self.eos_ids:
+                    reason = "eos"
+                elif len(seq.generated) >= seq.request.max_new_tokens:
+                    reason = "length"
+            seq.done = seq.done or reason is not None
+            reasons.append(reason)
+        return reasons
+
+    @staticmethod
+    def end(seq: Sequence, failed: bool = False) -> None:
+        """`seq` ends this step for a reason the scheduler does not see (a stop string, a scored prompt, a failed
+        forward); a failed one's cache is not kept."""
+        seq.done = True
+        seq.failed = seq.failed or failed
 
     def prefilled(self, seq: Sequence) -> None:
         """`seq` leaves prefilling: its prompt is in (it decodes next unless it ended) or its prefill failed."""

@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
 from sharp.serving.config import option
-from sharp.serving.engine import Engine
+from sharp.serving.engine_client import EngineClient
 from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.output import Delta, Failed, Finished, TokenLogprob
 from sharp.serving.requests import RequestError, RequestParams, validate
@@ -162,7 +162,7 @@ def _logprobs(items: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
-    def __init__(self, engine: Engine, calls: Calls):
+    def __init__(self, engine: EngineClient, calls: Calls):
         self.engine, self.calls = engine, calls
 
     async def _events(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -395,7 +395,7 @@ class Health(HealthServicer):
 class SharpServer:
     """The engine behind a grpc.aio server and a metrics endpoint; `drain` is what SIGTERM does."""
 
-    def __init__(self, engine: Engine, config: ServerConfig):
+    def __init__(self, engine: EngineClient, config: ServerConfig):
         config.check()
         self.engine, self.config = engine, config
         self.calls = Calls(engine)
@@ -516,7 +516,7 @@ class SharpServer:
 class BackgroundServer:
     """A SharpServer on its own event loop in a thread: for tests, benchmarks and in-process embedding."""
 
-    def __init__(self, engine: Engine, config: ServerConfig):
+    def __init__(self, engine: EngineClient, config: ServerConfig):
         self.server = SharpServer(engine, config)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sharp-grpc", daemon=True)

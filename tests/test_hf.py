@@ -24,9 +24,10 @@ from sharp.exporter import metadata  # noqa: E402
 from sharp.models import hf  # noqa: E402
 from sharp.models.tokenizer import BYTES, HFTokenizer  # noqa: E402
 from sharp.serving import Client  # noqa: E402
-from sharp.serving.backends import BackendError, load_backend  # noqa: E402
+from sharp.serving.backends import BackendError  # noqa: E402
 from sharp.serving.config import EngineConfig  # noqa: E402
 from sharp.serving.engine import Engine  # noqa: E402
+from sharp.serving.loading import load_backend  # noqa: E402
 from sharp.serving.metrics import ServingMetrics  # noqa: E402
 from sharp.serving.server import BackgroundServer, ServerConfig  # noqa: E402
 

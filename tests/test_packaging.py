@@ -120,6 +120,7 @@ def test_layers_import_one_way():
 SERVING_ROOMS = {
     "edge": {"server", "openai_api", "auth", "calls", "client", "cli", "metrics_http"},
     "engine": {
+        "engine_client",
         "engine",
         "scheduler",
         "executor",
@@ -134,7 +135,16 @@ SERVING_ROOMS = {
         "warmup",
         "logs",
     },
-    "backends": {"backends", "onnxruntime_backend", "tensorrt_backend", "torch_backend", "cache", "prefix", "spec"},
+    "backends": {
+        "loading",
+        "backends",
+        "onnxruntime_backend",
+        "tensorrt_backend",
+        "torch_backend",
+        "cache",
+        "prefix",
+        "spec",
+    },
 }
 GRPC_MODULES = {"server", "client", "cli"}  # the gRPC edge: the only importers of grpc and the generated stubs
 
@@ -163,6 +173,57 @@ def test_serving_rooms_import_one_way_and_grpc_stays_at_its_edge():
                 if (parts[0] == "grpc" or "_pb2" in target) and name not in GRPC_MODULES:
                     wrong.append(f"serving/{name}.py imports {target} (gRPC outside its edge)")
     assert wrong == []
+
+
+def _serving_imports() -> dict[str, set[str]]:
+    """serving/'s modules and the serving modules each imports (at run time or for type checking alike)."""
+    import ast
+
+    root = ROOT / "serving"
+    modules = {p.stem for p in root.glob("*.py")} - {"__init__"}
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        found = set()
+        for node in ast.walk(ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            found |= {t.split(".")[2] for t in targets if t.startswith("sharp.serving.") and t.split(".")[2] in modules}
+        graph[name] = found - {name}
+    return graph
+
+
+def test_no_import_cycle_in_serving():
+    """Each serving module can be read knowing only the ones it imports: no two import each other, however far
+    round (type-checking imports count: a cycle there is the same tangle)."""
+    graph = _serving_imports()
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" → ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []
+
+
+def test_the_apis_depend_on_the_engine_client_interface_only():
+    """gRPC, HTTP and the calls between them hold an `EngineClient`: whether the engine runs in this process or in
+    its own is the command line's choice (serving/cli.py), not theirs."""
+    graph = _serving_imports()
+    for api in ("server", "openai_api", "calls"):
+        assert "engine_client" in graph[api], api
+        assert not graph[api] & {"engine", "core", "scheduler", "executor"}, api
 
 
 def test_no_test_module_imports_another():

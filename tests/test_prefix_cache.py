@@ -238,7 +238,7 @@ def test_what_a_failed_request_offered_is_withdrawn(norm_models, backend):
     # what a second request would find, asked of the running engine's backend
     assert eng.backend.admit("probe", np.asarray(prompt), 48, True, False).tokens == _expected_hit(backend, 39)
     eng.backend.release("probe", None)
-    eng.output.fail_forward(seq, "a test")  # what a forward failure does to it
+    eng._fail_forward(seq, "a test")  # what a forward failure does to it
     run_until_idle(eng)
     assert seq.kept() is None
     assert _ask(eng, pub, prompt, n=2).end.cached_tokens == 0

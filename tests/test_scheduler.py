@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from sharp.models.tokenizer import BYTES
 from sharp.serving.requests import GenerationRequest
 from sharp.serving.scheduler import Scheduler, Sequence
-from sharp.serving.text import StopText
 
 
 def _seq(prompt: int, new: int = 4, name: str = "r") -> Sequence:
     req = GenerationRequest(tuple(range(1, prompt + 1)), new, None, 0, (), False, name)  # sampling unused here
-    return Sequence(req, lambda ev: None, 0.0, np.random.default_rng(0), StopText(()), None, BYTES.stream())
+    return Sequence(req, np.random.default_rng(0))
 
 
 class Budget:
@@ -30,7 +28,7 @@ class Budget:
 
 
 def test_admission_is_in_order_within_the_batch_and_the_kv_budget():
-    s = Scheduler(max_batch=3, max_queue=8, prefill_chunk=100)
+    s = Scheduler(max_batch=3, prefill_chunk=100)
     seqs = [_seq(10, 6, "a"), _seq(50, 50, "b"), _seq(2, 2, "c"), _seq(2, 2, "d"), _seq(1, 1, "e")]
     s.waiting.extend(seqs)
     budget = Budget(40)
@@ -38,11 +36,11 @@ def test_admission_is_in_order_within_the_batch_and_the_kv_budget():
     assert budget.asked == ["a", "b"] and list(s.waiting) == seqs[1:]
     budget.free += 100
     assert s.admit(budget.reserve) == seqs[1:3]  # the batch holds 3
-    assert s.prefilling == seqs[:3] and list(s.waiting) == seqs[3:] and s.busy() and not s.full()
+    assert s.prefilling == seqs[:3] and list(s.waiting) == seqs[3:] and s.busy()
 
 
 def test_a_plan_prefills_the_oldest_prompts_first_within_the_chunk_budget():
-    s = Scheduler(max_batch=8, max_queue=8, prefill_chunk=10)
+    s = Scheduler(max_batch=8, prefill_chunk=10)
     a, b, c = _seq(7, name="a"), _seq(6, name="b"), _seq(3, name="c")
     s.waiting.extend([a, b, c])
     s.admit(lambda seq: 0)
@@ -57,14 +55,13 @@ def test_a_plan_prefills_the_oldest_prompts_first_within_the_chunk_budget():
 
 
 def test_cancelled_and_ended_sequences_leave_every_queue():
-    s = Scheduler(max_batch=2, max_queue=2, prefill_chunk=10)
+    s = Scheduler(max_batch=2, prefill_chunk=10)
     a, b, c, d = (_seq(2, name=n) for n in "abcd")
     s.waiting.extend([a, b, c])
     s.admit(lambda seq: 0)
     s.prefilled(a)
-    assert s.full() is False and s.running == [a] and s.prefilling == [b] and list(s.waiting) == [c]
+    assert s.running == [a] and s.prefilling == [b] and list(s.waiting) == [c]
     s.waiting.append(d)
-    assert s.full()
     b.cancelled = c.cancelled = True
     assert s.drop_cancelled() == [c, b] and b.done and c.done  # waiting first, then prefilling, then running
     assert s.prefilling == [] and list(s.waiting) == [d] and s.drop_cancelled() == []
@@ -87,10 +84,30 @@ def test_cancelled_and_ended_sequences_leave_every_queue():
 
 def test_a_cached_prefix_is_not_planned_again():
     """Admission learns how many prompt tokens the prefix cache holds; the plan starts after them."""
-    s = Scheduler(max_batch=8, max_queue=8, prefill_chunk=100)
+    s = Scheduler(max_batch=8, prefill_chunk=100)
     a, b = _seq(40, name="a"), _seq(40, name="b")
     s.waiting.extend([a, b])
     assert s.admit(lambda seq: 32 if seq is a else 0) == [a, b]
-    assert (a.length, a.cached_tokens, b.length, b.cached_tokens) == (32, 32, 0, 0)
+    assert (a.length, b.length) == (32, 0)
     plan = s.plan()
     assert [(ch.seq, ch.start, ch.ids[0, 0], ch.ids.shape[1]) for ch in plan.prefill] == [(a, 32, 33, 8), (b, 0, 1, 40)]
+
+
+def test_update_appends_the_sampled_tokens_and_says_which_requests_they_end():
+    """The scheduler advances its sequences from a step's tokens: eos and the length limit end them there; an
+    unusable row (None) ends failed, its cache not kept; a stop string is the output processor's, told by `end`."""
+    s = Scheduler(max_batch=8, prefill_chunk=100, eos_ids={0})
+    a, b, c, d = _seq(3, new=2, name="a"), _seq(3, new=5, name="b"), _seq(3, new=5, name="c"), _seq(3, name="d")
+    s.waiting.extend([a, b, c, d])
+    s.admit(lambda seq: 0)
+    for q in (a, b, c, d):
+        assert s.prompt_advanced(q, 2) is False and s.prompt_advanced(q, 1) is True
+        s.prefilled(q)
+    assert s.update([a, b, c, d], [7, 0, None, 9]) == [None, "eos", "error", None]
+    assert (a.generated, b.generated, c.generated, d.generated) == ([7], [0], [], [9])
+    assert [q.done for q in (a, b, c, d)] == [False, True, True, False] and c.failed and not b.failed
+    assert s.update([a, d], [8, 9]) == ["length", None] and a.done and a.kept().tokens.tolist() == [1, 2, 3, 7]
+    s.end(d)  # a stop string
+    assert d.done and not d.failed
+    s.leave([a, b, c, d])
+    assert s.running == [] and not s.busy()

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from helpers import greedy_request, sample_value, scrape, serving, start_sharp_serve
+from helpers import greedy_request, run_until_idle, sample_value, scrape, serving, start_sharp_serve
 from prometheus_client.parser import text_string_to_metric_families
 
 from sharp.models.tokenizer import BYTES
@@ -342,6 +342,21 @@ def test_stop_text_holds_back_a_possible_stop_string():
     assert u.push("aE") == "a" and u.finish("") == "E"  # held back until the end, then sent
     stream = BYTES.stream()
     assert [stream.step(b) for b in "é".encode()] == ["", "é"]  # a split UTF-8 character is sent whole
+
+
+def test_a_stop_string_ends_the_request_in_the_engine_too(model_files, reference):
+    """The output processor finds the stop string; the scheduler must hear of it: the sequence leaves the batch in
+    that step (its slot and cache freed) and nothing follows its Finished."""
+    be = load_backend(model_files["onnxruntime"])
+    eng = Engine(be, EngineConfig())  # stepped by hand
+    prompt = [256, 5, 6, 7]
+    text = eng.tokenizer.decode(reference(prompt, 12))
+    events = []
+    eng.submit(greedy_request(eng, prompt, 400, stop=[text[4:7]]), events.append)
+    run_until_idle(eng, steps=20)  # far fewer than the 400 tokens it could have run
+    assert isinstance(events[-1], Finished) and events[-1].reason == "stop"
+    assert not any(isinstance(ev, Finished) for ev in events[:-1]) and events[-1].completion_tokens <= 12
+    assert be.kv_usage() == 0
 
 
 def test_chunked_prefill_interleaves_with_running_decodes(model_files, reference):

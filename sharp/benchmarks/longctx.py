@@ -32,9 +32,9 @@ from sharp.benchmarks.harness import (
 )
 from sharp.models import ModelConfig, SharpLM, save
 from sharp.models.registry import NORMS
-from sharp.serving.backends import load_backend
 from sharp.serving.config import EngineConfig
 from sharp.serving.engine import Engine
+from sharp.serving.loading import load_backend
 from sharp.serving.output import Delta
 from sharp.serving.requests import RequestParams, validate
 

@@ -44,10 +44,10 @@ from sharp.benchmarks.harness import (
 )
 from sharp.models.checkpoint import zoo_model
 from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
-from sharp.serving.backends import load_backend
 from sharp.serving.client import AsyncClient
 from sharp.serving.config import EngineConfig
 from sharp.serving.engine import Engine
+from sharp.serving.loading import load_backend
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.output import Delta, Finished
 from sharp.serving.requests import RequestParams, validate
