@@ -23,6 +23,7 @@ from onnx import helper
 
 from sharp.exporter import fallback
 from sharp.exporter.op_schema import OP_INPUTS, OP_OUTPUTS, SHARP
+from sharp.exporter.settings import KV_TYPES
 from sharp.models.registry import Norm
 
 CACHE_INPUTS = ("past_key", "past_value", "past_length")
@@ -76,7 +77,8 @@ def rewrite(proto: onnx.ModelProto) -> int:
     return count
 
 
-KV_DTYPES = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16}  # --kv-cache-dtype
+_ONNX_TYPES = {"fp32": onnx.TensorProto.FLOAT, "fp16": onnx.TensorProto.FLOAT16}
+KV_DTYPES = {name: _ONNX_TYPES[name] for name in KV_TYPES}  # --kv-cache-dtype
 
 
 def store_as(proto: onnx.ModelProto, kv_dtype: str) -> None:

@@ -9,7 +9,7 @@ fallback bodies (fallback.py) in the private `sharp.fallback` domain, the op's a
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import onnx
 import torch
@@ -18,56 +18,13 @@ from torch import Tensor, nn
 
 from sharp.exporter import cache_form, fallback, rotary, siblings, tensorrt
 from sharp.exporter.metadata import ModelMetadata
-from sharp.exporter.op_schema import BODY_OPSET, FALLBACK, SHARP, STREAMED_BLOCK, translate
-from sharp.exporter.precision import (
-    EXPORTABLE,
-    HALF,
-    QUANT_BLOCK,
-    QUANTIZED,
-    check_block,
-    quantize,
-    to_half,
-    weight_bits,
-)
+from sharp.exporter.op_schema import FALLBACK, SHARP, translate
+from sharp.exporter.precision import HALF, QUANTIZED, quantize, to_half, weight_bits
+from sharp.exporter.settings import ExportSettings
 from sharp.models import registry
 from sharp.models.config import ModelShape
 from sharp.models.layers import use_custom_op
 from sharp.models.lm import SharpLM
-
-FALLBACKS = (*fallback.MODES, "none")
-NATIVE_OPSET = BODY_OPSET  # the main graph is exported at the opset the bodies are written in
-
-
-@dataclass(frozen=True)
-class ExportSettings:
-    norm: str
-    fallback: str = "dense"
-    opset: int = 18
-    kv_cache: bool = True
-    dtype: str = "fp32"  # the weights' precision (exporter/precision.py)
-    quant_block: int = QUANT_BLOCK  # weights per scale of int8/int4
-    block_size: int = STREAMED_BLOCK  # keys per Loop iteration of the streamed fallback
-    tensorrt: bool = False  # write the TensorRT form of the op (exporter/tensorrt.py)
-    kv_dtype: str = "fp32"  # the KV cache's element type (fp16: the cache form only; exporter/cache_form.py)
-
-    def __post_init__(self) -> None:
-        if self.fallback not in FALLBACKS:
-            raise ValueError(f"unknown fallback {self.fallback!r}; valid: {', '.join(FALLBACKS)}")
-        if self.opset != NATIVE_OPSET:
-            raise ValueError(f"opset {self.opset} is not supported; sharp-export writes opset {NATIVE_OPSET}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.dtype not in EXPORTABLE:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; valid: {', '.join(EXPORTABLE)}")
-        if self.dtype != "fp32" and self.tensorrt:
-            raise ValueError("--tensorrt files are fp32 (sharp-build-engine chooses the engine's precision)")
-        if self.dtype in QUANTIZED:
-            check_block(self.quant_block)
-        if self.kv_dtype not in cache_form.KV_DTYPES:
-            raise ValueError(f"KV cache type {self.kv_dtype!r}; valid: {', '.join(cache_form.KV_DTYPES)}")
-        if self.kv_dtype != "fp32" and (not self.kv_cache or self.tensorrt):
-            raise ValueError(f"a {self.kv_dtype} KV cache is kept by the op's cache form, which needs a KV cache and"
-                             " no --tensorrt")  # fmt: skip
 
 
 class GenerationGraph(nn.Module):

@@ -15,9 +15,10 @@ from onnxscript.values import OnnxFunction
 
 from sharp.exporter import body_parts, dense, streamed
 from sharp.exporter.op_schema import ONE, op_function
+from sharp.exporter.settings import FALLBACKS
 from sharp.models.registry import Family, Norm, Transform
 
-MODES = ("dense", "streamed")
+MODES = tuple(m for m in FALLBACKS if m != "none")  # the bodies written here
 _COMMON = ("Q", "K", "V", "key_mask", "alibi_slopes")
 _ATTRS = ("scale", "causal")
 

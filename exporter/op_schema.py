@@ -16,11 +16,12 @@ from onnx.defs import OpSchema
 from onnxscript import BOOL, FLOAT
 from onnxscript.values import Op, Opset
 
+from sharp.exporter.settings import OPSET, STREAMED_BLOCK
 from sharp.models import registry
 
 SHARP = Opset("sharp", 1)
 FALLBACK = Opset("sharp.fallback", 1)
-BODY_OPSET = 18  # the standard opset the bodies are written in
+BODY_OPSET = OPSET  # the standard opset the bodies are written in
 
 # Input slots, in order (docs/op.md): Q, K, V, key_mask, alibi_slopes, then the per-head parameter slots.
 OP_INPUTS: tuple[str, ...] = (
@@ -38,7 +39,6 @@ OP_INPUTS: tuple[str, ...] = (
 OP_OUTPUTS: tuple[str, ...] = ("O", "entropy")
 
 # Attributes: name → (type, default written into the function; None = the node always carries it).
-STREAMED_BLOCK = 256  # keys per Loop iteration of the streamed fallback bodies, unless set
 OP_ATTRIBUTES: dict[str, tuple[int, object]] = {
     "norm": (AttributeProto.STRING, None),
     "causal": (AttributeProto.INT, None),

@@ -37,11 +37,6 @@ class PrecisionError(ValueError):
     """The graph cannot take the precision asked for; the message says why and what can."""
 
 
-def check_block(block: int) -> None:
-    if block < 16 or block & (block - 1):
-        raise PrecisionError(f"--quant-block must be a power of two >= 16 (MatMulNBits' blocks), got {block}")
-
-
 def _module(node: onnx.NodeProto) -> str:
     """The last name of the module `node` was traced from ('' if the exporter did not record it)."""
     for prop in node.metadata_props:
@@ -61,6 +56,11 @@ def weight_bits(node: onnx.NodeProto, precision: str) -> int | None:
     """The bits `quantize` gives a weight MatMul's weight at `precision` (None: not quantized)."""
     bits = QUANTIZED.get(precision)
     return 8 if bits is not None and bits < 8 and _module(node) in KEEP_8BIT else bits
+
+
+def check_block(block: int) -> None:
+    if block < 16 or block & (block - 1):
+        raise PrecisionError(f"`quant_block` must be a power of two >= 16 (MatMulNBits' blocks), got {block}")
 
 
 def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -> onnx.ModelProto:

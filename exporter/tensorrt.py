@@ -16,7 +16,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from sharp.exporter import fallback
-from sharp.exporter.op_schema import OP_INPUTS, OP_OUTPUTS, SHARP, STREAMED_BLOCK
+from sharp.exporter.op_schema import OP_INPUTS, OP_OUTPUTS, SHARP
+from sharp.exporter.settings import STREAMED_BLOCK
 from sharp.models import registry
 from sharp.plugins.tensorrt.plugin import INPUTS as PLUGIN_INPUTS
 from sharp.plugins.tensorrt.plugin import PACKED_HEAD_PARAMS

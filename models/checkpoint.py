@@ -63,6 +63,10 @@ def save(model: nn.Module, path: str | Path, **meta) -> Path:
 
 def load_tensors(path: Path, expected: str = "a sharp checkpoint written by sharp.models.save") -> object:
     """torch.load, weights only (nothing user-supplied is unpickled into code), its failures as CheckpointError."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":  # neither torch's zip format nor its legacy pickle
+        raise CheckpointError(f"{path}: not a torch file (expected {expected})")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:

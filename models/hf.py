@@ -36,6 +36,11 @@ from sharp.models.op import attend_op
 
 IMPLEMENTATION = "sharp"
 CONFIG_KEY = "sharp_attention"  # {"norm": ..., "poly": [...], <per-head parameter>: value}
+# How a transformers model learns a norm's parameters: sharp-train trains SharpLM checkpoints only.
+FINE_TUNE = (
+    'fine-tune the model in transformers with attn_implementation="sharp" and config.sharp_attention = {{"norm":'
+    ' "{norm}"}} (docs/hf.md), then export the saved directory'
+)
 
 # Decoder families whose attention modules were checked against transformers' eager attention (tests/test_hf.py).
 SUPPORTED = ("llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gpt2")
@@ -94,7 +99,7 @@ class AttentionSettings:
                 raise ValueError(why)
         # a pretrained (softmax) model's change of norm: the registry's one rule
         if registry.can_export_as("softmax", self.norm) and (
-            why := registry.norm_change_problem("softmax", self.norm, dict(self.params))
+            why := registry.norm_change_problem("softmax", self.norm, dict(self.params), train=FINE_TUNE)
         ):
             raise ValueError(why)
         if not all(math.isfinite(c) for c in self.poly):
@@ -129,7 +134,7 @@ def sharpen(config: PretrainedConfig, norm: str, poly: tuple[float, ...] | None 
     if norm == current.norm and not given and poly is None:
         return
     trained = "softmax" if registry.can_export_as("softmax", current.norm) else current.norm
-    if (why := registry.norm_change_problem(trained, norm, given)) is not None:
+    if (why := registry.norm_change_problem(trained, norm, given, train=FINE_TUNE)) is not None:
         raise UnsupportedModel(why)
     params = tuple((k, float(v)) for k, v in values.items() if v is not None)
     settings = AttentionSettings(norm, tuple(poly) if poly else nz.PAPER_POLY, params)

@@ -251,11 +251,16 @@ def can_export_as(trained: str, target: str) -> bool:
 
 
 def norm_change_problem(
-    trained: str, target: str, given: Iterable[str] = (), spell: Callable[[str], str] = str
+    trained: str,
+    target: str,
+    given: Iterable[str] = (),
+    spell: Callable[[str], str] = str,
+    train: str = "retrain with sharp-train --norm {norm}",
 ) -> str | None:
     """Why a model trained with `trained` cannot run as `target` given the change parameters named in `given`, or
     None: the one rule (and message) of sharp-export, the export API and the Hugging Face path. `spell` writes a
-    parameter as the caller's user gives it (e.g. a command-line flag)."""
+    parameter as the caller's user gives it (e.g. a command-line flag); `train` says how that kind of model is
+    trained with a norm (its `{norm}` filled in)."""
     if trained == target:
         return None
     goal = get(target)
@@ -264,7 +269,7 @@ def norm_change_problem(
         why = (
             f"{target} is an inference-time change of {' or '.join(goal.inference_time_from)} models only"
             if goal.inference_time_from
-            else f"{target} parameters are learned in training; retrain with sharp-train --norm {target}"
+            else f"{target} parameters are learned in training; {train.format(norm=target)}"
         )
         return f"cannot export a {trained} model as {target}: {why} (allowed for this model: its own norm{allowed})"
     missing = [p for p in goal.change_requires if p not in set(given)]

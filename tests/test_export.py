@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sharp.exporter import metadata
-from sharp.exporter.cli import main, sharplm_reference, verify
+from sharp.exporter.check import sharplm_reference, verify
+from sharp.exporter.cli import main
 from sharp.models import MaxRetrieval, MaxRetrievalConfig, ModelConfig, SharpLM, registry, save
 
 
@@ -164,8 +165,12 @@ def test_fallback_none_needs_a_plugin(tmp_path):
 @pytest.mark.parametrize(
     ("setup", "args", "message"),
     [
-        ("missing", [], "no such file"),
-        ("garbage", [], "not a readable torch file"),
+        ("missing", [], "no such file or directory (expected a sharp checkpoint such as model.pt, or a Hugging Face"),
+        ("mistyped", [], "; did you mean "),
+        ("garbage", [], "not a torch file (expected a sharp checkpoint"),
+        ("truncated", [], "not a readable torch file (truncated or corrupt"),
+        ("ssa", ["--block-size", "0"], "--block-size must be >= 1, got 0"),
+        ("ssa", ["--weights", "int8", "--tensorrt"], "--weights int8 with --tensorrt: TensorRT files are fp32"),
         ("ssa", ["--norm", "softmax"], "cannot export a ssa model as softmax"),
         ("entmax", ["--norm", "ssa"], "ssa parameters are learned in training; retrain with sharp-train --norm ssa"),
         ("ssa", ["--norm", "adaptive"], "adaptive is an inference-time change of softmax models only (allowed for"),
@@ -184,6 +189,12 @@ def test_cli_errors_exit_2_with_one_line(tmp_path, capsys, setup, args, message)
     path = tmp_path / "model.pt"
     if setup == "garbage":
         path.write_bytes(b"\x00\x01 definitely not a checkpoint \xff" * 16)
+    elif setup == "truncated":
+        save(_model("ssa"), path)
+        path.write_bytes(path.read_bytes()[:300])
+    elif setup == "mistyped":
+        save(_model("ssa"), path)
+        path = tmp_path / "modle.pt"
     elif setup == "max-retrieval":
         save(MaxRetrieval(MaxRetrievalConfig(width=8)), path)
     elif setup == "nan-alpha":  # stored parameters outside their domain: refused where the checkpoint is read
@@ -205,11 +216,37 @@ def test_cli_errors_exit_2_with_one_line(tmp_path, capsys, setup, args, message)
     assert not (tmp_path / "x.onnx").exists()
 
 
-def test_unknown_norm_lists_the_valid_ones(tmp_path, capsys):
+def test_unknown_norm_lists_the_valid_ones_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main([str(tmp_path / "m.pt"), "--norm", "sparsemax"])
     assert e.value.code == 2
-    assert "softmax" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--norm: invalid choice: 'sparsemax'" in err and "softmax" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_path_is_refused_before_torch_loads():
+    """The command line and the model path are judged before torch (seconds to import) is: a new process that is
+    refused has not imported it."""
+    code = "import sys; from sharp.exporter.cli import main; print(main(['/none/m.pt']), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["2", "False"]
+
+
+def test_an_output_that_cannot_be_replaced_is_one_line_and_kept(tmp_path, capsys):
+    """An existing -o that the file system will not let go (here an immutable file) ends in one line, exit 2, the
+    old file kept and no temporary left behind."""
+    path, out = tmp_path / "model.pt", tmp_path / "model.onnx"
+    save(_model("ssa"), path)
+    out.write_bytes(b"keep me")
+    if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i needs root and a file system with attributes")
+    try:
+        assert main([str(path), "--no-check"]) == 2
+    finally:
+        subprocess.run(["chattr", "-i", str(out)], check=True)
+    err = capsys.readouterr().err.strip()
+    assert err == f"sharp-export: -o {out}: cannot be replaced (Operation not permitted); choose another output path"
+    assert out.read_bytes() == b"keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.pt"]
 
 
 def test_the_command_prints_only_its_own_lines(tmp_path):

@@ -187,8 +187,11 @@ def test_what_sharp_cannot_reproduce_is_refused_with_the_reason(config, says):
 def test_only_inference_time_norms_on_pretrained_models():
     config = transformers.LlamaConfig(**SIZES)
     for norm in ("entmax", "asentmax", "ssa"):
-        with pytest.raises(hf.UnsupportedModel, match="learned in training"):
+        with pytest.raises(hf.UnsupportedModel, match="learned in training") as refused:
             hf.sharpen(config, norm)
+        # the way a transformers model learns them (sharp-train trains SharpLM checkpoints, not this)
+        assert f'attn_implementation="sharp" and config.sharp_attention = {{"norm": "{norm}"}}' in str(refused.value)
+        assert "sharp-train" not in str(refused.value)
     with pytest.raises(ValueError, match="ssmax needs ssmax_s"):
         hf.sharpen(config, "ssmax")
     hf.sharpen(config, "ssmax", ssmax_s=1.25)

@@ -239,3 +239,24 @@ def test_no_test_module_imports_another():
                 names = [node.module]
             offenders += [f"{path.name} imports {n}" for n in names if n.split(".")[0].startswith("test_")]
     assert not offenders, offenders
+
+
+def test_export_flags_are_built_from_export_settings():
+    """Each ExportSettings field is a sharp-export flag with the field's help and choices, declared nowhere else:
+    exporter/cli.py names none of those flags in an add_argument of its own."""
+    import ast
+    import dataclasses
+
+    from sharp.exporter import cli
+    from sharp.exporter.settings import ExportSettings, flag_names
+
+    actions = {a.dest: a for a in cli.parser()._actions}
+    declared = set()
+    for node in ast.walk(ast.parse((ROOT / "exporter" / "cli.py").read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument":
+            declared |= {a.value for a in node.args if isinstance(a, ast.Constant)}
+    for f in dataclasses.fields(ExportSettings):
+        action = actions[f.name]
+        assert tuple(action.option_strings) == flag_names(f) and action.help.startswith(f.metadata["help"])
+        assert action.choices == f.metadata["choices"]
+        assert not set(flag_names(f)) & declared, f"{f.name}: declared again in exporter/cli.py"

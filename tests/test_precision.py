@@ -13,8 +13,8 @@ import onnx
 import pytest
 
 from sharp.exporter import metadata, precision
+from sharp.exporter.check import sharplm_reference, verify_text
 from sharp.exporter.cli import main as export_main
-from sharp.exporter.cli import sharplm_reference, verify_text
 from sharp.exporter.precision import BOUNDS, Agreement, Bound, PrecisionError, quantize
 from sharp.models import load
 from sharp.models.checkpoint import zoo_dir

@@ -9,6 +9,7 @@ import pytest
 import torch
 from devices import ATOL, DEVICE
 
+from sharp.exporter import check as export_check
 from sharp.exporter import cli as export_cli
 from sharp.exporter import fallback
 from sharp.exporter.op_schema import ONE, OP_ATTRIBUTES, OP_INPUTS
@@ -89,8 +90,8 @@ def test_a_new_normalizer_with_an_existing_algorithm_needs_only_its_entry(monkey
         path.write_bytes(
             export_model(model, ExportSettings(norm="logn", fallback=mode, block_size=4)).SerializeToString()
         )
-        for _, d_logits, d_entropy in export_cli.verify(
-            path, model.cfg.shape, True, export_cli.sharplm_reference(model)
+        for _, d_logits, d_entropy in export_check.verify(
+            path, model.cfg.shape, True, export_check.sharplm_reference(model)
         ):
             assert d_logits < 1e-4 and d_entropy < 1e-4
 
@@ -138,7 +139,8 @@ def test_the_demo_shows_what_each_norm_does_and_says_so_per_row(capsys):
 
 def test_one_rule_and_one_message_for_changing_a_trained_models_norm():
     """Which norm a trained model may run as is decided once (registry.norm_change_problem), and sharp-export, the
-    export API and the Hugging Face path give its message word for word."""
+    export API and the Hugging Face path give its message word for word — but for how such a model is trained,
+    which differs between a sharp checkpoint (sharp-train) and a transformers model (fine-tuned there)."""
     transformers = pytest.importorskip("transformers")
     from sharp.exporter.export import with_norm
     from sharp.models import hf
@@ -167,7 +169,10 @@ def test_one_rule_and_one_message_for_changing_a_trained_models_norm():
         with_norm(model, "entmax")
     with pytest.raises(hf.UnsupportedModel) as hf_err:
         hf.sharpen(transformers.LlamaConfig(), "entmax")
-    assert str(cli_err.value) == str(api_err.value) == str(hf_err.value) == refusal
+    assert str(cli_err.value) == str(api_err.value) == refusal
+    assert str(hf_err.value) == refusal.replace(
+        "retrain with sharp-train --norm entmax", hf.FINE_TUNE.format(norm="entmax")
+    )
 
 
 def test_the_spelled_out_signatures_carry_exactly_the_registry_head_parameters():

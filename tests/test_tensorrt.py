@@ -296,7 +296,7 @@ def test_tensorrt_form_nodes_are_what_the_parser_maps_to_the_plugin_and_run_thro
     import onnx
 
     from sharp.exporter import metadata
-    from sharp.exporter.cli import sharplm_reference, verify
+    from sharp.exporter.check import sharplm_reference, verify
 
     model = _trt_model(norm, pos)
     out = _export_trt(tmp_path, model)
