@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import logging
 import os
 import re
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING
 from sharp.exporter.precision import CPU_RUNS, PrecisionError
 from sharp.exporter.settings import ExportSettings, flag_names
 from sharp.models import registry
+from sharp.models.paths import did_you_mean
 
 if TYPE_CHECKING:  # torch and onnx load only once the command is known to be sound
     import onnx
@@ -70,13 +70,9 @@ def _check_model(path: Path) -> None:
         return
     if path.is_file():
         return
-    near = []
-    if path.parent.is_dir():
-        near = difflib.get_close_matches(path.name, [p.name for p in path.parent.iterdir()], n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(str(path.parent / n) for n in near)}?" if near else ""
     raise UsageError(
         f"{path}: no such file or directory (expected a sharp checkpoint such as model.pt, or a Hugging Face model"
-        f" directory with config.json){hint}"
+        f" directory with config.json){did_you_mean(path)}"
     )
 
 

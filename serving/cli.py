@@ -108,7 +108,12 @@ def serve_parser() -> argparse.ArgumentParser:
     from sharp.serving.server import ServerConfig
 
     ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
-    ap.add_argument("model", type=Path, help="an .onnx file from sharp-export (onnxruntime) or a model.pt (torch)")
+    ap.add_argument(
+        "model",
+        type=Path,
+        help="an .onnx file from sharp-export or a Hugging Face model directory (onnxruntime: exported once, checked,"
+        " into $SHARP_CACHE, default ~/.cache/sharp), a model.pt (torch), an engine (tensorrt)",
+    )
     ap.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     _config_flags(ap, ServerConfig)
@@ -167,7 +172,7 @@ def build_server(args):
     """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
     from sharp.serving.config import EngineConfig
     from sharp.serving.core import CoreSpec, EngineProcess, build_engine
-    from sharp.serving.loading import check_model_path
+    from sharp.serving.loading import check_model_path, exported
     from sharp.serving.server import ServerConfig
 
     if bool(args.tls_cert) != bool(args.tls_key):
@@ -198,12 +203,16 @@ def build_server(args):
         "onnxruntime": {"op_library": args.ort_op_library, "threads": args.threads, "native": args.native},
         "torch": {"dtype": args.dtype},
     }.get(args.backend, {})
-    spec = CoreSpec(str(args.model), args.backend, args.device, kw, args.model_name, config, args.entropy_metrics,
-                    args.log_level, args.log_format)  # fmt: skip
+    model, name = check_model_path(args.model, args.backend), args.model_name  # said before a process starts
+    if model.is_dir():  # a Hugging Face directory: served as its exported file, under the directory's name
+        if name is None and MODEL_NAME.fullmatch(model.resolve().name):
+            name = model.resolve().name
+        model = exported(model, say=lambda line: print(line, flush=True))
+    spec = CoreSpec(str(model), args.backend, args.device, kw, name, config, args.entropy_metrics, args.log_level,
+                    args.log_format)  # fmt: skip
     on_gpu = args.backend == "tensorrt" or (args.backend == "onnxruntime" and args.device == "cuda")
     if args.engine_process == "off" or (args.engine_process == "auto" and not on_gpu):
         return build_engine(spec), server
-    check_model_path(args.model, args.backend)  # a missing or misnamed file: said before a process starts
     return EngineProcess(spec), server
 
 
@@ -224,6 +233,17 @@ async def _serve(engine, config) -> int:
             f" sequences up to {w.longest} tokens)",
             flush=True,
         )
+    loop = asyncio.get_running_loop()
+    draining = asyncio.Event()
+
+    def on_signal() -> None:
+        if draining.is_set():  # a second SIGTERM / Ctrl-C: stop waiting for the drain
+            print("sharp-serve: second signal, exiting without draining", file=sys.stderr, flush=True)
+            os._exit(1)
+        draining.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the line that says we listen: a signal after it drains
+        loop.add_signal_handler(sig, on_signal)
     spec = engine.spec
     where = config.metrics_host or config.host
     metrics = f", metrics http://{where}:{server.metrics_port}/metrics" if server.metrics_port else ""
@@ -237,17 +257,6 @@ async def _serve(engine, config) -> int:
         f" on {config.host}:{server.port}{metrics}",
         flush=True,
     )
-    loop = asyncio.get_running_loop()
-    draining = asyncio.Event()
-
-    def on_signal() -> None:
-        if draining.is_set():  # a second SIGTERM / Ctrl-C: stop waiting for the drain
-            print("sharp-serve: second signal, exiting without draining", file=sys.stderr, flush=True)
-            os._exit(1)
-        draining.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal)
     crashed = asyncio.Event()
     engine.on_exit(lambda: loop.call_soon_threadsafe(crashed.set))
     waiter = asyncio.ensure_future(server.wait())
@@ -301,14 +310,23 @@ def serve_main(argv: list[str] | None = None) -> int:
         restore()
 
 
+def _connection_flags(ap: argparse.ArgumentParser, defaults: bool) -> None:
+    """The flags of the connection, before the command or after it (`sharp-client generate --target H:P`); only the
+    top level sets defaults, so a flag given after the command is never overwritten by one."""
+    default = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
+    ap.add_argument("--target", default=default("127.0.0.1:50051"), help="host:port of the server")
+    ap.add_argument("--timeout", type=float, default=default(None), help="deadline of each call in seconds")
+    ap.add_argument("--auth-token-file", type=Path, default=default(None))
+    ap.add_argument("--tls-ca", type=Path, default=default(None), help="PEM root certificate: connect with TLS")
+
+
 def client_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="sharp-client", description="Talk to a sharp-serve server.")
-    ap.add_argument("--target", default="127.0.0.1:50051", help="host:port of the server")
-    ap.add_argument("--timeout", type=float, help="deadline of each call in seconds")
-    ap.add_argument("--auth-token-file", type=Path)
-    ap.add_argument("--tls-ca", type=Path, help="PEM root certificate: connect with TLS")
+    _connection_flags(ap, defaults=True)
+    connection = argparse.ArgumentParser(add_help=False)
+    _connection_flags(connection, defaults=False)
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    gen = sub.add_parser("generate", help="generate from a prompt")
+    gen = sub.add_parser("generate", help="generate from a prompt", parents=[connection])
     gen.add_argument("prompt")
     gen.add_argument("--stream", action="store_true", help="print text as it is produced")
     gen.add_argument("--max-new-tokens", type=int)
@@ -318,8 +336,8 @@ def client_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--stats", action="store_true", help="print the request's per-head attention entropy")
-    sub.add_parser("info", help="the served model")
-    sub.add_parser("health", help="the server's health status")
+    sub.add_parser("info", help="the served model", parents=[connection])
+    sub.add_parser("health", help="the server's health status", parents=[connection])
     return ap
 
 

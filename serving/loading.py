@@ -1,11 +1,25 @@
-"""Which backend serves a model file: the file judged by its name before any runtime starts, then the backend's
-own module imported — only the one asked for (a server of ONNX files never imports torch)."""
+"""Which backend serves a model: the path judged by its name before any runtime starts, then the backend's own
+module imported — only the one asked for (a server of ONNX files never imports torch). A Hugging Face model
+directory is exported once, checked, into a cache keyed by its content (`exported`), and its file served — as
+`vllm serve DIR` serves a directory."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+from sharp import __version__
+from sharp.models.paths import did_you_mean
 from sharp.serving.backends import BACKENDS, Backend, BackendError
+
+EXPECTED = {
+    "onnxruntime": "an .onnx file from sharp-export, or a Hugging Face model directory",
+    "torch": "a model.pt",
+    "tensorrt": "an engine from sharp-build-engine",
+}
 
 
 def check_model_path(path: str | Path, backend: str) -> Path:
@@ -15,17 +29,14 @@ def check_model_path(path: str | Path, backend: str) -> Path:
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if path.is_dir():
-        raise BackendError(
-            f"{path}: a directory; export a Hugging Face model directory with `sharp-export {path} -o model.onnx`"
-            " and serve the file"
-        )
+        if not (path / "config.json").is_file():
+            raise BackendError(f"{path}: a directory without config.json (expected {EXPECTED[backend]})")
+        if backend != "onnxruntime":
+            raise BackendError(f"{path}: a Hugging Face model directory; --backend {backend} serves {EXPECTED[backend]}"
+                               " (serve the directory with --backend onnxruntime)")  # fmt: skip
+        return path
     if not path.is_file():
-        expected = {
-            "onnxruntime": "an .onnx file",
-            "torch": "a model.pt",
-            "tensorrt": "an engine from sharp-build-engine",
-        }
-        raise BackendError(f"{path}: no such file (expected {expected[backend]})")
+        raise BackendError(f"{path}: no such file or directory (expected {EXPECTED[backend]}){did_you_mean(path)}")
     if backend == "onnxruntime" and path.suffix == ".pt":
         raise BackendError(f"{path}: a checkpoint; export it with sharp-export, or serve it with --backend torch")
     if backend == "torch" and path.suffix == ".onnx":
@@ -34,9 +45,55 @@ def check_model_path(path: str | Path, backend: str) -> Path:
     return path
 
 
+def export_cache() -> Path:
+    """Where exported Hugging Face directories are kept: $SHARP_CACHE, else $XDG_CACHE_HOME/sharp (~/.cache/sharp)."""
+    if os.environ.get("SHARP_CACHE"):
+        return Path(os.environ["SHARP_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sharp"
+
+
+def content_key(directory: Path) -> str:
+    """A digest of every file in `directory` (names and bytes; hidden ones, such as a download cache, left out) and
+    of this sharp's version: an edited weight, config or tokenizer — or a new sharp — exports again."""
+    digest = hashlib.blake2b(__version__.encode(), digest_size=16)
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        digest.update(str(rel).encode() + b"\0")
+        with path.open("rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def exported(directory: Path, say=print) -> Path:
+    """The ONNX file of the Hugging Face model in `directory`: exported (and checked) by sharp-export in its own
+    process the first time — the server's process never imports torch — then found by the directory's content.
+    Raises BackendError with sharp-export's own refusal when it cannot be exported."""
+    out = export_cache() / "exports" / content_key(directory) / "model.onnx"
+    if out.is_file():
+        say(f"sharp-serve: {directory} exported before: {out}")
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    say(f"sharp-serve: exporting {directory} once (checked) into {out}")
+    cmd = [sys.executable, "-m", "sharp.exporter.cli", str(directory), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        say(f"  {line}")
+    if proc.returncode != 0:
+        why = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        raise BackendError(f"{directory}: not exported: {why[0].removeprefix('sharp-export: ')}")
+    return out
+
+
 def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "cpu", **kw) -> Backend:
-    """The backend for `path`; raises BackendError with what was found and what was expected."""
+    """The backend for `path` (a Hugging Face directory: its exported file); raises BackendError with what was found
+    and what was expected."""
     path = check_model_path(path, backend)
+    if path.is_dir():
+        path = exported(path)
     if backend == "tensorrt":
         from sharp.serving.tensorrt_backend import TensorRTBackend
 

@@ -249,7 +249,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             max_prompt_bytes=self.engine.limits.max_prompt_bytes,
             max_stop_strings=c.max_stop_strings,
             max_stop_length=c.max_stop_length,
-            attention=self.engine.attention,
+            attention=self.engine.attention.removeprefix("attention: "),  # the field names it already
             precision=s.precision,
         )
 
@@ -421,7 +421,7 @@ class SharpServer:
         reflection.enable_server_reflection(names, self.server, pool=_reflection_pool())
         address = f"{cfg.host}:{cfg.port}"
         if (problem := bind_problem(cfg.host, cfg.port)) is not None:  # before gRPC tries, and logs its own lines
-            raise OSError(f"cannot listen on {address}: {problem}")
+            raise OSError(f"--port {cfg.port}: cannot listen on {address}: {problem}")
         try:
             if cfg.tls_cert and cfg.tls_key:
                 creds = grpc.ssl_server_credentials([(cfg.tls_key, cfg.tls_cert)])
@@ -431,19 +431,22 @@ class SharpServer:
         except RuntimeError:
             self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {address}: the gRPC runtime refused the address")
+            raise OSError(f"--port {cfg.port}: cannot listen on {address}: the gRPC runtime refused the address")
         if cfg.health_port is not None and (problem := bind_problem(cfg.host, cfg.health_port)) is not None:
-            raise OSError(f"cannot serve health on {cfg.host}:{cfg.health_port}: {problem}")
+            raise OSError(f"--health-port {cfg.health_port}: cannot serve health on {cfg.host}:{cfg.health_port}:"
+                          f" {problem}")  # fmt: skip
         http_host = cfg.http_host or cfg.host
         if cfg.http_port is not None and (problem := bind_problem(http_host, cfg.http_port)) is not None:
-            raise OSError(f"cannot serve HTTP on {http_host}:{cfg.http_port}: {problem}")
+            raise OSError(f"--http-port {cfg.http_port}: cannot serve HTTP on {http_host}:{cfg.http_port}: {problem}")
         if cfg.metrics_port is not None:
             metrics_host = cfg.metrics_host or cfg.host
             self._metrics_http = MetricsServer(self.engine.metrics.registry, cfg.http_keepalive_timeout)
             try:
                 self.metrics_port = await self._metrics_http.start(metrics_host, cfg.metrics_port)
             except OSError as e:
-                raise OSError(f"cannot serve metrics on {metrics_host}:{cfg.metrics_port}: {e.strerror}") from None
+                problem = bind_problem(metrics_host, cfg.metrics_port) or e.strerror
+                raise OSError(f"--metrics-port {cfg.metrics_port}: cannot serve metrics on {metrics_host}:"
+                              f"{cfg.metrics_port}: {problem}") from None  # fmt: skip
         spec = self.engine.spec
         # the ports are ours: starting
         log.info("%s: %s weights, %s KV cache, %s; %s", spec.name, spec.precision, spec.kv_dtype,

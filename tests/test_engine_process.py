@@ -69,7 +69,7 @@ def test_grpc_and_http_answer_the_models_tokens_with_rows_side_by_side(model_fil
     engine = _engine(model_files, max_batch=8)
     config = ServerConfig(port=0, metrics_port=0, http_port=0)
     with BackgroundServer(engine, config) as srv, Client(srv.target) as c:
-        assert "attention: " in c.info().attention and c.info().attention == engine.attention
+        assert f"attention: {c.info().attention}" == engine.attention  # the field says it once
         prompts = [f"row {i}: " + "xyz" * i for i in range(8)]
         results: dict[int, list[int]] = {}
 

@@ -517,3 +517,79 @@ def test_a_transformers_model_exports_checks_and_serves_at_a_lower_precision(hf_
         assert c.info().precision == weights
         r = c.generate("The quick brown fox", max_new_tokens=8, temperature=0, stop=[])
         assert r.usage.completion_tokens == 8
+
+
+def _readme_recipe() -> tuple[str, str]:
+    """The README's "your Hugging Face model" commands: its shell block and its Python block."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    after = text.split("<!-- recipe:", 1)[1]
+    shell = after.split("```bash\n", 1)[1].split("```", 1)[0]
+    python = after.split("```python\n", 1)[1].split("```", 1)[0]
+    return shell.strip(), python
+
+
+def test_the_readme_recipe_serves_a_hugging_face_directory(hf_dirs, tmp_path):
+    """`sharp-serve ./my-llama --http-port 8000`, then the openai SDK, exactly as the README has them (ports made
+    free): the directory is exported once, checked, into the cache and served under its own name; a second start
+    finds the export by the directory's content instead of exporting again."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    shutil.copytree(hf_dirs["llama"], tmp_path / "my-llama")
+    shell, python = _readme_recipe()
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    env = {
+        **os.environ,
+        "SHARP_CACHE": str(tmp_path / "cache"),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+
+    def start(port: int) -> tuple[subprocess.Popen, list[str]]:
+        command = "exec " + shell.split("#")[0].replace("8000", str(port)) + " --port 0 --metrics-port -1"
+        proc = subprocess.Popen(command, shell=True, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
+        lines = []
+        while not (lines and " on 127.0.0.1:" in lines[-1]):
+            line = proc.stdout.readline()
+            assert line, f"sharp-serve ended: {lines}"
+            lines.append(line)
+        return proc, lines
+
+    def stop(proc: subprocess.Popen) -> None:  # SIGTERM drains: exit 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+    proc, lines = start(port := free_port())
+    try:
+        assert lines[0].startswith("sharp-serve: exporting my-llama once (checked) into ")
+        assert any("check passed" in line for line in lines) and lines[-1].startswith("sharp-serve: my-llama (")
+        called = subprocess.run([sys.executable, "-c", python.replace("8000", str(port))], capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+        assert called.returncode == 0, called.stderr[-2000:]
+    finally:
+        stop(proc)
+    exports = list((tmp_path / "cache" / "exports").glob("*/model.onnx"))
+    assert len(exports) == 1
+    proc, lines = start(port)  # the same content: found, not exported again (and the port free again)
+    stop(proc)
+    assert lines[0] == f"sharp-serve: my-llama exported before: {exports[0]}\n" and len(lines) == 2
+
+
+def test_the_export_cache_key_follows_the_directory_content(hf_dirs, tmp_path):
+    from sharp.serving.loading import content_key
+
+    model = shutil.copytree(hf_dirs["llama"], tmp_path / "m")
+    key = content_key(model)
+    (model / ".cache").mkdir()
+    (model / ".cache" / "download.lock").write_text("a download tool's own state")
+    assert content_key(model) == key  # hidden files are not the model
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rope_theta": 20000.0}))
+    assert content_key(model) != key

@@ -58,7 +58,7 @@ def test_generate_matches_the_model_and_streams_the_same_text(model_files, refer
         prompt = "def main():\n"
         r = c.generate(prompt, max_new_tokens=24, temperature=0, attention_stats=True)
         ids = c.tokenize(prompt, add_bos=True)
-        assert c.info().attention == srv.server.engine.backend.attention and "attention: " in c.info().attention
+        assert f"attention: {c.info().attention}" == srv.server.engine.backend.attention  # the field says it once
         assert list(r.token_ids) == reference(ids, 24)
         assert len(set(r.token_ids)) > 3  # the check above is not about a constant sequence
         assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(r.token_ids)
@@ -786,10 +786,10 @@ def test_sharp_serve_logs_one_json_object_per_event_and_reports_its_attention(mo
         lines = [json.loads(line) for line in proc.stderr.read().splitlines()]
     finally:
         proc.kill()
-    assert re.fullmatch(r"attention: the native sharp::SharpAttention kernel \(x86-64-v[234]\)", attention), attention
+    assert re.fullmatch(r"the native sharp::SharpAttention kernel \(x86-64-v[234]\)", attention), attention
     first = lines[0]
     assert first["level"] == "info" and first["logger"] == "sharp.serving"
-    assert first["message"] == f"tiny: fp32 weights, fp32 KV cache, prefix cache 256 MiB; {attention}"
+    assert first["message"] == f"tiny: fp32 weights, fp32 KV cache, prefix cache 256 MiB; attention: {attention}"
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["time"])
 
 
@@ -839,7 +839,9 @@ def test_sharp_serve_usage_errors_exit_2_with_one_line(model_files, args, says):
     assert says in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
-def test_sharp_client_commands(model_files):
+def test_sharp_client_commands(model_files, capsys):
+    from sharp.serving.cli import client_main
+
     with serving(model_files) as srv:
         run = lambda *a: subprocess.run(
             [
@@ -862,7 +864,11 @@ def test_sharp_client_commands(model_files):
         health = run("health")  # a script or probe relies on the status, as with grpc_health_probe
         assert health.stdout.strip() == "NOT_SERVING" and health.returncode == 1
         srv._call(srv.server.health.set("", health_pb2.HealthCheckResponse.SERVING))
-        assert '"norm": "ssa"' in run("info").stdout
+        info = run("info").stdout
+        assert '"norm": "ssa"' in info and '"attention": "the native sharp::SharpAttention kernel' in info
+        # the connection's flags also after the command, where users put them
+        assert client_main(["health", "--target", srv.target, "--timeout", "30"]) == 0
+        assert capsys.readouterr().out.strip() == "SERVING"
         r = run("generate", "hello", "--stream", "--max-new-tokens", "5", "--stats")
         assert r.returncode == 0 and "attention (ssa)" in r.stdout and "[finish: " in r.stderr
         bad = run("generate", "hello", "--top-p", "2")

@@ -1,0 +1,19 @@
+"""What a command says about a path that is not there: the near names beside it (a typo is the usual cause)."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+
+def did_you_mean(path: Path) -> str:
+    """'; did you mean A or B?' naming the entries of `path`'s directory that are close to its name, or ''."""
+    parent = path.parent
+    if not parent.is_dir():
+        return ""
+    try:
+        names = [p.name for p in parent.iterdir()]
+    except OSError:
+        return ""
+    near = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(str(parent / n) for n in near)}?" if near else ""
