@@ -260,3 +260,19 @@ def test_export_flags_are_built_from_export_settings():
         assert tuple(action.option_strings) == flag_names(f) and action.help.startswith(f.metadata["help"])
         assert action.choices == f.metadata["choices"]
         assert not set(flag_names(f)) & declared, f"{f.name}: declared again in exporter/cli.py"
+
+
+def test_the_readme_reads_as_a_newcomer_needs():
+    """Install and the Hugging Face recipe are there (tests/test_hf.py runs the recipe), each status cell is a word
+    and a link, and no prose line runs past 200 characters (code blocks aside)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "## Install" in text and "pip install" in text and "<!-- recipe:" in text
+    long, in_code = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        in_code ^= line.startswith("```")
+        if not in_code and not line.startswith("```") and len(line) > 200:
+            long.append(number)
+    assert long == []
+    status = text.split("## Status", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[2].strip() for line in status.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) > 5 and all(len(cell) <= 120 for cell in rows[1:]), rows
