@@ -3,10 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+CORE_STAMP := $(VENV)/.installed-core
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools triton-oldest peers wheelhouse image test test-fast test-gpu lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest peers wheelhouse image test test-compile test-fast test-gpu lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,9 +15,14 @@ $(BIN)/python:
 
 NATIVE_SOURCES := $(wildcard plugins/onnxruntime/*.cc plugins/onnxruntime/*.h) plugins/onnxruntime/build.py
 
-$(STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) $(NATIVE_SOURCES) | $(BIN)/python
+# The package alone (what `make demo` needs: a newcomer's first minute), then every extra the tests use.
+$(CORE_STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) $(NATIVE_SOURCES) | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
 	@# setuptools warns every editable install that the checkout's own sharp/ could shadow the package: it is the package
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e .
+	touch $(CORE_STAMP)
+
+$(STAMP): $(CORE_STAMP)
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev,kernels,deploy,hf,genai]'
 	touch $(STAMP)
 
@@ -67,11 +73,16 @@ wheelhouse: $(STAMP)
 	$(BIN)/python deploy/wheelhouse.py $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) $(WHEELHOUSE_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q
+	$(BIN)/python -m pytest -n 2 -q -m 'not compile'
 
-# The inner loop: everything but the tests marked slow (the wheel build, the AOT compile, real Prometheus, lm-eval).
+# The kernels compiled for sm_90 (no GPU: Triton's compiler and ptxas), under the newest and the oldest Triton: the
+# AOT files, the JIT's specialisations, the SASS budgets. Minutes with a cold Triton cache; CI runs it after make test.
+test-compile: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q -m compile
+
+# The inner loop: everything but the tests marked slow (the wheel build, real Prometheus, lm-eval) or compile.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q -m 'not gpu and not slow'
+	$(BIN)/python -m pytest -n 2 -q -m 'not gpu and not slow and not compile'
 
 # The CPU image (deploy/docker/Dockerfile.cpu) with docker or podman, whichever exists; IMAGE_ARGS for build arguments
 # (mirrors, a local base: docs/deploy.md). deploy/smoke.sh IMAGE runs it as a user would. Not part of `make test`.
@@ -94,7 +105,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 # The main job on the embedded default: export the demo SSA model and generate with onnxruntime on CPU
-demo: $(STAMP)
+demo: $(CORE_STAMP)
 	$(BIN)/python -m sharp.demo
 
 bench: $(STAMP)

@@ -92,6 +92,7 @@ def _static(which: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(sys.platform != "linux", reason="the CUDA backend's ptxas and nvdisasm ship for Linux")
 @pytest.mark.parametrize("which", ["newest", "oldest"])
 def test_key_loops_stay_within_what_ci_holds(which):

@@ -57,7 +57,7 @@ def test_the_plugin_module_imports_without_tensorrt():
         pytest.fail("this suite expects no TensorRT; the real registration is in docs/tensorrt.md")
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 def test_registration_descriptors_and_type_combinations(plugin):
     standin, manifest = plugin
     assert set(standin.registered) == {("register", PLUGIN_NAME), ("autotune", PLUGIN_NAME), ("aot_impl", PLUGIN_NAME)}
@@ -112,7 +112,7 @@ def test_the_stand_in_refuses_signatures_tensorrt_refuses():
         trtp.register("t::bad")(attrs_first)
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_aot_impl_hands_over_a_launch_that_computes_the_op(plugin, norm, causal):
@@ -140,7 +140,7 @@ def test_aot_impl_hands_over_a_launch_that_computes_the_op(plugin, norm, causal)
     torch.testing.assert_close(launch.entropy, h_ref, atol=2e-3, rtol=0)
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 def test_the_tensorrt_entmax_entry_settles_in_three_threshold_passes(plugin):
     """The TensorRT form's threshold search is the torch path's: seeded (`_seed`) and stepping to its class model's
     root. Its output after at most 3 threshold passes per program is its output with the pass cap it launches with,
@@ -190,7 +190,7 @@ def test_the_launch_checks_output_tolerance_is_the_rounding_bound(dtype):
     ).abs().max() > 10 * output_tolerance(v)
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 def test_the_gpu_launch_check_needs_a_gpu(manifest_dir, capsys):
     """What verifies the PTX launch on a GPU (docs/tensorrt.md) says so and exits 2 where there is none."""
     from sharp.plugins.tensorrt.launch_check import main
@@ -202,7 +202,7 @@ def test_the_gpu_launch_check_needs_a_gpu(manifest_dir, capsys):
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 def test_aot_impl_refuses_what_was_not_compiled(plugin):
     standin, _ = plugin
     aot_impl = standin.registered[("aot_impl", PLUGIN_NAME)]
@@ -216,7 +216,7 @@ def test_aot_impl_refuses_what_was_not_compiled(plugin):
         aot_impl(q, q, q, None, None, None, "softmax", 1, 0.1, 4, 4, empty, (), 0)
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 def test_a_manifest_in_another_argument_order_is_refused(manifest_dir, tmp_path):
     entries = json.loads((manifest_dir / "manifest.json").read_text())
     entries[0]["launch"]["arguments"][3:5] = entries[0]["launch"]["arguments"][4:2:-1]
@@ -227,7 +227,7 @@ def test_a_manifest_in_another_argument_order_is_refused(manifest_dir, tmp_path)
         KernelManifest.load(tmp_path / "missing")
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 def test_compiled_variants_move_tiles_with_vector_and_async_copies_and_never_spill(manifest_dir):
     """Head dim compile-time, contiguous layouts, 16-byte aligned pointers: no scalar 2-byte global loads (the
     v1 kernels issued 192 per tile), cp.async tiles, no local memory in the PTX, and no ptxas spill inside a key loop
@@ -323,7 +323,7 @@ def test_tensorrt_form_nodes_are_what_the_parser_maps_to_the_plugin_and_run_thro
         assert d_logits < 1e-4 and d_entropy < 1e-4
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 @pytest.mark.parametrize(("norm", "pos"), [n for n in NORM_POS if n[0] != "softmax"])
 def test_the_plugin_computes_the_exported_layer_from_the_files_own_tensors(plugin, tmp_path, norm, pos):
     """Everything but TensorRT, end to end: the TensorRT-form file's layer-0 plugin inputs (as its own graph
@@ -398,7 +398,7 @@ def trt_file(tmp_path_factory):
     return _export_trt(tmp, _trt_model("ssmax", "alibi"), "--no-check")
 
 
-@pytest.mark.slow  # needs the AOT-compiled kernels (manifest_dir)
+@pytest.mark.compile  # needs the AOT-compiled kernels (manifest_dir)
 def test_build_engine_checks_everything_before_needing_tensorrt(trt_file, manifest_dir, tmp_path, capsys):
     from sharp.exporter.build_engine import main
 

@@ -432,6 +432,7 @@ def test_empty_keys_and_errors(monkeypatch):
         attention(q, k, v, norm="softmax")
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(sys.platform != "linux", reason="the CUDA backend's ptxas ships for Linux")
 def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
     """No GPU needed: the TensorRT plugin is built from exactly these PTX/CUBIN files."""
@@ -490,6 +491,7 @@ def _triton_floor() -> str:
     return re.search(r'^kernels = \["triton>=([0-9.]+)"\]', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
 
 
+@pytest.mark.compile
 @pytest.mark.skipif(sys.platform != "linux", reason="the CUDA backend's ptxas ships for Linux")
 @pytest.mark.parametrize("which", ["newest", "oldest"])
 def test_every_kernel_compiles_for_sm90_under_the_jit_specialisations(which, tmp_path):
