@@ -73,7 +73,7 @@ wheelhouse: $(STAMP)
 	$(BIN)/python deploy/wheelhouse.py $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) $(WHEELHOUSE_ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 -q -m 'not compile'
+	$(BIN)/python -m pytest -n 2 -q -m 'not gpu and not compile'
 
 # The kernels compiled for sm_90 (no GPU: Triton's compiler and ptxas), under the newest and the oldest Triton: the
 # AOT files, the JIT's specialisations, the SASS budgets. Minutes with a cold Triton cache; CI runs it after make test.
