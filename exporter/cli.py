@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():
         try:
             return _export(args)
-        except (UsageError, PrecisionError) as e:
-            print(f"sharp-export: {e}", file=sys.stderr)
+        except (UsageError, PrecisionError) as e:  # one line, whatever a library's message held
+            print(f"sharp-export: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
 
 

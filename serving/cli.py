@@ -282,6 +282,11 @@ async def _serve(engine, config) -> int:
     return code
 
 
+def _one_line(e: Exception) -> str:
+    """A refusal as one line, whatever a runtime's message held (onnxruntime's and transformers' span several)."""
+    return " ".join(str(e).split())
+
+
 def serve_main(argv: list[str] | None = None) -> int:
     from sharp.serving.backends import BackendError
     from sharp.serving.core import CoreExited
@@ -290,10 +295,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         engine, config = build_server(args)
     except (UsageError, BackendError) as e:
-        print(f"sharp-serve: {e}", file=sys.stderr)
+        print(f"sharp-serve: {_one_line(e)}", file=sys.stderr)
         return 2
     except CoreExited as e:
-        print(f"sharp-serve: {e}", file=sys.stderr)
+        print(f"sharp-serve: {_one_line(e)}", file=sys.stderr)
         return 1
     from sharp.serving.warmup import WarmUpError
 
@@ -301,10 +306,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(_serve(engine, config))
     except OSError as e:
-        print(f"sharp-serve: {e}", file=sys.stderr)
+        print(f"sharp-serve: {_one_line(e)}", file=sys.stderr)
         return 2
     except WarmUpError as e:
-        print(f"sharp-serve: warm-up failed, not serving: {e}", file=sys.stderr)
+        print(f"sharp-serve: warm-up failed, not serving: {_one_line(e)}", file=sys.stderr)
         return 1
     finally:
         restore()

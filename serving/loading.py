@@ -82,9 +82,10 @@ def exported(directory: Path, say=print) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         say(f"  {line}")
-    if proc.returncode != 0:
-        why = proc.stderr.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
-        raise BackendError(f"{directory}: not exported: {why[0].removeprefix('sharp-export: ')}")
+    if proc.returncode != 0:  # sharp-export's own one line, its path not said twice
+        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        why = why.removeprefix("sharp-export: ").removeprefix(f"{directory}: ")
+        raise BackendError(f"{directory}: not exported: {why}")
     return out
 
 

@@ -593,3 +593,22 @@ def test_the_export_cache_key_follows_the_directory_content(hf_dirs, tmp_path):
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "rope_theta": 20000.0}))
     assert content_key(model) != key
+
+
+def test_a_directory_sharp_export_refuses_ends_sharp_serve_with_its_one_line(tmp_path):
+    """sharp-serve DIR passes sharp-export's own refusal on, as one line and exit 2, and keeps nothing in the cache."""
+    import os
+    import subprocess
+    import sys
+
+    model = tmp_path / "not-a-llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    env = {**os.environ, "SHARP_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, "-m", "sharp.serving.cli", str(model), "--port", "0", "--metrics-port", "-1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"sharp-serve: {model}: not exported: "), err
+    assert err[0].count(str(model)) == 1 and "does not recognize this architecture" in err[0]
+    assert not list((tmp_path / "cache").rglob("*.onnx"))
