@@ -22,10 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sharp.exporter.precision import CPU_RUNS, PrecisionError
+from sharp.exporter.precision import CPU_RUNS, QUANTIZED, PrecisionError
 from sharp.exporter.settings import ExportSettings, flag_names
 from sharp.models import registry
-from sharp.models.paths import did_you_mean
+from sharp.models.messages import did_you_mean, one_line
 
 if TYPE_CHECKING:  # torch and onnx load only once the command is known to be sound
     import onnx
@@ -143,10 +143,9 @@ def _settings_flags(ap: argparse.ArgumentParser) -> None:
 def _settings(args) -> ExportSettings:
     """The flags given, as ExportSettings checked by its own rules; a refusal names the flags."""
     given = {name: getattr(args, name) for name in SETTINGS if hasattr(args, name)}
-    if "quant_block" in given and given.get("dtype", "fp32") not in ("int8", "int4"):
-        raise UsageError(
-            f"--quant-block sets the blocks of int8/int4 weights; --weights {given.get('dtype', 'fp32')} has none"
-        )
+    dtype = given.get("dtype", SETTINGS["dtype"].default)
+    if "quant_block" in given and dtype not in QUANTIZED:
+        raise UsageError(f"--quant-block sets the blocks of int8/int4 weights; --weights {dtype} has none")
     try:
         return ExportSettings(**given)
     except ValueError as e:
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _export(args)
         except (UsageError, PrecisionError) as e:  # one line, whatever a library's message held
-            print(f"sharp-export: {' '.join(str(e).split())}", file=sys.stderr)
+            print(f"sharp-export: {one_line(e)}", file=sys.stderr)
             return 2
 
 
@@ -279,7 +278,9 @@ def _export(args) -> int:
     meta, export, reference = (_load_transformers if args.model.is_dir() else _load_sharplm)(args, settings)
     settings = dataclasses.replace(settings, norm=meta.norm)
     proto = export(settings)
-    passes = lambda path: _passes(settings, path, meta, reference, library, attention)
+    from sharp.exporter.check import run_check
+
+    passes = lambda path: run_check(settings, path, meta.shape, reference, library, attention) == 0
     return _write(args, settings, out, proto, library, meta.shape.layers, passes)
 
 
@@ -330,12 +331,6 @@ def _write(args, settings: ExportSettings, out: Path, proto: onnx.ModelProto, li
         + (", TensorRT form" if s.tensorrt else "")
     )
     return 0
-
-
-def _passes(settings: ExportSettings, path: Path, meta, reference, library: str | None, attention: str) -> bool:
-    from sharp.exporter.check import run_check
-
-    return run_check(settings, path, meta.shape, reference, library, attention) == 0
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from sharp.exporter.precision import EXPORTABLE, QUANT_BLOCK, QUANTIZED, check_block
+from sharp.exporter.precision import EXPORTABLE, QUANT_BLOCK, check_block
 from sharp.models.registry import NORMS
 
 OPSET = 18  # the standard opset the graph and its fallback bodies are written in
@@ -86,10 +86,6 @@ class ExportSettings:
         if self.kv_dtype != "fp32" and self.tensorrt:
             raise ValueError(f"`kv_dtype` {self.kv_dtype} keeps the cache in the op's cache form, which `tensorrt`"
                              " files do not have")  # fmt: skip
-
-    @property
-    def quantized(self) -> bool:
-        return self.dtype in QUANTIZED
 
 
 def flag_names(f) -> tuple[str, ...]:

@@ -282,12 +282,8 @@ async def _serve(engine, config) -> int:
     return code
 
 
-def _one_line(e: Exception) -> str:
-    """A refusal as one line, whatever a runtime's message held (onnxruntime's and transformers' span several)."""
-    return " ".join(str(e).split())
-
-
 def serve_main(argv: list[str] | None = None) -> int:
+    from sharp.models.messages import one_line
     from sharp.serving.backends import BackendError
     from sharp.serving.core import CoreExited
 
@@ -295,10 +291,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         engine, config = build_server(args)
     except (UsageError, BackendError) as e:
-        print(f"sharp-serve: {_one_line(e)}", file=sys.stderr)
+        print(f"sharp-serve: {one_line(e)}", file=sys.stderr)
         return 2
     except CoreExited as e:
-        print(f"sharp-serve: {_one_line(e)}", file=sys.stderr)
+        print(f"sharp-serve: {one_line(e)}", file=sys.stderr)
         return 1
     from sharp.serving.warmup import WarmUpError
 
@@ -306,10 +302,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(_serve(engine, config))
     except OSError as e:
-        print(f"sharp-serve: {_one_line(e)}", file=sys.stderr)
+        print(f"sharp-serve: {one_line(e)}", file=sys.stderr)
         return 2
     except WarmUpError as e:
-        print(f"sharp-serve: warm-up failed, not serving: {_one_line(e)}", file=sys.stderr)
+        print(f"sharp-serve: warm-up failed, not serving: {one_line(e)}", file=sys.stderr)
         return 1
     finally:
         restore()

@@ -231,7 +231,7 @@ class Engine(EngineClient):
         with self._cond:
             seqs = self.scheduler.clear()
             for s in seqs:
-                s.done = True
+                self.scheduler.end(s)
         self.backend.clear()
         self.output.fail_all([s.state for s in seqs], code, message)
         self._end_step()

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from sharp import __version__
-from sharp.models.paths import did_you_mean
+from sharp.models.messages import did_you_mean
 from sharp.serving.backends import BACKENDS, Backend, BackendError
 
 EXPECTED = {

@@ -1,4 +1,5 @@
-"""What a command says about a path that is not there: the near names beside it (a typo is the usual cause)."""
+"""What the commands say when they refuse: one line, whatever a library's message held, and for a path that is not
+there, the near names beside it (a typo is the usual cause)."""
 
 from __future__ import annotations
 
@@ -17,3 +18,8 @@ def did_you_mean(path: Path) -> str:
         return ""
     near = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
     return f"; did you mean {' or '.join(str(parent / n) for n in near)}?" if near else ""
+
+
+def one_line(e: BaseException) -> str:
+    """The message of `e` as one line (onnxruntime's and transformers' span several)."""
+    return " ".join(str(e).split())
