@@ -23,7 +23,7 @@ $(CORE_STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) $(NATI
 	touch $(CORE_STAMP)
 
 $(STAMP): $(CORE_STAMP)
-	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev,kernels,deploy,hf,genai]'
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev,kernels,deploy,hf,genai,routers]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -3,9 +3,9 @@ Hugging Face `tokenizer.json` run by the `tokenizers` library (transformers mode
 needed). Every layer — training, checkpoints, export metadata, serving — uses these objects, so a model's ids,
 BOS/EOS and detokenization are written down in exactly one place.
 
-Interface: `encode(text, bos)`, `decode(ids)`, `stream()` (incremental detokenization: text arrives only in whole
-UTF-8 characters), `eos_ids`, `bos`, `vocab_size`, `kind`, `chat_template`, `to_dict()`; `tokenizer_from_dict` reads
-one back, `render_chat` turns chat messages into the prompt text the model was tuned on.
+Interface: `encode(text, bos)`, `decode(ids)`, `stream(skip_special)` (incremental detokenization: text arrives
+only in whole UTF-8 characters), `eos_ids`, `bos`, `vocab_size`, `kind`, `chat_template`, `to_dict()`;
+`tokenizer_from_dict` reads one back, `render_chat` turns chat messages into the prompt text the model was tuned on.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ class TextStream(Protocol):
 
 
 class _ByteStream:
-    def __init__(self, tokenizer: ByteTokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: ByteTokenizer, skip_special: bool):
+        self.tokenizer, self.skip_special = tokenizer, skip_special
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def step(self, token: int) -> str:
+        if not self.skip_special and token in self.tokenizer.special:
+            return self.decoder.decode(b"", final=True) + self.tokenizer.special[token]
         return self.decoder.decode(self.tokenizer.token_bytes(token))
 
     def finish(self) -> str:
@@ -59,6 +61,11 @@ class ByteTokenizer:
 
     bos_text = eos_text = ""  # BOS and EOS are ids without text
 
+    @property
+    def special(self) -> dict[int, str]:
+        """BOS and EOS as tokenizer_json spells them: their text where special tokens are not skipped."""
+        return {self.bos: "<bos>", self.eos: "<eos>"}
+
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return ([self.bos] if bos else []) + list(text.encode("utf-8"))
 
@@ -69,8 +76,8 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
-    def stream(self) -> TextStream:
-        return _ByteStream(self)
+    def stream(self, skip_special: bool = True) -> TextStream:
+        return _ByteStream(self, skip_special)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,7 +92,7 @@ class ByteTokenizer:
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens(["<bos>", "<eos>"])
+        tok.add_special_tokens([self.special[self.bos], self.special[self.eos]])
         tok.post_processor = processors.TemplateProcessing(
             single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", self.bos)]
         )
@@ -117,11 +124,11 @@ _GPT2_BYTE = dict(zip(_gpt2_chars(), _gpt2_bytes(), strict=True))  # a byte-leve
 
 
 class _HFStream:
-    def __init__(self, tokenizer: HFTokenizer):
+    def __init__(self, tokenizer: HFTokenizer, skip_special: bool):
         from tokenizers.decoders import DecodeStream
 
-        self.tokenizer = tokenizer
-        self.stream = DecodeStream(skip_special_tokens=True)
+        self.tokenizer, self.skip_special = tokenizer, skip_special
+        self.stream = DecodeStream(skip_special_tokens=skip_special)
         self.ids: list[int] = []
         self.sent = 0  # characters returned so far
 
@@ -133,7 +140,7 @@ class _HFStream:
 
     def finish(self) -> str:
         """What DecodeStream still holds (bytes of an unfinished character), as a whole decode renders it."""
-        return self.tokenizer.decode(self.ids)[self.sent :]
+        return self.tokenizer.decode(self.ids, self.skip_special)[self.sent :]
 
 
 @dataclass(frozen=True)
@@ -166,8 +173,8 @@ class HFTokenizer:
             ids = [self.bos, *ids]
         return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.backend.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for alone: a byte-level piece mapped back to its bytes, a `<0xNN>` byte-fallback
@@ -202,8 +209,8 @@ class HFTokenizer:
         """The lowest EOS id as text (a chat template's and tokenizer_config.json's `eos_token`), "" for none."""
         return self.backend.id_to_token(min(self.eos)) or "" if self.eos else ""
 
-    def stream(self) -> TextStream:
-        return _HFStream(self)
+    def stream(self, skip_special: bool = True) -> TextStream:
+        return _HFStream(self, skip_special)
 
     def to_dict(self) -> dict:
         """Everything but the tokenizer.json text, which travels beside it (see exporter/metadata.py)."""
@@ -282,21 +289,38 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
-def render_chat(tok: Tokenizer, messages: list[dict[str, str]]) -> str:
+def render_chat(
+    tok: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True, continue_final: bool = False
+) -> str:
     """The prompt text for `messages` ({"role", "content"} dicts) with the assistant's turn opened, as transformers'
-    apply_chat_template renders it; encode the result with bos=False (the template writes its own BOS)."""
+    apply_chat_template renders it; encode the result with bos=False (the template writes its own BOS).
+    `continue_final`: the last message is the assistant's, left open for the model to continue (the template's
+    end-of-turn after it cut off, as vLLM's continue_final_message)."""
     from jinja2 import TemplateError
 
     if tok.chat_template is None:
         raise ChatTemplateError(
             "this model has no chat template (tokenizer_config.json chat_template): use completions"
         )
-    try:
-        return _compiled(tok.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=tok.bos_text, eos_token=tok.eos_text
+    if continue_final and (add_generation_prompt or not messages or messages[-1]["role"] != "assistant"):
+        raise ChatTemplateError(
+            "continue_final_message needs the last message to be the assistant's and add_generation_prompt: false"
         )
+    try:
+        text = _compiled(tok.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=tok.bos_text,
+            eos_token=tok.eos_text,
+        )  # fmt: skip
     except TemplateError as e:
         raise ChatTemplateError(f"the model's chat template failed: {e}") from None
+    if continue_final:
+        final = messages[-1]["content"]
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            why = "is empty" if not final else "is not in the prompt the chat template writes"
+            raise ChatTemplateError(f"continue_final_message: the assistant message to continue {why}")
+        text = text[: at + len(final)]
+    return text
 
 
 Tokenizer = ByteTokenizer | HFTokenizer

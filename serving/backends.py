@@ -99,6 +99,7 @@ class Chunk:
 class Backend(ABC):
     spec: ModelSpec
     kv_bytes_per_token: int  # what one token of one sequence costs in the KV cache
+    block_tokens: int = 1  # tokens per unit of KV allocation (the metrics' block size)
 
     @abstractmethod
     def allocate(self, budget_bytes: int, prefix_bytes: int = 0) -> int:

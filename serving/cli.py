@@ -105,6 +105,7 @@ def serve_parser() -> argparse.ArgumentParser:
     # the serving side only: the client never loads torch
     from sharp.serving.backends import BACKENDS, DTYPES
     from sharp.serving.config import EngineConfig
+    from sharp.serving.metrics import ENTROPY_MODES, METRIC_NAMES
     from sharp.serving.server import ServerConfig
 
     ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
@@ -127,9 +128,16 @@ def serve_parser() -> argparse.ArgumentParser:
     _config_flags(ap, EngineConfig)
     ap.add_argument(
         "--entropy-metrics",
-        choices=["auto", "head", "layer", "off"],
+        choices=ENTROPY_MODES,
         default="auto",
         help="entropy histogram labels: per head, per layer, off; auto: per head up to 256 (layer, head) pairs",
+    )
+    ap.add_argument(
+        "--metrics-names",
+        choices=METRIC_NAMES,
+        default="sharp",
+        help="vllm: also the vllm: load series (running, waiting, KV cache use, cache shape) that routers and the"
+        " inference gateway's endpoint picker read",
     )
     ap.add_argument(
         "--warm-up",
@@ -208,8 +216,8 @@ def build_server(args):
         if name is None and MODEL_NAME.fullmatch(model.resolve().name):
             name = model.resolve().name
         model = exported(model, say=lambda line: print(line, flush=True))
-    spec = CoreSpec(str(model), args.backend, args.device, kw, name, config, args.entropy_metrics, args.log_level,
-                    args.log_format)  # fmt: skip
+    spec = CoreSpec(str(model), args.backend, args.device, kw, name, config, args.entropy_metrics,
+                    args.metrics_names, args.log_level, args.log_format)  # fmt: skip
     on_gpu = args.backend == "tensorrt" or (args.backend == "onnxruntime" and args.device == "cuda")
     if args.engine_process == "off" or (args.engine_process == "auto" and not on_gpu):
         return build_engine(spec), server

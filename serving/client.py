@@ -21,10 +21,12 @@ def make_request(
     stop: Sequence[str] = (),
     attention_stats: bool = False,
     request_id: str = "",
+    **fields,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; `prompt` is text or token ids. Unset values take the server's defaults."""
+    """A GenerateRequest; `prompt` is text or token ids. Unset values take the server's defaults; `fields`: any
+    other GenerateRequest field (ignore_eos, min_tokens, stop_token_ids, …)."""
     msg = pb.GenerateRequest(
-        top_k=top_k, stop=list(stop), return_attention_stats=attention_stats, request_id=request_id
+        top_k=top_k, stop=list(stop), return_attention_stats=attention_stats, request_id=request_id, **fields
     )
     if isinstance(prompt, str):
         msg.prompt = prompt

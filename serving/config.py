@@ -66,7 +66,7 @@ class EngineConfig:
         mb = self.kv_cache_mb if self.prefix_cache_mb is None else self.prefix_cache_mb
         return int(mb * 2**20)
 
-    def limits(self, spec: ModelSpec, kv_bytes_per_token: int, kv_budget_bytes: int) -> Limits:
+    def limits(self, spec: ModelSpec, kv_bytes_per_token: int, kv_budget_bytes: int, block_tokens: int = 1) -> Limits:
         """What requests are checked against: this configuration's bounds and the served model's."""
         return Limits(
             vocab_size=spec.vocab_size,
@@ -78,4 +78,5 @@ class EngineConfig:
             max_prompt_bytes=self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * spec.context_length,
             max_stop_strings=self.max_stop_strings,
             max_stop_length=self.max_stop_length,
+            kv_block_tokens=block_tokens,
         )

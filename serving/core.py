@@ -96,6 +96,7 @@ class CoreSpec:
     model_name: str | None = None
     config: EngineConfig = field(default_factory=EngineConfig)
     entropy: str = "auto"  # the metrics' entropy labels (serving/metrics.py)
+    metric_names: str = "sharp"  # also the vllm: load series (serving/metrics.py)
     log_level: str = "info"
     log_format: str = "text"
 
@@ -107,7 +108,8 @@ def build_engine(spec: CoreSpec, publish=None) -> Engine:
     backend = load_backend(spec.model, spec.backend, spec.device, **spec.backend_options)
     if spec.model_name is not None:
         backend.spec = replace(backend.spec, name=spec.model_name)
-    return Engine(backend, spec.config, ServingMetrics(backend.spec, entropy=spec.entropy), publish)
+    metrics = ServingMetrics(backend.spec, entropy=spec.entropy, names=spec.metric_names)
+    return Engine(backend, spec.config, metrics, publish)
 
 
 # ---- the core's process ------------------------------------------------------------------------------------------
@@ -232,8 +234,8 @@ class EngineProcess(EngineClient):
             raise _rebuilt(*args)
         self.spec, self.limits, self.attention, self.prefix_cache = args
         self.tokenizer = self.spec.tokenizer
-        self.metrics = ServingMetrics(self.spec, entropy=spec.entropy)
-        self.metrics.configured(self.config.max_queue, self.config.max_batch)
+        self.metrics = ServingMetrics(self.spec, entropy=spec.entropy, names=spec.metric_names)
+        self.metrics.configured(self.config.max_queue, self.config.max_batch, self.limits)
         self.delivery = Delivery()
         self._lock = threading.Lock()  # the handles, the row count and the pipe's order of submits
         self._handles: dict[int, Handle] = {}

@@ -43,14 +43,14 @@ class Engine(EngineClient):
         self.backend, self.config, self.spec = backend, config, backend.spec
         self.tokenizer = self.spec.tokenizer
         self.metrics = metrics or ServingMetrics(self.spec, entropy="off")
-        self.metrics.configured(config.max_queue, config.max_batch)
         budget = backend.allocate(int(config.kv_cache_mb * 2**20), config.prefix_cache_bytes())
-        self.limits = config.limits(self.spec, backend.kv_bytes_per_token, budget)
+        self.limits = config.limits(self.spec, backend.kv_bytes_per_token, budget, backend.block_tokens)
+        self.metrics.configured(config.max_queue, config.max_batch, self.limits)
         self.attention = backend.attention  # what runs attention, in words (GetModelInfo, the start-up line)
         self.prefix_cache = backend.cache_info()  # its size, in words (the start-up line)
         self._cond = threading.Condition()
         self.scheduler = Scheduler(config.max_batch, config.prefill_chunk, self.tokenizer.eos_ids)
-        self.executor = Executor(backend)
+        self.executor = Executor(backend, self.tokenizer.eos_ids)
         self.output = Output(self.metrics.entropy != "off")
         self.delivery = Delivery()
         self._publish = publish or self._publish_here
@@ -79,11 +79,12 @@ class Engine(EngineClient):
         """Queue a validated request that arrived at `arrival` (perf_counter); its events go to `sink`."""
         stats = HeadStats(self.spec.layers, self.spec.heads) if req.attention_stats else None
         arrival = time.perf_counter() if arrival is None else arrival
-        state = RequestState(req, sink, arrival, StopText(req.stop), self.tokenizer.stream(), stats)
+        text = StopText(req.stop, req.include_stop)
+        state = RequestState(req, sink, arrival, text, self.tokenizer.stream(req.skip_special_tokens), stats)
         seq = Sequence(req, generator(req.seed), state)
         with self._cond:
             self.admission(len(self.scheduler.waiting))
-            self.scheduler.waiting.append(seq)
+            self.scheduler.add(seq)
             self._cond.notify_all()
         return seq
 
@@ -156,6 +157,8 @@ class Engine(EngineClient):
         st.queue_size = len(self.scheduler.waiting)
         st.running = len(self.scheduler.prefilling) + len(self.scheduler.running)
         st.kv_usage = self.backend.kv_usage()
+        held = sum(s.length for s in self.scheduler.prefilling) + sum(s.cached for s in self.scheduler.running)
+        st.kv_used = held * self.limits.kv_bytes_per_token / self.limits.kv_budget_bytes
         self._publish(st, outbox)
 
     def _publish_here(self, st: StepStats, outbox: list[tuple[RequestState, Event]]) -> None:

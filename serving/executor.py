@@ -17,8 +17,8 @@ from sharp.serving.stats import StepStats
 
 
 class Executor:
-    def __init__(self, backend: Backend):
-        self.backend = backend
+    def __init__(self, backend: Backend, eos_ids: frozenset[int] = frozenset()):
+        self.backend, self.eos_ids = backend, eos_ids
 
     def prefill(self, chunks: list[Chunk], entropy: bool, stats: StepStats) -> list[StepResult | None]:
         """One result per chunk; None where the model failed on that prompt (it ends alone)."""
@@ -36,11 +36,12 @@ class Executor:
         stats.decode_batch = len(seqs)
         return out
 
-    @staticmethod
-    def sample(seqs: list[Sequence], logits: np.ndarray) -> tuple[list[int | None], list[TokenLogprob | None]]:
+    def sample(self, seqs: list[Sequence], logits: np.ndarray) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Each row's next token (None where its logits are unusable) and, for the rows whose request asked, its
-        log-probability — computed in one batched pass over those rows only."""
-        chosen = sample_rows(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+        log-probability — computed in one batched pass over those rows only, from the model's own logits (before
+        any request's processing, as vLLM reports them)."""
+        chosen = sample_rows(self._processed(seqs, logits), [s.request.sampling for s in seqs],
+                             [s.generator for s in seqs])  # fmt: skip
         out: list[TokenLogprob | None] = [None] * len(seqs)
         rows = [i for i, s in enumerate(seqs) if s.request.logprobs is not None and chosen[i] is not None]
         if rows:
@@ -50,3 +51,16 @@ class Executor:
             for i, made in zip(rows, as_token_logprobs(lp, picked, top), strict=True):
                 out[i] = made
         return chosen, out
+
+    def _processed(self, seqs: list[Sequence], logits: np.ndarray) -> np.ndarray:
+        """The logits each row samples from: a row short of its request's min_tokens cannot pick end-of-sequence
+        or one of its stop_token_ids. Rows that need nothing cost nothing (no copy when none does)."""
+        rows = [i for i, s in enumerate(seqs) if len(s.generated) < s.request.min_tokens]
+        if not rows:
+            return logits
+        out = logits.copy()
+        for i in rows:
+            req = seqs[i].request
+            banned = [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)]
+            out[i, banned] = -np.inf
+        return out

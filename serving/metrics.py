@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from sharp.serving.requests import Limits
 from sharp.serving.spec import ModelSpec
 from sharp.serving.stats import APIS, RequestOutcome, StepStats
 
 ENTROPY_MODES = ("auto", "head", "layer", "off")
+METRIC_NAMES = ("sharp", "vllm")  # sharp_ series only, or also the vllm: series routers and gateways read
 # Above this many (layer, head) pairs "auto" labels the entropy histograms by layer only: each pair costs 35-40
 # series (two histograms' buckets, +Inf, _sum and _count), so the cap bounds them near 10K per replica, where a
 # 32-layer × 32-head model labelled by head would make ~38K.
@@ -110,13 +113,74 @@ class _AttentionCollector:
             yield h.collect()
 
 
-class ServingMetrics:
-    """Every metric of one served model, in its own registry (several servers can share a process)."""
+@dataclass
+class Load:
+    """A replica's load as of the engine's last step: what routers and the inference gateway's endpoint picker
+    balance by (GET /get_load, the load gauges)."""
 
-    def __init__(self, spec: ModelSpec, entropy: str = "auto", registry: CollectorRegistry | None = None):
+    waiting: int = 0
+    running: int = 0
+    kv_used: float = 0.0  # tokens held in the KV cache / its capacity (reservations not counted)
+
+
+class _VLLMCollector:
+    """The load series under vLLM's names (`vllm:`, label `model_name`), for the routers and endpoint pickers
+    configured for vLLM: the same values as sharp's own series, read at scrape time."""
+
+    def __init__(self, metrics: ServingMetrics, model: str):
+        self.metrics, self.model = metrics, model
+
+    def collect(self):
+        m, label = self.metrics, ["model_name"]
+        load = m.load
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests prefilling or decoding.", load.running),
+            ("vllm:num_requests_waiting", "Requests waiting for admission.", load.waiting),
+            ("vllm:kv_cache_usage_perc", "KV cache in use, 0-1 (tokens held / capacity).", load.kv_used),
+            ("vllm:gpu_cache_usage_perc", "The same, under vLLM's older name.", load.kv_used),
+        ):
+            family = GaugeMetricFamily(name, doc, labels=label)
+            family.add_metric([self.model], value)
+            yield family
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's shape.",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])  # fmt: skip
+        info.add_metric([self.model, str(m.block_size), str(m.blocks)], 1.0)
+        yield info
+        for name, doc, series in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m.prefix_queries),
+            ("vllm:prefix_cache_hits", "Of them, those found.", m.prefix_hits),
+        ):
+            family = CounterMetricFamily(name, doc, labels=label)
+            family.add_metric([self.model], sum(c._value.get() for c in series.values()))
+            yield family
+
+
+class ServingMetrics:
+    """Every metric of one served model, in its own registry (several servers can share a process). The load
+    gauges are in a second, small registry too (`load_registry`: GET /metrics/load), for a picker that scrapes
+    every few tens of milliseconds and should not be sent the entropy histograms each time."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        entropy: str = "auto",
+        registry: CollectorRegistry | None = None,
+        names: str = "sharp",
+    ):
+        if names not in METRIC_NAMES:
+            raise ValueError(f"metric names must be one of {', '.join(METRIC_NAMES)}, got {names!r}")
         self.registry = registry or CollectorRegistry()
+        self.load_registry = CollectorRegistry()
+        self.load = Load()
+        self.block_size = self.blocks = 0
         self.entropy = entropy = entropy_mode(entropy, spec.layers, spec.heads)
         model, r = spec.name, self.registry
+
+        def load_gauge(name, doc, labels=("model",)):  # in both registries
+            gauge = Gauge(name, doc, list(labels), registry=None)
+            r.register(gauge)
+            self.load_registry.register(gauge)
+            return gauge
 
         def per_api(kind, name, doc, **kw):  # the series of each API (requests' own measures), created up front
             family = kind(name, doc, ["model", "api"], registry=r, **kw)
@@ -154,17 +218,23 @@ class ServingMetrics:
         self.prefix_hits = per_api(
             Counter, "sharp_prefix_cache_hits", "Of the prompt tokens looked up, those found (not prefilled)."
         )
-        self.queue_size = per_model(Gauge, "sharp_queue_size", "Requests waiting for admission.")
+        self.queue_size = load_gauge("sharp_queue_size", "Requests waiting for admission.").labels(model)
         self.queue_capacity = per_model(
             Gauge, "sharp_queue_capacity", "Requests that may wait (--max-queue); more are refused."
         )
         self.max_batch = per_model(Gauge, "sharp_max_batch", "Sequences decoded together at most (--max-batch).")
-        self.running = per_model(Gauge, "sharp_running_requests", "Requests prefilling or decoding.")
+        self.running = load_gauge("sharp_running_requests", "Requests prefilling or decoding.").labels(model)
         self.kv_usage = per_model(
             Gauge,
             "sharp_kv_cache_usage_ratio",
-            "KV cache in use (pages, or padded rows) / --kv-cache-mb; cached prefixes nobody holds count as free.",
+            "KV cache reserved (pages, or padded rows) / --kv-cache-mb; cached prefixes nobody holds count as free.",
         )
+        self.kv_used = load_gauge(
+            "sharp_kv_cache_used_ratio",
+            "KV cache holding tokens of running requests / --kv-cache-mb (what is used, not what is reserved).",
+        ).labels(model)
+        self._block_size = load_gauge("sharp_kv_cache_block_size", "Tokens per KV cache block.").labels(model)
+        self._blocks = load_gauge("sharp_kv_cache_blocks", "KV cache blocks in --kv-cache-mb.").labels(model)
         self.steps = per_model(Counter, "sharp_engine_steps", "Engine steps run.")
         self.busy = per_model(Counter, "sharp_engine_busy_seconds", "Wall time of engine steps.")
         self.forward = per_model(
@@ -195,11 +265,19 @@ class ServingMetrics:
                 ),
             ]
             self.registry.register(_AttentionCollector(self))
+        if names == "vllm":
+            vllm = _VLLMCollector(self, model)
+            self.registry.register(vllm)
+            self.load_registry.register(vllm)
 
-    def configured(self, max_queue: int, max_batch: int) -> None:
-        """The engine's two configuration gauges, set once at start."""
+    def configured(self, max_queue: int, max_batch: int, limits: Limits) -> None:
+        """The engine's configuration gauges, set once at start."""
         self.queue_capacity.set(max_queue)
         self.max_batch.set(max_batch)
+        self.block_size = limits.kv_block_tokens
+        self.blocks = limits.kv_budget_bytes // (limits.kv_block_tokens * limits.kv_bytes_per_token)
+        self._block_size.set(self.block_size)
+        self._blocks.set(self.blocks)
 
     def log_outcome(self, outcome: RequestOutcome) -> None:
         self._requests[outcome.api, outcome.status].inc()
@@ -208,9 +286,11 @@ class ServingMetrics:
 
     def log_step(self, stats: StepStats) -> None:
         """Turn one engine step's record into series."""
+        self.load = Load(stats.queue_size, stats.running, stats.kv_used)
         self.queue_size.set(stats.queue_size)
         self.running.set(stats.running)
         self.kv_usage.set(stats.kv_usage)
+        self.kv_used.set(stats.kv_used)
         for api, n in stats.prompt_tokens.items():
             self.prompt_tokens[api].inc(n)
         for api, n in stats.generation_tokens.items():

@@ -10,19 +10,26 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
+LOAD_PATH = "/metrics/load"  # the load gauges alone (serving/metrics.py), for pickers that scrape often
+
+
+async def scrape(request: web.Request, registry: CollectorRegistry) -> web.Response:
+    """`registry` rendered in the text format or OpenMetrics, as the scraper's Accept asks (in a worker thread)."""
+    encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+    body = await asyncio.to_thread(encoder, registry)
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
 
 class MetricsServer:
-    """Serves `registry` at any path (GET), in the text format or OpenMetrics as the scraper's Accept asks."""
+    """Serves `registry` at any path (GET) but LOAD_PATH, which serves `load`."""
 
-    def __init__(self, registry: CollectorRegistry, keepalive: float):
-        self.registry, self.keepalive = registry, keepalive
+    def __init__(self, registry: CollectorRegistry, load: CollectorRegistry, keepalive: float):
+        self.registry, self.load, self.keepalive = registry, load, keepalive
         self.runner: web.AppRunner | None = None
         self.port: int | None = None
 
     async def _scrape(self, request: web.Request) -> web.Response:
-        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
-        body = await asyncio.to_thread(encoder, self.registry)
-        return web.Response(body=body, headers={"Content-Type": content_type})
+        return await scrape(request, self.load if request.path == LOAD_PATH else self.registry)
 
     async def start(self, host: str, port: int) -> int:
         app = web.Application()

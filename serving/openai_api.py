@@ -28,13 +28,14 @@ from typing import Annotated, Any, Literal, TypeVar
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from sharp import __version__
 from sharp.models.tokenizer import ChatTemplateError, render_chat
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
 from sharp.serving.engine_client import EngineClient
+from sharp.serving.metrics_http import LOAD_PATH, scrape
 from sharp.serving.output import Delta, Event, Failed, Finished, TokenLogprob
 from sharp.serving.requests import GenerationRequest, RequestError, RequestParams, validate
 from sharp.serving.stats import RequestOutcome
@@ -64,7 +65,8 @@ TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=0, lt=2**64)]
 
 
-OPEN_PATHS = frozenset(("/health", "/metrics"))  # answered without the bearer token
+# answered without the bearer token: probes, Prometheus, and the routers' load polls (numbers, no content)
+OPEN_PATHS = frozenset(("/health", "/metrics", LOAD_PATH, "/get_load"))
 
 
 HTTP_STATUS = {  # docs/serving.md has the table
@@ -126,6 +128,7 @@ class _Body(BaseModel):
 
 
 _B = TypeVar("_B", bound=_Body)
+_G = TypeVar("_G", bound="_Generation")
 
 
 class TokenizeRequest(_Body):
@@ -182,6 +185,15 @@ class _Generation(_Body):
     service_tier: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    # vLLM's and SGLang's extensions (what their clients, and the routers in front of replicas, send)
+    ignore_eos: bool = False
+    min_tokens: Int32 = 0
+    stop_token_ids: list[TokenId] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's name
+    no_stop_trim: bool = False  # SGLang's name for the same
+    priority: Int32 = 0
+    return_hidden_states: bool = False
     sharp: SharpOptions = SharpOptions()
 
     def refused(self) -> Refusal | None:
@@ -194,6 +206,8 @@ class _Generation(_Body):
             return "logit_bias", "logit_bias is not supported"
         if self.store:
             return "store", "store: true is not supported: the server keeps no completions"
+        if self.return_hidden_states:
+            return "return_hidden_states", "return_hidden_states: true is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream: true"
         return None
@@ -213,6 +227,12 @@ class _Generation(_Body):
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             return_attention_stats=self.sharp.attention_stats,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids or (),
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop=self.include_stop_str_in_output or self.no_stop_trim,
+            priority=self.priority,
         )
 
 
@@ -310,6 +330,13 @@ class ChatRequest(_Generation):
     prediction: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     web_search_options: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM's extensions: how the chat template renders the messages
+    continue_final_message: bool = False
+    # SGLang's and vLLM's reasoning switches: they separate a reasoning parser's output, and sharp runs none (all
+    # text is content), so any value gives the same reply
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
 
     def refused(self) -> Refusal | None:
         if self.top_logprobs and not self.logprobs:
@@ -619,6 +646,16 @@ class OpenAIServer:
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        app.router.add_get(LOAD_PATH, self.load_metrics)
+        # what the LLM routers in front of replicas call (docs/deploy.md): vLLM's render endpoints, SGLang's
+        # server and model information (under both of SGLang's names) and load
+        app.router.add_post("/v1/completions/render", self.render_completion)
+        app.router.add_post("/v1/chat/completions/render", self.render_chat)
+        for path in ("/server_info", "/get_server_info"):
+            app.router.add_get(path, self.server_info)
+        for path in ("/model_info", "/get_model_info"):
+            app.router.add_get(path, self.model_info)
+        app.router.add_get("/get_load", self.get_load)
         return app
 
     async def start(self, host: str, port: int, tls: tuple[bytes, bytes] | None) -> int:
@@ -718,8 +755,65 @@ class OpenAIServer:
         return web.Response(status=503, text="not serving\n")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.engine.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return await scrape(request, self.engine.metrics.registry)
+
+    async def load_metrics(self, request: web.Request) -> web.Response:
+        return await scrape(request, self.engine.metrics.load_registry)
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang's load poll (the routers' power-of-two policy): `load` is the requests this replica holds."""
+        load = self.engine.metrics.load
+        return web.json_response({"load": load.waiting + load.running, "num_reqs": load.running,
+                                  "num_waiting_reqs": load.waiting, "kv_cache_usage": load.kv_used})  # fmt: skip
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """What SGLang's /server_info and vLLM's ?config_format=json answer that routers read: the model, its
+        context, the KV cache's block size and count, one replica (no data or tensor parallelism)."""
+        spec, metrics = self.engine.spec, self.engine.metrics
+        cache = {"block_size": metrics.block_size, "num_gpu_blocks": metrics.blocks}
+        return web.json_response(
+            {
+                "version": __version__,
+                "model_path": spec.name,
+                "served_model_name": spec.name,
+                "context_length": spec.context_length,
+                "page_size": metrics.block_size,
+                "max_total_num_tokens": metrics.block_size * metrics.blocks,
+                "dp_size": 1,
+                "tp_size": 1,
+                "norm": spec.norm,
+                "vllm_config": {"model_config": {"model": spec.name, "max_model_len": spec.context_length},
+                                "cache_config": cache},
+            }
+        )  # fmt: skip
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang's /model_info: a generative text model, by its served name."""
+        spec = self.engine.spec
+        return web.json_response(
+            {
+                "model_path": spec.name,
+                "tokenizer_path": spec.name,
+                "is_generation": True,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "max_model_len": spec.context_length,
+                "vocab_size": spec.vocab_size,
+            }
+        )
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/completions/render: the request as the engine would run it (token ids, sampling), unrun."""
+        body = await self._read_checked(request, CompletionRequest)
+        req = await self._validated(body.to_params(), self.engine.tokenizer.encode, COMPLETION_NAMES)
+        return web.json_response([_rendered(req, "cmpl-", body.model)])
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        body = await self._read_checked(request, ChatRequest)
+        prompt = self._chat_prompt(body)
+        encode = lambda text: self.engine.tokenizer.encode(text, bos=False)
+        req = await self._validated(body.to_params(prompt), encode, self._chat_names(body))
+        return web.json_response(_rendered(req, "chatcmpl-", body.model))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         self._serving()
@@ -764,16 +858,25 @@ class OpenAIServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._parse(request, ChatRequest)
         try:
-            prompt = render_chat(self.engine.tokenizer, [m.for_template() for m in body.messages])
-        except ChatTemplateError as e:
-            raise self._refuse(APIError(400, str(e), "invalid_value", "messages", "invalid_argument")) from None
+            prompt = self._chat_prompt(body)
+        except APIError as e:
+            raise self._refuse(e) from None
         tokenizer = self.engine.tokenizer
-        names = CHAT_NAMES | {
-            "max_new_tokens": "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
-        }
         choice = _Choice(True, None, body.logprobs, _Logprobs(tokenizer))
         encode = lambda text: tokenizer.encode(text, bos=False)  # the template wrote BOS, if any
-        return await self._generate(request, body, body.to_params(prompt), encode, choice, names)
+        return await self._generate(request, body, body.to_params(prompt), encode, choice, self._chat_names(body))
+
+    def _chat_prompt(self, body: ChatRequest) -> str:
+        try:
+            messages = [m.for_template() for m in body.messages]
+            return render_chat(self.engine.tokenizer, messages, body.add_generation_prompt,
+                               body.continue_final_message)  # fmt: skip
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "invalid_value", "messages", "invalid_argument") from None
+
+    @staticmethod
+    def _chat_names(body: ChatRequest) -> dict[str, str]:
+        return CHAT_NAMES | {"max_new_tokens": "max_tokens" if body.max_tokens is not None else "max_completion_tokens"}
 
     # ---- helpers ----
     def _serving(self) -> None:
@@ -803,6 +906,24 @@ class OpenAIServer:
             return kind.model_validate_json(raw)
         except ValidationError as e:
             raise _refusal(e) from None
+
+    async def _read_checked(self, request: web.Request, kind: type[_G]) -> _G:
+        """A generation body, read and checked as a generation's (not counted: nothing runs)."""
+        self._serving()
+        body = await self._read(request, kind)
+        if (refusal := body.refused()) is not None:
+            raise APIError(400, refusal[1], "unsupported_value", refusal[0], "invalid_argument")
+        if body.model != self.engine.spec.name:
+            raise APIError(404, f"model {body.model!r} is not served here; GET /v1/models lists it",
+                           "model_not_found", "model", "not_found")  # fmt: skip
+        return body
+
+    async def _validated(self, msg: RequestParams, encode, names: dict[str, str]) -> GenerationRequest:
+        """The one validation, for a request that is not run (a render); tokenized off the event loop."""
+        try:
+            return await asyncio.to_thread(validate, msg, self.engine.limits, encode, "http", names)
+        except RequestError as e:
+            raise APIError.of(e.code, e.message, e.transient, e.field, e.reason) from None
 
     async def _parse(self, request: web.Request, kind: type[_Generation]) -> _Generation:
         try:
@@ -941,6 +1062,27 @@ class OpenAIServer:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _rendered(req: GenerationRequest, prefix: str, model: str) -> dict[str, Any]:
+    """A validated request in the shape vLLM's render endpoints answer (its GenerateRequest)."""
+    sampling = {
+        "max_tokens": req.max_new_tokens,
+        "min_tokens": req.min_tokens,
+        "temperature": req.sampling.temperature,
+        "top_p": req.sampling.top_p,
+        "top_k": req.sampling.top_k,
+        "seed": req.seed,
+        "stop": list(req.stop),
+        "stop_token_ids": list(req.stop_token_ids),
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop,
+        "logprobs": req.logprobs,
+        "prompt_logprobs": req.prompt_logprobs,
+    }
+    return {"request_id": prefix + req.request_id, "model": model, "token_ids": list(req.prompt_ids),
+            "sampling_params": sampling, "priority": req.priority}  # fmt: skip
 
 
 def _too_large(e: web.HTTPException) -> str:

@@ -182,8 +182,8 @@ class Output:
     # ---- the step's events ---------------------------------------------------------------------------------
     def emit(self, st: RequestState, token: int, reason: str | None, logprob: TokenLogprob | None = None) -> str | None:
         """Send a sampled token (and its log-probability, when asked); `reason`: why the scheduler ends the request
-        with it (eos, length), None if it goes on. Returns the reason it ended for, "stop" when the token completed
-        a stop string. A first token carries the prompt's log-probabilities, when asked."""
+        with it (eos, stop for a stop token, length), None if it goes on. Returns the reason it ended for, "stop"
+        when the token completed a stop string. A first token carries the prompt's log-probabilities, when asked."""
         now = time.perf_counter()
         api = st.request.api
         if st.tokens:
@@ -193,7 +193,10 @@ class Output:
         st.last_token_time = now
         st.tokens += 1
         self.stats.generation_tokens[api] += 1
-        text = st.text.push(st.detokenizer.step(token))
+        req = st.request
+        ended_by_token = reason in ("eos", "stop")  # its text is left out unless the request keeps what stopped it
+        piece = "" if ended_by_token and not req.include_stop else st.detokenizer.step(token)
+        text = st.text.push(piece, armed=st.tokens >= req.min_tokens)
         if reason is None and st.text.stopped:
             reason = "stop"
         if reason is not None:

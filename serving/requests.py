@@ -64,6 +64,7 @@ class Limits:
     max_prompt_bytes: int
     max_stop_strings: int
     max_stop_length: int
+    kv_block_tokens: int = 1  # the backend's unit of KV allocation (the torch backend's pages)
 
     def message_bytes(self) -> int:
         """The largest request message these limits allow (the servers' receive limit)."""
@@ -91,6 +92,12 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
     group: int = 0  # several choices of one prompt (n > 1) share a group id; 0: a request alone
     choice: int = 0  # its index among them: choice 0 prefills the prompt, the others start from its cache
+    ignore_eos: bool = False  # go on past the model's end-of-sequence token (benchmark harnesses ask)
+    min_tokens: int = 0  # until this many are generated, eos and stop_token_ids cannot be sampled, stops are not sought
+    stop_token_ids: tuple[int, ...] = ()  # these tokens end the request as a stop string does
+    skip_special_tokens: bool = True  # special tokens have no text
+    include_stop: bool = False  # the stop string or stop token that ended it stays in the text
+    priority: int = 0  # lower is admitted first (vLLM's order); equal priorities in arrival order
 
     def choices(self, n: int) -> list[GenerationRequest]:
         """`n` choices of this request, one group: choice i samples with seed + i (so they differ)."""
@@ -119,6 +126,12 @@ class RequestParams:
     request_id: str = ""
     logprobs: int | None = None  # alternatives per generated token
     prompt_logprobs: int | None = None  # the same for the prompt's tokens
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Sequence[int] = ()
+    skip_special_tokens: bool = True
+    include_stop: bool = False
+    priority: int = 0
 
 
 GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are RequestParams' own
@@ -160,6 +173,11 @@ def validate(
             Status.OUT_OF_RANGE,
             "context_length_exceeded",
         )
+    if len(msg.stop_token_ids) > limits.max_stop_strings:
+        raise name.error(
+            "stop_token_ids",
+            f"{len(msg.stop_token_ids)} {{stop_token_ids}}; at most {limits.max_stop_strings} (--max-stop-strings)",
+        )
     for field in ("logprobs", "prompt_logprobs"):
         if getattr(msg, field) is not None and not 0 <= getattr(msg, field) <= MAX_LOGPROBS:
             raise name.error(field, f"{{{field}}} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, field)}")
@@ -180,6 +198,12 @@ def validate(
         api=api,
         logprobs=msg.logprobs,
         prompt_logprobs=msg.prompt_logprobs,
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        skip_special_tokens=msg.skip_special_tokens,
+        include_stop=msg.include_stop,
+        priority=msg.priority,
     )
     _check(req, limits, name)
     return req
@@ -220,6 +244,15 @@ def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
             "max_new_tokens",
             f"{{max_new_tokens}} must be in [{lowest}, {limits.max_new_tokens_limit}]{scoring}, got"
             f" {req.max_new_tokens}",
+        )
+    if not 0 <= req.min_tokens <= req.max_new_tokens:
+        raise name.error(
+            "min_tokens",
+            f"{{min_tokens}} must be in [0, {{max_new_tokens}}] = [0, {req.max_new_tokens}], got {req.min_tokens}",
+        )
+    if bad := [t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size]:
+        raise name.error(
+            "stop_token_ids", f"{{stop_token_ids}} {bad[:3]} outside the vocabulary [0, {limits.vocab_size})"
         )
     try:
         req.sampling.check()

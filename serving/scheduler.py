@@ -3,8 +3,9 @@
 A `Sequence` is one request's scheduling state: how much of its prompt is in the cache, the tokens it generated,
 whether it has ended. What those tokens mean to its client (text, stop strings, log-probabilities, statistics) is
 the output processor's `RequestState` (output.py), which it carries but never reads. The scheduler holds sequences
-in three places — waiting (FIFO), prefilling and running (the decode batch, in order) — admits waiting ones while
-the batch has room and the backend can reserve their KV cache (prompt + max_new_tokens, up front), and returns
+in three places — waiting (by priority, then arrival), prefilling and running (the decode batch, in order) — admits
+waiting ones while the batch has room and the backend can reserve their KV cache (prompt + max_new_tokens, up
+front; one that does not fit yet is passed a bounded number of times), and returns
 each step's `StepPlan`: the next prompt chunk of each prefilling sequence, oldest first, up to `prefill_chunk`
 tokens in all (a long prompt never stalls running streams for more than one chunk), and the running sequences to
 decode. After a step it advances each sequence from what the step produced (`prompt_advanced`, `update`): the
@@ -23,6 +24,9 @@ from sharp.serving.backends import Chunk, Prefix
 from sharp.serving.output import RequestState
 from sharp.serving.requests import GenerationRequest
 
+MAX_OVERTAKES = 16  # admissions that may pass a waiting request that does not fit, before it blocks the queue
+LOOKAHEAD = 8  # waiting requests tried behind ones that do not fit, per step
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -34,6 +38,7 @@ class Sequence:
     cancelled: bool = False
     done: bool = False
     failed: bool = False  # ended by a failure: its cache is not kept
+    overtaken: int = 0  # requests admitted past it while it did not fit
     _prompt: np.ndarray | None = None
 
     def prompt_array(self) -> np.ndarray:
@@ -81,8 +86,16 @@ class Scheduler:
     """Queues and admission; the engine calls it under its lock where other threads touch the same state (the
     waiting queue, a sequence's `cancelled` and `done`)."""
 
-    def __init__(self, max_batch: int, prefill_chunk: int, eos_ids: frozenset[int] | set[int] = frozenset()):
+    def __init__(
+        self,
+        max_batch: int,
+        prefill_chunk: int,
+        eos_ids: frozenset[int] | set[int] = frozenset(),
+        max_overtakes: int = MAX_OVERTAKES,
+        lookahead: int = LOOKAHEAD,
+    ):
         self.max_batch, self.prefill_chunk, self.eos_ids = max_batch, prefill_chunk, eos_ids
+        self.max_overtakes, self.lookahead = max_overtakes, lookahead
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []  # the decode batch, in order
@@ -104,20 +117,36 @@ class Scheduler:
             self.running = [s for s in self.running if not s.cancelled]
         return gone
 
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind every waiting sequence of its priority or a lower value (arrival order within one)."""
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].request.priority > seq.request.priority:
+            at -= 1
+        self.waiting.insert(at, seq)
+
     def admit(self, reserve: Callable[[Sequence], int | None]) -> list[Sequence]:
-        """Move waiting sequences, in order, to prefilling while the batch has room and `reserve(seq)` finds their
-        KV cache — it answers how many of the prompt's tokens are cached already (their prefill is skipped), or None
-        when it does not fit: that one waits (no overtaking) until running sequences leave."""
-        admitted = []
-        while self.waiting and len(self.prefilling) + len(self.running) < self.max_batch:
-            if self._waits_for_its_first_choice(self.waiting[0]):
+        """Move waiting sequences, in queue order, to prefilling while the batch has room and `reserve(seq)` finds
+        their KV cache — it answers how many of the prompt's tokens are cached already (their prefill is skipped),
+        or None when it does not fit. One that does not fit lets the next `lookahead` behind it try (smaller
+        requests are not stuck behind a large one), but only `max_overtakes` times: then it blocks the queue until
+        running sequences leave and it fits (a large request is never starved)."""
+        admitted: list[Sequence] = []
+        passed: list[Sequence] = []  # those that did not fit this step, in order
+        for seq in list(self.waiting):
+            if len(self.prefilling) + len(self.running) >= self.max_batch or len(passed) > self.lookahead:
                 break
-            cached = reserve(self.waiting[0])
+            cached = None if self._waits_for_its_first_choice(seq) else reserve(seq)
             if cached is None:
-                break
-            self.waiting[0].length = cached
-            admitted.append(self.waiting.popleft())
-            self.prefilling.append(admitted[-1])
+                if seq.overtaken >= self.max_overtakes:
+                    break
+                passed.append(seq)
+                continue
+            for p in passed:
+                p.overtaken += 1
+            seq.length = cached
+            self.waiting.remove(seq)
+            self.prefilling.append(seq)
+            admitted.append(seq)
         return admitted
 
     def _waits_for_its_first_choice(self, seq: Sequence) -> bool:
@@ -146,8 +175,9 @@ class Scheduler:
         return seq.length == seq.prompt_len
 
     def update(self, seqs: list[Sequence], tokens: list[int | None]) -> list[str | None]:
-        """Append each row's sampled token; the reason each ends for — eos, length, or error (None: its logits were
-        unusable) — or None where it goes on. An ended sequence is marked done; `leave` takes it out."""
+        """Append each row's sampled token; the reason each ends for — eos, stop (one of its stop_token_ids),
+        length, or error (None: its logits were unusable) — or None where it goes on. An ended sequence is marked
+        done; `leave` takes it out."""
         reasons: list[str | None] = []
         for seq, token in zip(seqs, tokens, strict=True):
             reason = None
@@ -156,9 +186,13 @@ class Scheduler:
                 seq.failed = True
             else:
                 seq.generated.append(token)
-                if token in self.eos_ids:
+                req = seq.request
+                may_stop = len(seq.generated) > req.min_tokens  # min_tokens' sampling mask keeps these out before
+                if token in self.eos_ids and may_stop and not req.ignore_eos:
                     reason = "eos"
-                elif len(seq.generated) >= seq.request.max_new_tokens:
+                elif token in req.stop_token_ids and may_stop:
+                    reason = "stop"
+                elif len(seq.generated) >= req.max_new_tokens:
                     reason = "length"
             seq.done = seq.done or reason is not None
             reasons.append(reason)

@@ -39,7 +39,7 @@ log = logging.getLogger("sharp.serving")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Generator"
 DRAIN_DEADLINE = "the server is draining: drain deadline reached before this request finished"
 GRPC_CODES = {status: getattr(grpc.StatusCode, status.name) for status in Status}  # the names are gRPC's own
-_OPTIONAL = ("max_new_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL = ("max_new_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs", "skip_special_tokens")
 
 
 def params_of(msg: pb.GenerateRequest) -> RequestParams:
@@ -51,6 +51,11 @@ def params_of(msg: pb.GenerateRequest) -> RequestParams:
         stop=msg.stop,
         return_attention_stats=msg.return_attention_stats,
         request_id=msg.request_id,
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=msg.stop_token_ids,
+        include_stop=msg.include_stop,
+        priority=msg.priority,
     )
     for name in _OPTIONAL:
         if msg.HasField(name):
@@ -123,6 +128,9 @@ def bind_problem(host: str, port: int) -> str | None:
         return f"{host!r} is not a resolvable address ({e.strerror})"
     for family, kind, proto, _, address in infos:
         with socket.socket(family, kind, proto) as probe:
+            # as the servers bind: a port whose last connections linger in TIME_WAIT (a replica restarted at
+            # the same address) is free; only a listener makes it busy
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(address)
             except OSError as e:
@@ -440,7 +448,9 @@ class SharpServer:
             raise OSError(f"--http-port {cfg.http_port}: cannot serve HTTP on {http_host}:{cfg.http_port}: {problem}")
         if cfg.metrics_port is not None:
             metrics_host = cfg.metrics_host or cfg.host
-            self._metrics_http = MetricsServer(self.engine.metrics.registry, cfg.http_keepalive_timeout)
+            self._metrics_http = MetricsServer(
+                self.engine.metrics.registry, self.engine.metrics.load_registry, cfg.http_keepalive_timeout
+            )
             try:
                 self.metrics_port = await self._metrics_http.start(metrics_host, cfg.metrics_port)
             except OSError as e:

@@ -27,7 +27,8 @@ class StepStats:
 
     queue_size: int = 0
     running: int = 0
-    kv_usage: float = 0.0
+    kv_usage: float = 0.0  # reserved
+    kv_used: float = 0.0  # holding tokens
     prompt_tokens: Counter[str] = field(default_factory=Counter)  # by API
     prefix_queries: Counter[str] = field(default_factory=Counter)  # prompt tokens looked up in the prefix cache
     prefix_hits: Counter[str] = field(default_factory=Counter)  # of which found there

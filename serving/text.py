@@ -40,15 +40,17 @@ class _StopMatcher:
 
 
 class StopText:
-    """Text as tokens arrive; generation stops before the first completed stop string, and text that could still
-    become one is held back."""
+    """Text as tokens arrive; generation stops at the first completed stop string (the text ends before it, or
+    after it with `keep`), and text that could still become one is held back."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], keep: bool = False):
         self.matchers = [_StopMatcher(s) for s in stops if s]
+        self.keep = keep
         self.text, self.emitted, self.stopped = "", 0, False
 
-    def push(self, new: str) -> str:
-        """Add one token's text; returns the text that is now safe to send."""
+    def push(self, new: str, armed: bool = True) -> str:
+        """Add one token's text; returns the text that is now safe to send. Unarmed (a request short of its
+        min_tokens), a completed stop string does not stop it."""
         if self.stopped:
             return ""
         if not self.matchers:
@@ -56,8 +58,9 @@ class StopText:
             return self._release(len(self.text))
         for i, c in enumerate(new):
             for m in self.matchers:
-                if m.feed(c):
-                    self.text = (self.text + new[: i + 1])[: len(self.text) + i + 1 - len(m.stop)]
+                if m.feed(c) and armed:
+                    cut = 0 if self.keep else len(m.stop)
+                    self.text = (self.text + new[: i + 1])[: len(self.text) + i + 1 - cut]
                     self.stopped = True
                     return self._release(len(self.text))
         self.text += new

@@ -27,6 +27,8 @@ class TorchBackend(Backend):
     `impl` overrides that choice (e.g. "triton" in the CPU interpreter); `dtype` is the weights' and the cache's
     (default fp32 on CPU, bf16 on CUDA)."""
 
+    block_tokens = PAGE_SIZE
+
     def __init__(self, path: Path, device: str = "cpu", impl: str | None = None, dtype: str | None = None):
         from sharp.models import CheckpointError, SharpLM, load
 

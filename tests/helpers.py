@@ -4,6 +4,7 @@ metrics, requests for an engine stepped by hand, stand-ins around a real backend
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -45,9 +46,9 @@ def run_until_idle(eng: Engine, steps: int = 2000) -> None:
 
 
 @contextmanager
-def serving(model_files, backend="onnxruntime", entropy="head", server: dict | None = None, **engine):
+def serving(model_files, backend="onnxruntime", entropy="head", server: dict | None = None, names="sharp", **engine):
     be = load_backend(model_files[backend], backend)
-    eng = Engine(be, EngineConfig(**engine), ServingMetrics(be.spec, entropy=entropy))
+    eng = Engine(be, EngineConfig(**engine), ServingMetrics(be.spec, entropy=entropy, names=names))
     with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0, **(server or {}))) as srv:
         yield srv
 
@@ -63,6 +64,13 @@ def sample_value(families, family, name, **labels) -> float:
         for s in families[family].samples
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
+
+
+def free_port() -> int:
+    """A port free now (another process may take it before it is bound again: tests that need it fixed accept that)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_sharp_serve(model: Path, *flags: str) -> tuple[subprocess.Popen, str]:
@@ -134,16 +142,30 @@ class SlowEndless(Wrapped):
         return out
 
 
+class EosEveryFourth(Wrapped):
+    """Wraps a real backend: at every fourth position of a decode step the model's end-of-sequence token is its
+    most likely by a margin (the tiny model never picks it greedily on its own)."""
+
+    def forward(self, input_ids, attention_mask, position_ids, *args, **kw):
+        out = self.inner(input_ids, attention_mask, position_ids, *args, **kw)
+        if input_ids.shape[1] == 1:
+            for row in range(input_ids.shape[0]):
+                if position_ids[row, -1] % 4 == 0:
+                    out.logits[row, self.spec.tokenizer.eos] = out.logits[row].max() + 5
+        return out
+
+
 @contextmanager
-def server(model_files, wrap=None, engine: dict | None = None, **config):
+def server(model_files, wrap=None, engine: dict | None = None, names="sharp", **config):
     """sharp-serve's server with the engine core in its own process, as sharp-serve runs it; with a stand-in
     (`wrap`) around the real backend, the engine in the test's process."""
     if wrap is None:
-        spec = CoreSpec(str(model_files["onnxruntime"]), config=EngineConfig(**(engine or {})), entropy="head")
+        config_ = EngineConfig(**(engine or {}))
+        spec = CoreSpec(str(model_files["onnxruntime"]), config=config_, entropy="head", metric_names=names)
         eng = EngineProcess(spec)
     else:
         be = wrap(load_backend(model_files["onnxruntime"])).backend
-        eng = Engine(be, EngineConfig(**(engine or {})), ServingMetrics(be.spec, entropy="head"))
+        eng = Engine(be, EngineConfig(**(engine or {})), ServingMetrics(be.spec, entropy="head", names=names))
     with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0, **config)) as srv:
         yield srv
 

@@ -15,7 +15,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
-from helpers import serving
+from helpers import free_port, serving
 
 from sharp.serving import Client
 from sharp.serving.cli import serve_parser
@@ -280,12 +279,6 @@ def test_dashboard_queries_only_exported_series_and_recorded_rules(model_files):
 
 
 # --- a real Prometheus scraping a live sharp-serve ---------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def query(base: str, promql: str) -> list[dict]:

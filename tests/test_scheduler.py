@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from sharp.serving.requests import GenerationRequest
@@ -32,11 +34,38 @@ def test_admission_is_in_order_within_the_batch_and_the_kv_budget():
     seqs = [_seq(10, 6, "a"), _seq(50, 50, "b"), _seq(2, 2, "c"), _seq(2, 2, "d"), _seq(1, 1, "e")]
     s.waiting.extend(seqs)
     budget = Budget(40)
-    assert s.admit(budget.reserve) == seqs[:1]  # b needs 100 tokens of 24 left: it waits, and c may not overtake it
-    assert budget.asked == ["a", "b"] and list(s.waiting) == seqs[1:]
+    a, b, c, d, e = seqs
+    assert s.admit(budget.reserve) == [a, c, d]  # b needs 100 tokens of 24 left: c and d, behind it, fit
+    assert budget.asked == ["a", "b", "c", "d"] and list(s.waiting) == [b, e] and b.overtaken == 2
     budget.free += 100
-    assert s.admit(budget.reserve) == seqs[1:3]  # the batch holds 3
-    assert s.prefilling == seqs[:3] and list(s.waiting) == seqs[3:] and s.busy()
+    assert s.admit(budget.reserve) == []  # the batch holds 3
+    s.prefilling.remove(a)
+    assert s.admit(budget.reserve) == [b] and s.prefilling == [c, d, b] and list(s.waiting) == [e] and s.busy()
+
+
+def test_a_request_that_does_not_fit_is_overtaken_a_bounded_number_of_times():
+    """No head-of-line blocking, and no starvation: small requests pass a large one until it has been passed
+    max_overtakes times; then nothing passes it until it fits."""
+    s = Scheduler(max_batch=8, prefill_chunk=100, max_overtakes=2)
+    big, smalls = _seq(50, 50, "big"), [_seq(2, 2, f"s{i}") for i in range(4)]
+    for q in (big, *smalls):
+        s.add(q)
+    budget = Budget(8)
+    assert s.admit(budget.reserve) == smalls[:2] and big.overtaken == 2  # 4 tokens each: the budget holds two
+    budget.free += 100
+    assert s.admit(lambda q: None if q is big else 0) == []  # big has waited enough: s2 and s3 wait behind it
+    assert budget.reserve(big) == 0 and s.admit(lambda q: 0) == [big, *smalls[2:]]
+
+
+def test_the_queue_is_ordered_by_priority_then_arrival():
+    s = Scheduler(max_batch=8, prefill_chunk=100)
+    made = {}
+    for name, priority in [("a", 0), ("b", 5), ("c", -1), ("d", 0), ("e", 5), ("f", -1)]:
+        made[name] = q = _seq(2, name=name)
+        q.request = replace(q.request, priority=priority)
+        s.add(q)
+    assert [q.request.request_id for q in s.waiting] == list("cfadbe")
+    assert [q.request.request_id for q in s.admit(lambda q: 0)] == list("cfadbe")
 
 
 def test_a_plan_prefills_the_oldest_prompts_first_within_the_chunk_budget():
@@ -111,3 +140,16 @@ def test_update_appends_the_sampled_tokens_and_says_which_requests_they_end():
     assert d.done and not d.failed
     s.leave([a, b, c, d])
     assert s.running == [] and not s.busy()
+
+
+def test_update_honours_ignore_eos_stop_token_ids_and_min_tokens():
+    """ignore_eos goes on past EOS; a stop token ends a request as "stop"; before min_tokens neither ends it (the
+    executor's mask keeps them from being sampled; the scheduler does not rely on it)."""
+    s = Scheduler(max_batch=8, prefill_chunk=100, eos_ids={0})
+    on, stops, early = _seq(3, new=9, name="on"), _seq(3, new=9, name="stops"), _seq(3, new=9, name="early")
+    on.request = replace(on.request, ignore_eos=True)
+    stops.request = replace(stops.request, stop_token_ids=(5,))
+    early.request = replace(early.request, stop_token_ids=(5,), min_tokens=2)
+    assert s.update([on, stops, early], [0, 5, 5]) == [None, "stop", None]
+    assert s.update([on, early], [0, 0]) == [None, None]  # early's second token: still within min_tokens
+    assert s.update([on, early], [5, 5]) == [None, "stop"] and early.generated == [5, 0, 5]
