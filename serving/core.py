@@ -201,6 +201,8 @@ class Handle:
     sink: Callable[[Event], None]
     api: str
     arrival: float
+    request_id: str = ""
+    prompt_tokens: int = 0
     done: bool = False
 
 
@@ -254,7 +256,8 @@ class EngineProcess(EngineClient):
                 raise RequestError(Status.UNAVAILABLE, "the engine process has exited; the server is stopping",
                                    transient=True)  # fmt: skip
             self.admission(len(self._handles) - self._running)  # waiting as of the core's last step: never fewer
-            h = Handle(next(self._keys), sink, req.api, time.perf_counter() if arrival is None else arrival)
+            when = time.perf_counter() if arrival is None else arrival
+            h = Handle(next(self._keys), sink, req.api, when, req.request_id, len(req.prompt_ids))
             self._handles[h.key] = h  # a core that dies from here on fails it with the others (`_exited`)
             self._send(("submit", h.key, req, h.arrival))
         return h
@@ -345,7 +348,8 @@ class EngineProcess(EngineClient):
         now = time.perf_counter()
         for h in handles:
             h.done = True
-            self.metrics.log_outcome(RequestOutcome(status.value, h.api, now - h.arrival))
+            outcome = RequestOutcome(status.value, h.api, now - h.arrival, h.request_id, h.prompt_tokens)
+            self.metrics.log_outcome(outcome)
         self.delivery.send([(h.sink, Failed(status, message)) for h in handles])
         self._replies.put(("exited", f"the engine process exited (code {code})"))
         if not self._stopping:

@@ -10,6 +10,7 @@ ln(context length) of the served model, the entropy of a fully dispersed head at
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from sharp.serving.requests import Limits
 from sharp.serving.spec import ModelSpec
 from sharp.serving.stats import APIS, RequestOutcome, StepStats
 
+access = logging.getLogger("sharp.access")
 ENTROPY_MODES = ("auto", "head", "layer", "off")
 METRIC_NAMES = ("sharp", "vllm")  # sharp_ series only, or also the vllm: series routers and gateways read
 # Above this many (layer, head) pairs "auto" labels the entropy histograms by layer only: each pair costs 35-40
@@ -280,6 +282,8 @@ class ServingMetrics:
         self._blocks.set(self.blocks)
 
     def log_outcome(self, outcome: RequestOutcome) -> None:
+        """Count a request's end, and write its access log line (INFO, logger sharp.access)."""
+        access.info("%s", outcome.access_line())
         self._requests[outcome.api, outcome.status].inc()
         if outcome.duration is not None and outcome.status == "ok":
             self.duration[outcome.api].observe(outcome.duration)

@@ -152,12 +152,19 @@ class RequestState:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     prompt_scores: list[TokenLogprob] = field(default_factory=list)  # with prompt_logprobs: tokens 2 … length
     last_token_time: float = 0.0
+    ttft: float | None = None  # arrival to its first token
     entropies: list[np.ndarray] = field(default_factory=list)  # (layers, heads, L) of positions 0, 1, … in order
     entropy_positions: int = 0  # positions the list covers
 
     def kept_entropy(self) -> np.ndarray | None:
         """(layers, heads, positions) of what the prefix cache keeps of its positions; None when not recorded."""
         return np.concatenate(self.entropies, -1) if self.entropies else None
+
+
+def _outcome(st: RequestState, status: str) -> RequestOutcome:
+    req = st.request
+    return RequestOutcome(status, req.api, time.perf_counter() - st.arrival, req.request_id, len(req.prompt_ids),
+                          st.tokens, st.cached_tokens, st.ttft)  # fmt: skip
 
 
 def as_token_logprobs(lp: Logprobs, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
@@ -189,7 +196,8 @@ class Output:
         if st.tokens:
             self.stats.inter_token.append((api, now - st.last_token_time))
         else:
-            self.stats.ttft.append((api, now - st.arrival))
+            st.ttft = now - st.arrival
+            self.stats.ttft.append((api, st.ttft))
         st.last_token_time = now
         st.tokens += 1
         self.stats.generation_tokens[api] += 1
@@ -245,19 +253,19 @@ class Output:
             st.cached_tokens,
         )
         self.outbox.append((st, summary))
-        self.stats.outcomes.append(RequestOutcome("ok", st.request.api, time.perf_counter() - st.arrival))
+        self.stats.outcomes.append(_outcome(st, "ok"))
 
     def fail(self, st: RequestState, code: Status, message: str) -> None:
         """End one request with `code` (the scheduler has ended it)."""
         self.outbox.append((st, Failed(code, message)))
-        self.stats.outcomes.append(RequestOutcome(code.value, st.request.api, time.perf_counter() - st.arrival))
+        self.stats.outcomes.append(_outcome(st, code.value))
 
     def fail_forward(self, st: RequestState, where: str) -> None:
         log.error("model forward failed for request %r (%s)", st.request.request_id, where)
         self.fail(st, Status.INTERNAL, f"the model failed on this request ({where}); see the server log")
 
     def cancelled(self, st: RequestState) -> None:
-        self.stats.outcomes.append(RequestOutcome("cancelled", st.request.api, time.perf_counter() - st.arrival))
+        self.stats.outcomes.append(_outcome(st, "cancelled"))
 
     def fail_all(self, states: list[RequestState], code: Status, message: str) -> None:
         """End `states` with `code`, dropping what this step had for them; those that finished keep their answer."""

@@ -14,11 +14,26 @@ APIS = ("grpc", "http")  # the doors a request comes in by: the `api` label of t
 
 @dataclass
 class RequestOutcome:
-    """One request's final status (ok, cancelled, or a gRPC status name), its API and, when it ran, its duration."""
+    """One request's final status (ok, cancelled, or a gRPC status name), its API and, when it ran, its duration,
+    its id and its tokens (what the access log line says; never its text)."""
 
     status: str
     api: str
     duration: float | None = None
+    request_id: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None  # arrival to its first token, when it had one
+
+    def access_line(self) -> str:
+        """One line per request, as vLLM and llama-server log them: id, API, status, tokens, times."""
+        ms = lambda s: "-" if s is None else f"{s * 1000:.1f}ms"
+        return (
+            f"{self.request_id or '-'} {self.api} {self.status} prompt_tokens={self.prompt_tokens}"
+            f" completion_tokens={self.completion_tokens} cached_tokens={self.cached_tokens}"
+            f" ttft={ms(self.ttft)} total={ms(self.duration)}"
+        )
 
 
 @dataclass

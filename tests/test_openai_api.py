@@ -646,3 +646,22 @@ def test_a_token_the_model_rules_out_is_reported_at_the_floor_in_valid_json():
     for got in (shapes.completion([ord("a")], [ruled_out]), shapes.chat([ruled_out])):
         text = json.dumps(got, allow_nan=False)  # raises on -inf: JSON has no infinities
         assert str(LOGPROB_FLOOR) in text and "Infinity" not in text
+
+
+def test_each_request_leaves_one_access_line_with_its_numbers_and_never_its_text(model_files, caplog):
+    """One INFO line per request on logger sharp.access, as vLLM and llama-server log: id, API, status, prompt,
+    completion and cached tokens, TTFT and total time — for a success, a refusal and a cancel, on both APIs."""
+    secret = "do not log me"
+    with serving(model_files, server=HTTP) as srv, Client(srv.target) as c, caplog.at_level("INFO", "sharp.access"):
+        c.generate(secret, max_new_tokens=5, temperature=0, request_id="grpc-ok")
+        post(srv, "completions", {"model": "tiny", "prompt": secret, "max_tokens": 3}, **{"X-Request-Id": "http-ok"})
+        post(srv, "completions", {"model": "tiny", "prompt": secret, "max_tokens": -1})
+        _wait_idle(srv)
+    lines = [r.getMessage() for r in caplog.records if r.name == "sharp.access"]
+    assert len(lines) == 3 and not any(secret in line for line in lines), lines
+    ok = {line.split()[0]: line for line in lines if " ok " in line}
+    prompt = len(BYTES.encode(secret))
+    assert re.fullmatch(rf"grpc-ok grpc ok prompt_tokens={prompt} completion_tokens=5 cached_tokens=\d+"
+                        r" ttft=[\d.]+ms total=[\d.]+ms", ok["grpc-ok"])  # fmt: skip
+    assert f"http-ok http ok prompt_tokens={prompt} completion_tokens=3" in ok["http-ok"]
+    assert any(line.startswith("- http invalid_argument") for line in lines)
