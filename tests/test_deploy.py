@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
 TOOLS = ROOT / "build" / "deploy-tools" / "root" / "usr" / "bin"
-OVERLAYS = ("cpu", "gpu", "cpu+openai-http")  # overlay, or overlay+component
+OVERLAYS = ("cpu", "gpu", "cpu+openai-http", "cpu+openai-http+vllm-router")  # overlay, or overlay+components
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests target (native sleep preStop, grpc probes)
 
 
@@ -53,16 +53,21 @@ def tool(name: str) -> str:
 
 @pytest.fixture(scope="module", params=OVERLAYS)
 def rendered(request, tmp_path_factory) -> tuple[str, list[dict]]:
-    overlay, _, component = request.param.partition("+")
+    return request.param, render(request.param, tmp_path_factory)
+
+
+def render(name: str, tmp_path_factory) -> list[dict]:
+    """The manifests of `name` (an overlay, or overlay+component+…) as `kubectl kustomize` renders them."""
+    overlay, *components = name.split("+")
     where = DEPLOY / "k8s" / "overlays" / overlay
-    if component:  # what a user writes to turn a component on: a kustomization of the overlay plus the component
+    if components:  # what a user writes to turn components on: a kustomization of the overlay plus the components
         where = tmp_path_factory.mktemp("kustomize") / "k8s"
         (where / "overlays" / "mine").mkdir(parents=True)
         shutil.copytree(DEPLOY / "k8s", where, dirs_exist_ok=True)
         where = where / "overlays" / "mine"
         (where / "kustomization.yaml").write_text(
             f"apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources: [../{overlay}]\n"
-            f"components: [../../components/{component}]\n"
+            f"components: [{', '.join(f'../../components/{c}' for c in components)}]\n"
         )
     out = subprocess.run(
         [tool("kubectl"), "kustomize", str(where)],
@@ -70,18 +75,24 @@ def rendered(request, tmp_path_factory) -> tuple[str, list[dict]]:
         text=True,
         check=True,
     ).stdout
-    return request.param, [d for d in yaml.safe_load_all(out) if d]
+    return [d for d in yaml.safe_load_all(out) if d]
 
 
-def by_kind(docs: list[dict]) -> dict[str, dict]:
-    return {d["kind"]: d for d in docs}
+def by_kind(docs: list[dict], app: str = "sharp-serve") -> dict[str, dict]:
+    """The objects of one app (sharp-serve's, or the router's) by kind."""
+    return {d["kind"]: d for d in docs if d["metadata"]["labels"]["app.kubernetes.io/name"] == app}
+
+
+ROUTER_KINDS = ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
 
 
 def test_overlays_render_every_kind(rendered):
-    _, docs = rendered
+    overlay, docs = rendered
     kinds = sorted(d["kind"] for d in docs)
+    router = ROUTER_KINDS if overlay.endswith("+vllm-router") else []
     assert kinds == sorted(
         [
+            *router,
             "ServiceAccount",
             "Deployment",
             "Service",
@@ -92,6 +103,7 @@ def test_overlays_render_every_kind(rendered):
             "PrometheusRule",
         ]
     )
+    assert sorted(by_kind(docs, "sharp-router")) == sorted(router)
 
 
 def test_core_kinds_pass_strict_schema_validation(rendered):
@@ -158,6 +170,19 @@ def test_selectors_ports_and_probes_fit_together(rendered):
     assert service_ports["grpc"]["appProtocol"] == "grpc"
     policy_ports = {p["port"] for rule in k["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
     assert policy_ports == {"grpc", "http", "health", "metrics"}
+    open_ports = {
+        p["port"] for rule in k["NetworkPolicy"]["spec"]["ingress"] if "from" not in rule for p in rule["ports"]
+    }
+    if overlay.endswith("+vllm-router"):  # plaintext HTTP: the router's pods only
+        (rule,) = [r for r in k["NetworkPolicy"]["spec"]["ingress"] if r["ports"][0]["port"] == "http"]
+        router = by_kind(docs, "sharp-router")
+        assert selects(
+            rule["from"][0]["podSelector"]["matchLabels"],
+            router["Deployment"]["spec"]["template"]["metadata"]["labels"],
+        )
+        assert open_ports == {"grpc", "health"} and service_ports["http"]["appProtocol"] == "http"
+    else:
+        assert open_ports == {"grpc", "http", "health"}
     # every probe is gRPC on the plaintext health port; readiness asks for the generator service itself
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["health"]
@@ -166,7 +191,9 @@ def test_selectors_ports_and_probes_fit_together(rendered):
     assert spec["securityContext"]["runAsNonRoot"] and spec["automountServiceAccountToken"] is False
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
-    assert {m["mountPath"] for m in container["volumeMounts"]} >= {"/models", "/tmp", "/etc/sharp/tls"}
+    tls = set() if overlay.endswith("+vllm-router") else {"/etc/sharp/tls"}
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/models", "/tmp", *tls}
+    assert {v["name"] for v in spec["volumes"]} == {"models", "tmp", *(["tls"] if tls else [])}
     if overlay.startswith("gpu"):
         assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]) and spec["nodeSelector"]
@@ -198,8 +225,10 @@ def test_the_server_arguments_parse_and_the_drain_fits_the_grace_period(rendered
     args = serve_parser().parse_args(server_args(container))  # exits 2 on an option sharp-serve does not have
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (args.port, args.health_port, args.metrics_port) == (ports["grpc"], ports["health"], ports["metrics"])
-    assert args.http_port == (ports["http"] if overlay.endswith("+openai-http") else None)  # off unless turned on
-    assert args.host == "0.0.0.0" and args.tls_cert and args.tls_key
+    assert args.http_port == (ports["http"] if "+openai-http" in overlay else None)  # off unless turned on
+    behind_router = overlay.endswith("+vllm-router")
+    assert args.host == "0.0.0.0" and bool(args.tls_cert) == bool(args.tls_key) == (not behind_router)
+    assert args.metrics_names == ("vllm" if behind_router else "sharp")
     assert (args.backend, args.device, args.model.suffix) == (
         ("torch", "cuda", ".pt") if overlay.startswith("gpu") else ("onnxruntime", "cpu", ".onnx")
     )
@@ -208,6 +237,36 @@ def test_the_server_arguments_parse_and_the_drain_fits_the_grace_period(rendered
     assert pod["terminationGracePeriodSeconds"] > pause + args.drain_timeout
     live = container["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] > args.drain_timeout  # a drain is not a restart
+
+
+def test_the_router_finds_the_replicas_and_its_arguments_parse(tmp_path_factory):
+    """vllm-router's own parser and checks take the router's arguments; its selector selects sharp-serve's pods,
+    on the port their HTTP API listens on, in its namespace; its Role lets it watch them."""
+    import argparse
+
+    from vllm_router.router_args import RouterArgs
+
+    docs = render("cpu+openai-http+vllm-router", tmp_path_factory)
+    router, serve = by_kind(docs, "sharp-router"), by_kind(docs)
+    (container,) = router["Deployment"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: "sharp" for e in container["env"]}  # the namespace, from the downward API
+    args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    RouterArgs.add_cli_args(parser)
+    parsed = RouterArgs.from_cli_args(parser.parse_args(args))
+    parsed._validate_router_args()
+    assert parsed.service_discovery and parsed.service_discovery_namespace == "sharp"
+    assert selects(parsed.selector, serve["Deployment"]["spec"]["template"]["metadata"]["labels"])
+    pod = serve["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert parsed.service_discovery_port == {p["name"]: p["containerPort"] for p in pod["ports"]}["http"]
+    assert parsed.policy == "cache_aware" and parsed.port == router["Service"]["spec"]["ports"][0]["port"]
+    (rule,) = router["Role"]["rules"]
+    assert rule["resources"] == ["pods"] and {"list", "watch"} <= set(rule["verbs"])
+    assert router["RoleBinding"]["subjects"][0]["name"] == router["ServiceAccount"]["metadata"]["name"]
+    assert (
+        router["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"]
+        == router["ServiceAccount"]["metadata"]["name"]
+    )
 
 
 def test_autoscaler_metric_is_what_the_adapter_serves(rendered):
@@ -241,9 +300,11 @@ def test_promtool_checks_and_unit_tests_the_rules(tmp_path):
 
 def test_images_are_hadolint_clean():
     files = sorted((DEPLOY / "docker").glob("Dockerfile.*"))
-    assert [f.name for f in files] == ["Dockerfile.cpu", "Dockerfile.gpu"]
+    assert [f.name for f in files] == ["Dockerfile.cpu", "Dockerfile.gpu", "Dockerfile.router"]
     r = subprocess.run([tool("hadolint"), *map(str, files)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+    router = files.pop().read_text()
+    assert re.search(r"^USER 10001", router, re.M) and re.search(r"vllm-router==[\d.]+", router)  # pinned
     for f in files:
         text = f.read_text()
         assert re.search(r"^USER 10001", text, re.M) and "AS build" in text and "AS baked" in text
