@@ -23,9 +23,11 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import yaml
 from helpers import free_port, serving
+from prometheus_client.parser import text_string_to_metric_families
 
 from sharp.serving import Client
 from sharp.serving.cli import serve_parser
@@ -34,7 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
 TOOLS = ROOT / "build" / "deploy-tools" / "root" / "usr" / "bin"
-OVERLAYS = ("cpu", "gpu", "cpu+openai-http", "cpu+openai-http+vllm-router")  # overlay, or overlay+components
+# overlay, or overlay+components
+OVERLAYS = ("cpu", "gpu", "cpu+openai-http", "cpu+openai-http+vllm-router", "cpu+openai-http+inference-gateway")
+ENTRIES = ("+vllm-router", "+inference-gateway")  # components that put an entry in front of plain-text replicas
+CRDS = DEPLOY / "k8s" / "crds"
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests target (native sleep preStop, grpc probes)
 
 
@@ -83,16 +88,26 @@ def by_kind(docs: list[dict], app: str = "sharp-serve") -> dict[str, dict]:
     return {d["kind"]: d for d in docs if d["metadata"]["labels"]["app.kubernetes.io/name"] == app}
 
 
-ROUTER_KINDS = ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]
+COMPONENT_KINDS = {  # what each component adds, by app
+    "vllm-router": {"sharp-router": ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]},
+    "inference-gateway": {
+        "sharp-epp": ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service"],
+        "sharp-serve": ["InferencePool", "HTTPRoute"],
+    },
+}
+
+
+def behind_an_entry(overlay: str) -> bool:
+    return overlay.endswith(ENTRIES)
 
 
 def test_overlays_render_every_kind(rendered):
     overlay, docs = rendered
     kinds = sorted(d["kind"] for d in docs)
-    router = ROUTER_KINDS if overlay.endswith("+vllm-router") else []
+    added = COMPONENT_KINDS.get(overlay.split("+")[-1], {})
     assert kinds == sorted(
         [
-            *router,
+            *(kind for more in added.values() for kind in more),
             "ServiceAccount",
             "Deployment",
             "Service",
@@ -103,7 +118,8 @@ def test_overlays_render_every_kind(rendered):
             "PrometheusRule",
         ]
     )
-    assert sorted(by_kind(docs, "sharp-router")) == sorted(router)
+    for app, more in added.items():
+        assert set(more) <= set(by_kind(docs, app))
 
 
 def test_core_kinds_pass_strict_schema_validation(rendered):
@@ -111,9 +127,12 @@ def test_core_kinds_pass_strict_schema_validation(rendered):
 
     _, docs = rendered
     for doc in docs:
-        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+        if doc["apiVersion"].split("/")[0] in CUSTOM_GROUPS:  # checked against their own schemas below
             continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)  # raises on an unknown or mistyped field
+
+
+CUSTOM_GROUPS = ("monitoring.coreos.com", "inference.networking.k8s.io", "gateway.networking.k8s.io")
 
 
 def test_strict_validation_refuses_a_typo():
@@ -183,6 +202,7 @@ def test_selectors_ports_and_probes_fit_together(rendered):
         assert open_ports == {"grpc", "health"} and service_ports["http"]["appProtocol"] == "http"
     else:
         assert open_ports == {"grpc", "http", "health"}
+        assert service_ports["http"]["appProtocol"] == ("http" if behind_an_entry(overlay) else "https")
     # every probe is gRPC on the plaintext health port; readiness asks for the generator service itself
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["health"]
@@ -191,7 +211,7 @@ def test_selectors_ports_and_probes_fit_together(rendered):
     assert spec["securityContext"]["runAsNonRoot"] and spec["automountServiceAccountToken"] is False
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"] and sc["capabilities"]["drop"] == ["ALL"]
-    tls = set() if overlay.endswith("+vllm-router") else {"/etc/sharp/tls"}
+    tls = set() if behind_an_entry(overlay) else {"/etc/sharp/tls"}
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/models", "/tmp", *tls}
     assert {v["name"] for v in spec["volumes"]} == {"models", "tmp", *(["tls"] if tls else [])}
     if overlay.startswith("gpu"):
@@ -226,9 +246,9 @@ def test_the_server_arguments_parse_and_the_drain_fits_the_grace_period(rendered
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert (args.port, args.health_port, args.metrics_port) == (ports["grpc"], ports["health"], ports["metrics"])
     assert args.http_port == (ports["http"] if "+openai-http" in overlay else None)  # off unless turned on
-    behind_router = overlay.endswith("+vllm-router")
-    assert args.host == "0.0.0.0" and bool(args.tls_cert) == bool(args.tls_key) == (not behind_router)
-    assert args.metrics_names == ("vllm" if behind_router else "sharp")
+    plain = behind_an_entry(overlay)
+    assert args.host == "0.0.0.0" and bool(args.tls_cert) == bool(args.tls_key) == (not plain)
+    assert args.metrics_names == ("vllm" if plain else "sharp")
     assert (args.backend, args.device, args.model.suffix) == (
         ("torch", "cuda", ".pt") if overlay.startswith("gpu") else ("onnxruntime", "cpu", ".onnx")
     )
@@ -267,6 +287,73 @@ def test_the_router_finds_the_replicas_and_its_arguments_parse(tmp_path_factory)
         router["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"]
         == router["ServiceAccount"]["metadata"]["name"]
     )
+
+
+def crd_schema(path: Path) -> dict:
+    (version,) = [v for v in yaml.safe_load(path.read_text())["spec"]["versions"] if v["storage"]]
+    return version["schema"]["openAPIV3Schema"]
+
+
+def crd_check(doc: dict, schema: dict, where: str = "") -> None:
+    """`doc` against a CRD's schema: types, enums, bounds and required fields (jsonschema), and no field the schema
+    does not have (the API server would prune it silently). CEL rules are not evaluated."""
+    import jsonschema
+
+    if not where:
+        jsonschema.validate(doc, schema)
+    if isinstance(doc, dict) and "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        for key, value in doc.items():
+            assert key in schema["properties"], f"{where or doc['kind']}.{key}: not in the CRD's schema"
+            crd_check(value, schema["properties"][key], f"{where}.{key}")
+    elif isinstance(doc, list) and "items" in schema:
+        for i, item in enumerate(doc):
+            crd_check(item, schema["items"], f"{where}[{i}]")
+
+
+def test_the_inference_pool_its_picker_and_route_fit_the_crds_and_the_replicas(tmp_path_factory, model_files):
+    """The InferencePool and HTTPRoute validate against the vendored CRDs (Gateway API Inference Extension v1.3.1,
+    Gateway API v1.4.1); the pool selects sharp-serve's pods on their HTTP port and names the picker's Service;
+    the picker scrapes a path and series a live sharp-serve serves, and its plugin file is where it reads it."""
+    docs = render("cpu+openai-http+inference-gateway", tmp_path_factory)
+    serve, epp = by_kind(docs), by_kind(docs, "sharp-epp")
+    pool, route = serve["InferencePool"], serve["HTTPRoute"]
+    pool_schema = crd_schema(
+        CRDS / "gateway-api-inference-extension-v1.3.1" / "inference.networking.k8s.io_inferencepools.yaml"
+    )
+    crd_check(pool, pool_schema)
+    crd_check(route, crd_schema(CRDS / "gateway-api-v1.4.1" / "gateway.networking.k8s.io_httproutes.yaml"))
+    typo = json.loads(json.dumps(pool))
+    typo["spec"]["endpointPickerRef"]["prot"] = typo["spec"]["endpointPickerRef"].pop("port")
+    with pytest.raises(AssertionError, match="prot: not in the CRD"):
+        crd_check(typo, pool_schema)
+    pod = serve["Deployment"]["spec"]["template"]
+    ports = {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+    assert selects(pool["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [ports["http"]]
+    (backend,) = route["spec"]["rules"][0]["backendRefs"]
+    assert (backend["kind"], backend["name"]) == ("InferencePool", pool["metadata"]["name"])
+    picker = pool["spec"]["endpointPickerRef"]
+    assert picker["name"] == epp["Service"]["metadata"]["name"]
+    (grpc,) = [p for p in epp["Service"]["spec"]["ports"] if p["port"] == picker["port"]["number"]]
+    (container,) = epp["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert grpc["targetPort"] in {p["name"] for p in container["ports"]}
+    assert selects(epp["Service"]["spec"]["selector"], epp["Deployment"]["spec"]["template"]["metadata"]["labels"])
+    flags = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+    assert flags["pool-name"] == pool["metadata"]["name"] and int(flags["model-server-metrics-port"]) == ports["http"]
+    mount = container["volumeMounts"][0]
+    config = epp["ConfigMap"]["data"][Path(flags["config-file"]).relative_to(mount["mountPath"]).as_posix()]
+    plugins = yaml.safe_load(config)
+    named = {p["type"] for p in plugins["plugins"]}
+    assert {r["pluginRef"] for prof in plugins["schedulingProfiles"] for r in prof["plugins"]} <= named
+    (rule,) = [r for r in epp["Role"]["rules"] if "inferencepools" in r["resources"]]
+    assert rule["apiGroups"] == [pool["apiVersion"].split("/")[0]]
+    with serving(model_files, server={"http_port": 0}, names="vllm") as srv:  # what the picker would scrape
+        text = httpx.get(f"http://127.0.0.1:{srv.server.http_port}{flags['model-server-metrics-path']}").text
+    served = {f.name for f in text_string_to_metric_families(text)}
+    for flag in ("total-queued-requests-metric", "total-running-requests-metric", "kv-cache-usage-percentage-metric",
+                 "cache-info-metric"):  # fmt: skip
+        assert flags[flag] in served, (flag, sorted(served))
+    assert flags["lora-info-metric"] == ""  # sharp serves no LoRA adapters: the picker must not wait for them
 
 
 def test_autoscaler_metric_is_what_the_adapter_serves(rendered):
