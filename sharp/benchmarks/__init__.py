@@ -17,6 +17,7 @@ COMMANDS = {
     "genai": ("sharp.benchmarks.genai", "sharp-serve vs onnxruntime-genai on the same package"),
     "peers": ("sharp.benchmarks.peers", "long context on CPU vs llama.cpp and onnxruntime-genai (make peers)"),
     "chat": ("sharp.benchmarks.chat", "multi-turn chat over a long document vs llama-server (prefix caches)"),
+    "routers": ("sharp.benchmarks.routers", "two replicas behind vllm-router: cache-aware vs round-robin routing"),
     "long-context": ("sharp.benchmarks.longctx", "long-context serving on a GPU vs softmax (--smoke: CPU check)"),
 }
 USAGE = "\n".join(

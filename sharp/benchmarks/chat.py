@@ -71,12 +71,13 @@ def documents(hf: Path, count: int, tokens: int) -> list[str]:
     return [tok.decode(ids[i * tokens : (i + 1) * tokens]) for i in range(count)]
 
 
-def _turn(url: str, model: str, prompt: str, new_tokens: int, extra: dict) -> tuple[float, str, int]:
-    """One streamed completion: TTFT, the answer's text and the prompt tokens the server counted as cached."""
+def _turn(url: str, model: str, prompt: str, new_tokens: int, extra: dict) -> tuple[float, str, int, int]:
+    """One streamed completion: TTFT, the answer's text, the prompt tokens the server counted as cached, and the
+    prompt's tokens."""
     body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}  # fmt: skip
     req = urllib.request.Request(f"{url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-    start, first, text, cached = time.perf_counter(), None, [], -1
+    start, first, text, cached, prompt_tokens = time.perf_counter(), None, [], -1, -1
     with urllib.request.urlopen(req, timeout=3600) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -88,19 +89,22 @@ def _turn(url: str, model: str, prompt: str, new_tokens: int, extra: dict) -> tu
                 text.append(chunk["choices"][0]["text"])
             usage = chunk.get("usage") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
+            prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
     if first is None:
         raise RuntimeError("no token streamed")
-    return first - start, "".join(text), cached
+    return first - start, "".join(text), cached, prompt_tokens
 
 
-def conversation(peer: Peer, extra: dict, document: str, questions: int, new_tokens: int) -> list[tuple[float, int]]:
-    """TTFT and reported cached tokens of each turn."""
+def conversation(
+    peer: Peer, extra: dict, document: str, questions: int, new_tokens: int
+) -> list[tuple[float, int, int]]:
+    """TTFT, reported cached tokens and prompt tokens of each turn."""
     transcript, out = f"Read this file.\n\n{document}\n", []
     for q in QUESTIONS[:questions]:
         transcript += f"\nQ: {q}\nA:"
-        ttft, answer, cached = _turn(peer.url, peer.model, transcript, new_tokens, extra)
+        ttft, answer, cached, prompt_tokens = _turn(peer.url, peer.model, transcript, new_tokens, extra)
         transcript += answer
-        out.append((ttft, cached))
+        out.append((ttft, cached, prompt_tokens))
     return out
 
 
@@ -158,7 +162,7 @@ def bench(args) -> str:
         except PeerUnavailable as e:
             raise SystemExit(f"sharp-bench chat: {name} cannot run: {e}") from None
         peers.append((peer, extra))
-    turns: dict[str, list[list[tuple[float, int]]]] = {}
+    turns: dict[str, list[list[tuple[float, int, int]]]] = {}
     totals: dict[str, list[float]] = {}
     try:
         for p, extra in peers:  # one untimed short conversation each (first-request costs)
@@ -169,7 +173,7 @@ def bench(args) -> str:
                 got = conversation(p, extra, mine[-1], args.questions, args.answer_tokens)
                 turns.setdefault(p.name, []).append(got)
                 print(f"{p.name:<40} turns TTFT " + " ".join(f"{t:.2f}" for t, _ in got)
-                      + "  cached " + " ".join(str(c) for _, c in got), flush=True)  # fmt: skip
+                      + "  cached " + " ".join(str(c) for _, c, _ in got), flush=True)  # fmt: skip
             for p, extra in peers:
                 if "no prefix cache" in p.name:
                     continue  # its conversations cost as its first turns do: the TTFT rows say it
