@@ -334,3 +334,33 @@ def test_chat_refuses_what_it_cannot_run(argv, capsys):
     with pytest.raises(SystemExit) as e:
         run(argv)
     assert e.value.code == 2 and "must be" in capsys.readouterr().err
+
+
+def test_routers_counts_a_later_turn_as_a_hit_only_when_its_cache_held_the_earlier_transcript():
+    from types import SimpleNamespace
+
+    from sharp.benchmarks.routers import report
+
+    args = SimpleNamespace(questions=3, repeats=1, conversations=2, at_once=2, document=1000, answer_tokens=8,
+                           norm="softmax", threads=1, command="`x`")  # fmt: skip
+    # (TTFT, cached tokens, prompt tokens) per turn
+    turns = {
+        "cache_aware": [[(5.0, 0, 1010), (0.2, 1010, 1030), (0.2, 1030, 1050)]] * 2,
+        "round_robin": [
+            [(5.0, 0, 1010), (4.0, 0, 1030), (0.3, 1010, 1050)],  # turn 3: the document only
+            [(5.0, 0, 1010), (4.0, 0, 1030), (0.3, 1030, 1050)],
+        ],
+    }
+    text = report(args, "a model", turns, {"cache_aware": [10.0], "round_robin": [15.0]})
+    assert "| cache_aware | 100% | 100% | 10.0 (10.0–10.0) |" in text
+    assert "| round_robin | 50% | 25% | 15.0 (15.0–15.0) |" in text and "total: 1.50×" in text
+    assert "| 2 | 0.20 (0.20–0.20) | 4.00 (4.00–4.00) |" in text
+
+
+@pytest.mark.parametrize("argv", [["--questions", "1"], ["--conversations", "0"]])
+def test_routers_refuses_what_it_cannot_run(argv, capsys):
+    from sharp.benchmarks.routers import run
+
+    with pytest.raises(SystemExit) as e:
+        run(argv)
+    assert e.value.code == 2 and "must be" in capsys.readouterr().err
