@@ -13,6 +13,7 @@ import re
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -262,3 +263,46 @@ def test_auto_runs_the_core_in_its_own_process_where_the_model_runs_on_a_gpu(mod
     model = model_files["torch" if "torch" in flags else "onnxruntime"]
     (where, spec), _ = cli.build_server(cli.serve_parser().parse_args([str(model), *flags]))
     assert where == ("process" if apart else "in process") and spec.model == str(model)
+
+
+KILLED_CLIENT = """
+import sys
+from sharp.serving import Client
+with Client(sys.argv[1]) as c:
+    for i, _ in enumerate(c.generate_stream("gone " + sys.argv[2], max_new_tokens=4000, temperature=0)):
+        if i == 1:
+            print("two", flush=True)
+"""
+
+
+@pytest.mark.parametrize("core", ["off", "on"])
+def test_clients_killed_mid_stream_are_each_counted_once_and_their_work_stops(model_files, core):
+    """Client processes SIGKILLed after two streamed chunks: each request is counted exactly once (cancelled),
+    within moments, and nothing of theirs runs on."""
+    import subprocess
+    import sys
+
+    proc, line = start_sharp_serve(model_files["onnxruntime"], "--engine-process", core, "--metrics-port", "0")
+    try:
+        target = "127.0.0.1:" + re.search(r" on 127\.0\.0\.1:(\d+)", line).group(1)
+        metrics = re.search(r"metrics (http://\S+/metrics)", line).group(1)
+        kids = [subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, target, str(i)], stdout=subprocess.PIPE,
+                                 text=True) for i in range(6)]  # fmt: skip
+        for k in kids:
+            assert k.stdout.readline().strip() == "two"
+            k.send_signal(signal.SIGKILL)
+            k.wait()
+        deadline, counted = time.monotonic() + 20, {}
+        while time.monotonic() < deadline:
+            text = urllib.request.urlopen(metrics, timeout=10).read().decode()
+            counted = {
+                m[0]: float(m[1])
+                for m in re.findall(r'sharp_requests_total\{api="grpc"[^}]*status="(\w+)"\} (\S+)', text)
+            }
+            running = float(re.search(r"^sharp_running_requests\{[^}]*\} (\S+)", text, re.M).group(1))
+            if sum(counted.values()) >= 6 and running == 0:
+                break
+            time.sleep(0.1)
+        assert {k: v for k, v in counted.items() if v} == {"cancelled": 6.0} and running == 0
+    finally:
+        proc.kill()
