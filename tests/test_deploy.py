@@ -37,8 +37,15 @@ DEPLOY = ROOT / "deploy"
 BIN = Path(sys.executable).parent
 TOOLS = ROOT / "build" / "deploy-tools" / "root" / "usr" / "bin"
 # overlay, or overlay+components
-OVERLAYS = ("cpu", "gpu", "cpu+openai-http", "cpu+openai-http+vllm-router", "cpu+openai-http+inference-gateway")
-ENTRIES = ("+vllm-router", "+inference-gateway")  # components that put an entry in front of plain-text replicas
+OVERLAYS = (
+    "cpu",
+    "cpu+monitoring",
+    "gpu+monitoring",
+    "cpu+openai-http",
+    "cpu+openai-http+vllm-router+monitoring",
+    "cpu+openai-http+inference-gateway",
+)
+ENTRIES = ("vllm-router", "inference-gateway")  # components that put an entry in front of plain-text replicas
 CRDS = DEPLOY / "k8s" / "crds"
 K8S_VERSION = "1.32.0"  # the oldest Kubernetes the manifests target (native sleep preStop, grpc probes)
 
@@ -89,6 +96,7 @@ def by_kind(docs: list[dict], app: str = "sharp-serve") -> dict[str, dict]:
 
 
 COMPONENT_KINDS = {  # what each component adds, by app
+    "monitoring": {"sharp-serve": ["ServiceMonitor", "PrometheusRule"]},
     "vllm-router": {"sharp-router": ["ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"]},
     "inference-gateway": {
         "sharp-epp": ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service"],
@@ -98,27 +106,25 @@ COMPONENT_KINDS = {  # what each component adds, by app
 
 
 def behind_an_entry(overlay: str) -> bool:
-    return overlay.endswith(ENTRIES)
+    return any(f"+{c}+" in f"{overlay}+" for c in ENTRIES)
 
 
 def test_overlays_render_every_kind(rendered):
     overlay, docs = rendered
     kinds = sorted(d["kind"] for d in docs)
-    added = COMPONENT_KINDS.get(overlay.split("+")[-1], {})
+    added = [(app, kinds) for c in overlay.split("+")[1:] for app, kinds in COMPONENT_KINDS.get(c, {}).items()]
     assert kinds == sorted(
         [
-            *(kind for more in added.values() for kind in more),
+            *(kind for _, more in added for kind in more),
             "ServiceAccount",
             "Deployment",
             "Service",
             "PodDisruptionBudget",
             "HorizontalPodAutoscaler",
             "NetworkPolicy",
-            "ServiceMonitor",
-            "PrometheusRule",
         ]
     )
-    for app, more in added.items():
+    for app, more in added:
         assert set(more) <= set(by_kind(docs, app))
 
 
@@ -156,8 +162,11 @@ def operator_check(doc: dict) -> None:
 
 
 def test_custom_resources_match_the_operator_models(rendered):
-    _, docs = rendered
+    overlay, docs = rendered
     custom = [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    if "+monitoring" not in overlay:  # a cluster without prometheus-operator's CRDs takes the rest
+        assert custom == []
+        return
     assert {d["kind"] for d in custom} == {"ServiceMonitor", "PrometheusRule"}
     for doc in custom:
         operator_check(doc)
@@ -182,17 +191,20 @@ def test_selectors_ports_and_probes_fit_together(rendered):
     assert selects(k["Service"]["spec"]["selector"], labels)
     assert selects(k["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"], labels)
     assert selects(k["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"], labels)
-    assert selects(k["ServiceMonitor"]["spec"]["selector"]["matchLabels"], k["Service"]["metadata"]["labels"])
+    if "+monitoring" in overlay:
+        assert selects(k["ServiceMonitor"]["spec"]["selector"]["matchLabels"], k["Service"]["metadata"]["labels"])
+        assert {e["port"] for e in k["ServiceMonitor"]["spec"]["endpoints"]} <= {
+            p["name"] for p in k["Service"]["spec"]["ports"]
+        }
     service_ports = {p["name"]: p for p in k["Service"]["spec"]["ports"]}
     assert {p["targetPort"] for p in service_ports.values()} <= set(ports)
-    assert {e["port"] for e in k["ServiceMonitor"]["spec"]["endpoints"]} <= set(service_ports)
     assert service_ports["grpc"]["appProtocol"] == "grpc"
     policy_ports = {p["port"] for rule in k["NetworkPolicy"]["spec"]["ingress"] for p in rule["ports"]}
     assert policy_ports == {"grpc", "http", "health", "metrics"}
     open_ports = {
         p["port"] for rule in k["NetworkPolicy"]["spec"]["ingress"] if "from" not in rule for p in rule["ports"]
     }
-    if overlay.endswith("+vllm-router"):  # plaintext HTTP: the router's pods only
+    if "+vllm-router" in overlay:  # plaintext HTTP: the router's pods only
         (rule,) = [r for r in k["NetworkPolicy"]["spec"]["ingress"] if r["ports"][0]["port"] == "http"]
         router = by_kind(docs, "sharp-router")
         assert selects(
@@ -368,7 +380,7 @@ def test_autoscaler_metric_is_what_the_adapter_serves(rendered):
 
 def write_rules(directory: Path) -> Path:
     """The PrometheusRule's spec as a plain rules file (the form promtool and plain Prometheus read)."""
-    spec = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())["spec"]
+    spec = yaml.safe_load((DEPLOY / "k8s" / "components" / "monitoring" / "prometheusrule.yaml").read_text())["spec"]
     path = directory / "rules.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False, width=1 << 20))
     return path
@@ -414,7 +426,9 @@ def test_dashboard_queries_only_exported_series_and_recorded_rules(model_files):
     dashboard = json.loads((DEPLOY / "grafana" / "sharp-serve.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 10
-    rules = yaml.safe_load((DEPLOY / "k8s" / "base" / "prometheusrule.yaml").read_text())["spec"]["groups"]
+    rules = yaml.safe_load((DEPLOY / "k8s" / "components" / "monitoring" / "prometheusrule.yaml").read_text())["spec"][
+        "groups"
+    ]
     recorded = {r["record"] for g in rules for r in g["rules"] if "record" in r}
     with serving(model_files) as srv, Client(srv.target) as c:
         c.generate("dashboard", max_new_tokens=4)
