@@ -10,6 +10,7 @@ tests skip with the reason, except under CI=true, where that is a failure.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -302,7 +303,9 @@ def test_the_router_finds_the_replicas_and_its_arguments_parse(tmp_path_factory)
 
 
 def crd_schema(path: Path) -> dict:
-    (version,) = [v for v in yaml.safe_load(path.read_text())["spec"]["versions"] if v["storage"]]
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: the InferenceService CRD is 2 MB
+    (version,) = [v for v in yaml.load(text, Loader=loader)["spec"]["versions"] if v["storage"]]
     return version["schema"]["openAPIV3Schema"]
 
 
@@ -366,6 +369,26 @@ def test_the_inference_pool_its_picker_and_route_fit_the_crds_and_the_replicas(t
                  "cache-info-metric"):  # fmt: skip
         assert flags[flag] in served, (flag, sorted(served))
     assert flags["lora-info-metric"] == ""  # sharp serves no LoRA adapters: the picker must not wait for them
+
+
+def test_the_kserve_runtime_and_service_fit_kserves_crds_and_sharp_serve():
+    """The KServe example: both objects validate against KServe v0.20.0's CRDs; the runtime's arguments, with the
+    InferenceService's name where KServe writes it, parse with sharp-serve's own parser and serve the OpenAI API
+    on the port KServe routes to; the service asks for a format the runtime supports."""
+    kserve = DEPLOY / "kserve"
+    runtime = yaml.safe_load((kserve / "servingruntime.yaml").read_text())
+    service = yaml.safe_load((kserve / "inferenceservice.yaml").read_text())
+    crds = CRDS / "kserve-v0.20.0"
+    crd_check(runtime, crd_schema(crds / "serving.kserve.io_servingruntimes.yaml.gz"))
+    crd_check(service, crd_schema(crds / "serving.kserve.io_inferenceservices.yaml.gz"))
+    (container,) = runtime["spec"]["containers"]
+    name = service["metadata"]["name"]
+    args = serve_parser().parse_args([a.replace("{{.Name}}", name) for a in container["args"]])
+    assert args.http_port == container["ports"][0]["containerPort"] == container["readinessProbe"]["httpGet"]["port"]
+    assert args.model_name == name and args.model.parent == Path("/mnt/models") and args.metrics_names == "vllm"
+    model = service["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"]
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
 
 
 def test_autoscaler_metric_is_what_the_adapter_serves(rendered):
