@@ -32,8 +32,8 @@ def _router_command(kind: str, port: int, workers: list[str], policy: str) -> li
 class Replica:
     """One sharp-serve with its HTTP API on a fixed port (a restart comes back at the same address)."""
 
-    def __init__(self, model: Path):
-        self.model, self.port, self.proc = model, free_port(), None
+    def __init__(self, model: Path, log: Path):
+        self.model, self.log, self.port, self.proc = model, log, free_port(), None
 
     @property
     def url(self) -> str:
@@ -42,9 +42,11 @@ class Replica:
     def start(self) -> Replica:
         cmd = [sys.executable, "-m", "sharp.serving.cli", str(self.model), "--port", "0", "--metrics-port", "-1",
                "--http-port", str(self.port), "--metrics-names", "vllm", "--drain-timeout", "30"]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # stderr to a file: the access log writes a line per request, and a pipe nobody reads fills and blocks it
+        with self.log.open("a") as log:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
         line = self.proc.stdout.readline()
-        assert "OpenAI API" in line, line + self.proc.stderr.read()
+        assert "OpenAI API" in line, line + self.log.read_text()[-2000:]
         return self
 
     def stop(self) -> None:
@@ -81,8 +83,9 @@ class Router:
 
 
 @pytest.fixture(scope="module")
-def replicas(chat_files):
-    started = [Replica(chat_files["onnxruntime"]) for _ in range(2)]
+def replicas(chat_files, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("replicas")
+    started = [Replica(chat_files["onnxruntime"], logs / f"{i}.log") for i in range(2)]
     try:
         yield [r.start() for r in started]
     finally:
@@ -153,10 +156,10 @@ def _load(router: Router, stop: float, results: list, prompt: str) -> None:
             results.append((sent, f"{type(e).__name__}: {e}"))
 
 
-def test_a_replica_killed_under_load_loses_only_what_it_held(chat_files):
+def test_a_replica_killed_under_load_loses_only_what_it_held(chat_files, tmp_path):
     """One of two replicas SIGKILLed under load: every request sent once the router has seen it fail succeeds,
     at least 90% of all succeed, and none hangs (each has a 60 s timeout; the load ends in bounded time)."""
-    pair = [Replica(chat_files["onnxruntime"]).start() for _ in range(2)]
+    pair = [Replica(chat_files["onnxruntime"], tmp_path / f"{i}.log").start() for i in range(2)]
     router = Router("vllm", pair, policy="round_robin")
     try:
         results: list = []
@@ -178,10 +181,10 @@ def test_a_replica_killed_under_load_loses_only_what_it_held(chat_files):
             r.stop()
 
 
-def test_a_rolling_restart_under_load_loses_no_request(chat_files):
+def test_a_rolling_restart_under_load_loses_no_request(chat_files, tmp_path):
     """SIGTERM one replica (it drains: finishes what it holds, answers new requests 503, reports unhealthy),
     start it again at the same address: not one request fails."""
-    pair = [Replica(chat_files["onnxruntime"]).start() for _ in range(2)]
+    pair = [Replica(chat_files["onnxruntime"], tmp_path / f"{i}.log").start() for i in range(2)]
     router = Router("vllm", pair, policy="round_robin")
     try:
         results: list = []
