@@ -115,6 +115,8 @@ def test_the_load_a_replica_reports_rises_with_requests_and_falls_back(model_fil
         (info,) = idle["vllm:cache_config_info"].samples
         assert int(info.labels["num_gpu_blocks"]) == _value(idle, "sharp_kv_cache_blocks") > 0
         assert not any("entropy" in name for name in idle)  # the lean path leaves the histograms out
+        for name, family in idle.items():  # what pickers read as gauges is typed so
+            assert family.type == "gauge" or name.startswith("vllm:prefix_cache"), (name, family.type)
         assert any("entropy" in name for name in _load_families(srv, "/metrics"))
         streams = [c.generate_stream("load", max_new_tokens=3000, temperature=0) for _ in range(2)]
         next(streams[0])

@@ -127,6 +127,21 @@ def test_the_openai_sdk_works_unchanged_through_the_router(router, replicas):
     assert chunks[-1].usage.completion_tokens == 10
 
 
+def test_a_conversation_stays_on_the_replica_that_holds_its_prefix(router):
+    """Cache-aware routing (both routers' default) sends each turn of a conversation to the replica whose prefix
+    cache holds the transcript so far: every later turn finds all of its previous prompt cached."""
+    client, transcript, previous = router.client(), "A long document about routers. " * 12, None
+    for turn in range(4):
+        transcript += f"\nQ{turn}: what next?\nA:"
+        r = client.completions.create(model=MODEL, prompt=transcript, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        if previous is not None:
+            assert cached >= previous, (turn, cached, previous)
+        previous = r.usage.prompt_tokens
+        transcript += r.choices[0].text
+
+
 def test_the_probes_a_router_sends_are_answered(replicas):
     """sglang-router's server and model information, vLLM's render endpoints, the load poll of power-of-two."""
     base = replicas[0].url
@@ -156,50 +171,47 @@ def _load(router: Router, stop: float, results: list, prompt: str) -> None:
             results.append((sent, f"{type(e).__name__}: {e}"))
 
 
-def test_a_replica_killed_under_load_loses_only_what_it_held(chat_files, tmp_path):
-    """One of two replicas SIGKILLed under load: every request sent once the router has seen it fail succeeds,
-    at least 90% of all succeed, and none hangs (each has a 60 s timeout; the load ends in bounded time)."""
+def _under_load(chat_files, tmp_path, seconds: float, disrupt) -> tuple[list, float]:
+    """Two replicas behind vllm-router (round-robin) under 6 clients' load for `seconds`; 3 s in, `disrupt(pair)`
+    runs. Each request's (sent, ok or the error), and when the disruption began."""
     pair = [Replica(chat_files["onnxruntime"], tmp_path / f"{i}.log").start() for i in range(2)]
     router = Router("vllm", pair, policy="round_robin")
     try:
         results: list = []
-        stop = time.monotonic() + 12
+        stop = time.monotonic() + seconds
         with cf.ThreadPoolExecutor(6) as pool:
             futures = [pool.submit(_load, router, stop, results, f"load {i}") for i in range(6)]
             time.sleep(3)
-            pair[1].proc.send_signal(signal.SIGKILL)
-            killed = time.monotonic()
+            began = time.monotonic()
+            disrupt(pair)
             for f in futures:
                 f.result(timeout=120)
-        ok = [r for r in results if r[1] is True]
-        late = [r for r in results if r[0] > killed + 3]  # health checks every second; 3 failures mark it down
-        assert late and all(r[1] is True for r in late), [r for r in late if r[1] is not True][:3]
-        assert len(ok) >= 0.9 * len(results), [r for r in results if r[1] is not True][:3]
+        return results, began
     finally:
         router.stop()
         for r in pair:
             r.stop()
+
+
+def test_a_replica_killed_under_load_loses_only_what_it_held(chat_files, tmp_path):
+    """One of two replicas SIGKILLed under load: every request sent once the router has seen it fail succeeds,
+    at least 90% of all succeed, and none hangs (each has a 60 s timeout; the load ends in bounded time)."""
+    results, killed = _under_load(chat_files, tmp_path, 12, lambda pair: pair[1].proc.send_signal(signal.SIGKILL))
+    ok = [r for r in results if r[1] is True]
+    late = [r for r in results if r[0] > killed + 3]  # health checks every second; 3 failures mark it down
+    assert late and all(r[1] is True for r in late), [r for r in late if r[1] is not True][:3]
+    assert len(ok) >= 0.9 * len(results), [r for r in results if r[1] is not True][:3]
+
+
+def _restart(pair: list[Replica]) -> None:
+    pair[0].proc.send_signal(signal.SIGTERM)
+    assert pair[0].proc.wait(timeout=40) == 0
+    pair[0].start()
 
 
 def test_a_rolling_restart_under_load_loses_no_request(chat_files, tmp_path):
     """SIGTERM one replica (it drains: finishes what it holds, answers new requests 503, reports unhealthy),
     start it again at the same address: not one request fails."""
-    pair = [Replica(chat_files["onnxruntime"], tmp_path / f"{i}.log").start() for i in range(2)]
-    router = Router("vllm", pair, policy="round_robin")
-    try:
-        results: list = []
-        stop = time.monotonic() + 14
-        with cf.ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(_load, router, stop, results, f"roll {i}") for i in range(6)]
-            time.sleep(3)
-            pair[0].proc.send_signal(signal.SIGTERM)
-            assert pair[0].proc.wait(timeout=40) == 0
-            pair[0].start()
-            for f in futures:
-                f.result(timeout=120)
-        failed = [r for r in results if r[1] is not True]
-        assert len(results) > 20 and not failed, failed[:3]
-    finally:
-        router.stop()
-        for r in pair:
-            r.stop()
+    results, _ = _under_load(chat_files, tmp_path, 14, _restart)
+    failed = [r for r in results if r[1] is not True]
+    assert len(results) > 20 and not failed, failed[:3]
