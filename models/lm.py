@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from sharp.models.config import ModelConfig
 from sharp.models.kvcache import PagedLayer, PagedStep
 from sharp.models.layers import MLP, KVCache, SharpAttention, make_layer_norm
-from sharp.models.sampling import SamplingParams, generator, sample
+from sharp.models.sampling import SamplingParams, generator, process, sample
 from sharp.models.tokenizer import BYTES
 
 
@@ -111,8 +112,12 @@ class SharpLM(nn.Module):
         rng = generator(seed)
         out = self.step(torch.tensor([prompt_ids], device=device))
         tokens: list[int] = []
+        prompt = np.asarray(prompt_ids, np.int64)
         for _ in range(max_new_tokens):
-            nxt = int(sample(out.logits[:, -1].float().cpu().numpy(), params, rng)[0])
+            logits = out.logits[:, -1].float().cpu().numpy()
+            if params.processes:  # the serving engine's processors, on the same history
+                logits = process(logits[0], params, prompt, np.asarray(tokens, np.int64))[None]
+            nxt = int(sample(logits, params, rng)[0])
             tokens.append(nxt)
             if eos is not None and nxt == eos:
                 break

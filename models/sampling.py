@@ -1,4 +1,6 @@
-"""Next-token sampling shared by `SharpLM.generate` and the serving engine: greedy, temperature, top-k, top-p.
+"""Next-token sampling shared by `SharpLM.generate` and the serving engine: greedy, temperature, top-k, top-p,
+min-p; and the logits processors of a request's history (`process`: logit bias, repetition, frequency and presence
+penalties), which the engine applies to the rows that ask, before sampling.
 
 In NumPy on host logits (B, V) with NumPy generators: a step's logits are small, torch's dispatch cost more than the
 work on them, and an ONNX server need not import torch at all (docs/serving.md, "A lean server")."""
@@ -20,15 +22,60 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one's probability (0: off)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from a token generated before
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated before
+    repetition_penalty: float = 1.0  # CTRL's (vLLM, transformers): a seen token's logit divided (> 0) or multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
 
     def check(self) -> None:
-        """Raise ValueError saying what is wrong and what is allowed."""
+        """Raise ValueError saying what is wrong and what is allowed (the token ids of logit_bias are the
+        vocabulary's, checked by the caller that knows it)."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not math.isfinite(self.top_p) or not 0 <= self.top_p <= 1:
-            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
+        for name in ("top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)) or not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1 disables it), got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if not math.isfinite(bias) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+
+    @property
+    def processes(self) -> bool:
+        """Whether `process` changes anything for these parameters (the rows that need nothing cost nothing)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)  # fmt: skip
+
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+
+
+def process(logits: np.ndarray, params: SamplingParams, prompt: np.ndarray, generated: np.ndarray) -> np.ndarray:
+    """One row of logits (V,) after the processors of its history, in vLLM's order: the bias added; then the
+    repetition penalty on every token of the prompt and of the generated text (a positive logit divided by it, a
+    negative one multiplied); then, over the generated tokens only, the frequency penalty times each token's count
+    and the presence penalty once per token present. Returns a new array."""
+    out = np.array(logits, np.float32)
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        np.add.at(out, np.asarray(ids), np.asarray(bias, np.float32))
+    if params.repetition_penalty != 1:
+        seen = np.unique(np.concatenate([prompt, generated]).astype(np.int64))
+        vals = out[seen]
+        out[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and len(generated):
+        counts = np.bincount(generated, minlength=len(out))[: len(out)]
+        out -= counts * np.float32(params.frequency_penalty) + (counts > 0) * np.float32(params.presence_penalty)
+    return out
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -76,6 +123,9 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     if params.temperature < TEMPERATURE_FLOOR:
         return logits.argmax(-1)
     scores = logits.astype(np.float64) / params.temperature
+    if params.min_p:
+        probs = _softmax(scores)
+        scores = np.where(probs < params.min_p * probs.max(-1, keepdims=True), -np.inf, scores)
     if params.top_k:
         cut = scores.shape[-1] - min(params.top_k, scores.shape[-1])
         kth = np.partition(scores, cut, axis=-1)[..., cut : cut + 1]  # the k-th largest score of each row

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from sharp.models.sampling import sample_rows, token_logprobs
+from sharp.models.sampling import process, sample_rows, token_logprobs
 from sharp.serving.backends import Backend, Chunk, StepResult
 from sharp.serving.output import TokenLogprob, as_token_logprobs
 from sharp.serving.scheduler import Sequence
@@ -53,14 +53,19 @@ class Executor:
         return chosen, out
 
     def _processed(self, seqs: list[Sequence], logits: np.ndarray) -> np.ndarray:
-        """The logits each row samples from: a row short of its request's min_tokens cannot pick end-of-sequence
-        or one of its stop_token_ids. Rows that need nothing cost nothing (no copy when none does)."""
-        rows = [i for i, s in enumerate(seqs) if len(s.generated) < s.request.min_tokens]
+        """The logits each row samples from: its request's logit bias and penalties over its history
+        (models/sampling.py `process`), and, while it is short of its min_tokens, end-of-sequence and its
+        stop_token_ids masked. Rows that need nothing cost nothing (no copy when none does)."""
+        short = lambda s: len(s.generated) < s.request.min_tokens
+        rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or short(s)]
         if not rows:
             return logits
         out = logits.copy()
         for i in rows:
-            req = seqs[i].request
-            banned = [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)]
-            out[i, banned] = -np.inf
+            seq, req = seqs[i], seqs[i].request
+            if req.sampling.processes:
+                out[i] = process(out[i], req.sampling, seq.prompt_array(), np.asarray(seq.generated, np.int64))
+            if short(seq):
+                banned = [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)]
+                out[i, banned] = -np.inf
         return out

@@ -175,9 +175,9 @@ class _Generation(_Body):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> added to its logit
     # accepted, changing nothing: who asks, where to bill, what to keep for them (nothing is kept)
     user: str | None = None
     safety_identifier: str | None = None
@@ -193,17 +193,17 @@ class _Generation(_Body):
     include_stop_str_in_output: bool = False  # vLLM's name
     no_stop_trim: bool = False  # SGLang's name for the same
     priority: Int32 = 0
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     return_hidden_states: bool = False
     sharp: SharpOptions = SharpOptions()
 
     def refused(self) -> Refusal | None:
         if not 1 <= self.n <= MAX_CHOICES:
             return "n", f"n must be in [1, {MAX_CHOICES}]"
-        if self.presence_penalty or self.frequency_penalty:
-            name = "presence_penalty" if self.presence_penalty else "frequency_penalty"
-            return name, "presence_penalty and frequency_penalty are not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        for key in self.logit_bias or {}:
+            if not key.isdecimal() or not key.isascii():
+                return "logit_bias", f"logit_bias keys are token ids (strings of digits), got {key[:20]!r}"
         if self.store:
             return "store", "store: true is not supported: the server keeps no completions"
         if self.return_hidden_states:
@@ -233,6 +233,11 @@ class _Generation(_Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop=self.include_stop_str_in_output or self.no_stop_trim,
             priority=self.priority,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
 
 

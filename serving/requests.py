@@ -3,19 +3,20 @@ message) becomes a `GenerationRequest` with every default applied, or a `Request
 message that names the allowed range.
 
 Each field's default is decided here and nowhere else (the proto comments state the same values):
-temperature, top_k and top_p from `SamplingParams()`, max_new_tokens from the server's
+temperature, top_k, top_p, min_p and the penalties from `SamplingParams()`, max_new_tokens from the server's
 --default-max-new-tokens, seed a fresh random one, request_id a fresh UUID.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from sharp.models.sampling import MAX_LOGPROBS, SamplingParams
+from sharp.models.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from sharp.serving.status import Status
 
 DEFAULT_SAMPLING = SamplingParams()
@@ -132,6 +133,11 @@ class RequestParams:
     skip_special_tokens: bool = True
     include_stop: bool = False
     priority: int = 0
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are RequestParams' own
@@ -182,11 +188,14 @@ def validate(
         if getattr(msg, field) is not None and not 0 <= getattr(msg, field) <= MAX_LOGPROBS:
             raise name.error(field, f"{{{field}}} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, field)}")
     ids = tuple(encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)
+    if len(msg.logit_bias) > MAX_LOGIT_BIAS:  # before the entries are looked at one by one
+        raise name.error("logit_bias", f"{len(msg.logit_bias)} {{logit_bias}} entries; at most {MAX_LOGIT_BIAS}")
+    unset = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
     sampling = SamplingParams(
-        temperature=DEFAULT_SAMPLING.temperature if msg.temperature is None else msg.temperature,
+        **{f: getattr(DEFAULT_SAMPLING if getattr(msg, f) is None else msg, f) for f in unset},
         top_k=msg.top_k,
-        top_p=DEFAULT_SAMPLING.top_p if msg.top_p is None else msg.top_p,
-    )
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+    )  # fmt: skip
     req = GenerationRequest(
         prompt_ids=ids,
         max_new_tokens=limits.default_max_new_tokens if msg.max_new_tokens is None else msg.max_new_tokens,
@@ -250,6 +259,8 @@ def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
             "min_tokens",
             f"{{min_tokens}} must be in [0, {{max_new_tokens}}] = [0, {req.max_new_tokens}], got {req.min_tokens}",
         )
+    if bad := [t for t, _ in req.sampling.logit_bias if not 0 <= t < limits.vocab_size]:
+        raise name.error("logit_bias", f"{{logit_bias}} token {bad[0]} outside the vocabulary [0, {limits.vocab_size})")
     if bad := [t for t in req.stop_token_ids if not 0 <= t < limits.vocab_size]:
         raise name.error(
             "stop_token_ids", f"{{stop_token_ids}} {bad[:3]} outside the vocabulary [0, {limits.vocab_size})"

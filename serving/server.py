@@ -39,7 +39,8 @@ log = logging.getLogger("sharp.serving")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Generator"
 DRAIN_DEADLINE = "the server is draining: drain deadline reached before this request finished"
 GRPC_CODES = {status: getattr(grpc.StatusCode, status.name) for status in Status}  # the names are gRPC's own
-_OPTIONAL = ("max_new_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs", "skip_special_tokens")
+_OPTIONAL = ("max_new_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs", "skip_special_tokens",
+             "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")  # fmt: skip
 
 
 def params_of(msg: pb.GenerateRequest) -> RequestParams:
@@ -56,6 +57,7 @@ def params_of(msg: pb.GenerateRequest) -> RequestParams:
         stop_token_ids=msg.stop_token_ids,
         include_stop=msg.include_stop,
         priority=msg.priority,
+        logit_bias=dict(msg.logit_bias),
     )
     for name in _OPTIONAL:
         if msg.HasField(name):
