@@ -212,6 +212,10 @@ class HFTokenizer:
     def stream(self, skip_special: bool = True) -> TextStream:
         return _HFStream(self, skip_special)
 
+    def tokenizer_json(self) -> str:
+        """The tokenizer.json text (as the byte tokenizer writes its own), for runtimes that read that format."""
+        return self.json
+
     def to_dict(self) -> dict:
         """Everything but the tokenizer.json text, which travels beside it (see exporter/metadata.py)."""
         return {

@@ -21,6 +21,7 @@ from sharp.serving.backends import Backend
 from sharp.serving.config import EngineConfig
 from sharp.serving.engine_client import EngineClient
 from sharp.serving.executor import Executor
+from sharp.serving.grammar import Grammars
 from sharp.serving.metrics import ServingMetrics
 from sharp.serving.output import Delivery, Event, HeadStats, Output, RequestState
 from sharp.serving.requests import GenerationRequest
@@ -51,6 +52,7 @@ class Engine(EngineClient):
         self._cond = threading.Condition()
         self.scheduler = Scheduler(config.max_batch, config.prefill_chunk, self.tokenizer.eos_ids)
         self.executor = Executor(backend, self.tokenizer.eos_ids)
+        self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)  # the vocabulary compiled on first use
         self.output = Output(self.metrics.entropy != "off")
         self.delivery = Delivery()
         self._publish = publish or self._publish_here
@@ -81,7 +83,9 @@ class Engine(EngineClient):
         arrival = time.perf_counter() if arrival is None else arrival
         text = StopText(req.stop, req.include_stop)
         state = RequestState(req, sink, arrival, text, self.tokenizer.stream(req.skip_special_tokens), stats)
-        seq = Sequence(req, generator(req.seed), state)
+        seq = Sequence(
+            req, generator(req.seed), state, matcher=self.grammars.matcher(req.grammar) if req.grammar else None
+        )
         with self._cond:
             self.admission(len(self.scheduler.waiting))
             self.scheduler.add(seq)

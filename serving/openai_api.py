@@ -35,6 +35,7 @@ from sharp.models.tokenizer import ChatTemplateError, render_chat
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
 from sharp.serving.engine_client import EngineClient
+from sharp.serving.grammar import schema_text
 from sharp.serving.metrics_http import LOAD_PATH, scrape
 from sharp.serving.output import Delta, Event, Failed, Finished, TokenLogprob
 from sharp.serving.requests import GenerationRequest, RequestError, RequestParams, validate
@@ -153,9 +154,23 @@ class SharpOptions(_Body):
     attention_stats: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` is pydantic's own name
+    strict: bool | None = None  # sharp always decodes to the schema (llguidance), strict or not
+    description: str | None = None
+
+
 class ResponseFormat(_Body):
-    model_config = ConfigDict(extra="allow", strict=True)  # json_schema's schema, refused anyway
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema(self) -> str | None:
+        """The JSON text of the schema the output must follow; None for text."""
+        if self.type == "text":
+            return None
+        return schema_text(None if self.type == "json_object" else self.json_schema.schema_)
 
 
 Refusal = tuple[str, str]  # (field, why): a field set to something sharp does not do
@@ -348,8 +363,9 @@ class ChatRequest(_Generation):
             return "top_logprobs", "top_logprobs needs logprobs: true"
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             return "max_tokens", "give max_completion_tokens or max_tokens, not both"
-        if self.response_format is not None and self.response_format.type != "text":
-            return "response_format", f"response_format {self.response_format.type!r} is not supported (only 'text')"
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
+            return "response_format", "response_format json_schema needs json_schema.schema"
         if (self.tools or self.functions) and self.tool_choice != "none":
             return "tools", "tools are not supported (only with tool_choice: 'none')"
         if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
@@ -371,6 +387,8 @@ class ChatRequest(_Generation):
         msg.prompt = prompt
         if self.logprobs:
             msg.logprobs = self.top_logprobs or 0
+        if self.response_format is not None:
+            msg.json_schema = self.response_format.schema()
         return msg
 
 
@@ -518,7 +536,12 @@ def _sse(obj: Any) -> bytes:
 
 # ---- the server ----------------------------------------------------------------------------------------------
 COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "input_ids": "prompt", "prompt_logprobs": "logprobs"}
-CHAT_NAMES = {"prompt": "messages", "input_ids": "messages", "logprobs": "top_logprobs"}
+CHAT_NAMES = {
+    "prompt": "messages",
+    "input_ids": "messages",
+    "logprobs": "top_logprobs",
+    "json_schema": "response_format",
+}
 UNION_HINTS = {  # what a field of several shapes takes, for a value that fits none of them
     "prompt": "a string, an array of token ids, or an array of one string or one token-id array",
     "content": "a string or an array of content parts",

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from sharp.models.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from sharp.serving.grammar import GrammarError, json_grammar
 from sharp.serving.status import Status
 
 DEFAULT_SAMPLING = SamplingParams()
@@ -99,6 +100,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # special tokens have no text
     include_stop: bool = False  # the stop string or stop token that ended it stays in the text
     priority: int = 0  # lower is admitted first (vLLM's order); equal priorities in arrival order
+    grammar: str | None = None  # structured outputs: the llguidance grammar decoding is constrained to
 
     def choices(self, n: int) -> list[GenerationRequest]:
         """`n` choices of this request, one group: choice i samples with seed + i (so they differ)."""
@@ -138,6 +140,7 @@ class RequestParams:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    json_schema: str | None = None  # the JSON text of a schema the output must follow
 
 
 GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are RequestParams' own
@@ -187,6 +190,12 @@ def validate(
     for field in ("logprobs", "prompt_logprobs"):
         if getattr(msg, field) is not None and not 0 <= getattr(msg, field) <= MAX_LOGPROBS:
             raise name.error(field, f"{{{field}}} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, field)}")
+    grammar = None
+    if msg.json_schema is not None:
+        try:
+            grammar = json_grammar(msg.json_schema)
+        except GrammarError as e:
+            raise name.error("json_schema", f"{{json_schema}}: {e}") from None
     ids = tuple(encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)
     if len(msg.logit_bias) > MAX_LOGIT_BIAS:  # before the entries are looked at one by one
         raise name.error("logit_bias", f"{len(msg.logit_bias)} {{logit_bias}} entries; at most {MAX_LOGIT_BIAS}")
@@ -213,6 +222,7 @@ def validate(
         skip_special_tokens=msg.skip_special_tokens,
         include_stop=msg.include_stop,
         priority=msg.priority,
+        grammar=grammar,
     )
     _check(req, limits, name)
     return req

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sharp.serving.backends import Chunk, Prefix
+from sharp.serving.grammar import Matcher
 from sharp.serving.output import RequestState
 from sharp.serving.requests import GenerationRequest
 
@@ -39,6 +40,7 @@ class Sequence:
     done: bool = False
     failed: bool = False  # ended by a failure: its cache is not kept
     overtaken: int = 0  # requests admitted past it while it did not fit
+    matcher: Matcher | None = None  # structured outputs: its place in its grammar (the executor masks by it)
     _prompt: np.ndarray | None = None
 
     def prompt_array(self) -> np.ndarray:

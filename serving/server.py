@@ -40,7 +40,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Gen
 DRAIN_DEADLINE = "the server is draining: drain deadline reached before this request finished"
 GRPC_CODES = {status: getattr(grpc.StatusCode, status.name) for status in Status}  # the names are gRPC's own
 _OPTIONAL = ("max_new_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs", "skip_special_tokens",
-             "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")  # fmt: skip
+             "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema")  # fmt: skip
 
 
 def params_of(msg: pb.GenerateRequest) -> RequestParams:

@@ -261,7 +261,7 @@ CHAT_BAD = [  # chat body changes (messages: system, user), what the message say
     ({"messages": [{"role": "robot", "content": "hi"}]}, "must be 'system', 'developer'", "messages[0].role"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}]},
      "tool_calls in messages are not supported", "messages[0].tool_calls"),
-    ({"response_format": {"type": "json_object"}}, "'json_object' is not supported", "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "needs json_schema.schema", "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools are not supported", "tools"),
     ({"tool_choice": "required"}, "tool_choice must be 'none' or 'auto'", "tool_choice"),
     ({"top_logprobs": 3}, "top_logprobs needs logprobs: true", "top_logprobs"),

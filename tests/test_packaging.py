@@ -132,6 +132,7 @@ SERVING_ROOMS = {
         "config",
         "core",
         "text",
+        "grammar",
         "warmup",
         "logs",
     },

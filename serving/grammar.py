@@ -1,0 +1,82 @@
+"""Structured outputs: a request's JSON schema (or "any JSON object") compiled by llguidance into a grammar, and
+per sequence a matcher that masks, each step, the tokens that would break it — in NumPy (llguidance's bitmask
+path), so a graph server still never imports torch. JSON is emitted compact (no free whitespace), so a small
+schema's output is bounded.
+
+The tokenizer's vocabulary is compiled once per served model (`Grammars`, lazily); a schema is checked when a
+request is validated, and a schema llguidance cannot compile is refused with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property, lru_cache
+from typing import Any
+
+import numpy as np
+
+ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object
+
+
+class GrammarError(ValueError):
+    """A schema that cannot constrain decoding, with llguidance's reason."""
+
+
+@lru_cache(maxsize=256)
+def json_grammar(schema: str) -> str:
+    """The grammar of the JSON schema `schema` (its JSON text); GrammarError saying why it cannot be one. The last
+    schemas' grammars are kept: an agent sends the same schema with every request."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    except ValueError as e:  # not a JSON object
+        raise GrammarError(f"not a JSON schema: {e}") from None
+    if problem := LLMatcher.validate_grammar(grammar):
+        raise GrammarError(problem.strip().splitlines()[0])
+    return grammar
+
+
+class Grammars:
+    """A served model's vocabulary as llguidance reads it, and matchers of grammars over it."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    @cached_property
+    def _vocabulary(self):
+        from llguidance import LLTokenizer
+
+        eos = sorted(self.tokenizer.eos_ids)
+        return LLTokenizer(self.tokenizer.tokenizer_json(), n_vocab=self.vocab_size, eos_token=eos)
+
+    def matcher(self, grammar: str) -> Matcher:
+        from llguidance import LLMatcher
+
+        return Matcher(LLMatcher(self._vocabulary, grammar), self.vocab_size)
+
+
+class Matcher:
+    """One sequence's place in its grammar: the mask of the tokens allowed next, and each sampled token taken."""
+
+    def __init__(self, matcher, vocab_size: int):
+        import llguidance.numpy as llnp
+
+        self.matcher, self._np = matcher, llnp
+        self.bitmask = llnp.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, logits: np.ndarray) -> None:
+        """Set the logits (V,) of every token the grammar does not allow next to −inf, in place."""
+        self._np.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        row = logits[None] if logits.flags.c_contiguous else np.ascontiguousarray(logits[None])
+        self._np.apply_token_bitmask_inplace(row, self.bitmask)
+        logits[:] = row[0]
+
+    def take(self, token: int) -> None:
+        """The token sampled (from masked logits: the grammar accepts it)."""
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+
+def schema_text(schema: dict[str, Any] | None) -> str:
+    return json.dumps(ANY_OBJECT if schema is None else schema)
