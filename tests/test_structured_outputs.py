@@ -72,3 +72,21 @@ def test_a_schema_that_cannot_be_compiled_is_a_400_with_the_reason(srv):
     r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", json=body, timeout=30)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "response_format" and "nonsense" in error["message"], error
+
+
+def test_the_openai_sdks_parse_returns_the_pydantic_model(srv):
+    """What `client.chat.completions.parse(response_format=Model)` sends (a strict json_schema of the model) and
+    reads back: the reply parses into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Thing(BaseModel):
+        ok: bool
+        color: Literal["red", "green", "blue"]
+
+    for seed in range(4):
+        messages = [{"role": "user", "content": "a thing"}]
+        r = api(srv).chat.completions.parse(model="tiny", messages=messages, response_format=Thing, temperature=1.0,
+                                            seed=seed, max_tokens=60)  # fmt: skip
+        assert isinstance(r.choices[0].message.parsed, Thing)
