@@ -118,8 +118,9 @@ def test_the_load_a_replica_reports_rises_with_requests_and_falls_back(model_fil
         for name, family in idle.items():  # what pickers read as gauges is typed so
             assert family.type == "gauge" or name.startswith("vllm:prefix_cache"), (name, family.type)
         assert any("entropy" in name for name in _load_families(srv, "/metrics"))
-        streams = [c.generate_stream("load", max_new_tokens=3000, temperature=0) for _ in range(2)]
-        next(streams[0])
+        streams = [c.generate_stream("load", max_new_tokens=4000, temperature=0)]
+        next(streams[0])  # running first: the second waits behind it (max_batch 1)
+        streams.append(c.generate_stream("load", max_new_tokens=4000, temperature=0))
         deadline = time.monotonic() + 30
         while (load := httpx.get(f"{base}/get_load").json())["num_waiting_reqs"] < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
