@@ -1,4 +1,5 @@
-"""Structured outputs: a request's JSON schema (or "any JSON object") compiled by llguidance into a grammar, and
+"""Structured outputs: a request's JSON schema (or "any JSON object"), regular expression, choice of strings or Lark
+grammar compiled by llguidance into a grammar, and
 per sequence a matcher that masks, each step, the tokens that would break it — in NumPy (llguidance's bitmask
 path), so a graph server still never imports torch. JSON is emitted compact (no free whitespace), so a small
 schema's output is bounded.
@@ -10,6 +11,7 @@ request is validated, and a schema llguidance cannot compile is refused with its
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property, lru_cache
 from typing import Any
 
@@ -22,18 +24,32 @@ class GrammarError(ValueError):
     """A schema that cannot constrain decoding, with llguidance's reason."""
 
 
+KINDS = ("json_schema", "regex", "choice", "grammar")  # what a request may constrain its output to
+
+
 @lru_cache(maxsize=256)
-def json_grammar(schema: str) -> str:
-    """The grammar of the JSON schema `schema` (its JSON text); GrammarError saying why it cannot be one. The last
-    schemas' grammars are kept: an agent sends the same schema with every request."""
+def compile_grammar(kind: str, spec: str) -> str:
+    """The llguidance grammar of `spec`: a JSON schema's text, a regular expression, the JSON text of a list of
+    strings to choose from, or a Lark grammar, by `kind` (KINDS); GrammarError saying why it cannot be one. The last
+    grammars are kept: an agent sends the same schema with every request."""
     from llguidance import LLMatcher
 
-    try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-    except ValueError as e:  # not a JSON object
-        raise GrammarError(f"not a JSON schema: {e}") from None
+    if kind == "json_schema":
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": False})
+        except ValueError as e:  # not a JSON object
+            raise GrammarError(f"not a JSON schema: {e}") from None
+    elif kind == "regex":
+        grammar = LLMatcher.grammar_from_regex(spec)
+    elif kind == "choice":
+        choices = json.loads(spec)
+        if not choices:
+            raise GrammarError("no choices")
+        grammar = LLMatcher.grammar_from_regex("|".join(re.escape(c) for c in choices))
+    else:
+        grammar = LLMatcher.grammar_from_lark(spec)
     if problem := LLMatcher.validate_grammar(grammar):
-        raise GrammarError(problem.strip().splitlines()[0])
+        raise GrammarError(" ".join(problem.split())[:300])
     return grammar
 
 

@@ -173,6 +173,22 @@ class ResponseFormat(_Body):
         return schema_text(None if self.type == "json_object" else self.json_schema.schema_)
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` extension: the output follows one of these."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | None = Field(None, alias="json")  # a JSON schema (`json` is pydantic's own name)
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark
+
+    def put(self, msg: RequestParams) -> None:
+        if self.json_ is not None or self.json_object:
+            msg.json_schema = schema_text(self.json_)
+        msg.regex, msg.choice, msg.grammar = self.regex, self.choice, self.grammar
+
+
 Refusal = tuple[str, str]  # (field, why): a field set to something sharp does not do
 
 
@@ -211,6 +227,7 @@ class _Generation(_Body):
     repetition_penalty: float | None = None
     min_p: float | None = None
     return_hidden_states: bool = False
+    structured_outputs: StructuredOutputs | None = None
     sharp: SharpOptions = SharpOptions()
 
     def refused(self) -> Refusal | None:
@@ -234,7 +251,7 @@ class _Generation(_Body):
 
     def params(self, max_tokens: int | None) -> RequestParams:
         """Every field but the prompt, as the engine's transport-neutral request."""
-        return RequestParams(
+        msg = RequestParams(
             max_new_tokens=max_tokens,
             temperature=self.temperature,
             top_k=self.top_k,
@@ -254,6 +271,9 @@ class _Generation(_Body):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
+        if self.structured_outputs is not None:
+            self.structured_outputs.put(msg)
+        return msg
 
 
 class CompletionRequest(_Generation):
@@ -535,13 +555,11 @@ def _sse(obj: Any) -> bytes:
 
 
 # ---- the server ----------------------------------------------------------------------------------------------
-COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "input_ids": "prompt", "prompt_logprobs": "logprobs"}
-CHAT_NAMES = {
-    "prompt": "messages",
-    "input_ids": "messages",
-    "logprobs": "top_logprobs",
-    "json_schema": "response_format",
-}
+STRUCTURED_NAMES = {k: f"structured_outputs.{k}" for k in ("regex", "choice", "grammar")}
+COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "input_ids": "prompt", "prompt_logprobs": "logprobs",
+                    "json_schema": "structured_outputs.json"} | STRUCTURED_NAMES  # fmt: skip
+CHAT_NAMES = {"prompt": "messages", "input_ids": "messages", "logprobs": "top_logprobs",
+              "json_schema": "response_format"} | STRUCTURED_NAMES  # fmt: skip
 UNION_HINTS = {  # what a field of several shapes takes, for a value that fits none of them
     "prompt": "a string, an array of token ids, or an array of one string or one token-id array",
     "content": "a string or an array of content parts",

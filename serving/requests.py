@@ -10,6 +10,7 @@ temperature, top_k, top_p, min_p and the penalties from `SamplingParams()`, max_
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import secrets
 import uuid
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from sharp.models.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
-from sharp.serving.grammar import GrammarError, json_grammar
+from sharp.serving.grammar import KINDS, GrammarError, compile_grammar
 from sharp.serving.status import Status
 
 DEFAULT_SAMPLING = SamplingParams()
@@ -141,6 +142,9 @@ class RequestParams:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     json_schema: str | None = None  # the JSON text of a schema the output must follow
+    regex: str | None = None  # … or a regular expression it must match
+    choice: Sequence[str] | None = None  # … or the strings it must be one of
+    grammar: str | None = None  # … or a Lark grammar it must follow
 
 
 GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are RequestParams' own
@@ -191,11 +195,16 @@ def validate(
         if getattr(msg, field) is not None and not 0 <= getattr(msg, field) <= MAX_LOGPROBS:
             raise name.error(field, f"{{{field}}} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, field)}")
     grammar = None
-    if msg.json_schema is not None:
+    given = [k for k in KINDS if getattr(msg, k) is not None]
+    if len(given) > 1:
+        raise name.error(given[1], f"give one of {{{given[0]}}} and {{{given[1]}}}, not both")
+    if given:
+        kind = given[0]
+        spec = json.dumps(list(msg.choice)) if kind == "choice" else getattr(msg, kind)
         try:
-            grammar = json_grammar(msg.json_schema)
+            grammar = compile_grammar(kind, spec)
         except GrammarError as e:
-            raise name.error("json_schema", f"{{json_schema}}: {e}") from None
+            raise name.error(kind, f"{{{kind}}}: {e}") from None
     ids = tuple(encode(msg.prompt)) if msg.prompt else tuple(msg.input_ids)
     if len(msg.logit_bias) > MAX_LOGIT_BIAS:  # before the entries are looked at one by one
         raise name.error("logit_bias", f"{len(msg.logit_bias)} {{logit_bias}} entries; at most {MAX_LOGIT_BIAS}")

@@ -40,7 +40,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Gen
 DRAIN_DEADLINE = "the server is draining: drain deadline reached before this request finished"
 GRPC_CODES = {status: getattr(grpc.StatusCode, status.name) for status in Status}  # the names are gRPC's own
 _OPTIONAL = ("max_new_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs", "skip_special_tokens",
-             "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema")  # fmt: skip
+             "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema", "regex",
+             "grammar")  # fmt: skip
 
 
 def params_of(msg: pb.GenerateRequest) -> RequestParams:
@@ -58,6 +59,7 @@ def params_of(msg: pb.GenerateRequest) -> RequestParams:
         include_stop=msg.include_stop,
         priority=msg.priority,
         logit_bias=dict(msg.logit_bias),
+        choice=list(msg.choice) or None,
     )
     for name in _OPTIONAL:
         if msg.HasField(name):

@@ -5,6 +5,7 @@ or not; a schema llguidance cannot compile is a 400 with its reason."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import jsonschema
@@ -90,3 +91,29 @@ def test_the_openai_sdks_parse_returns_the_pydantic_model(srv):
         r = api(srv).chat.completions.parse(model="tiny", messages=messages, response_format=Thing, temperature=1.0,
                                             seed=seed, max_tokens=60)  # fmt: skip
         assert isinstance(r.choices[0].message.parsed, Thing)
+
+
+def test_vllms_structured_outputs_regex_choice_and_grammar_on_both_apis(srv):
+    """vLLM's `structured_outputs` extension (completions and chat) and gRPC's fields: a regular expression, a
+    choice of strings, a Lark grammar; two at once, or one that cannot compile, is refused naming it."""
+    oa = api(srv)
+    cases = [
+        ({"regex": r"[a-c]{3}-[0-9]{2}"}, lambda t: re.fullmatch(r"[a-c]{3}-[0-9]{2}", t)),
+        ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+        ({"grammar": 'start: "<" NAME ">"\nNAME: /[xyz]{2,4}/'}, lambda t: re.fullmatch(r"<[xyz]{2,4}>", t)),
+    ]
+    for extra, ok in cases:
+        for seed in range(3):
+            body = {"extra_body": {"structured_outputs": extra}, "temperature": 1.0, "seed": seed, "max_tokens": 20}
+            text = oa.completions.create(model="tiny", prompt="pick", **body).choices[0].text
+            assert ok(text), (extra, text)
+            chat = oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "pick"}], **body)
+            assert ok(chat.choices[0].message.content), (extra, chat)
+    with Client(srv.target) as c:
+        r = c.generate("pick", max_new_tokens=20, temperature=1.0, seed=1, choice=["red", "blue"])
+        assert r.text in ("red", "blue")
+    url = f"http://127.0.0.1:{srv.server.http_port}/v1/completions"
+    for bad, field in (({"regex": "(unclosed"}, "structured_outputs.regex"),
+                       ({"regex": "a", "choice": ["b"]}, "structured_outputs.choice")):  # fmt: skip
+        r = httpx.post(url, json={"model": "tiny", "prompt": "x", "structured_outputs": bad}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
