@@ -117,3 +117,14 @@ def test_vllms_structured_outputs_regex_choice_and_grammar_on_both_apis(srv):
                        ({"regex": "a", "choice": ["b"]}, "structured_outputs.choice")):  # fmt: skip
         r = httpx.post(url, json={"model": "tiny", "prompt": "x", "structured_outputs": bad}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_constrained_request_found_in_the_prefix_cache_gives_the_same_tokens(srv):
+    """The same seeded constrained request twice: the second finds its prompt in the prefix cache and still
+    samples the same tokens under the grammar."""
+    with Client(srv.target) as c:
+        ask = {"max_new_tokens": 60, "temperature": 1.0, "seed": 5, "json_schema": json.dumps(SCHEMA)}
+        prompt = "a cached prompt long enough to be kept " * 4
+        first, second = c.generate(prompt, **ask), c.generate(prompt, **ask)
+        assert second.usage.cached_tokens > 0 and list(second.token_ids) == list(first.token_ids)
+        jsonschema.validate(json.loads(second.text), SCHEMA)
