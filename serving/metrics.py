@@ -123,6 +123,8 @@ class Load:
     waiting: int = 0
     running: int = 0
     kv_used: float = 0.0  # tokens held in the KV cache / its capacity (reservations not counted)
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache so far, every API
+    prefix_hits: int = 0  # of which found
 
 
 class _VLLMCollector:
@@ -148,12 +150,12 @@ class _VLLMCollector:
                                  labels=["model_name", "block_size", "num_gpu_blocks"])  # fmt: skip
         info.add_metric([self.model, str(m.block_size), str(m.blocks)], 1.0)
         yield info
-        for name, doc, series in (
-            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m.prefix_queries),
-            ("vllm:prefix_cache_hits", "Of them, those found.", m.prefix_hits),
+        for name, doc, total in (
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", load.prefix_queries),
+            ("vllm:prefix_cache_hits", "Of them, those found.", load.prefix_hits),
         ):
             family = CounterMetricFamily(name, doc, labels=label)
-            family.add_metric([self.model], sum(c._value.get() for c in series.values()))
+            family.add_metric([self.model], total)
             yield family
 
 
@@ -290,7 +292,9 @@ class ServingMetrics:
 
     def log_step(self, stats: StepStats) -> None:
         """Turn one engine step's record into series."""
-        self.load = Load(stats.queue_size, stats.running, stats.kv_used)
+        self.load = Load(stats.queue_size, stats.running, stats.kv_used,
+                         self.load.prefix_queries + sum(stats.prefix_queries.values()),
+                         self.load.prefix_hits + sum(stats.prefix_hits.values()))  # fmt: skip
         self.queue_size.set(stats.queue_size)
         self.running.set(stats.running)
         self.kv_usage.set(stats.kv_usage)
