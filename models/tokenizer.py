@@ -293,11 +293,25 @@ def _compiled(template: str):
     return env.from_string(template)
 
 
+@cache
+def takes_tools(template: str) -> bool:
+    """Whether a chat template renders the `tools` it is given (transformers passes them; most templates ignore
+    them)."""
+    from jinja2 import meta
+
+    return "tools" in meta.find_undeclared_variables(_compiled(template).environment.parse(template))
+
+
 def render_chat(
-    tok: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True, continue_final: bool = False
+    tok: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final: bool = False,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt text for `messages` ({"role", "content"} dicts) with the assistant's turn opened, as transformers'
-    apply_chat_template renders it; encode the result with bos=False (the template writes its own BOS).
+    """The prompt text for `messages` ({"role", "content"} dicts, and an assistant's `tool_calls`, a tool's
+    `tool_call_id`) with the assistant's turn opened, as transformers' apply_chat_template renders it (`tools` as it
+    passes them); encode the result with bos=False (the template writes its own BOS).
     `continue_final`: the last message is the assistant's, left open for the model to continue (the template's
     end-of-turn after it cut off, as vLLM's continue_final_message)."""
     from jinja2 import TemplateError
@@ -313,7 +327,7 @@ def render_chat(
     try:
         text = _compiled(tok.chat_template).render(
             messages=messages, add_generation_prompt=add_generation_prompt, bos_token=tok.bos_text,
-            eos_token=tok.eos_text,
+            eos_token=tok.eos_text, tools=tools,
         )  # fmt: skip
     except TemplateError as e:
         raise ChatTemplateError(f"the model's chat template failed: {e}") from None

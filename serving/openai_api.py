@@ -31,7 +31,7 @@ from aiohttp.web_server import Server
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sharp import __version__
-from sharp.models.tokenizer import ChatTemplateError, render_chat
+from sharp.models.tokenizer import ChatTemplateError, render_chat, takes_tools
 from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
 from sharp.serving.engine_client import EngineClient
@@ -41,6 +41,7 @@ from sharp.serving.output import Delta, Event, Failed, Finished, TokenLogprob
 from sharp.serving.requests import GenerationRequest, RequestError, RequestParams, validate
 from sharp.serving.stats import RequestOutcome
 from sharp.serving.status import Status
+from sharp.serving.tools import TOOL_NAME, CallReader, Format, Tool, ToolCall, ToolUse, format_for, system_block
 
 log = logging.getLogger("sharp.serving")
 
@@ -328,30 +329,93 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionDef(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; none: no arguments
+    strict: bool | None = None  # a forced call always follows the schema; an `auto` one is the model's own text
+
+
+class ToolDef(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def tool(self) -> Tool:
+        fn = self.function
+        return Tool(fn.name, fn.description) if fn.parameters is None else Tool(fn.name, fn.description, fn.parameters)
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # a JSON object's text, as the reply gave it
+
+
+class MessageToolCall(_Body):
+    """A call of an earlier assistant reply, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
     # what clients send back from a reply (the SDK's model_dump, LangChain, agent frameworks): accepted when empty
     refusal: str | None = None
     annotations: list[dict[str, Any]] | None = None
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
 
     def refused(self, where: str) -> Refusal | None:
         for i, part in enumerate(self.content if isinstance(self.content, list) else ()):
             if part.type != "text" or part.text is None:
                 return f"{where}.content[{i}]", f"{part.type!r} content parts are not supported (text only)"
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if getattr(self, name):
-                return f"{where}.{name}", f"{name} in messages are not supported (this server calls no tools)"
+                return f"{where}.{name}", f"{name} in messages is not supported (send tool_calls)"
+        for i, call in enumerate(self.tool_calls or ()):
+            if self.role != "assistant":
+                return f"{where}.tool_calls", "tool_calls belong to assistant messages"
+            if not isinstance(_json_object(call.function.arguments), dict):
+                return f"{where}.tool_calls[{i}].function.arguments", "arguments must be a JSON object's text"
         return None
 
-    def for_template(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or ())
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text or "" for p in self.content or ())
+
+    def for_template(self, fmt: Format, native: bool) -> dict[str, Any]:
+        """As a chat template reads it: a template that takes tools gets the calls (arguments as objects, as
+        transformers passes them); any other gets them written into the content as the model writes calls."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        out |= {"name": self.name} if self.name else {}
+        out |= {"tool_call_id": self.tool_call_id} if self.tool_call_id else {}
+        calls = [(c.id, c.function.name, _json_object(c.function.arguments)) for c in self.tool_calls or ()]
+        if calls and native:
+            out["tool_calls"] = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                                 for i, n, a in calls]  # fmt: skip
+        elif calls:
+            out["content"] += fmt.render([(n, a) for _, n, a in calls])
+        return out
+
+
+def _json_object(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 class ChatRequest(_Generation):
@@ -360,9 +424,9 @@ class ChatRequest(_Generation):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     modalities: list[str] | None = None
@@ -386,10 +450,10 @@ class ChatRequest(_Generation):
         rf = self.response_format
         if rf is not None and rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema_ is None):
             return "response_format", "response_format json_schema needs json_schema.schema"
-        if (self.tools or self.functions) and self.tool_choice != "none":
-            return "tools", "tools are not supported (only with tool_choice: 'none')"
-        if self.tool_choice not in (None, "none", "auto") or self.function_call not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice must be 'none' or 'auto' (this server calls no tools)"
+        if self.functions or self.function_call not in (None, "none", "auto"):
+            return "functions", "functions and function_call are deprecated and not supported: send tools"
+        if (refusal := self._tools_refused()) is not None:
+            return refusal
         if self.modalities not in (None, ["text"]) or self.audio:
             return "modalities", "only text output is supported"
         for name in ("prediction", "reasoning_effort", "web_search_options"):
@@ -402,13 +466,42 @@ class ChatRequest(_Generation):
             return "max_completion_tokens", "max_completion_tokens must be >= 1"
         return super().refused()
 
-    def to_params(self, prompt: str) -> RequestParams:
+    def _tools_refused(self) -> Refusal | None:
+        names = [t.function.name for t in self.tools or ()]
+        for i, name in enumerate(names):
+            if not TOOL_NAME.fullmatch(name):
+                return f"tools[{i}].function.name", f"a tool's name is 1-64 of a-z A-Z 0-9 _ . : -, got {name[:70]!r}"
+            if name in names[:i]:
+                return f"tools[{i}].function.name", f"two tools are named {name!r}"
+        if self.tool_choice not in (None, "none", "auto"):
+            if not names:
+                return "tool_choice", "tool_choice 'required' or a named function needs tools"
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                return "tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools"
+            if self.structured_outputs is not None or (self.response_format and self.response_format.type != "text"):
+                return (
+                    "tool_choice",
+                    "a forced tool call decides the output's form: give it or response_format, not both",
+                )
+        return None
+
+    def tool_use(self, fmt: Format) -> ToolUse | None:
+        """The request's tools and how the reply may call them (None without tools)."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice or "auto"
+        name = choice if isinstance(choice, str) else choice.function.name
+        return ToolUse(tuple(t.tool() for t in self.tools), name, self.parallel_tool_calls, fmt)
+
+    def to_params(self, prompt: str, tools: ToolUse | None = None) -> RequestParams:
         msg = self.params(self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens)
         msg.prompt = prompt
         if self.logprobs:
             msg.logprobs = self.top_logprobs or 0
         if self.response_format is not None:
             msg.json_schema = self.response_format.schema()
+        if tools is not None:
+            msg.grammar = tools.grammar() or msg.grammar
         return msg
 
 
@@ -505,15 +598,38 @@ class _Reply:
         role: bool = False,
         logprobs: dict | None = None,
         index: int = 0,
+        calls: list[ToolCall] = (),
     ) -> dict[str, Any]:
-        """One choice: a completion's text, a chat chunk's delta (`role`: the first, naming it) or a chat message."""
+        """One choice: a completion's text, a chat chunk's delta (`role`: the first, naming it) or a chat message
+        (with its tool calls)."""
         if not self.chat:
             body = {"text": text or ""}
         elif chunk:
             body = {"delta": ({"role": "assistant"} if role else {}) | ({} if text is None else {"content": text})}
         else:
-            body = {"message": {"role": "assistant", "content": text, "refusal": None}}
+            message = {"role": "assistant", "content": text if text or not calls else None, "refusal": None}
+            if calls:
+                message["tool_calls"] = [_call(c) for c in calls]
+            body = {"message": message}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish}
+
+    def call_chunks(self, calls: list[ToolCall], index: int) -> list[dict[str, Any]]:
+        """A chat stream's deltas of a choice's tool calls: each call opened (id, name), then its arguments."""
+        out = []
+        for k, c in enumerate(calls):
+            opened = {"index": k, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}
+            for delta in (opened, {"index": k, "function": {"arguments": c.arguments}}):
+                out.append({"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None, "finish_reason": None})
+        return out
+
+
+def _call(c: ToolCall) -> dict[str, Any]:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def _finish(ev: Finished, calls: list[ToolCall]) -> str:
+    """A choice's finish reason: `tool_calls` when it ended on calls (not cut by its budget)."""
+    return "tool_calls" if calls and ev.reason != "length" else FINISH_REASON[ev.reason]
 
 
 @dataclasses.dataclass
@@ -526,6 +642,10 @@ class _Choice:
     logprobs: bool
     shapes: _Logprobs
     prompt_ids: tuple[int, ...] = ()
+    tools: ToolUse | None = None  # chat: the calls are read from the text
+
+    def reader(self) -> CallReader | None:
+        return None if self.tools is None else self.tools.reader()
 
     def piece(self, ev: Delta, first: bool) -> tuple[str, dict | None]:
         """The text and the logprobs object of one Delta (the first: with the echoed prompt)."""
@@ -564,7 +684,7 @@ UNION_HINTS = {  # what a field of several shapes takes, for a value that fits n
     "prompt": "a string, an array of token ids, or an array of one string or one token-id array",
     "content": "a string or an array of content parts",
     "stop": "a string or an array of strings",
-    "tool_choice": "a string or an object",
+    "tool_choice": "'none', 'auto', 'required' or {\"type\": \"function\", \"function\": {\"name\": …}}",
     "function_call": "a string or an object",
 }
 
@@ -671,8 +791,10 @@ class OpenAIServer:
         auth_token: str | None,
         serving: Callable[[], bool] = lambda: True,
         timeouts: HTTPTimeouts = HTTPTimeouts(),
+        tool_call_parser: str | None = None,
     ):
         self.engine, self.calls, self.serving, self.timeouts = engine, calls, serving, timeouts
+        self.tool_format = format_for(engine.tokenizer.chat_template, tool_call_parser)
         self.token = auth_token.encode() if auth_token else None
         self.started = int(time.time())
         self.runner: web.AppRunner | None = None
@@ -856,9 +978,10 @@ class OpenAIServer:
 
     async def render_chat(self, request: web.Request) -> web.Response:
         body = await self._read_checked(request, ChatRequest)
-        prompt = self._chat_prompt(body)
+        tools = body.tool_use(self.tool_format)
+        prompt = self._chat_prompt(body, tools)
         encode = lambda text: self.engine.tokenizer.encode(text, bos=False)
-        req = await self._validated(body.to_params(prompt), encode, self._chat_names(body))
+        req = await self._validated(body.to_params(prompt, tools), encode, self._chat_names(body))
         return web.json_response(_rendered(req, "chatcmpl-", body.model))
 
     async def tokenize(self, request: web.Request) -> web.Response:
@@ -903,26 +1026,41 @@ class OpenAIServer:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._parse(request, ChatRequest)
+        tools = body.tool_use(self.tool_format)
         try:
-            prompt = self._chat_prompt(body)
+            prompt = self._chat_prompt(body, tools)
         except APIError as e:
             raise self._refuse(e) from None
         tokenizer = self.engine.tokenizer
-        choice = _Choice(True, None, body.logprobs, _Logprobs(tokenizer))
+        choice = _Choice(True, None, body.logprobs, _Logprobs(tokenizer), tools=tools)
         encode = lambda text: tokenizer.encode(text, bos=False)  # the template wrote BOS, if any
-        return await self._generate(request, body, body.to_params(prompt), encode, choice, self._chat_names(body))
+        params = body.to_params(prompt, tools)
+        return await self._generate(request, body, params, encode, choice, self._chat_names(body))
 
-    def _chat_prompt(self, body: ChatRequest) -> str:
+    def _chat_prompt(self, body: ChatRequest, tools: ToolUse | None) -> str:
+        """The messages (and tools) through the model's chat template. A template that takes no tools gets them as
+        a system block that says how to call them (as the reply is read)."""
+        template = self.engine.tokenizer.chat_template
+        native = template is not None and takes_tools(template)
+        messages = [m.for_template(self.tool_format, native) for m in body.messages]
+        if tools is not None and not native:
+            block = system_block(list(tools.tools), self.tool_format)
+            if messages[0]["role"] in ("system", "developer"):
+                messages[0]["content"] = block + "\n\n" + messages[0]["content"]
+            else:
+                messages.insert(0, {"role": "system", "content": block})
+        listed = [t.for_template() for t in tools.tools] if tools is not None and native else None
         try:
-            messages = [m.for_template() for m in body.messages]
             return render_chat(self.engine.tokenizer, messages, body.add_generation_prompt,
-                               body.continue_final_message)  # fmt: skip
+                               body.continue_final_message, listed)  # fmt: skip
         except ChatTemplateError as e:
             raise APIError(400, str(e), "invalid_value", "messages", "invalid_argument") from None
 
     @staticmethod
     def _chat_names(body: ChatRequest) -> dict[str, str]:
-        return CHAT_NAMES | {"max_new_tokens": "max_tokens" if body.max_tokens is not None else "max_completion_tokens"}
+        budget = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+        forced = body.tool_choice not in (None, "none", "auto")
+        return CHAT_NAMES | {"max_new_tokens": budget} | ({"grammar": "tools"} if forced else {})
 
     # ---- helpers ----
     def _serving(self) -> None:
@@ -1036,17 +1174,18 @@ class OpenAIServer:
                     likelihood[i] += sum(lp.logprob for lp in ev.logprobs or ())
                 item = None if len(ends) == runs else (await anext(events))[1:]
             kept = range(runs) if runs == body.n else sorted(range(runs), key=lambda i: -likelihood[i])[: body.n]
+            replies = []
+            for k, i in enumerate(kept):
+                content, calls = "".join(text[i]), []
+                if (reader := choice.reader()) is not None:
+                    content = reader.push(content)
+                    rest, calls = reader.finish()
+                    content += rest
+                finish = _finish(ends[i], calls)
+                logprobs = _join(pieces[i], choice.chat)
+                replies.append(reply.choice(content, finish, chunk=False, logprobs=logprobs, index=k, calls=calls))
             out = reply.envelope(chunk=False) | {
-                "choices": [
-                    reply.choice(
-                        "".join(text[i]),
-                        FINISH_REASON[ends[i].reason],
-                        chunk=False,
-                        logprobs=_join(pieces[i], choice.chat),
-                        index=k,
-                    )
-                    for k, i in enumerate(kept)
-                ],
+                "choices": replies,
                 "usage": _usage([ends[i] for i in range(runs)]),
             }
             return web.json_response(out | _extension(ends[0], self.engine.spec.norm))
@@ -1073,6 +1212,7 @@ class OpenAIServer:
             for i in range(runs):
                 await resp.write(_sse(base | {"choices": [reply.choice("", None, chunk=True, role=True, index=i)]}))
         held: list[list[dict | None]] = [[] for _ in range(runs)]
+        readers = [c.reader() for c in choices]
         sent, ends, failed = [False] * runs, {}, None
         item: tuple[int, Event] | None = first
         while item is not None:
@@ -1081,14 +1221,23 @@ class OpenAIServer:
                 failed = ev
                 break
             if isinstance(ev, Finished):
-                ends[i] = ev
-                finish = reply.choice(None, FINISH_REASON[ev.reason], chunk=True, logprobs=_join(held[i], chat),
-                                      index=i)  # fmt: skip
+                ends[i], calls = ev, []
+                if readers[i] is not None:
+                    rest, calls = readers[i].finish()
+                    if rest:
+                        chunk = reply.choice(rest, None, chunk=True, logprobs=_join(held[i], chat), index=i)
+                        await resp.write(_sse(base | {"choices": [chunk]}))
+                        held[i] = []
+                    for chunk in reply.call_chunks(calls, i):
+                        await resp.write(_sse(base | {"choices": [chunk]}))
+                finish = reply.choice(None, _finish(ev, calls), chunk=True, logprobs=_join(held[i], chat), index=i)
                 last = base | {"choices": [finish]}
                 if len(ends) < runs:
                     await resp.write(_sse(last))
             else:
                 text, logprobs = choices[i].piece(ev, first=not sent[i])
+                if readers[i] is not None:
+                    text = readers[i].push(text)
                 sent[i] = True
                 held[i].append(logprobs)
                 if text:

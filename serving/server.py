@@ -30,6 +30,7 @@ from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.output import Delta, Failed, Finished, TokenLogprob
 from sharp.serving.requests import RequestError, RequestParams, validate
 from sharp.serving.status import Status
+from sharp.serving.tools import FORMATS as TOOL_FORMATS
 from sharp.serving.warmup import WarmUp
 from sharp.v1 import generator_pb2 as pb
 from sharp.v1 import generator_pb2_grpc as pb_grpc
@@ -96,6 +97,11 @@ class ServerConfig:
         75.0, "seconds an idle keep-alive connection is held (the HTTP API and the metrics port)"
     )
     http_body_timeout: float = option(30.0, "seconds an HTTP client has to send a request's body (then 408)")
+    tool_call_parser: str | None = option(
+        None,
+        f"how the model writes tool calls: {', '.join(TOOL_FORMATS)} (default: the format its chat template writes,"
+        " else hermes)",
+    )
 
     def check(self) -> None:
         """Raise ValueError naming the first setting out of range (in backquotes: the CLI names its flag)."""
@@ -120,6 +126,10 @@ class ServerConfig:
                 taken[where] = name
         if self.http_host is not None and self.http_port is None:
             raise ValueError("`http_host` needs `http_port` (the HTTP API is off without it)")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_FORMATS:
+            raise ValueError(
+                f"`tool_call_parser` must be one of {', '.join(TOOL_FORMATS)}, got {self.tool_call_parser!r}"
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("`tls_cert` and `tls_key` go together; give both or neither")
 
@@ -475,7 +485,7 @@ class SharpServer:
 
             serving = lambda: self.health.statuses.get("") == health_pb2.HealthCheckResponse.SERVING
             timeouts = HTTPTimeouts(cfg.http_keepalive_timeout, cfg.http_body_timeout)
-            self.http = OpenAIServer(self.engine, self.calls, cfg.auth_token, serving, timeouts)
+            self.http = OpenAIServer(self.engine, self.calls, cfg.auth_token, serving, timeouts, cfg.tool_call_parser)
             tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
             self.http_port = await self.http.start(http_host, cfg.http_port, tls)
         if cfg.warm_up:  # in a worker thread: probes keep being answered (NOT_SERVING) meanwhile

@@ -1,0 +1,288 @@
+"""Tool calling: `tools` rendered by the chat template (or, for a template that takes none, a system block),
+`tool_choice: "required"` and a named function enforced by a grammar — every call's arguments validate against its
+tool's schema at temperature 1 — `auto` read from the model's own text by the format its template implies, streamed
+as deltas the openai SDK and LangChain accumulate, results sent back as `role: "tool"`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated, Literal
+
+import httpx
+import jsonschema
+import pytest
+from helpers import HTTP, api, serving
+from pydantic import BaseModel, Field
+
+from sharp.serving.tools import FORMATS, CallReader, Tool, format_for
+
+# a Hermes-style template that renders tools, calls and results (as Qwen's and Hermes' do)
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>Tools:{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}'
+    "{% if m.get('tool_call_id') %} (answers {{ m['tool_call_id'] }}){% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+        "additionalProperties": False}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "a forecast", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+USER = [{"role": "user", "content": "weather?"}]
+
+
+@pytest.fixture(scope="module")
+def tool_files(model_files, tmp_path_factory):
+    """The tiny model with a tokenizer whose chat template renders tools."""
+    import onnx
+
+    from sharp.exporter import metadata
+    from sharp.models.tokenizer import BYTES, HFTokenizer
+
+    proto = onnx.load(model_files["onnxruntime"])
+    tok = HFTokenizer(BYTES.tokenizer_json(), BYTES.bos, (BYTES.eos,), BYTES.vocab_size, chat_template=TOOL_TEMPLATE)
+    dataclasses.replace(metadata.read(proto), tokenizer=tok).write(proto)
+    path = tmp_path_factory.mktemp("tools") / "tiny.onnx"
+    onnx.save(proto, path)
+    return {"onnxruntime": path}
+
+
+@pytest.fixture(scope="module")
+def srv(tool_files):
+    with serving(tool_files, server=HTTP) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def plain(chat_files):
+    """A model whose chat template takes no tools."""
+    with serving(chat_files, server=HTTP) as s:
+        yield s
+
+
+def _valid(call) -> None:
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert call.id.startswith("call_") and call.type == "function"
+
+
+def test_required_calls_follow_their_schemas_at_temperature_one(srv):
+    oa = api(srv)
+    names = set()
+    for seed in range(10):
+        r = oa.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
+                                       temperature=1.0, seed=seed, max_tokens=2000)  # fmt: skip
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert len(choice.message.tool_calls) >= 1
+        for call in choice.message.tool_calls:
+            _valid(call)
+            names.add(call.function.name)
+    assert names == {"get_weather", "get_time"}  # the model chose, among the tools
+    # (this random model, free to go on, often writes several calls: a budget that cuts them says `length`)
+
+
+def test_a_named_function_and_one_call_without_parallel_calls(srv):
+    oa = api(srv)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(6):
+        r = oa.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=named, seed=seed,
+                                       temperature=1.0, max_tokens=200, parallel_tool_calls=False)  # fmt: skip
+        calls = r.choices[0].message.tool_calls
+        assert len(calls) == 1 and calls[0].function.name == "get_time", calls
+        _valid(calls[0])
+
+
+def test_streamed_calls_arrive_as_deltas(srv):
+    oa = api(srv)
+    for seed in range(4):
+        stream = oa.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
+                                            temperature=1.0, seed=seed, max_tokens=2000, stream=True)  # fmt: skip
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in stream:
+            for d in chunk.choices[0].delta.tool_calls or ():
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] += (d.function.name or "") if d.function else ""
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+            assert not chunk.choices[0].delta.content
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "tool_calls" and calls
+        for call in calls.values():
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_auto_reads_calls_from_the_models_text_and_passes_plain_text_through(srv):
+    """`auto`: the reply's own text is read as calls where it writes them (here a regular expression makes this
+    random model write one), and is content where it does not."""
+    oa = api(srv)
+    call = r'\{"name": "get_weather", "arguments": \{"city": "(Oslo|Rome)", "days": [1-3]\}\}'
+    written = r"Sure\. <tool_call>\n" + call + r"\n</tool_call>"
+    extra = {"structured_outputs": {"regex": written}}
+    r = oa.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=120, extra_body=extra)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "Sure. ", msg
+    (call,) = msg.tool_calls
+    _valid(call)
+    stream = oa.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=120, extra_body=extra,
+                                        stream=True)  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure. "
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    plain = oa.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=20, seed=3)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason in ("stop", "length")
+    assert plain.choices[0].message.content
+
+
+def test_tools_and_results_reach_the_template(srv):
+    """The tools and a tool result sent back are rendered (the prompt has them); the answer follows."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]  # fmt: skip
+    url = f"http://127.0.0.1:{srv.server.http_port}"
+    rendered = httpx.post(f"{url}/v1/chat/completions/render", json={"model": "tiny", "messages": history,
+                          "tools": TOOLS}, timeout=30).json()  # fmt: skip
+    text = bytes(t for t in rendered["token_ids"] if t < 256).decode()  # the byte tokenizer: id = byte
+    assert '"name": "get_weather"' in text and "a forecast" in text  # the tools
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text  # the earlier call
+    assert "sunny, 21 C (answers call_1)" in text  # the result
+    r = api(srv).chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=8, seed=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_template_without_tools_gets_a_system_block_and_forced_calls_still_hold(plain):
+    url = f"http://127.0.0.1:{plain.server.http_port}"
+    body = {"model": "tiny", "messages": USER, "tools": TOOLS}
+    rendered = httpx.post(f"{url}/v1/chat/completions/render", json=body, timeout=30).json()
+    text = bytes(t for t in rendered["token_ids"] if t < 256).decode()
+    assert text.startswith("<|system|>You may call one or more functions") and "<tool_call>" in text, text[:200]
+    r = api(plain).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
+                                           temperature=1.0, seed=5, max_tokens=2000)  # fmt: skip
+    assert r.choices[0].finish_reason == "tool_calls"
+    for call in r.choices[0].message.tool_calls:
+        _valid(call)
+
+
+@pytest.mark.parametrize(
+    "change, param",
+    [
+        ({"tool_choice": "required", "tools": None}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "always"}, "tool_choice"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools[2].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+          "tool_choice": "required"}, "tools"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+          "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)  # fmt: skip
+def test_tool_mistakes_are_400s_naming_the_field(srv, change, param):
+    body = {"model": "tiny", "messages": USER, "tools": TOOLS} | change
+    body = {k: v for k, v in body.items() if v is not None}
+    r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_langchain_bind_tools_any_and_with_structured_output(srv):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    weather = tool(get_weather)
+    llm = ChatOpenAI(model="tiny", base_url=f"http://127.0.0.1:{srv.server.http_port}/v1", api_key="none",
+                     temperature=1.0, max_tokens=400, seed=1)  # fmt: skip
+    msg = llm.bind_tools([weather], tool_choice="any", parallel_tool_calls=False).invoke("weather in Oslo?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    args = msg.tool_calls[0]["args"]
+    assert args["city"] in ("Oslo", "Rome") and 1 <= args["days"] <= 9, args
+    for method in ("json_schema", "function_calling"):
+        out = llm.with_structured_output(Answer, method=method).invoke("answer")
+        assert isinstance(out, Answer), (method, out)
+
+
+def get_weather(city: Literal["Oslo", "Rome"], days: Annotated[int, Field(ge=1, le=9)]) -> str:
+    """A forecast."""
+    return "sunny"
+
+
+class Answer(BaseModel):
+    ok: bool
+    count: Annotated[int, Field(ge=0, le=99)]
+
+
+# ---- the formats, without a server ----
+CALLS = [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {"zone": "UTC"})]
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_each_format_reads_back_what_it_writes_whole_and_streamed(name):
+    fmt = FORMATS[name]
+    lead = "" if fmt.at_start else "Let me check. "
+    text = lead + fmt.render(CALLS)
+    content, calls = fmt.parse(text)
+    assert content == lead and [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+    for parallel in (True, False):
+        reader = CallReader(fmt, parallel, forced=False)
+        streamed = "".join(reader.push(ch) for ch in text)  # one character at a time: markers split anywhere
+        rest, calls = reader.finish()
+        assert streamed + rest == lead and len(calls) == (2 if parallel else 1)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_text_that_is_not_a_call_is_content(name):
+    fmt = FORMATS[name]
+    for text in ("plain words", "{not json", fmt.render(CALLS)[:-9], "a < b and {x}"):
+        reader = CallReader(fmt, True, forced=False)
+        out = "".join(reader.push(ch) for ch in text)
+        rest, calls = reader.finish()
+        if not calls:
+            assert out + rest == text, (name, text)
+
+
+def test_the_template_picks_the_format_and_the_flag_overrides_it():
+    assert format_for("{{ '[TOOL_CALLS]' }}").name == "mistral"
+    assert format_for("<|python_tag|>{{ x }}").name == "llama3_json"
+    assert format_for(TOOL_TEMPLATE).name == "hermes" and format_for(None).name == "hermes"
+    assert format_for(TOOL_TEMPLATE, "mistral").name == "mistral"
+
+
+def test_forced_grammars_accept_the_calls_and_nothing_else():
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving.grammar import Grammars, compile_grammar
+
+    grammars = Grammars(BYTES, BYTES.vocab_size)
+    tools = [Tool(n, None, SCHEMAS[n]) for n in SCHEMAS]
+
+    def accepts(grammar: str, text: str) -> bool:
+        m = grammars.matcher(compile_grammar("grammar", grammar)).matcher
+        return m.consume_tokens(BYTES.encode(text, bos=False)) and m.is_accepting()
+
+    def written(fmt, calls):
+        body = [fmt.open + json.dumps({"name": n, fmt.arguments_key: a}, separators=(",", ":")) + fmt.close
+                for n, a in calls]  # fmt: skip
+        return fmt.lead + fmt.between.join(body) + fmt.tail
+
+    for fmt in FORMATS.values():
+        both, one = fmt.grammar(tools, parallel=True), fmt.grammar(tools, parallel=False)
+        assert accepts(both, written(fmt, CALLS)) and accepts(one, written(fmt, CALLS[:1])), fmt.name
+        assert not accepts(one, written(fmt, CALLS)), fmt.name  # one call only
+        assert not accepts(both, written(fmt, [("get_weather", {"city": "Lima", "days": 2})])), fmt.name  # off-schema
+        assert not accepts(both, written(fmt, [("get_date", {"zone": "UTC"})])), fmt.name  # no such tool
+        only_time = fmt.grammar(tools[1:], parallel=True)
+        assert not accepts(only_time, written(fmt, CALLS[:1])), fmt.name  # a named function: no other
