@@ -170,6 +170,13 @@ def test_a_template_without_tools_gets_a_system_block_and_forced_calls_still_hol
     rendered = httpx.post(f"{url}/v1/chat/completions/render", json=body, timeout=30).json()
     text = bytes(t for t in rendered["token_ids"] if t < 256).decode()
     assert text.startswith("<|system|>You may call one or more functions") and "<tool_call>" in text, text[:200]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    history = [*USER, {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "noon"}]  # fmt: skip
+    rendered = httpx.post(f"{url}/v1/chat/completions/render", json=body | {"messages": history}, timeout=30).json()
+    text = bytes(t for t in rendered["token_ids"] if t < 256).decode()
+    # the earlier call, written into the assistant's text as the model writes calls
+    assert 'Checking.<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in text, text
     r = api(plain).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
                                            temperature=1.0, seed=5, max_tokens=2000)  # fmt: skip
     assert r.choices[0].finish_reason == "tool_calls"
