@@ -11,10 +11,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sharp.serving.grammar import schema_text
-from sharp.serving.requests import RequestParams
+from sharp.serving.requests import MAX_CHOICES, RequestParams
 from sharp.serving.tools import TOOL_NAME, Format, Tool, ToolUse
 
-MAX_CHOICES = 16  # n and best_of: choices of one request
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=0, lt=2**64)]
@@ -124,8 +123,6 @@ class Generation(Body):
     sharp: SharpOptions = SharpOptions()
 
     def refused(self) -> Refusal | None:
-        if not 1 <= self.n <= MAX_CHOICES:
-            return "n", f"n must be in [1, {MAX_CHOICES}]"
         for key in self.logit_bias or {}:
             if not key.isdecimal() or not key.isascii():
                 return "logit_bias", f"logit_bias keys are token ids (strings of digits), got {key[:20]!r}"
@@ -163,6 +160,7 @@ class Generation(Body):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            n=self.n,
         )
         if self.structured_outputs is not None:
             self.structured_outputs.put(msg)

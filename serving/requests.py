@@ -145,8 +145,10 @@ class RequestParams:
     regex: str | None = None  # … or a regular expression it must match
     choice: Sequence[str] | None = None  # … or the strings it must be one of
     grammar: str | None = None  # … or a Lark grammar it must follow
+    n: int = 1  # choices of this prompt (serving.calls runs them)
 
 
+MAX_CHOICES = 16  # n (and HTTP's best_of): choices of one request
 GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are RequestParams' own
 
 
@@ -191,6 +193,8 @@ def validate(
             "stop_token_ids",
             f"{len(msg.stop_token_ids)} {{stop_token_ids}}; at most {limits.max_stop_strings} (--max-stop-strings)",
         )
+    if not 1 <= msg.n <= MAX_CHOICES:
+        raise name.error("n", f"{{n}} must be in [1, {MAX_CHOICES}], got {msg.n}")
     for field in ("logprobs", "prompt_logprobs"):
         if getattr(msg, field) is not None and not 0 <= getattr(msg, field) <= MAX_LOGPROBS:
             raise name.error(field, f"{{{field}}} must be in [0, {MAX_LOGPROBS}], got {getattr(msg, field)}")

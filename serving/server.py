@@ -61,6 +61,7 @@ def params_of(msg: pb.GenerateRequest) -> RequestParams:
         priority=msg.priority,
         logit_bias=dict(msg.logit_bias),
         choice=list(msg.choice) or None,
+        n=msg.n or 1,
     )
     for name in _OPTIONAL:
         if msg.HasField(name):
@@ -188,43 +189,52 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         self.engine, self.calls = engine, calls
 
     async def _events(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        """(request, event) pairs of one call; where a refusal or a failure becomes a gRPC status (each is counted
-        once, by serving.calls or the engine)."""
-        engine = self.engine
-        events = self.calls.events(
-            lambda: validate(params_of(msg), engine.limits, engine.tokenizer.encode), "grpc", len(msg.prompt)
+        """(request, choice, event) of one call's choices; where a refusal or a failure becomes a gRPC status (each
+        is counted once, by serving.calls or the engine)."""
+        engine, params = self.engine, params_of(msg)
+        events = self.calls.choices(
+            lambda: validate(params, engine.limits, engine.tokenizer.encode), "grpc", len(msg.prompt), params.n
         )
         try:
             async with contextlib.aclosing(events):
-                async for req, ev in events:
+                async for req, index, ev in events:
                     if isinstance(ev, Failed):
                         await context.abort(GRPC_CODES[ev.code], ev.message)
-                    yield req, ev
+                    yield req, index, ev
         except RequestError as e:
             await context.abort(GRPC_CODES[e.code], e.message)
 
     async def Generate(self, request, context):
-        ids, text, logprobs, prompt_logprobs = [], [], [], []
-        async for req, ev in self._events(request, context):
+        n = request.n or 1
+        choices = [pb.Choice(index=i) for i in range(n)]
+        prompt_logprobs: list[pb.TokenLogprob] = []
+        ends: dict[int, Finished] = {}
+        async for req, i, ev in self._events(request, context):
             if isinstance(ev, Delta):
-                ids += ev.token_ids
-                text.append(ev.text)
-                logprobs += _logprobs(ev.logprobs)
+                choices[i].token_ids.extend(ev.token_ids)
+                choices[i].text += ev.text
+                choices[i].logprobs.extend(_logprobs(ev.logprobs))
                 prompt_logprobs += _logprobs(ev.prompt_logprobs)
             else:
-                return pb.GenerateResponse(
-                    request_id=req.request_id,
-                    text="".join(text),
-                    token_ids=ids,
-                    finish_reason=FINISH[ev.reason],
-                    usage=_usage(ev),
-                    attention_stats=_stats(ev, self.engine.spec.norm),
-                    logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs,
-                )
+                ends[i] = ev
+                choices[i].finish_reason = FINISH[ev.reason]
+        first = choices[0]
+        usage = _usage(ends[0])
+        usage.completion_tokens = sum(ev.completion_tokens for ev in ends.values())
+        return pb.GenerateResponse(
+            request_id=req.request_id,
+            text=first.text,
+            token_ids=first.token_ids,
+            finish_reason=first.finish_reason,
+            usage=usage,
+            attention_stats=_stats(ends[0], self.engine.spec.norm),
+            logprobs=first.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            choices=choices if n > 1 else (),
+        )
 
     async def GenerateStream(self, request, context):
-        async for req, ev in self._events(request, context):
+        async for req, i, ev in self._events(request, context):
             if isinstance(ev, Delta):
                 yield pb.GenerateChunk(
                     request_id=req.request_id,
@@ -232,6 +242,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     token_ids=ev.token_ids,
                     logprobs=_logprobs(ev.logprobs),
                     prompt_logprobs=_logprobs(ev.prompt_logprobs),
+                    index=i,
                 )
             else:
                 yield pb.GenerateChunk(
@@ -239,6 +250,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
                     finish_reason=FINISH[ev.reason],
                     usage=_usage(ev),
                     attention_stats=_stats(ev, self.engine.spec.norm),
+                    index=i,
                 )
 
     async def Tokenize(self, request, context):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import grpc
 import numpy as np
 import openai
 import pytest
@@ -15,6 +16,7 @@ from helpers import HTTP, _log_softmax, api, serving
 
 from sharp.models import load
 from sharp.models.tokenizer import render_chat
+from sharp.serving import Client
 from sharp.serving.prefix import common_prefix
 
 
@@ -176,3 +178,21 @@ def test_openai_sdk_n_choices_and_best_of_share_one_prefill(chat_files, referenc
             scored.append((sum(alone.choices[0].logprobs.token_logprobs), alone.choices[0].text))
         assert len(best.choices) == 1 and best.choices[0].text == max(scored)[1]
         assert best.choices[0].logprobs is None and best.usage.completion_tokens == 24
+        # gRPC's n: the same choices, one prefill (the prompt counted once), each streamed chunk naming its choice
+        with Client(srv.target) as c:
+            r = c.generate(prompt, max_new_tokens=8, temperature=1.0, seed=5, n=3, logprobs=0)
+            assert [ch.index for ch in r.choices] == [0, 1, 2] and [ch.text for ch in r.choices] == texts
+            assert r.text == texts[0] and list(r.token_ids) == list(r.choices[0].token_ids)
+            assert all(len(ch.logprobs) == len(ch.token_ids) for ch in r.choices)
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 24)
+            streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+            ends = []
+            for chunk in c.generate_stream(prompt, max_new_tokens=8, temperature=1.0, seed=5, n=3):
+                streamed[chunk.index] += chunk.text
+                if chunk.finish_reason:
+                    ends.append(chunk.index)
+            assert sorted(ends) == [0, 1, 2] and list(streamed.values()) == texts
+            assert len(c.generate(prompt, max_new_tokens=2).choices) == 0  # n unset: one, in the top-level fields
+            with pytest.raises(grpc.RpcError) as e:
+                c.generate(prompt, n=17)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be in [1, 16]" in e.value.details()
