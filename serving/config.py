@@ -37,7 +37,11 @@ class EngineConfig:
     )
     prefill_chunk: int = option(256, "prompt tokens per engine step")
     max_new_tokens_limit: int = option(4096, "per request")
-    default_max_new_tokens: int = option(64, "when a request does not say")
+    default_max_new_tokens: int | None = option(
+        None,
+        "when a request does not say (default: to the end of the context, within --max-new-tokens-limit and the KV"
+        " budget, as vLLM and llama-server do)",
+    )
     max_prompt_bytes: int | None = option(None, "UTF-8 bytes of a text prompt (default: 16 × the model's context)")
     max_stop_strings: int = option(16, "stop strings per request")
     max_stop_length: int = option(256, "characters of one stop string")
@@ -55,7 +59,7 @@ class EngineConfig:
         mb = self.prefix_cache_mb
         if mb is not None and not (isinstance(mb, int | float) and math.isfinite(mb) and mb >= 0):
             raise ValueError(f"`prefix_cache_mb` must be a finite number >= 0, got {mb!r}")
-        if self.default_max_new_tokens > self.max_new_tokens_limit:
+        if self.default_max_new_tokens is not None and self.default_max_new_tokens > self.max_new_tokens_limit:
             raise ValueError(
                 f"`default_max_new_tokens` ({self.default_max_new_tokens}) must be <= `max_new_tokens_limit`"
                 f" ({self.max_new_tokens_limit})"

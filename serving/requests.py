@@ -63,7 +63,7 @@ class Limits:
     kv_bytes_per_token: int
     kv_budget_bytes: int
     max_new_tokens_limit: int
-    default_max_new_tokens: int
+    default_max_new_tokens: int | None  # None: to the end of the context (within the limit and the KV budget)
     max_prompt_bytes: int
     max_stop_strings: int
     max_stop_length: int
@@ -220,7 +220,7 @@ def validate(
     )  # fmt: skip
     req = GenerationRequest(
         prompt_ids=ids,
-        max_new_tokens=limits.default_max_new_tokens if msg.max_new_tokens is None else msg.max_new_tokens,
+        max_new_tokens=_budget(msg.max_new_tokens, len(ids), limits),
         sampling=sampling,
         seed=secrets.randbits(63) if msg.seed is None else msg.seed,
         stop=tuple(s for s in msg.stop if s),
@@ -260,6 +260,19 @@ class _Names:
     ) -> RequestError:
         text = re.sub(r"\{(\w+)\}", lambda m: self(m.group(1)), message)
         return RequestError(code, text, transient, self(field), reason)
+
+
+def _budget(asked: int | None, prompt: int, limits: Limits) -> int:
+    """The tokens a request may generate: what it asked, else the server's default, else all it can use — to the
+    end of the context, within --max-new-tokens-limit and what the KV budget holds beside its prompt (so a request
+    that says nothing reserves no more than it could fill). At least 1: a prompt that fills the context is refused
+    for that."""
+    if asked is not None:
+        return asked
+    if limits.default_max_new_tokens is not None:
+        return limits.default_max_new_tokens
+    room = min(limits.context_length, limits.kv_budget_bytes // limits.kv_bytes_per_token) - prompt
+    return max(1, min(limits.max_new_tokens_limit, room))
 
 
 def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:

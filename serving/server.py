@@ -209,7 +209,9 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         choices = [pb.Choice(index=i) for i in range(n)]
         prompt_logprobs: list[pb.TokenLogprob] = []
         ends: dict[int, Finished] = {}
+        request_id = ""
         async for req, i, ev in self._events(request, context):
+            request_id = req.request_id
             if isinstance(ev, Delta):
                 choices[i].token_ids.extend(ev.token_ids)
                 choices[i].text += ev.text
@@ -222,7 +224,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         usage = _usage(ends[0])
         usage.completion_tokens = sum(ev.completion_tokens for ev in ends.values())
         return pb.GenerateResponse(
-            request_id=req.request_id,
+            request_id=request_id,
             text=first.text,
             token_ids=first.token_ids,
             finish_reason=first.finish_reason,
@@ -279,7 +281,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             max_new_tokens_limit=c.max_new_tokens_limit,
             max_batch=c.max_batch,
             kv_cache_mb=c.kv_cache_mb,
-            default_max_new_tokens=c.default_max_new_tokens,
+            default_max_new_tokens=c.default_max_new_tokens or 0,
             max_prompt_bytes=self.engine.limits.max_prompt_bytes,
             max_stop_strings=c.max_stop_strings,
             max_stop_length=c.max_stop_length,

@@ -136,3 +136,26 @@ def test_the_load_a_replica_reports_rises_with_requests_and_falls_back(model_fil
             time.sleep(0.05)
         after = _load_families(srv)
         assert _value(after, "vllm:num_requests_running") == 0 and _value(after, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_a_request_without_max_tokens_generates_to_the_end_of_what_it_can_use(model_files):
+    """As vLLM and llama-server: no max_tokens runs to the end of the context or the end-of-sequence token —
+    within --max-new-tokens-limit and what the KV budget holds beside its prompt (which it reserves); a number
+    given by --default-max-new-tokens still applies; ModelInfo says 0 for "to the end"."""
+    from sharp.serving.loading import load_backend
+
+    per_token = load_backend(model_files["onnxruntime"]).kv_bytes_per_token
+    prompt = list(range(10, 60))  # 50 tokens
+    cases = [
+        ({}, 4096 - 50, "the context"),
+        ({"max_new_tokens_limit": 30}, 30, "the limit"),
+        ({"kv_cache_mb": 90 * per_token / 2**20}, 40, "the KV budget"),
+        ({"default_max_new_tokens": 7}, 7, "the server's default"),
+    ]
+    for config, want, why in cases:
+        with serving(model_files, **config) as srv, Client(srv.target) as c:
+            r = c.generate(prompt, ignore_eos=True)
+            assert (r.usage.completion_tokens, r.finish_reason) == (want, pb.FINISH_REASON_LENGTH), why
+            assert c.info().default_max_new_tokens == config.get("default_max_new_tokens", 0)
+    with serving(model_files) as srv, Client(srv.target) as c:  # a prompt one short of the context: one token
+        assert c.generate([65] * 4095, ignore_eos=True).usage.completion_tokens == 1
