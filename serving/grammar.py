@@ -5,19 +5,23 @@ path), so a graph server still never imports torch. JSON is emitted compact (no 
 schema's output is bounded.
 
 The tokenizer's vocabulary is compiled once per served model (`Grammars`, lazily); a schema is checked when a
-request is validated, and a schema llguidance cannot compile is refused with its reason.
+request is validated, and a schema llguidance cannot compile is refused with its reason. A sequence's next mask is
+computed in a worker thread as soon as its token is taken (llguidance releases the GIL), so it is ready — computed
+while the next forward ran — when that step samples: off the step's critical path.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object
+_MASKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sharp-grammar")  # next masks, beside the forwards
 
 
 class GrammarError(ValueError):
@@ -80,18 +84,36 @@ class Matcher:
 
         self.matcher, self._np = matcher, llnp
         self.bitmask = llnp.allocate_token_bitmask(1, vocab_size)
+        self._next: Future | None = None
+        self._prefetch()  # the first mask, while the prompt is prefilled
+
+    def _fill(self) -> None:
+        self._np.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+
+    def _prefetch(self) -> None:
+        if not self.matcher.is_stopped():
+            self._next = _MASKS.submit(self._fill)
 
     def mask(self, logits: np.ndarray) -> None:
-        """Set the logits (V,) of every token the grammar does not allow next to −inf, in place."""
-        self._np.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        """Set the logits (V,) of every token the grammar does not allow next to −inf, in place (with the mask
+        computed since the last token was taken, or now)."""
+        pending, self._next = self._next, None
+        if pending is None:
+            self._fill()
+        else:
+            pending.result()
         row = logits[None] if logits.flags.c_contiguous else np.ascontiguousarray(logits[None])
         self._np.apply_token_bitmask_inplace(row, self.bitmask)
         logits[:] = row[0]
 
     def take(self, token: int) -> None:
         """The token sampled (from masked logits: the grammar accepts it)."""
+        if self._next is not None:  # a mask still being computed reads the matcher: let it finish first
+            self._next.result()
+            self._next = None
         if not self.matcher.consume_token(token):
             raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+        self._prefetch()  # the next mask, computed while the next forward runs
 
 
 def schema_text(schema: dict[str, Any] | None) -> str:

@@ -128,3 +128,28 @@ def test_a_constrained_request_found_in_the_prefix_cache_gives_the_same_tokens(s
         first, second = c.generate(prompt, **ask), c.generate(prompt, **ask)
         assert second.usage.cached_tokens > 0 and list(second.token_ids) == list(first.token_ids)
         jsonschema.validate(json.loads(second.text), SCHEMA)
+
+
+def test_the_next_mask_is_computed_as_soon_as_a_token_is_taken():
+    """Off the step's critical path: a matcher starts its next mask when its token is taken (and its first when it
+    is made), so the forward of the next step runs while it is computed; the mask used is the new state's."""
+    import numpy as np
+
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving.grammar import Grammars, compile_grammar
+
+    m = Grammars(BYTES, BYTES.vocab_size).matcher(compile_grammar("regex", "ab"))
+    allowed = lambda: set(np.flatnonzero(np.isfinite(_masked(m, BYTES.vocab_size))).tolist())
+    assert m._next is not None  # the first mask, while the prompt is prefilled
+    assert allowed() == {ord("a")}
+    m.take(ord("a"))
+    assert m._next is not None  # in flight before the next step samples
+    assert allowed() == {ord("b")}
+
+
+def _masked(m, vocab: int):
+    import numpy as np
+
+    logits = np.zeros(vocab, np.float32)
+    m.mask(logits)
+    return logits
