@@ -11,7 +11,7 @@ import numpy as np
 
 from sharp.models.sampling import process, sample_rows, token_logprobs
 from sharp.serving.backends import Backend, Chunk, StepResult
-from sharp.serving.grammar import GrammarError
+from sharp.serving.grammar import GrammarError, mask_rows, prefetch
 from sharp.serving.output import TokenLogprob, as_token_logprobs
 from sharp.serving.scheduler import Sequence
 from sharp.serving.stats import StepStats
@@ -49,6 +49,7 @@ class Executor:
                     s.matcher.take(chosen[i])
                 except GrammarError:  # its row ends alone, as an unusable one does
                     chosen[i] = None
+        prefetch([s.matcher for s in seqs if s.matcher is not None])
         out: list[TokenLogprob | None] = [None] * len(seqs)
         rows = [i for i, s in enumerate(seqs) if s.request.logprobs is not None and chosen[i] is not None]
         if rows:
@@ -62,8 +63,8 @@ class Executor:
     def _processed(self, seqs: list[Sequence], logits: np.ndarray) -> np.ndarray:
         """The logits each row samples from: its request's logit bias and penalties over its history
         (models/sampling.py `process`); while it is short of its min_tokens, end-of-sequence and its
-        stop_token_ids masked; with a grammar (structured outputs), every token it does not allow next masked.
-        Rows that need nothing cost nothing (no copy when none does)."""
+        stop_token_ids masked; with a grammar (structured outputs), every token it does not allow next masked (all
+        such rows at once, last). Rows that need nothing cost nothing (no copy when none does)."""
         short = lambda s: len(s.generated) < s.request.min_tokens
         rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or short(s) or s.matcher is not None]
         if not rows:
@@ -76,6 +77,9 @@ class Executor:
             if short(seq):
                 banned = [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)]
                 out[i, banned] = -np.inf
-            if seq.matcher is not None:  # last: whatever else changed, only what the grammar allows remains
-                seq.matcher.mask(out[i])
+        constrained = [i for i in rows if seqs[i].matcher is not None]
+        if constrained:  # last: whatever else changed, only what the grammar allows remains
+            block = out[constrained]
+            mask_rows([seqs[i].matcher for i in constrained], block)
+            out[constrained] = block
         return out

@@ -5,15 +5,18 @@ path), so a graph server still never imports torch. JSON is emitted compact (no 
 schema's output is bounded.
 
 The tokenizer's vocabulary is compiled once per served model (`Grammars`, lazily); a schema is checked when a
-request is validated, and a schema llguidance cannot compile is refused with its reason. A sequence's next mask is
-computed in a worker thread as soon as its token is taken (llguidance releases the GIL), so it is ready — computed
-while the next forward ran — when that step samples: off the step's critical path.
+request is validated, and a schema llguidance cannot compile is refused with its reason. A sequence's next mask, when
+it is expensive, is computed in a worker thread as soon as its token is taken (llguidance releases the GIL), so it
+is ready — computed while the next forward ran — when that step samples: off the step's critical path.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import sys
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property, lru_cache
 from typing import Any
@@ -22,6 +25,7 @@ import numpy as np
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object
 _MASKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sharp-grammar")  # next masks, beside the forwards
+HANDOFF_SECONDS = 100e-6  # about what submitting a job to a worker thread and collecting it costs on a busy host
 
 
 class GrammarError(ValueError):
@@ -71,49 +75,105 @@ class Grammars:
         return LLTokenizer(self.tokenizer.tokenizer_json(), n_vocab=self.vocab_size, eos_token=eos)
 
     def matcher(self, grammar: str) -> Matcher:
+        """A matcher at the start of `grammar`: a copy of one made once per grammar (making one parses the grammar,
+        some hundred times what copying costs)."""
+        return Matcher(self._fresh(grammar).deep_copy(), self.vocab_size)
+
+    @lru_cache(maxsize=64)  # noqa: B019 - one Grammars per served model, alive as long as its engine
+    def _fresh(self, grammar: str):
         from llguidance import LLMatcher
 
-        return Matcher(LLMatcher(self._vocabulary, grammar), self.vocab_size)
+        return LLMatcher(self._vocabulary, grammar)
 
 
 class Matcher:
-    """One sequence's place in its grammar: the mask of the tokens allowed next, and each sampled token taken."""
+    """One sequence's place in its grammar: the mask of the tokens allowed next, and each sampled token taken.
 
-    def __init__(self, matcher, vocab_size: int):
+    Masks that together take longer to compute than handing them to a worker thread costs (`handoff` seconds) are
+    computed there as soon as a step's tokens are taken (`prefetch`) — while the next forward runs; cheaper ones
+    (a small vocabulary, a simple grammar, few rows) are computed when needed, where a thread's wake-up would cost
+    more than it saves."""
+
+    def __init__(self, matcher, vocab_size: int, handoff: float = HANDOFF_SECONDS):
         import llguidance.numpy as llnp
 
-        self.matcher, self._np = matcher, llnp
+        self.matcher, self._np, self.vocab_size, self.handoff = matcher, llnp, vocab_size, handoff
         self.bitmask = llnp.allocate_token_bitmask(1, vocab_size)
+        self.cost = math.inf  # seconds the last mask took: unknown until one is computed
         self._next: Future | None = None
         self._prefetch()  # the first mask, while the prompt is prefilled
 
     def _fill(self) -> None:
+        began = time.perf_counter()
         self._np.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        self.cost = time.perf_counter() - began
 
     def _prefetch(self) -> None:
-        if not self.matcher.is_stopped():
-            self._next = _MASKS.submit(self._fill)
+        self._next = _MASKS.submit(self._fill)
 
     def mask(self, logits: np.ndarray) -> None:
-        """Set the logits (V,) of every token the grammar does not allow next to −inf, in place (with the mask
-        computed since the last token was taken, or now)."""
-        pending, self._next = self._next, None
-        if pending is None:
-            self._fill()
-        else:
-            pending.result()
-        row = logits[None] if logits.flags.c_contiguous else np.ascontiguousarray(logits[None])
-        self._np.apply_token_bitmask_inplace(row, self.bitmask)
-        logits[:] = row[0]
+        """Set the logits (V,) of every token the grammar does not allow next to −inf, in place."""
+        mask_rows([self], logits[None])
 
     def take(self, token: int) -> None:
-        """The token sampled (from masked logits: the grammar accepts it)."""
+        """The token sampled (from masked logits: the grammar accepts it). `prefetch` then starts the next mask."""
         if self._next is not None:  # a mask still being computed reads the matcher: let it finish first
             self._next.result()
             self._next = None
         if not self.matcher.consume_token(token):
             raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
-        self._prefetch()  # the next mask, computed while the next forward runs
+
+
+def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
+    """Set row i of `logits` (rows, V), in place, to −inf at every token matchers[i] does not allow next — in one
+    pass: the masks not computed ahead are computed together (llguidance's parallel fill, the GIL released), then
+    all are unpacked and applied at once."""
+    vocab = logits.shape[1]
+    bits = np.empty((len(matchers), (vocab + 31) // 32), np.int32)
+    todo = []
+    for i, m in enumerate(matchers):
+        pending, m._next = m._next, None
+        if pending is None:
+            todo.append(i)
+        else:
+            pending.result()
+            bits[i] = m.bitmask[0]
+    if todo:
+        import llguidance.numpy as llnp
+
+        began = time.perf_counter()
+        if len(todo) == 1:
+            row = bits[todo[0]]
+            matchers[todo[0]].matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        else:
+            llnp.fill_next_token_bitmask_par(_executor(), [(matchers[i].matcher, i) for i in todo], bits)
+        cost = (time.perf_counter() - began) / len(todo)
+        for i in todo:
+            matchers[i].cost = cost
+    # one bit per token, lowest bit first, in int32 words: as little-endian bytes, they unpack in token order
+    words = bits if sys.byteorder == "little" else bits.byteswap()
+    allowed = np.unpackbits(words.view(np.uint8), axis=-1, count=vocab, bitorder="little")
+    np.putmask(logits, allowed == 0, -np.inf)
+
+
+@lru_cache(maxsize=1)
+def _executor():
+    from llguidance import LLExecutor
+
+    return LLExecutor()
+
+
+def prefetch(matchers: list[Matcher]) -> None:
+    """Start the next masks of a step's matchers (their tokens taken) in one worker job, while the next forward
+    runs — when together they cost more than the handoff; otherwise each is computed when it is needed."""
+    if not matchers or sum(m.cost for m in matchers) <= matchers[0].handoff:  # the common case, checked first
+        return
+    live = [m for m in matchers if not m.matcher.is_stopped()]
+    if not live:
+        return
+    job = _MASKS.submit(lambda: [m._fill() for m in live])
+    for m in live:
+        m._next = job
 
 
 def schema_text(schema: dict[str, Any] | None) -> str:

@@ -104,6 +104,12 @@ def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_t
     assert rows["gRPC, closed loop C=4, --kv-cache-dtype fp16"][1] == "8/0"  # the zoo model with an fp16 KV cache
     assert rows["in-process engine, C=4"][8] == "—"  # no server to read counters from
     assert re.search(r"rows: -?\d+ µs \+ -?[\d.]+ µs per running row\.", text)
+    for k in (1, 4):  # structured decoding under the same load: every output runs to the token budget, as plain's
+        cells, plain = rows[f"gRPC, closed loop C={k}, json_schema"], rows[f"gRPC, closed loop C={k}"]
+        assert cells[1] == "8/0" and float(cells[3]) / float(cells[2]) == pytest.approx(16, rel=0.02), cells
+        assert float(plain[3]) / float(plain[2]) == pytest.approx(16, rel=0.02), plain
+    assert re.search(r"out tok/s: C=1: [\d.]+×, C=4: [\d.]+×\. A new 50-property schema compiles", text)
+    assert re.search(r"compiles \(llguidance, with its matcher's first mask\) in [\d.]+ ms \(median of 5", text)
 
 
 def test_a_serve_row_reports_the_median_and_the_spread_of_its_rounds():

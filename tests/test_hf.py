@@ -612,3 +612,62 @@ def test_a_directory_sharp_export_refuses_ends_sharp_serve_with_its_one_line(tmp
     assert len(err) == 1 and err[0].startswith(f"sharp-serve: {model}: not exported: "), err
     assert err[0].count(str(model)) == 1 and "does not recognize this architecture" in err[0]
     assert not list((tmp_path / "cache").rglob("*.onnx"))
+
+
+TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+You may call functions.
+<tools>
+{%- for t in tools %}
+{{ t | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{% endif %}
+{%- for m in messages %}<|im_start|>{{ m.role }}
+{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_tools_on_a_llama_whose_template_renders_them(hf_dirs, tmp_path):
+    """A random-weight Llama exported from its directory with a Qwen-style chat template that renders tools:
+    through the openai SDK and LangChain, forced calls (required, LangChain's "any") are well-formed calls whose
+    arguments validate against the tool's schema at temperature 1, and a tool result sent back is answered."""
+    import jsonschema
+    import openai
+    from langchain_openai import ChatOpenAI
+
+    model_dir = tmp_path / "llama-tools"
+    shutil.copytree(hf_dirs["llama"], model_dir)
+    (model_dir / "chat_template.jinja").write_text(TOOLS_TEMPLATE, encoding="utf-8")
+    assert export_cli.main([str(model_dir), "-o", str(tmp_path / "llama.onnx")]) == 0
+    schema = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]},
+              "days": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["city", "days"],
+              "additionalProperties": False}  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "description": "a forecast", "parameters": schema}}
+    ]
+    backend = load_backend(tmp_path / "llama.onnx")
+    engine = Engine(backend, EngineConfig(), ServingMetrics(backend.spec))
+    with BackgroundServer(engine, ServerConfig(port=0, metrics_port=None, http_port=0)) as srv:
+        base = f"http://127.0.0.1:{srv.server.http_port}/v1"
+        oa = openai.OpenAI(base_url=base, api_key="none")
+        messages = [{"role": "user", "content": "weather in Oslo?"}]
+        for seed in range(4):
+            r = oa.chat.completions.create(model="llama", messages=messages, tools=tools, tool_choice="required",
+                                           parallel_tool_calls=False, temperature=1.0, seed=seed,
+                                           max_tokens=300)  # fmt: skip
+            assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+            (call,) = r.choices[0].message.tool_calls
+            assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        history = [*messages, r.choices[0].message.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]  # fmt: skip
+        answer = oa.chat.completions.create(model="llama", messages=history, tools=tools, max_tokens=8, seed=0)
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+        llm = ChatOpenAI(model="llama", base_url=base, api_key="none", temperature=1.0, max_tokens=300, seed=1)
+        msg = llm.bind_tools(tools, tool_choice="any", parallel_tool_calls=False).invoke("weather?")
+        assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather", msg
+        jsonschema.validate(msg.tool_calls[0]["args"], schema)

@@ -130,21 +130,29 @@ def test_a_constrained_request_found_in_the_prefix_cache_gives_the_same_tokens(s
         jsonschema.validate(json.loads(second.text), SCHEMA)
 
 
-def test_the_next_mask_is_computed_as_soon_as_a_token_is_taken():
-    """Off the step's critical path: a matcher starts its next mask when its token is taken (and its first when it
-    is made), so the forward of the next step runs while it is computed; the mask used is the new state's."""
+def test_an_expensive_next_mask_is_computed_as_soon_as_a_token_is_taken():
+    """Off the step's critical path: matchers whose masks cost more than a thread handoff start their next masks
+    once the step's tokens are taken (and the first when made), so the next step's forward runs while they are
+    computed; cheap ones compute them when asked. Either way the mask used is the new state's."""
     import numpy as np
 
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import Grammars, compile_grammar
+    from sharp.serving.grammar import Grammars, compile_grammar, prefetch
 
-    m = Grammars(BYTES, BYTES.vocab_size).matcher(compile_grammar("regex", "ab"))
-    allowed = lambda: set(np.flatnonzero(np.isfinite(_masked(m, BYTES.vocab_size))).tolist())
-    assert m._next is not None  # the first mask, while the prompt is prefilled
-    assert allowed() == {ord("a")}
-    m.take(ord("a"))
-    assert m._next is not None  # in flight before the next step samples
-    assert allowed() == {ord("b")}
+    grammars = Grammars(BYTES, BYTES.vocab_size)
+    for handoff, ahead in ((0.0, True), (1.0, False)):  # every mask dearer than a handoff; none
+        m = grammars.matcher(compile_grammar("regex", "ab"))
+        m.handoff = handoff
+        allowed = lambda m=m: set(np.flatnonzero(np.isfinite(_masked(m, BYTES.vocab_size))).tolist())
+        assert m._next is not None  # the first mask, while the prompt is prefilled (its cost is not known yet)
+        assert allowed() == {ord("a")}
+        m.take(ord("a"))
+        prefetch([m])  # as the executor does once a step's tokens are taken
+        assert (m._next is not None) == ahead  # in flight before the next step samples, when it is dear
+        assert allowed() == {ord("b")}
+        m.take(ord("b"))
+        prefetch([m])
+        assert m._next is None  # nothing after the grammar's end
 
 
 def _masked(m, vocab: int):
@@ -153,3 +161,38 @@ def _masked(m, vocab: int):
     logits = np.zeros(vocab, np.float32)
     m.mask(logits)
     return logits
+
+
+def test_a_steps_masks_are_computed_and_applied_together_as_each_alone():
+    """mask_rows: rows of one step in different places of their grammars (one mask computed ahead, the rest
+    together by llguidance's parallel fill) get exactly the masks each gets alone."""
+    import numpy as np
+
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving.grammar import Grammars, compile_grammar, mask_rows, prefetch
+
+    grammars = Grammars(BYTES, BYTES.vocab_size)
+    specs = [
+        ("regex", "ab|ac"),
+        ("regex", "[0-9]+x"),
+        ("choice", '["red", "green"]'),
+        ("json_schema", '{"type": "object"}'),
+    ]
+    matchers = [grammars.matcher(compile_grammar(kind, spec)) for kind, spec in specs]
+    for m, token in zip(matchers, (ord("a"), ord("7"), ord("g"), ord("{")), strict=True):
+        m.mask(np.zeros(BYTES.vocab_size, np.float32))
+        m.take(token)
+    alone = np.stack([_masked(_copy(m), BYTES.vocab_size) for m in matchers])
+    matchers[0].handoff = 0.0
+    prefetch(matchers[:1])  # this one's mask computed ahead, in the worker
+    assert matchers[0]._next is not None and matchers[1]._next is None
+    together = np.zeros((len(matchers), BYTES.vocab_size), np.float32)
+    mask_rows(matchers, together)
+    assert np.array_equal(np.isfinite(together), np.isfinite(alone))
+    assert set(np.flatnonzero(np.isfinite(together[0]))) == {ord("b"), ord("c")}
+
+
+def _copy(m):
+    from sharp.serving.grammar import Matcher
+
+    return Matcher(m.matcher.deep_copy(), m.vocab_size)

@@ -8,14 +8,17 @@ counters, the engine's host time per step with the model's forwards taken out, a
 Baselines side by side: continuous batching vs `--max-batch 1`, the engine in the server's process (the default on
 CPU) vs its core in a process of its own (`--engine-process on`), the zoo model's KV cache in fp32 vs fp16
 (`sharp-export --kv-cache-dtype fp16`, when the bench exports it), the gRPC path vs the engine called in-process and
-vs the OpenAI-compatible HTTP API driven by the official `openai` SDK (streaming), and `--entropy-metrics head` vs
-`off` (what the attention metrics cost). Every cell is the median of --repeats.
+vs the OpenAI-compatible HTTP API driven by the official `openai` SDK (streaming), `--entropy-metrics head` vs
+`off` (what the attention metrics cost), and structured decoding (every token masked by a JSON schema's grammar) vs
+plain at C=1 and the baseline concurrency, with the time to compile a new 50-property schema. Every cell is the
+median of --repeats.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import random
 import re
@@ -163,12 +166,36 @@ async def _one(send, prompt: str, new_tokens: int, run: Run) -> None:
         run.failed += 1
 
 
-def grpc_sender(client: AsyncClient):
+# a structured output as long as a plain one: a string of at least 400 characters runs to the token budget
+LONG_JSON = {"type": "object", "properties": {"notes": {"type": "string", "minLength": 400}}, "required": ["notes"],
+             "additionalProperties": False}  # fmt: skip
+
+
+def grpc_sender(client: AsyncClient, **fields):
     async def send(prompt, n):
-        async for chunk in client.generate_stream(prompt, max_new_tokens=n, temperature=0):
+        async for chunk in client.generate_stream(prompt, max_new_tokens=n, temperature=0, **fields):
             yield len(chunk.token_ids), True
 
     return send
+
+
+def compile_times(model: Path, schemas: int = 5, properties: int = 50) -> tuple[float, list[float]]:
+    """Seconds to compile the first schema (the vocabulary compiled with it) and each of `schemas` new ones of
+    `properties` properties after it — compiled by llguidance and turned into a matcher with its first mask, as a
+    request's first step needs."""
+    from sharp.serving.grammar import Grammars, compile_grammar
+
+    spec = load_backend(model).spec
+    grammars, vocab = Grammars(spec.tokenizer, spec.vocab_size), spec.vocab_size
+    kinds = [{"type": "integer"}, {"type": "string", "maxLength": 20}, {"type": "boolean"}, {"enum": ["a", "b", "c"]}]
+    times = []
+    for i in range(schemas + 1):
+        props = {f"field_{i}_{k}": kinds[k % len(kinds)] for k in range(properties)}
+        schema = json.dumps({"type": "object", "properties": props, "required": sorted(props)})
+        began = time.perf_counter()
+        grammars.matcher(compile_grammar("json_schema", schema)).mask(np.zeros(vocab, np.float32))
+        times.append(time.perf_counter() - began)
+    return times[0], times[1:]
 
 
 def http_sender(client, model: str):
@@ -272,6 +299,7 @@ class Scenario:
     in_process: bool = False
     native: bool = True
     http: bool = False  # the OpenAI API through the openai SDK, not gRPC
+    structured: bool = False  # every request's output constrained to LONG_JSON
     engine_process: str = "auto"
     half_kv: bool = False  # the same model exported with --kv-cache-dtype fp16
 
@@ -288,7 +316,8 @@ def _served(model: Path, sc: Scenario) -> Run:
                 async with openai.AsyncOpenAI(base_url=srv.openai_url, api_key="none", max_retries=0) as client:
                     return await scenario(http_sender(client, model.stem))  # sharp-serve names it so
             async with AsyncClient(srv.target) as client:
-                return await scenario(grpc_sender(client))
+                fields = {"json_schema": json.dumps(LONG_JSON)} if sc.structured else {}
+                return await scenario(grpc_sender(client, **fields))
 
         run = asyncio.run(go())
         run.engine = srv.engine_stats()
@@ -319,6 +348,10 @@ def bench(model: Path, args, half_kv: Path | None = None) -> str:
             native=False,
         ),
         Scenario(f"gRPC, closed loop C={c}, --entropy-metrics off", closed(c), args.max_batch, entropy="off"),
+        *(
+            Scenario(f"gRPC, closed loop C={k}, json_schema", closed(k), args.max_batch, structured=True)
+            for k in sorted({1, c})
+        ),
         *(
             Scenario(f"HTTP (openai SDK, streaming), closed loop C={k}", closed(k), args.max_batch, http=True)
             for k in sorted({1, c})
@@ -371,7 +404,23 @@ def bench(model: Path, args, half_kv: Path | None = None) -> str:
     fit = _host_fit(by_name, args)
     if fit:
         lines += ["", fit]
+    lines += ["", _structured(by_name, model, c)]
     return "\n".join(lines)
+
+
+def _structured(by_name: dict[str, list[Run]], model: Path, c: int) -> str:
+    """Structured decoding's output tokens/s as a share of plain decoding's, and what compiling a schema costs."""
+    med = lambda name: statistics.median(r.tokens / r.seconds for r in by_name[name])
+    ratios = [f"C={k}: {med(f'gRPC, closed loop C={k}, json_schema') / med(f'gRPC, closed loop C={k}'):.2f}×"
+              for k in sorted({1, c}) if f"gRPC, closed loop C={k}" in by_name]  # fmt: skip
+    first, later = compile_times(model)
+    return (
+        f"Structured decoding (each request's output constrained to a JSON schema, a string of at least 400"
+        f" characters so it runs to the token budget) against plain decoding, out tok/s: {', '.join(ratios)}."
+        f" A new 50-property schema compiles (llguidance, with its matcher's first mask) in"
+        f" {statistics.median(later) * 1e3:.1f} ms (median of {len(later)}; the slowest {max(later) * 1e3:.1f} ms);"
+        f" the first, with the model's vocabulary, {first * 1e3:.0f} ms."
+    )
 
 
 def _host_fit(by_name: dict[str, list[Run]], args) -> str | None:
