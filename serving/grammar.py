@@ -126,8 +126,8 @@ class Matcher:
 
 def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
     """Set row i of `logits` (rows, V), in place, to −inf at every token matchers[i] does not allow next — in one
-    pass: the masks not computed ahead are computed together (llguidance's parallel fill, the GIL released), then
-    all are unpacked and applied at once."""
+    pass: the masks not computed ahead are computed in turn (the GIL released; llguidance's parallel fill wakes
+    threads that compete with the model's on a small host), then all are unpacked and applied at once."""
     vocab = logits.shape[1]
     bits = np.empty((len(matchers), (vocab + 31) // 32), np.int32)
     todo = []
@@ -139,14 +139,10 @@ def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
             pending.result()
             bits[i] = m.bitmask[0]
     if todo:
-        import llguidance.numpy as llnp
-
         began = time.perf_counter()
-        if len(todo) == 1:
-            row = bits[todo[0]]
-            matchers[todo[0]].matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        else:
-            llnp.fill_next_token_bitmask_par(_executor(), [(matchers[i].matcher, i) for i in todo], bits)
+        for i in todo:
+            row = bits[i]
+            matchers[i].matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         cost = (time.perf_counter() - began) / len(todo)
         for i in todo:
             matchers[i].cost = cost
@@ -154,13 +150,6 @@ def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
     words = bits if sys.byteorder == "little" else bits.byteswap()
     allowed = np.unpackbits(words.view(np.uint8), axis=-1, count=vocab, bitorder="little")
     np.putmask(logits, allowed == 0, -np.inf)
-
-
-@lru_cache(maxsize=1)
-def _executor():
-    from llguidance import LLExecutor
-
-    return LLExecutor()
 
 
 def prefetch(matchers: list[Matcher]) -> None:

@@ -165,7 +165,7 @@ def _masked(m, vocab: int):
 
 def test_a_steps_masks_are_computed_and_applied_together_as_each_alone():
     """mask_rows: rows of one step in different places of their grammars (one mask computed ahead, the rest
-    together by llguidance's parallel fill) get exactly the masks each gets alone."""
+    together, in one pass) get exactly the masks each gets alone."""
     import numpy as np
 
     from sharp.models.tokenizer import BYTES
