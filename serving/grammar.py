@@ -76,14 +76,15 @@ class Grammars:
 
     def matcher(self, grammar: str) -> Matcher:
         """A matcher at the start of `grammar`: a copy of one made once per grammar (making one parses the grammar,
-        some hundred times what copying costs)."""
-        return Matcher(self._fresh(grammar).deep_copy(), self.vocab_size)
+        some hundred times what copying costs), told what the grammar's first mask cost the last time."""
+        fresh, first = self._fresh(grammar)
+        return Matcher(fresh.deep_copy(), self.vocab_size, first=first)
 
     @lru_cache(maxsize=64)  # noqa: B019 - one Grammars per served model, alive as long as its engine
-    def _fresh(self, grammar: str):
+    def _fresh(self, grammar: str) -> tuple[Any, list[float]]:
         from llguidance import LLMatcher
 
-        return LLMatcher(self._vocabulary, grammar)
+        return LLMatcher(self._vocabulary, grammar), [math.inf]
 
 
 class Matcher:
@@ -94,19 +95,26 @@ class Matcher:
     (a small vocabulary, a simple grammar, few rows) are computed when needed, where a thread's wake-up would cost
     more than it saves."""
 
-    def __init__(self, matcher, vocab_size: int, handoff: float = HANDOFF_SECONDS):
+    def __init__(self, matcher, vocab_size: int, handoff: float = HANDOFF_SECONDS, first: list[float] | None = None):
         import llguidance.numpy as llnp
 
         self.matcher, self._np, self.vocab_size, self.handoff = matcher, llnp, vocab_size, handoff
         self.bitmask = llnp.allocate_token_bitmask(1, vocab_size)
-        self.cost = math.inf  # seconds the last mask took: unknown until one is computed
+        self._first = first  # the grammar's first-mask cost, shared by its matchers: measured by the first of them
+        self.cost = math.inf if first is None else first[0]  # seconds its last mask took (inf: not known)
         self._next: Future | None = None
-        self._prefetch()  # the first mask, while the prompt is prefilled
+        if self.cost > handoff:
+            self._prefetch()  # the first mask, while the prompt is prefilled
+
+    def measured(self, seconds: float) -> None:
+        self.cost = seconds
+        if self._first is not None:
+            self._first[0], self._first = seconds, None
 
     def _fill(self) -> None:
         began = time.perf_counter()
         self._np.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        self.cost = time.perf_counter() - began
+        self.measured(time.perf_counter() - began)
 
     def _prefetch(self) -> None:
         self._next = _MASKS.submit(self._fill)
@@ -145,7 +153,7 @@ def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
             matchers[i].matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         cost = (time.perf_counter() - began) / len(todo)
         for i in todo:
-            matchers[i].cost = cost
+            matchers[i].measured(cost)
     # one bit per token, lowest bit first, in int32 words: as little-endian bytes, they unpack in token order
     words = bits if sys.byteorder == "little" else bits.byteswap()
     allowed = np.unpackbits(words.view(np.uint8), axis=-1, count=vocab, bitorder="little")

@@ -140,8 +140,8 @@ def test_an_expensive_next_mask_is_computed_as_soon_as_a_token_is_taken():
     from sharp.serving.grammar import Grammars, compile_grammar, prefetch
 
     grammars = Grammars(BYTES, BYTES.vocab_size)
-    for handoff, ahead in ((0.0, True), (1.0, False)):  # every mask dearer than a handoff; none
-        m = grammars.matcher(compile_grammar("regex", "ab"))
+    for handoff, ahead, regex in ((0.0, True, "ab"), (1.0, False, "ac")):  # every mask dearer than a handoff; none
+        m = grammars.matcher(compile_grammar("regex", regex))
         m.handoff = handoff
         allowed = lambda m=m: set(np.flatnonzero(np.isfinite(_masked(m, BYTES.vocab_size))).tolist())
         assert m._next is not None  # the first mask, while the prompt is prefilled (its cost is not known yet)
@@ -149,10 +149,14 @@ def test_an_expensive_next_mask_is_computed_as_soon_as_a_token_is_taken():
         m.take(ord("a"))
         prefetch([m])  # as the executor does once a step's tokens are taken
         assert (m._next is not None) == ahead  # in flight before the next step samples, when it is dear
-        assert allowed() == {ord("b")}
-        m.take(ord("b"))
+        assert allowed() == {ord(regex[1])}
+        m.take(ord(regex[1]))
         prefetch([m])
         assert m._next is None  # nothing after the grammar's end
+    # the grammar's first mask was measured cheap: a later request's matcher computes it when asked
+    later = grammars.matcher(compile_grammar("regex", "ac"))
+    assert later.cost < 1e-3 and later._next is None
+    assert set(np.flatnonzero(np.isfinite(_masked(later, BYTES.vocab_size))).tolist()) == {ord("a")}
 
 
 def _masked(m, vocab: int):
