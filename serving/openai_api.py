@@ -788,9 +788,10 @@ class OpenAIServer:
             raise APIError(408, f"the request body did not arrive within {self.timeouts.body:g} s",
                            "request_timeout") from None  # fmt: skip
         context = self.engine.spec.context_length
-        if kind is ChatRequest and (count := raw.count(b'"role"')) > context:
-            raise APIError(400, f"messages: {count} messages cannot fit the model's context of {context} tokens",
-                           "context_length_exceeded", "messages")  # fmt: skip
+        listed = {ChatRequest: "messages", ResponsesRequest: "input"}.get(kind)
+        if listed is not None and (count := raw.count(b'"role"')) > context:
+            raise APIError(400, f"{listed}: {count} messages cannot fit the model's context of {context} tokens",
+                           "context_length_exceeded", listed)  # fmt: skip
         try:
             if len(raw) > PARSE_OFF_LOOP:
                 return await asyncio.to_thread(kind.model_validate_json, raw)

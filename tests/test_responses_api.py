@@ -110,6 +110,7 @@ def test_function_tools_and_their_outputs_sent_back(srv):
         ({"tools": [FLAT_TOOL | {"name": "bad name"}]}, "tools[0].name"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"colour": "red"}, "colour"),
+        ({"input": [{"role": "user", "content": ""}] * 4097}, "input"),  # more messages than the context has tokens
     ],
 )
 def test_mistakes_are_400s_in_the_responses_words(srv, change, param):
