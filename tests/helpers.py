@@ -230,3 +230,15 @@ def _log_softmax(model, ids: list[int]):
 
 def _running(srv) -> float:
     return sample_value(scrape(srv), "sharp_running_requests", "sharp_running_requests")
+
+
+# a tool's arguments whose every value is bounded: a random model's forced call ends within a few dozen tokens
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}

@@ -10,18 +10,9 @@ import json
 import httpx
 import jsonschema
 import pytest
-from helpers import HTTP, api, serving
+from helpers import HTTP, WEATHER, api, serving
 from pydantic import BaseModel
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 FLAT_TOOL = {"type": "function", "name": "get_weather", "description": "a forecast", "parameters": WEATHER}
 
 

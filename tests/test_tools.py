@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import httpx
 import jsonschema
 import pytest
-from helpers import HTTP, api, serving
+from helpers import HTTP, WEATHER, api, serving
 from pydantic import BaseModel, Field
 
 from sharp.serving.tools import FORMATS, CallReader, Tool, format_for
@@ -26,15 +26,6 @@ TOOL_TEMPLATE = (
     "{% if m.get('tool_call_id') %} (answers {{ m['tool_call_id'] }}){% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 9},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
         "additionalProperties": False}  # fmt: skip
 TOOLS = [
