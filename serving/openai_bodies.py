@@ -392,4 +392,6 @@ class ChatRequest(Generation):
             msg.json_schema = self.response_format.schema()
         if tools is not None:
             msg.grammar = tools.grammar() or msg.grammar
+            if tools.choice != "none" and "skip_special_tokens" not in self.model_fields_set:
+                msg.skip_special_tokens = False  # a call's marker may be a special token ([TOOL_CALLS]): keep it
         return msg

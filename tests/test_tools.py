@@ -139,6 +139,19 @@ def test_auto_reads_calls_from_the_models_text_and_passes_plain_text_through(srv
     assert plain.choices[0].message.content
 
 
+def test_a_tool_request_keeps_special_tokens_in_the_text_it_reads(srv):
+    """A call's marker may be a special token (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): with tools (and
+    tool_choice not "none") the reply's text spells special tokens, as vLLM's tool parsers ask, unless the request
+    says skip_special_tokens itself."""
+    oa = api(srv)
+    ask = {"model": "tiny", "messages": USER, "max_tokens": 2, "logit_bias": {"256": 100}}  # <bos>, a special token
+    with_tools = oa.chat.completions.create(tools=TOOLS, **ask).choices[0].message.content
+    assert with_tools == "<bos><bos>", with_tools
+    assert oa.chat.completions.create(**ask).choices[0].message.content == ""  # without tools: skipped
+    for extra in ({"tool_choice": "none"}, {"extra_body": {"skip_special_tokens": True}}):
+        assert oa.chat.completions.create(tools=TOOLS, **ask, **extra).choices[0].message.content == "", extra
+
+
 def test_tools_and_results_reach_the_template(srv):
     """The tools and a tool result sent back are rendered (the prompt has them); the answer follows."""
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
