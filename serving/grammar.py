@@ -25,6 +25,8 @@ import numpy as np
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object
 _MASKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sharp-grammar")  # next masks, beside the forwards
+_DONE: Future = Future()  # a mask already computed
+_DONE.set_result(None)
 HANDOFF_SECONDS = 100e-6  # about what submitting a job to a worker thread and collecting it costs on a busy host
 
 
@@ -90,10 +92,10 @@ class Grammars:
 class Matcher:
     """One sequence's place in its grammar: the mask of the tokens allowed next, and each sampled token taken.
 
-    Masks that together take longer to compute than handing them to a worker thread costs (`handoff` seconds) are
-    computed there as soon as a step's tokens are taken (`prefetch`) — while the next forward runs; cheaper ones
-    (a small vocabulary, a simple grammar, few rows) are computed when needed, where a thread's wake-up would cost
-    more than it saves."""
+    A step's next masks are computed as soon as its tokens are taken (`prefetch`): in a worker thread, while the
+    next forward runs, when together they take longer than handing them over costs (`handoff` seconds); cheaper
+    ones (a small vocabulary, a simple grammar, few rows) at once in the engine thread, where a thread's wake-up
+    would cost more than it saves."""
 
     def __init__(self, matcher, vocab_size: int, handoff: float = HANDOFF_SECONDS, first: list[float] | None = None):
         import llguidance.numpy as llnp
@@ -161,16 +163,20 @@ def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
 
 
 def prefetch(matchers: list[Matcher]) -> None:
-    """Start the next masks of a step's matchers (their tokens taken) in one worker job, while the next forward
-    runs — when together they cost more than the handoff; otherwise each is computed when it is needed."""
-    if not matchers or sum(m.cost for m in matchers) <= matchers[0].handoff:  # the common case, checked first
-        return
+    """The next masks of a step's matchers, their tokens just taken: in one worker job, while the next forward runs,
+    when together they cost more than the handoff; otherwise here and now — before the step's events go to the
+    event loop, so computing them (which releases the GIL) never waits on the loop's thread to get it back."""
     live = [m for m in matchers if not m.matcher.is_stopped()]
     if not live:
         return
-    job = _MASKS.submit(lambda: [m._fill() for m in live])
+    if sum(m.cost for m in live) > live[0].handoff:
+        job = _MASKS.submit(lambda: [m._fill() for m in live])
+        for m in live:
+            m._next = job
+        return
     for m in live:
-        m._next = job
+        m._fill()
+        m._next = _DONE
 
 
 def schema_text(schema: dict[str, Any] | None) -> str:
