@@ -275,14 +275,19 @@ def test_the_template_picks_the_format_and_the_flag_overrides_it():
 
 def test_forced_grammars_accept_the_calls_and_nothing_else():
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import Grammars, compile_grammar
+    from sharp.serving.grammar import GrammarError, Grammars, compile_grammar
 
     grammars = Grammars(BYTES, BYTES.vocab_size)
     tools = [Tool(n, None, SCHEMAS[n]) for n in SCHEMAS]
 
     def accepts(grammar: str, text: str) -> bool:
-        m = grammars.matcher(compile_grammar("grammar", grammar)).matcher
-        return m.consume_tokens(BYTES.encode(text, bos=False)) and m.is_accepting()
+        m = grammars.matcher(compile_grammar("grammar", grammar))
+        try:
+            for token in BYTES.encode(text, bos=False):
+                m.take(token)  # as the engine takes tokens: after any mask being computed for it
+        except GrammarError:
+            return False
+        return m.matcher.is_accepting()
 
     def written(fmt, calls):
         body = [fmt.open + json.dumps({"name": n, fmt.arguments_key: a}, separators=(",", ":")) + fmt.close
