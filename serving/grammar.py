@@ -98,10 +98,8 @@ class Matcher:
     would cost more than it saves."""
 
     def __init__(self, matcher, vocab_size: int, handoff: float = HANDOFF_SECONDS, first: list[float] | None = None):
-        import llguidance.numpy as llnp
-
-        self.matcher, self._np, self.vocab_size, self.handoff = matcher, llnp, vocab_size, handoff
-        self.bitmask = llnp.allocate_token_bitmask(1, vocab_size)
+        self.matcher, self.vocab_size, self.handoff = matcher, vocab_size, handoff
+        self.bitmask = np.full((1, (vocab_size + 31) // 32), -1, np.int32)  # llguidance's layout: a bit per token
         self._first = first  # the grammar's first-mask cost, shared by its matchers: measured by the first of them
         self.cost = math.inf if first is None else first[0]  # seconds its last mask took (inf: not known)
         self._next: Future | None = None
@@ -115,7 +113,7 @@ class Matcher:
 
     def _fill(self) -> None:
         began = time.perf_counter()
-        self._np.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+        self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)  # releases the GIL
         self.measured(time.perf_counter() - began)
 
     def _prefetch(self) -> None:
@@ -140,22 +138,13 @@ def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
     threads that compete with the model's on a small host), then all are unpacked and applied at once."""
     vocab = logits.shape[1]
     bits = np.empty((len(matchers), (vocab + 31) // 32), np.int32)
-    todo = []
     for i, m in enumerate(matchers):
         pending, m._next = m._next, None
         if pending is None:
-            todo.append(i)
+            m._fill()
         else:
             pending.result()
-            bits[i] = m.bitmask[0]
-    if todo:
-        began = time.perf_counter()
-        for i in todo:
-            row = bits[i]
-            matchers[i].matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-        cost = (time.perf_counter() - began) / len(todo)
-        for i in todo:
-            matchers[i].measured(cost)
+        bits[i] = m.bitmask[0]
     # one bit per token, lowest bit first, in int32 words: as little-endian bytes, they unpack in token order
     words = bits if sys.byteorder == "little" else bits.byteswap()
     allowed = np.unpackbits(words.view(np.uint8), axis=-1, count=vocab, bitorder="little")
