@@ -46,9 +46,10 @@ def test_the_reader_finds_loops_their_nesting_classes_and_call_sites():
     counts = outer.counts()
     assert counts["tensor"] == 1 and counts["mufu"] == 1 and counts["fp32"] == 1 and counts["shuffle"] == 1
     assert counts["memory"] == 1 and outer.spills() == 1  # LDL: a spill reload
-    assert sass.call_chain(outer, "/k.py") == [21, 44]  # the back branch's chain, innermost first
-    assert sass.call_chain(outer, "/elsewhere/k.py") == [21, 44]  # a cached compile of the same file elsewhere
-    assert sass.call_chain(outer, "/j.py") == []
+    here = {"k.py": "/here/k.py"}  # a cached compile of the same file elsewhere is matched by name
+    assert sass.call_chain(outer, here) == [("/here/k.py", 21), ("/here/k.py", 44)]  # innermost first
+    assert sass.call_chain(outer, {"j.py": "/j.py"}) == []
+    assert sass.body_lines(outer, here) == {("/here/k.py", 20), ("/here/k.py", 21)}  # each instruction's innermost line
     outer.inner.clear()  # alone, the outer loop is innermost and has a tensor-core op: a key loop
     assert sass.key_loops([outer]) == [outer]
 

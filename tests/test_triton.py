@@ -29,17 +29,14 @@ from sharp.models.problem import build_problem
 from sharp.models.streamed import StreamStats
 from sharp.plugins.triton import attention, tiles
 from sharp.plugins.triton.attention import launch_config, run_problem
-from sharp.plugins.triton.kernels import (
+from sharp.plugins.triton.common import PARTIALS, _fold_sum, _shift_columns, _shift_rows
+from sharp.plugins.triton.threshold import (
     GENERAL_SELECTED,
-    PARTIALS,
     _bracket,
     _class_partials,
     _class_root,
-    _fold_sum,
     _powers,
     _seed,
-    _shift_columns,
-    _shift_rows,
     _support,
     _threshold_step,
 )
@@ -1033,7 +1030,7 @@ def test_sparsemax_threshold_kernel_takes_an_exact_step_without_confirming_it():
     by 8.5·10⁻⁵), in at most 3 passes a row (6 with 64 classes)."""
     from sharp.models.streamed import MAX_THRESHOLD_PASSES
     from sharp.plugins.triton.attention import THRESHOLD_KEYS, THRESHOLD_ROWS, THRESHOLD_TOL
-    from sharp.plugins.triton.kernels import _entmax_threshold_kernel
+    from sharp.plugins.triton.decode import _entmax_threshold_kernel
 
     g = torch.Generator().manual_seed(3)
     dense = -0.05 - 1e-5 * torch.arange(4096.0) - 2e-6 * torch.rand(64, 4096, generator=g)  # keys 10⁻⁵ apart
@@ -1068,7 +1065,7 @@ def test_entmax_threshold_kernel_finds_tau_within_the_tolerance_in_few_passes():
     counted in the interpreter, whose fp32 is NumPy's (a GPU's MUFU may round a pass apart)."""
     from sharp.models.streamed import MAX_THRESHOLD_PASSES
     from sharp.plugins.triton.attention import THRESHOLD_KEYS, THRESHOLD_ROWS, THRESHOLD_TOL
-    from sharp.plugins.triton.kernels import _entmax_threshold_kernel
+    from sharp.plugins.triton.decode import _entmax_threshold_kernel
 
     u, alpha = _newton_rows()
     rows = u.shape[0]  # one query per sequence of 2 heads: row r is head r % 2
@@ -1092,7 +1089,7 @@ def test_entmax_threshold_kernel_counts_the_support_above_alpha_2(alpha):
     τ within the tolerance of the float64 root in one pass per row, counted in the interpreter."""
     from sharp.models.streamed import MAX_THRESHOLD_PASSES
     from sharp.plugins.triton.attention import THRESHOLD_KEYS, THRESHOLD_ROWS, THRESHOLD_TOL
-    from sharp.plugins.triton.kernels import _entmax_threshold_kernel
+    from sharp.plugins.triton.decode import _entmax_threshold_kernel
 
     g = torch.Generator().manual_seed(5)
     u = (alpha - 1.0) * torch.randn(64, 4096, generator=g)

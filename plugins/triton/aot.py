@@ -231,9 +231,10 @@ _JIT_POINTERS = {"KMASK": torch.int8, "BT": torch.int32, "SEQ": torch.int32, "CO
 _UNIT_STRIDES = {"sqd", "skd", "svd", "spd"}  # contiguous last dimensions
 
 
-def kernel_source(kernel: str) -> str:
-    """The file a kernel is written in (its line information names it)."""
-    return _ALL_KERNELS[kernel].fn.__code__.co_filename
+def kernel_sources() -> dict[str, str]:
+    """The kernels' modules by file name (what their line information names): a kernel inlines functions of
+    several."""
+    return {p.name: str(p) for p in Path(__file__).parent.glob("*.py")}
 
 
 def _jit_value(name: str, v: Variant) -> object:

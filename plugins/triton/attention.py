@@ -28,14 +28,14 @@ from sharp.models.streamed import (
     finish_entmax_state,
     threshold_tol,
 )
-from sharp.plugins.triton.kernels import (
-    _entmax_kernel,
+from sharp.plugins.triton.decode import (
     _entmax_logits_kernel,
     _entmax_output_kernel,
     _entmax_threshold_kernel,
     _merge_softmax_kernel,
-    _softmax_family_kernel,
 )
+from sharp.plugins.triton.entmax import _entmax_kernel
+from sharp.plugins.triton.softmax import _softmax_family_kernel
 from sharp.plugins.triton.tiles import Tile, tuned_tile
 
 _NEG_INF = float("-inf")

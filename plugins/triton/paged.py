@@ -28,14 +28,9 @@ from sharp.plugins.triton.attention import (
     head_vector,
     merge_splits,
 )
-from sharp.plugins.triton.kernels import (
-    _dot,
-    _online_step,
-    _pv,
-    _support,
-    _transform,
-    _weights,
-)
+from sharp.plugins.triton.common import _dot, _pv
+from sharp.plugins.triton.softmax import _online_step, _transform
+from sharp.plugins.triton.threshold import _support, _weights
 
 
 @triton.jit

@@ -213,21 +213,20 @@ def _headers(source: str, line: int) -> list[str]:
     return out
 
 
-def _site(lp: sass.Loop, source: str) -> tuple[str, bool, bool, bool]:
-    """The loop's chain of calls in `source`, innermost first, as `function:line`; whether it walks edge tiles;
-    whether it repeats per threshold pass; whether its body forms the threshold powers with a select (`_powers`'
-    FAST == GENERAL_SELECTED branch, read from the body's own lines under either Triton). With the inline chain on
-    the back branch's line information (Triton ≥ 3.9): a call on the chain passes MASKED=True / a call or the loop
-    sits inside a `while` block. Without it (Triton 3.6 writes the innermost line only): the body runs a line under
-    `if MASKED:` / the loop lies inside another loop."""
-    lines = sass.call_chain(lp, source)
-    site = " ← ".join(f"{_function_at(source, n)}:{n}" for n in lines[:2])  # the loop and the call that runs it
-    body = {line for i in lp.body for f, line in i.lines[:1] if sass.same_file(f, source)}
-    headers = {h for n in body for h in _headers(source, n)}
+def _site(lp: sass.Loop, sources: dict[str, str]) -> tuple[str, bool, bool, bool]:
+    """The loop's chain of calls in the kernels' modules (`sources`), innermost first, as `function:line`; whether
+    it walks edge tiles; whether it repeats per threshold pass; whether its body forms the threshold powers with a
+    select (`_powers`' FAST == GENERAL_SELECTED branch, read from the body's own lines under either Triton). With
+    the inline chain on the back branch's line information (Triton ≥ 3.9): a call on the chain passes MASKED=True / a
+    call or the loop sits inside a `while` block. Without it (Triton 3.6 writes the innermost line only): the body
+    runs a line under `if MASKED:` / the loop lies inside another loop."""
+    chain = sass.call_chain(lp, sources)
+    site = " ← ".join(f"{_function_at(path, n)}:{n}" for path, n in chain[:2])  # the loop and the call that runs it
+    headers = {h for path, n in sass.body_lines(lp, sources) for h in _headers(path, n)}
     selected = any(h.startswith("elif FAST == GENERAL_SELECTED:") for h in headers)
-    if len(lines) > 1:
-        edge = any(re.search(r"\bMASKED=True\b", _statement(source, n)) for n in lines)
-        repeated = any(h.startswith("while ") for n in lines for h in _headers(source, n))
+    if len(chain) > 1:
+        edge = any(re.search(r"\bMASKED=True\b", _statement(path, n)) for path, n in chain)
+        repeated = any(h.startswith("while ") for path, n in chain for h in _headers(path, n))
         return site, edge, repeated, selected
     return site, "if MASKED:" in headers, lp.outer is not None, selected
 
@@ -241,10 +240,10 @@ def analyse(e: Entry, arch: int = 90) -> Report:
     nvdisasm, cuobjdump = _tools()
     instrs, labels = sass.parse(sass.disassemble(ck.asm["cubin"], nvdisasm))
     usage = sass.resource_usage(ck.asm["cubin"], cuobjdump)
-    source = aot.kernel_source(v.kernel)
+    sources = aot.kernel_sources()
     loops = []
     for lp in sass.key_loops(sass.loops(instrs, labels)):
-        site, edge, repeated, selected = _site(lp, source)
+        site, edge, repeated, selected = _site(lp, sources)
         keys = lp.hgmma_keys(HEAD_DIM) or e.keys  # a pass may walk wider tiles than the launch's (entmax's sweeps)
         if e.element_bytes and lp.hgmma_keys(HEAD_DIM) is None:
             keys = lp.loaded_bytes() * 32 * WARPS // (e.element_bytes * e.rows)

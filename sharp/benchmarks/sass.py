@@ -158,15 +158,16 @@ def key_loops(all_loops: list[Loop]) -> list[Loop]:
     return [lp for lp in innermost if lp.has("LDG", "LDGSTS")]
 
 
-def same_file(recorded: str, source: str) -> bool:
-    """Whether a path in the line information is `source`: by file name, since Triton's compile cache (keyed by the
-    source text, not its path) may hand back a kernel compiled from another checkout of the same file."""
-    return Path(recorded).name == Path(source).name
+def call_chain(lp: Loop, sources: dict[str, str]) -> list[tuple[str, int]]:
+    """(path, line) of the branch's inline chain that lie in `sources` (file name → path: the kernels' modules),
+    innermost call first. A file is matched by name, since Triton's compile cache (keyed by the source text, not its
+    path) may hand back a kernel compiled from another checkout of the same file."""
+    return [(sources[name], line) for f, line in lp.branch.lines if (name := Path(f).name) in sources]
 
 
-def call_chain(lp: Loop, source: str) -> list[int]:
-    """Lines of `source` (a file path) on the branch's inline chain, innermost call first."""
-    return [line for f, line in lp.branch.lines if same_file(f, source)]
+def body_lines(lp: Loop, sources: dict[str, str]) -> set[tuple[str, int]]:
+    """(path, line) of the body's own instructions (innermost line each) that lie in `sources`."""
+    return {(sources[name], line) for i in lp.body for f, line in i.lines[:1] if (name := Path(f).name) in sources}
 
 
 def disassemble(cubin: bytes, nvdisasm: Path) -> str:
