@@ -238,6 +238,36 @@ def test_the_apis_depend_on_the_engine_client_interface_only():
         assert not graph[api] & {"engine", "core", "scheduler", "executor"}, api
 
 
+MAX_JIT_PARAMETERS = 30
+
+
+def test_kernels_take_at_most_thirty_parameters():
+    """A Triton function's arguments are grouped (a tensor's strides, the problem's sizes, a loop's carried state) as
+    tuples: no jit function of plugins/triton takes more than MAX_JIT_PARAMETERS, constexprs included."""
+    import ast
+
+    counts = {}
+    for path in sorted((ROOT / "plugins" / "triton").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                counts[f"{path.name}:{node.name}"] = len(node.args.args)
+    assert len(counts) > 60 and "softmax.py:_softmax_family_kernel" in counts  # the rooms were read
+    assert {name: n for name, n in counts.items() if n > MAX_JIT_PARAMETERS} == {}
+
+
+def test_kernel_rooms_import_one_way():
+    """plugins/triton's kernel rooms import one way (common, threshold, softmax, entmax, decode, tensorrt; `kernels`
+    names them) and none imports the host code (attention.py, paged.py, aot.py)."""
+    import ast
+
+    order = ["common", "threshold", "softmax", "entmax", "decode", "tensorrt", "kernels"]
+    for i, room in enumerate(order):
+        tree = ast.parse((ROOT / "plugins" / "triton" / f"{room}.py").read_text())
+        modules = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        imported = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("sharp.plugins.triton")}
+        assert imported <= set(order[:i]), (room, imported - set(order[:i]))
+
+
 def test_no_test_module_imports_another():
     """Shared helpers live in tests/helpers.py (or conftest): a test module imported by another is collected twice
     over and ties their fixtures together."""

@@ -471,8 +471,12 @@ def test_ahead_of_time_compile_to_ptx_for_sm90(tmp_path):
         assert launch["scratch_bytes"] == 0  # TensorRT passes null for Triton's hidden scratch pointers
         assert launch["block"] == [32 * m["num_warps"], 1, 1]
         assert launch["shared_opt_in"] == (launch["shared_bytes"] > 48 * 1024)
-        params = [a for a in m["signature"] if m["signature"][a] != "constexpr"]
-        assert launch["arguments"] == [*params, "global_scratch", "profile_scratch"]
+        # one parameter per argument, a tuple argument (a list of types) flattened into one per element
+        kinds = [k for k in m["signature"].values() if k != "constexpr"]
+        params = sum(len(k) if isinstance(k, list) else 1 for k in kinds)
+        assert any(isinstance(k, list) for k in kinds)  # the torch path's kernels take stride and size tuples
+        assert launch["arguments"][params:] == ["global_scratch", "profile_scratch"]
+        assert len(set(launch["arguments"])) == len(launch["arguments"]) == params + 2
         # the PTX entry takes exactly these parameters, in this order (Triton names them <entry>_param_<i>)
         assert f"{m['entry']}_param_{len(launch['arguments']) - 1}" in ptx
         assert f"{m['entry']}_param_{len(launch['arguments'])}" not in ptx
@@ -558,7 +562,11 @@ def _launch_through_the_manifest(manifest: list[dict]) -> None:
             values.update(zip((f"s{name}b", f"s{name}h", f"s{name}{'m' if name == 'q' else 'n'}", f"s{name}d"),
                               t.stride(), strict=True))  # fmt: skip
         launch = m["launch"]
-        args = [values[a] for a in launch["arguments"] if a not in ("global_scratch", "profile_scratch")]
+        flat = iter([values[a] for a in launch["arguments"] if a not in ("global_scratch", "profile_scratch")])
+        # the entry's parameters in order; Triton's launcher takes a tuple argument (a list in the signature) whole
+        args = [tuple(next(flat) for _ in kind) if isinstance(kind, list) else next(flat)
+                for kind in m["signature"].values() if kind != "constexpr"]  # fmt: skip
+        assert next(flat, None) is None
         kernels.KERNELS[m["kernel"]][_grid(launch, values)](*args, **m["constexprs"])
         o_ref, h_ref = attend(
             q.float(), k.float(), v.float(), norm=norm, causal=True, return_entropy=True,

@@ -70,26 +70,38 @@ class Variant:
         return name + (f"_fast{self.flags['FAST']}" if "FAST" in self.flags else "") + f"_{self.spec}"
 
 
-def _signature(kernel: str, dtype: str, constexprs: dict) -> dict[str, str]:
+def _signature(kernel: str, dtype: str, constexprs: dict) -> dict[str, str | tuple[str, ...]]:
     """Pointers to the element dtype for Q/K/V, int8 for the key mask, fp32 for state buffers, i32 sizes/strides,
-    fp32 scale."""
-    sig = {}
-    for arg in kernels.KERNELS[kernel].arg_names:
-        if arg in constexprs:
-            sig[arg] = "constexpr"
-        elif arg in ("Q", "K", "V", "OUT"):
-            sig[arg] = f"*{_DTYPES[dtype]}"
-        elif arg in ("SKIPPED_OUT", "COUNTS"):
-            sig[arg] = "*i32"
-        elif arg == "KMASK":  # int8 from torch; int32 in the TensorRT form (its parser rejects bool plugin inputs)
-            sig[arg] = "*i32" if kernel.startswith("trt_") else "*i8"
-        elif arg in ("scale", "beta_threshold", "tol"):
-            sig[arg] = "fp32"
-        elif arg in _SIZES or arg.startswith("s"):  # sizes and strides
-            sig[arg] = "i32"
-        else:
-            sig[arg] = "*fp32"
-    return sig
+    fp32 scale; a tuple argument (TUPLES) has one type per element."""
+
+    def kind(arg: str) -> str:
+        if arg in ("Q", "K", "V", "OUT"):
+            return f"*{_DTYPES[dtype]}"
+        if arg in ("SKIPPED_OUT", "COUNTS"):
+            return "*i32"
+        if arg == "KMASK":  # int8 from torch; int32 in the TensorRT form (its parser rejects bool plugin inputs)
+            return "*i32" if kernel.startswith("trt_") else "*i8"
+        if arg in ("scale", "beta_threshold", "tol"):
+            return "fp32"
+        if arg in _SIZES or arg.startswith("s"):  # sizes and strides
+            return "i32"
+        return "*fp32"
+
+    return {arg: "constexpr" if arg in constexprs else tuple(map(kind, TUPLES[arg])) if arg in TUPLES else kind(arg)
+            for arg in kernels.KERNELS[kernel].arg_names}  # fmt: skip
+
+
+def _leaves(signature: dict) -> list[tuple[tuple[int, ...], str, str]]:
+    """(path, element name, type) of every argument the compiled entry takes, in its order: a tuple argument's
+    elements one by one (path (argument, element)); constexprs left out."""
+    out = []
+    for i, (arg, kind) in enumerate(signature.items()):
+        if isinstance(kind, tuple):
+            out += [((i, j), name, k) for j, (name, k) in enumerate(zip(TUPLES[arg], kind, strict=True))
+                    if k != "constexpr"]  # fmt: skip
+        elif kind != "constexpr":
+            out.append(((i,), arg, kind))
+    return out
 
 
 def tensorrt_entry(norm: Norm) -> tuple[str, dict]:
@@ -229,6 +241,21 @@ _JIT_ELEMENTS = {"Q", "K", "V", "OUT", "K_PAGES", "V_PAGES"}
 _JIT_POINTERS = {"KMASK": torch.int8, "BT": torch.int32, "SEQ": torch.int32, "COUNTS": torch.int32,
                  "SKIPPED_OUT": torch.int32}  # fmt: skip
 _UNIT_STRIDES = {"sqd", "skd", "svd", "spd"}  # contiguous last dimensions
+# The torch path's tuple arguments by name, element by element (the host packs them in this order): each element is
+# specialised as a flat argument of its name would be.
+TUPLES: dict[str, tuple[str, ...]] = {
+    "q_strides": ("sqb", "sqh", "sqm", "sqd"),
+    "k_strides": ("skb", "skh", "skn", "skd"),
+    "v_strides": ("svb", "svh", "svn", "svd"),
+    "p_strides": ("spp", "sph", "spn", "spd"),
+    "sizes": ("H", "GROUP", "LQ", "LK", "D"),
+    "split": ("BH", "keys_per_split"),
+    "stop": ("max_passes", "tol"),
+    "NORM": ("ROWF", "SSMAX_S", "SSA_N", "SSA_B", "SLOPES", "LAMBDA"),
+    "ADAPT": ("POLY", "NPOLY", "beta_threshold"),
+    "OUTS": ("OUT", "ENT_OUT", "M_OUT", "L_OUT", "KP_OUT", "ACC_OUT"),
+    "STATE": ("M_OUT", "L_OUT", "KP_OUT", "ACC_OUT"),
+}
 
 
 def kernel_sources() -> dict[str, str]:
@@ -239,7 +266,10 @@ def kernel_sources() -> dict[str, str]:
 
 def _jit_value(name: str, v: Variant) -> object:
     """A value of argument `name` like the torch path passes: a 16-byte-aligned tensor for a pointer, a float,
-    or an integer (17 under "plain"; under "jit" 1 for unit strides and sizes, else 64)."""
+    or an integer (17 under "plain"; under "jit" 1 for unit strides and sizes, else 64); a tuple of those for a
+    tuple argument."""
+    if name in TUPLES:
+        return tuple(_jit_value(element, v) for element in TUPLES[name])
     if name in _JIT_FLOATS:
         return 0.5
     if name in (given := dict(v.values)):
@@ -273,12 +303,15 @@ def jit_specialise(v: Variant) -> tuple[dict, dict, dict]:
             signature[name] = "constexpr"
             continue
         kind, spec = native_specialize_impl(BaseBackend, _jit_value(name, v), False, True, True)
-        if kind == "constexpr":
-            signature[name], constexprs[name] = "constexpr", spec
-        else:
-            signature[name] = kind
-            if spec == "D":
-                attrs[(i,)] = [["tt.divisibility", 16]]
+        signature[name] = "constexpr" if kind == "constexpr" else kind
+        # a tuple's elements are specialised one by one, each addressed by its path (argument, element)
+        leaves = zip(((i, j) for j in range(len(kind))), kind, spec, strict=True) if isinstance(kind, tuple) else [
+            ((i,), kind, spec)]  # fmt: skip
+        for path, k, s in leaves:
+            if k == "constexpr":
+                constexprs[path if len(path) > 1 else name] = s
+            elif s == "D":
+                attrs[path] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
 
 
@@ -306,7 +339,7 @@ def compile_variant(v: Variant, arch: int, ptx_version: int) -> triton.compiler.
     constexprs = _check_constexprs(v.kernel, {**v.flags, **_TILE, "BLOCK_D": v.block_d})
     signature = _signature(v.kernel, v.dtype, constexprs)
     # every pointer is 16-byte aligned (TensorRT and torch allocations are): lets Q/K/V tiles move as vectors
-    aligned = {(i,): [["tt.divisibility", POINTER_ALIGNMENT]] for i, t in enumerate(signature.values()) if t[0] == "*"}
+    aligned = {path: [["tt.divisibility", POINTER_ALIGNMENT]] for path, _, t in _leaves(signature) if t[0] == "*"}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
     options = {"ptx_version": ptx_version, "num_stages": tensorrt_stages(v)}
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
@@ -329,8 +362,7 @@ def launch_contract(v: Variant, md) -> dict:
     """How to launch the compiled variant without Triton: grid (expressions in the kernel's own size arguments;
     prefill, one key split), block, shared memory and whether it needs the > 48 KB opt-in, scratch (must be 0:
     TensorRT passes null for the hidden pointers) and the parameters in order, hidden ones last."""
-    fn = kernels.KERNELS[v.kernel]
-    constexprs = {**v.flags, **_TILE, "BLOCK_D": v.block_d}
+    signature = _signature(v.kernel, v.dtype, {**v.flags, **_TILE, "BLOCK_D": v.block_d})
     return {
         "grid": [f"ceil_div(LQ, {_TILE['BLOCK_M']})", "BH", "1"],
         "block": [md.num_warps * 32, 1, 1],
@@ -338,7 +370,7 @@ def launch_contract(v: Variant, md) -> dict:
         "shared_opt_in": md.shared > SHARED_DEFAULT_LIMIT,
         "scratch_bytes": md.global_scratch_size + md.profile_scratch_size,
         "pointer_alignment": POINTER_ALIGNMENT,
-        "arguments": [a for a in fn.arg_names if a not in constexprs] + list(HIDDEN_ARGUMENTS),
+        "arguments": [name for _, name, _ in _leaves(signature)] + list(HIDDEN_ARGUMENTS),
     }
 
 
@@ -368,7 +400,14 @@ def _manifest_entry(v: Variant, md, arch: int, ptx_version: int) -> dict:
     if v.spec != "aligned":  # a compile check of a JIT launch: what the specialisation made of its arguments
         signature, constexprs, attrs = jit_specialise(v)
         names = list(signature)
-        return {**entry, "constexprs": constexprs, "divisible_by_16": [names[i] for (i,) in attrs]}
+
+        def named(path: str | tuple[int, ...]) -> str:  # a tuple's element by its own name
+            if isinstance(path, str):
+                return path
+            return names[path[0]] if len(path) == 1 else TUPLES[names[path[0]]][path[1]]
+
+        return {**entry, "constexprs": {named(k): c for k, c in constexprs.items()},
+                "divisible_by_16": [named(path) for path in attrs]}  # fmt: skip
     return {
         **entry,
         "constexprs": {**v.flags, **_TILE, "BLOCK_D": v.block_d},

@@ -180,9 +180,11 @@ class _Launcher:
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        self.qk_strides = (*p.q.stride(), *p.k.stride())
-        self.v_strides = p.v.stride()
-        self.sizes = (p.heads, p.group, p.lq, p.lk, p.q.shape[-1], self.bh, p.scale, cfg.keys_per_split, p.lk)
+        # the kernels' tuple arguments: each tensor's (batch, head, position, dim) strides, then the key mask's batch
+        # stride; the problem's sizes; the split-K layout of the partial states
+        self.strides = (p.q.stride(), p.k.stride(), p.v.stride(), p.lk)
+        self.sizes = (p.heads, p.group, p.lq, p.lk, p.q.shape[-1])
+        self.split = (self.bh, cfg.keys_per_split)
 
     def per_head(self, value: Param) -> Tensor:
         return head_vector(value, self.p.heads, self.p.q.device)
@@ -221,25 +223,14 @@ def _softmax_family(
         p.q,
         p.k,
         p.v,
-        rowf if rowf is not None else run.dummy,
-        ssmax_s,
-        ssa_n,
-        ssa_b,
-        poly,
-        run.slopes,
-        run.lam,
         run.kmask,
-        m,
-        big_lam,
-        kp,
-        acc,
-        out,
-        ent,
-        *run.qk_strides,
-        *run.v_strides,
-        *run.sizes,
-        poly.numel() if adaptive else 0,
-        ADAPTIVE_THRESHOLD,
+        *run.strides,
+        (rowf if rowf is not None else run.dummy, ssmax_s, ssa_n, ssa_b, run.slopes, run.lam),
+        (poly, poly.numel() if adaptive else 0, ADAPTIVE_THRESHOLD),
+        p.scale,
+        (out, ent, m, big_lam, kp, acc),
+        run.sizes,
+        run.split,
         SSA=ssa,
         HAS_ROWF=rowf is not None,
         LOGN=logn,
@@ -351,8 +342,8 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
         ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device) if run.entropy else run.dummy
         counts = torch.zeros(run.bh, run.grid[0], 2, dtype=torch.int32, device=p.q.device) if count else run.dummy
         _entmax_kernel[run.grid[:2]](
-            p.q, p.k, p.v, alpha, run.slopes, run.lam, run.kmask, out, ent, counts, *run.qk_strides, *run.v_strides,
-            p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, p.lk, MAX_THRESHOLD_PASSES, THRESHOLD_TOL,
+            p.q, p.k, p.v, run.kmask, alpha, run.slopes, run.lam, out, ent, counts, *run.strides, run.sizes, p.scale,
+            (MAX_THRESHOLD_PASSES, THRESHOLD_TOL),
             FAST=fast, COUNT=count, ENTROPY=run.entropy, EXACT_D=p.q.shape[-1] == cfg.block_d,
             **{**run.flags, "num_stages": entmax_stages(fast, cfg.num_stages)},
         )  # fmt: skip
@@ -362,8 +353,8 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
         return out[..., : p.v.shape[-1]].float(), ent if run.entropy else None
     u = torch.empty(run.bh, p.lq, p.lk, dtype=torch.float32, device=p.q.device)
     _entmax_logits_kernel[run.grid](
-        p.q, p.k, alpha, run.slopes, run.lam, run.kmask, u, *run.qk_strides,
-        p.heads, p.group, p.lq, p.lk, p.q.shape[-1], p.scale, cfg.keys_per_split, p.lk, **run.flags,
+        p.q, p.k, alpha, run.slopes, run.lam, run.kmask, u, p.q.stride(), p.k.stride(), run.sizes, p.scale,
+        cfg.keys_per_split, p.lk, **run.flags,
     )  # fmt: skip
     rows = run.bh * p.lq
     umax = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
@@ -375,8 +366,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)
     flags = {k: run.flags[k] for k in ("CAUSAL", "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages")}
     _entmax_output_kernel[run.grid](
-        u, p.v, alpha, umax, tau, zsum, plogp, acc, skipped, *run.v_strides, p.heads, p.group, p.lq, p.lk,
-        p.q.shape[-1], run.bh, cfg.keys_per_split, FAST=fast, **flags,
+        u, p.v, alpha, umax, tau, zsum, plogp, acc, skipped, p.v.stride(), run.sizes, run.split, FAST=fast, **flags,
     )  # fmt: skip
     if count:
         _count(stats, p, cfg, counts.tolist(), int(skipped.sum()))

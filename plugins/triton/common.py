@@ -39,7 +39,9 @@ def _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL: tl.
 
 
 @triton.jit
-def _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32: tl.constexpr):
+def _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32: tl.constexpr):
+    """The block's queries (BLOCK_M, BLOCK_D), 0 beyond Lq and D; q_strides: (batch, head, position, dim)."""
+    sqb, sqh, sqm, sqd = q_strides
     ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
     q = tl.load(ptrs, mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < D), other=0.0)
     if DOT_F32:
@@ -57,10 +59,7 @@ def _logits(
     offs_n,
     offs_d,
     qpos,
-    skb,
-    skh,
-    skn,
-    skd,
+    k_strides,
     LK,
     D,
     scale,
@@ -76,6 +75,7 @@ def _logits(
 ):
     """z (BLOCK_M, BLOCK_N) = λ · (scale · q·k + slope · (j − pos)), −inf where masked (causally, beyond Lk, or a
     padding key: KMASK (B, Lk) int8, 0 = absent)."""
+    skb, skh, skn, skd = k_strides
     cols = start_n + offs_n
     kt_ptrs = K + b * skb + hkv * skh + cols[None, :] * skn + offs_d[:, None] * skd
     kt = tl.load(kt_ptrs, mask=(cols[None, :] < LK) & (offs_d[:, None] < D), other=0.0)
@@ -94,7 +94,9 @@ def _logits(
 
 
 @triton.jit
-def _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32: tl.constexpr):
+def _load_v(V, v_strides, b, hkv, start_n, offs_n, offs_d, LK, D, DOT_F32: tl.constexpr):
+    """A key tile's values (BLOCK_N, BLOCK_D), 0 beyond Lk and D; v_strides: (batch, head, position, dim)."""
+    svb, svh, svn, svd = v_strides
     cols = start_n + offs_n
     ptrs = V + b * svb + hkv * svh + cols[:, None] * svn + offs_d[None, :] * svd
     v = tl.load(ptrs, mask=(cols[:, None] < LK) & (offs_d[None, :] < D), other=0.0)

@@ -28,14 +28,14 @@ from sharp.plugins.triton.threshold import (
 
 @triton.jit
 def _entmax_logits_kernel(
-    Q, K, ALPHA, SLOPES, LAMBDA, KMASK, U_OUT,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-    H, GROUP, LQ, LK, D, scale, keys_per_split, smb,
+    Q, K, ALPHA, SLOPES, LAMBDA, KMASK, U_OUT, q_strides, k_strides, sizes, scale, keys_per_split, smb,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Split-K entmax decode, step 1: u = (α−1) z of this split's keys into U (B·Hq, Lq, Lk) fp32 (−inf where
-    masked), so the threshold kernel reads 4 bytes per logit instead of recomputing Q·Kᵀ every pass."""
+    masked), so the threshold kernel reads 4 bytes per logit instead of recomputing Q·Kᵀ every pass. Strides are
+    (batch, head, position, dim); sizes: (H, GROUP, LQ, LK, D)."""
+    H, GROUP, LQ, LK, D = sizes
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -44,7 +44,7 @@ def _entmax_logits_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
     am1 = tl.load(ALPHA + h) - 1.0
-    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    q = _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32)
     keep = offs_m < LQ
     row = pid_bh * LQ + offs_m
     end = tl.minimum(pid_s * keys_per_split + keys_per_split, LK)
@@ -52,8 +52,8 @@ def _entmax_logits_kernel(
         cols = start_n + offs_n
         if start_n < hi:
             z = _logits(
-                q, K, b, hkv, start_n, offs_n, offs_d, qpos, skb, skh, skn, skd, LK, D, scale, slope, lam, KMASK,
-                smb, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
+                q, K, b, hkv, start_n, offs_n, offs_d, qpos, k_strides, LK, D, scale, slope, lam, KMASK, smb,
+                CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32,
             )  # fmt: skip
             u = am1 * z
         else:  # causally hidden from every row of the block
@@ -122,9 +122,7 @@ def _entmax_threshold_kernel(
 
 @triton.jit
 def _entmax_output_kernel(
-    U, V, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, SKIPPED_OUT,
-    svb, svh, svn, svd,
-    H, GROUP, LQ, LK, D, BH, keys_per_split,
+    U, V, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, SKIPPED_OUT, v_strides, sizes, split,
     CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -132,7 +130,10 @@ def _entmax_output_kernel(
     was found on exactly these values: recomputing Q·Kᵀ here would round u differently — an FMA — and at α > 2 the
     weights near the threshold are that sensitive; it also reads 4 bytes per logit instead of K); partial Σ w,
     Σ w log w, Σ w v per split (summed on the device by the host's tensor ops). Key tiles where every w is 0 skip the
-    V load and the second matmul; their count is written per program."""
+    V load and the second matmul; their count is written per program. sizes: (H, GROUP, LQ, LK, D); split: (BH,
+    keys_per_split)."""
+    H, GROUP, LQ, LK, D = sizes
+    BH, keys_per_split = split
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -158,7 +159,7 @@ def _entmax_output_kernel(
             w, logw = _weights(d, inv, FAST)
             zsum += tl.sum(w, 1)
             plogp += tl.sum(w * logw, 1)
-            v = _load_v(V, b, hkv, start_n, offs_n, offs_d, svb, svh, svn, svd, LK, D, DOT_F32)
+            v = _load_v(V, v_strides, b, hkv, start_n, offs_n, offs_d, LK, D, DOT_F32)
             acc += _pv(w, v, DOT_F32)
         else:
             skipped += 1

@@ -41,8 +41,7 @@ LOG_PARTIALS = tl.constexpr(8)
 
 @triton.jit
 def _entmax_tiles(
-    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, start, end, q, qx, kx, K, V, k_offs, v_offs, skn, svn, cols0,
-    qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
+    state, start, end, qs, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, scales, KMASK, search, E0,
     PASS: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_KMASK: tl.constexpr, FAST: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr,
     ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -53,7 +52,12 @@ def _entmax_tiles(
     key mask, the visible keys (cnt); 1: the threshold sums at τ (s0, s1, s2); 2:
     the output sums (zsum, plogp, acc; a tile with no weight skips its V load and P·V; plogp only with ENTROPY).
     MASKED: the diagonal and the last tile (causally hidden and out-of-range keys); padding keys (HAS_KMASK) are
-    tested on every tile."""
+    tested on every tile. state: (umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped); qs: the query tile and the
+    shift product's operands (q, qx, kx); scales: the rows' (cf, ca, ca·pos); search: (shift, τ, inv)."""
+    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = state
+    q, qx, kx = qs
+    cf, ca, ca_pos = scales
+    shift, tau, inv = search
     K += start * skn
     V += start * svn
     for start_n in range(start, end, BLOCK_N):
@@ -114,56 +118,61 @@ def _entmax_tiles(
 
 @triton.jit
 def _entmax_pass(
-    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, hi, q, qx, kx, K, V, k_offs, v_offs, skn, svn,
-    cols0,
-    qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0,
+    state, lo, full, hi, qs, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, scales, KMASK, search, E0,
     PASS: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KMASK: tl.constexpr,
     FAST: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr, BLOCK_N: tl.constexpr,
     ENTROPY: tl.constexpr = True,
 ):  # fmt: skip
-    """One pass over the program's keys: the interior tiles [lo, full) without masks, then [full, hi) with them."""
-    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
-        umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, lo, full, q, qx, kx, K, V, k_offs, v_offs, skn, svn, cols0,
-        qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=False, CAUSAL=CAUSAL,
+    """One pass over the program's keys: the interior tiles [lo, full) without masks, then [full, hi) with them
+    (the arguments as `_entmax_tiles` takes them)."""
+    state = _entmax_tiles(
+        state, lo, full, qs, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, scales, KMASK, search, E0,
+        PASS=PASS, MASKED=False, CAUSAL=CAUSAL,
         HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, ENTROPY=ENTROPY,
         BLOCK_N=BLOCK_N,
     )  # fmt: skip
-    umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped = _entmax_tiles(
-        umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped, full, hi, q, qx, kx, K, V, k_offs, v_offs, skn, svn, cols0,
-        qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=PASS, MASKED=True, CAUSAL=CAUSAL,
+    state = _entmax_tiles(
+        state, full, hi, qs, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, scales, KMASK, search, E0,
+        PASS=PASS, MASKED=True, CAUSAL=CAUSAL,
         HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, ENTROPY=ENTROPY,
         BLOCK_N=BLOCK_N,
     )  # fmt: skip
-    return umax, cnt, s0, s1, s2, zsum, plogp, acc, skipped
+    return state
 
 
 @triton.jit
 def _entmax_program(
-    Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
-    pid_m, pid_bh, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
+    Q, K, V, KMASK, ALPHA, SLOPES, LAMBDA, OUT, ENT_OUT, COUNTS, q_strides, k_strides, v_strides, smb, sizes, scale,
+    stop,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, MMA_SUMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWEEP_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ENTROPY: tl.constexpr,
 ):  # fmt: skip
-    """α-entmax for BLOCK_M rows over all their keys, finished in the program: a max sweep (which also finds where
-    the search starts: `_seed`), safeguarded Halley/Newton threshold sweeps until every row has converged (at most
-    max_passes; no host sync), and an output sweep that skips the V load and P·V of tiles with no support.
-    u = (α−1)·z is formed as one per-row factor times q·k (its sign folded into the query) except with ALiBi; every
-    sweep walks the interior tiles without masks.
-    The visible-key count is the causal limit (or Lk) unless a key mask is given. Writes the output in OUT's dtype
-    and, with ENTROPY, the entropy (without it the output sweep forms no log w and no Σ w log w); COUNT: also
-    (threshold passes, skipped tiles) of the program. The threshold sums are kept per key class (rows, PARTIALS);
-    Newton's rows (1.5 < α ≤ 2), α > 2 and, where the pass's count shows the model exact, Halley's rows step to their
-    class model's root (`_class_root`), the class maxima held across the threshold loop (under Triton 3.6 the general
-    path launches with 2 pipeline stages to hold them without a spill: `attention.entmax_stages`; the TensorRT form
-    does not spill in its key loops at 2). The max and threshold sweeps,
-    which carry no V and no P·V, walk SWEEP_N-key tiles (the torch path: twice BLOCK_N, up to 128 — half the
-    loop, pointer, barrier and query-reload work per key; the TensorRT form keeps BLOCK_N: wider, it spills).
-    MMA_SUMS (half-precision inputs, both forms): their sums, and the output's Z, as (rows, 16) column partials (see
-    _sweep_tiles). The search starts at `_seed`'s τ, not at the bracket's low end (the TensorRT form seeded without
-    its class model spilled a register in its output loop under Triton 3.9; with it, none)."""
+    """α-entmax for BLOCK_M rows over all their keys, finished in the program, in three kinds of sweep:
+
+    1. a max sweep: each row's max of u = (α−1)·z per key class (PARTIALS classes, j mod PARTIALS), from which
+       `_seed` starts the search near the root instead of at the bracket's low end;
+    2. threshold sweeps until every row has converged (at most max_passes, no host synchronisation): each gives the
+       sums of the support's powers per key class, and `_threshold_step` takes a safeguarded Halley / Newton step,
+       or steps to the class model's root (`_class_root`) where that model is exact or the path asks for it;
+    3. an output sweep that skips the V load and P·V of tiles with no support.
+
+    u is one per-row factor times q·k (its sign folded into the query) except with ALiBi, where it is formed in full.
+    Every sweep walks the interior tiles without masks. The max and threshold sweeps carry no V: they walk SWEEP_N
+    keys a tile (wider tiles, less loop and pointer work per key). MMA_SUMS (half-precision inputs): their sums and
+    the output's Σ w as (rows, 16) column partials (see `_sweep_tiles`). The visible-key count is the causal limit (or
+    Lk) unless a key mask is given. Writes the output in OUT's dtype and, with ENTROPY, the entropy (without it the
+    output sweep forms no log w); COUNT: also (threshold passes, skipped tiles) of the program. Which of these
+    choices each compiled form needs to stay free of spills is in docs/kernels.md.
+
+    Program (query block, B·H) = program ids (0, 1). Strides are (batch, head, position, dim) per tensor; smb:
+    KMASK's batch stride; sizes: (H, GROUP, LQ, LK, D); stop: the search's (max_passes, tol)."""
+    H, GROUP, LQ, LK, D = sizes
+    max_passes, tol = stop
+    pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
+    skn, skd = k_strides[2], k_strides[3]
+    svn, svd = v_strides[2], v_strides[3]
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, 0, H, GROUP, LQ, LK, LK, CAUSAL, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -171,7 +180,7 @@ def _entmax_program(
     am1 = tl.load(ALPHA + h) - 1.0
     inv = 1.0 / am1
     keep = offs_m < LQ
-    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
+    q = _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32)
     c = am1 * lam * scale
     ca = am1 * lam * slope
     ca_pos = ca * qpos.to(tl.float32)
@@ -182,8 +191,8 @@ def _entmax_program(
         sign = tl.where(c < 0, -1.0, 1.0)
         cf = tl.abs(c)
     qs = q * sign[:, None].to(q.dtype)
-    K += b.to(tl.int64) * skb + hkv * skh
-    V += b.to(tl.int64) * svb + hkv * svh
+    K += b.to(tl.int64) * k_strides[0] + hkv * k_strides[1]
+    V += b.to(tl.int64) * v_strides[0] + hkv * v_strides[1]
     KMASK += b * smb
     k_offs = offs_n[None, :] * skn + offs_d[:, None] * skd
     v_offs = offs_n[:, None] * svn + offs_d[None, :] * svd
@@ -202,9 +211,9 @@ def _entmax_program(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     skipped = pid_m * 0
     umax_c, cnt, _, _, _, _, _, _, _ = _entmax_pass(
-        tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32) - float("inf"), zero, zero, zero, zero, zero, zero, acc,
-        skipped, lo, full_s, hi, qs, qs, qs, K, V, k_offs_s, v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca,
-        ca_pos, KMASK, zero, zero, inv, E0, PASS=0,
+        (tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32) - float("inf"), zero, zero, zero, zero, zero, zero, acc,
+         skipped), lo, full_s, hi, (qs, qs, qs), K, V, k_offs_s, v_offs, skn, svn, offs_s, qpos, LK, D, offs_d,
+        (cf, ca, ca_pos), KMASK, (zero, zero, inv), E0, PASS=0,
         CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
         BLOCK_N=SWEEP_N,
     )  # fmt: skip
@@ -238,16 +247,16 @@ def _entmax_program(
     gaps = sums - float("inf") if FAST == 1 else sums  # α = 2's s2 is a max (`_add_powers`)
     while todo:
         _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
-            umax, cnt, sums, sums, gaps, zero, zero, acc, skipped, lo, full_f, hi_f, qs, qx, kx_s, K, V, k_offs_s,
-            v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
+            (umax, cnt, sums, sums, gaps, zero, zero, acc, skipped), lo, full_f, hi_f, (qs, qx, kx_s), K, V, k_offs_s,
+            v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, (cf, ca, ca_pos), KMASK, (shift, tau, inv), E0, PASS=1,
             CAUSAL=CAUSAL,
             HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=True,
             BLOCK_N=SWEEP_N,
         )  # fmt: skip
         if FAST == 0:  # the same sums where e ≤ 0 (an empty key range elsewhere)
             _, _, s0, s1, s2, _, _, _, _ = _entmax_pass(
-                umax, cnt, s0, s1, s2, zero, zero, acc, skipped, lo, full_g, hi_g, qs, qx, kx_s, K, V, k_offs_s, v_offs,
-                skn, svn, offs_s, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=1,
+                (umax, cnt, s0, s1, s2, zero, zero, acc, skipped), lo, full_g, hi_g, (qs, qx, kx_s), K, V, k_offs_s,
+                v_offs, skn, svn, offs_s, qpos, LK, D, offs_d, (cf, ca, ca_pos), KMASK, (shift, tau, inv), E0, PASS=1,
                 CAUSAL=CAUSAL,
                 HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=GENERAL_SELECTED,
                 DOT_F32=DOT_F32, MMA_SUMS=True,
@@ -258,8 +267,8 @@ def _entmax_program(
         )
     plogp0 = tl.zeros([BLOCK_M, LOG_PARTIALS], dtype=tl.float32) if MMA_SUMS else zero
     _, _, _, _, _, zsum, plogp, acc, skipped = _entmax_pass(
-        umax, cnt, zero, zero, zero, zsum0, plogp0, acc, skipped, lo, full, hi, qs, qx, kx, K, V, k_offs, v_offs, skn,
-        svn, offs_n, qpos, LK, D, offs_d, cf, ca, ca_pos, KMASK, shift, tau, inv, E0, PASS=2, CAUSAL=CAUSAL,
+        (umax, cnt, zero, zero, zero, zsum0, plogp0, acc, skipped), lo, full, hi, (qs, qx, kx), K, V, k_offs, v_offs,
+        skn, svn, offs_n, qpos, LK, D, offs_d, (cf, ca, ca_pos), KMASK, (shift, tau, inv), E0, PASS=2, CAUSAL=CAUSAL,
         HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, FAST=FAST, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS,
         BLOCK_N=BLOCK_N, ENTROPY=ENTROPY,
     )  # fmt: skip
@@ -281,9 +290,8 @@ def _entmax_program(
 
 @triton.jit
 def _entmax_kernel(
-    Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    H, GROUP, LQ, LK, D, scale, smb, max_passes, tol,
+    Q, K, V, KMASK, ALPHA, SLOPES, LAMBDA, OUT, ENT_OUT, COUNTS, q_strides, k_strides, v_strides, smb, sizes, scale,
+    stop,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, COUNT: tl.constexpr, ENTROPY: tl.constexpr, EXACT_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -291,12 +299,12 @@ def _entmax_kernel(
     """Entmax / ASEntmax with one key split (prefill): the whole computation in one launch (`_entmax_program`,
     seeded and stepping to its class model's root); without ENTROPY (a caller that does not ask for it) ENT_OUT is
     not written. EXACT_D: D = BLOCK_D (as in the TensorRT form), so no load masks head-dim lanes — a masked load
-    under a branch (the output sweep's V) zeroes its registers first. Under Triton 3.6 the general path (FAST = 0)
-    launches with at most 2 pipeline stages (`attention.entmax_stages`)."""
+    under a branch (the output sweep's V) zeroes its registers first. The host picks the pipeline stages
+    (`attention.entmax_stages`)."""
+    H, GROUP, LQ, LK, D = sizes
     _entmax_program(
-        Q, K, V, ALPHA, SLOPES, LAMBDA, KMASK, OUT, ENT_OUT, COUNTS, tl.program_id(0), tl.program_id(1),
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, H, GROUP, LQ, LK, BLOCK_D if EXACT_D else D,
-        scale, smb, max_passes, tol,
+        Q, K, V, KMASK, ALPHA, SLOPES, LAMBDA, OUT, ENT_OUT, COUNTS, q_strides, k_strides, v_strides, smb,
+        (H, GROUP, LQ, LK, BLOCK_D if EXACT_D else D), scale, stop,
         CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, DOT_F32, FAST, COUNT, not DOT_F32, BLOCK_M, BLOCK_N,
         min(2 * BLOCK_N, 128), BLOCK_D, ENTROPY,
     )  # fmt: skip

@@ -47,18 +47,20 @@ def _paged_rows(pid_bk, HKV, GROUP, LQ, SEQ, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _load_packed_q(Q, b, h, i, keep, offs_d, sqb, sqh, sqm, sqd, D, DOT_F32: tl.constexpr):
-    """The packed rows' queries (each row its own head)."""
+def _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32: tl.constexpr):
+    """The packed rows' queries (each row its own head); q_strides: (batch, head, position, dim)."""
+    sqb, sqh, sqm, sqd = q_strides
     q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
                 mask=keep[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
     return q.to(tl.float32) if DOT_F32 else q
 
 
 @triton.jit
-def _page_logits(q, K_PAGES, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+def _page_logits(q, K_PAGES, BT, b, hkv, page, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
                  HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
     """z of the packed rows against one page of keys (−inf where masked), the page's pool offset, and which of
-    its slots hold keys."""
+    its slots hold keys. p_strides: the pool's (page, head, slot, dim); sbt: the block table's row stride."""
+    spp, sph, spn, spd = p_strides
     base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv.to(tl.int64) * sph
     cols = page * PAGE + offs_n
     present = cols < lk
@@ -75,19 +77,22 @@ def _page_logits(q, K_PAGES, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, 
 
 @triton.jit
 def _paged_softmax_kernel(
-    Q, K_PAGES, V_PAGES, BT, SEQ, ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, M_OUT, L_OUT, KP_OUT, ACC_OUT,
-    sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
-    B, H, GROUP, LQ, HKV, D, scale, pages_per_split,
+    Q, K_PAGES, V_PAGES, BT, SEQ, NORM, STATE, q_strides, p_strides, sbt, B, H, GROUP, LQ, HKV, D, scale,
+    pages_per_split,
     SSA: tl.constexpr, LOGN: tl.constexpr, HAS_ROWF: tl.constexpr, HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr,
     WITH_V: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Grid (B·Hkv, splits). Rows r < GROUP·Lq: query head hkv·GROUP + r // Lq, query r % Lq at key position
-    seq_len − Lq + r % Lq. Writes each row's partial state over its split's pages."""
+    seq_len − Lq + r % Lq. Writes each row's partial state over its split's pages into STATE (M_OUT, L_OUT, KP_OUT,
+    ACC_OUT). NORM: as the softmax family's (`_softmax_family_program`; paged decode reads no λ)."""
+    ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, _ = NORM
+    M_OUT, L_OUT, KP_OUT, ACC_OUT = STATE
+    spn, spd = p_strides[2], p_strides[3]
     pid_s = tl.program_id(1)
     b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
     offs_n = tl.arange(0, PAGE)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_packed_q(Q, b, h, i, keep, offs_d, sqb, sqh, sqm, sqd, D, DOT_F32)
+    q = _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32)
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h, mask=keep, other=0.0)
@@ -110,7 +115,7 @@ def _paged_softmax_kernel(
     last = tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))
     for page in range(first, last):
         z, base, present = _page_logits(
-            q, K_PAGES, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+            q, K_PAGES, BT, b, hkv, page, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
             HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
         )  # fmt: skip
         t = _transform(z, rowf, ssa_n, ssa_b, SSA)
@@ -129,9 +134,8 @@ def _paged_softmax_kernel(
 
 @triton.jit
 def _paged_entmax_logits_kernel(
-    Q, K_PAGES, BT, SEQ, ALPHA, SLOPES, LAMBDA, U_OUT,
-    sqb, sqh, sqm, sqd, spp, sph, spn, spd, sbt,
-    H, GROUP, LQ, HKV, D, scale, pages_per_split, WIDTH,
+    Q, K_PAGES, BT, SEQ, ALPHA, SLOPES, LAMBDA, U_OUT, q_strides, p_strides, sbt, H, GROUP, LQ, HKV, D, scale,
+    pages_per_split, WIDTH,
     HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -139,7 +143,7 @@ def _paged_entmax_logits_kernel(
     b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
     offs_n = tl.arange(0, PAGE)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_packed_q(Q, b, h, i, keep, offs_d, sqb, sqh, sqm, sqd, D, DOT_F32)
+    q = _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32)
     am1 = tl.load(ALPHA + h, mask=keep, other=2.0) - 1.0
     slope = tl.load(SLOPES + h, mask=keep, other=0.0) if HAS_ALIBI else tl.zeros([BLOCK_M], dtype=tl.float32)
     lam = tl.load(LAMBDA + (b * H + h) * LQ + i, mask=keep, other=1.0) if HAS_LAMBDA else am1 * 0 + 1.0
@@ -147,7 +151,7 @@ def _paged_entmax_logits_kernel(
     first = tl.program_id(1) * pages_per_split
     for page in range(first, tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))):
         z, _, _ = _page_logits(
-            q, K_PAGES, BT, b, hkv, page, sbt, spp, sph, spn, spd, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+            q, K_PAGES, BT, b, hkv, page, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
             HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
         )  # fmt: skip
         u = (am1 * lam)[:, None] * z  # −inf stays −inf: α − 1 > 0, λ > 0
@@ -157,12 +161,13 @@ def _paged_entmax_logits_kernel(
 
 @triton.jit
 def _paged_entmax_output_kernel(
-    U, V_PAGES, BT, SEQ, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT,
-    spp, sph, spn, spd, sbt, B, H, GROUP, LQ, HKV, D, pages_per_split, WIDTH,
+    U, V_PAGES, BT, SEQ, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, p_strides, sbt, B, H, GROUP, LQ, HKV, D,
+    pages_per_split, WIDTH,
     FAST: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Paged entmax, step 3: w = [u − max u − τ]_+^{1/(α−1)} from the logit buffer; partial Σw, Σw log w, Σw·v of
     the split's pages (the V load and P·V skipped where no w > 0)."""
+    spp, sph, spn, spd = p_strides
     b, hkv, keep, h, i, lk, _ = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
     pid_s = tl.program_id(1)
     offs_n = tl.arange(0, PAGE)
@@ -250,12 +255,17 @@ def paged_decode(
         m = torch.empty(splits, rows, dtype=torch.float32, device=dev)
         lam, kp = torch.empty_like(m), torch.empty_like(m)
         acc = torch.empty(splits, rows, block_d, dtype=torch.float32, device=dev) if with_v else dummy
+        norm_params = (
+            rowf if rowf is not None else dummy,
+            per_head(ssmax_s, transform is Transform.LOG_N_SCALE),
+            per_head(ssa_n, transform is Transform.SIGNED_LOG),
+            per_head(ssa_b, transform is Transform.SIGNED_LOG),
+            per_head(alibi_slopes),
+            dummy,  # λ: not read
+        )
         _paged_softmax_kernel[(b * hkv, splits)](
-            q, k_pages, v_pages, block_table, seq_lens, rowf if rowf is not None else dummy,
-            per_head(ssmax_s, transform is Transform.LOG_N_SCALE), per_head(ssa_n, transform is Transform.SIGNED_LOG),
-            per_head(ssa_b, transform is Transform.SIGNED_LOG), per_head(alibi_slopes), m, lam, kp, acc,
-            *q.stride(), *k_pages.stride(), block_table.stride(0),
-            b, hq, group, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split,
+            q, k_pages, v_pages, block_table, seq_lens, norm_params, (m, lam, kp, acc), q.stride(), k_pages.stride(),
+            block_table.stride(0), b, hq, group, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split,
             SSA=transform is Transform.SIGNED_LOG, LOGN=transform is Transform.LOG_N_SCALE, HAS_ROWF=rowf is not None,
             HAS_ALIBI=alibi_slopes is not None, CAUSAL=causal, WITH_V=with_v,
             DOT_F32=dot_f32(q), BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
@@ -294,8 +304,8 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     _paged_entmax_logits_kernel[grid](
         q, k_pages, block_table, seq_lens, alpha_h,
         alibi_slopes.float().contiguous() if alibi_slopes is not None else dummy,
-        query_scale.float().contiguous() if query_scale is not None else dummy, u,
-        *q.stride(), *k_pages.stride(), block_table.stride(0),
+        query_scale.float().contiguous() if query_scale is not None else dummy, u, q.stride(), k_pages.stride(),
+        block_table.stride(0),
         hq, hq // hkv, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split, width,
         HAS_ALIBI=alibi_slopes is not None, HAS_LAMBDA=query_scale is not None, CAUSAL=causal, DOT_F32=upcast,
         BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
@@ -309,7 +319,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     acc = torch.empty(splits, rows, block_d, dtype=torch.float32, device=dev)
     _paged_entmax_output_kernel[grid](
         u, v_pages, block_table, seq_lens, alpha_h, umax, tau, zsum, plogp, acc,
-        *v_pages.stride(), block_table.stride(0), b, hq, hq // hkv, lq, hkv, d, pages_per_split, width,
+        v_pages.stride(), block_table.stride(0), b, hq, hq // hkv, lq, hkv, d, pages_per_split, width,
         FAST=fast, DOT_F32=upcast, BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
     )  # fmt: skip
     out, ent = finish_entmax_state(zsum.sum(0), plogp.sum(0), acc.sum(0)[:, :d])

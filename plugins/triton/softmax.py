@@ -27,8 +27,7 @@ from sharp.plugins.triton.common import (
 
 @triton.jit
 def _sweep_tiles(
-    m_i, l_i, kp_i, acc, start, end, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, c, ca, ca_pos, g,
-    KMASK, E0,
+    state, start, end, q, K, V, k_offs, v_offs, skn, svn, cols0, qpos, LK, D, offs_d, scales, KMASK, E0,
     SSA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
     MMA_SUMS: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -37,7 +36,10 @@ def _sweep_tiles(
     (ENTROPY), acc = Σ 2^{u−m} v. MASKED: keys ≥ Lk, causally hidden or absent (KMASK) read −inf — the diagonal and
     the last tile; otherwise every row sees every key of the tile but padding keys (HAS_KMASK: a column test).
     MMA_SUMS: Λ and K₂ are (rows, 16) column partials (their row sums), Λ's from P·E0 (E0 = e₀ in the inputs' type)
-    — no row reduction per tile; otherwise row vectors."""
+    — no row reduction per tile; otherwise row vectors. state: (m, Λ, K₂, acc); scales: the rows' factors (c, ca,
+    ca·pos, g) of `_folded_scales`."""
+    m_i, l_i, kp_i, acc = state
+    c, ca, ca_pos, g = scales
     K += start * skn
     V += start * svn
     for start_n in range(start, end, BLOCK_N):
@@ -87,7 +89,7 @@ def _sweep_tiles(
 
 @triton.jit
 def _softmax_sweep(
-    q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
+    q, K, V, KMASK, lo, hi, qpos, k_strides, v_strides, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
     SSA: tl.constexpr, CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_KMASK: tl.constexpr, WITH_V: tl.constexpr,
     ENTROPY: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -96,6 +98,8 @@ def _softmax_sweep(
     the whole tiles every row sees without any mask, then the rest (causal diagonal, last tile) with masks. Returns
     the row state in natural units: m (max t), Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m) (0 without ENTROPY), acc.
     MMA_SUMS (half inputs only): Λ and K₂ kept as column partials in the walk (see _sweep_tiles)."""
+    skn, skd = k_strides[2], k_strides[3]
+    svn, svd = v_strides[2], v_strides[3]
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     c, ca, g, sign = _folded_scales(scale, rowf, lam, ssa_n, ssa_b, SSA=SSA, HAS_ALIBI=HAS_ALIBI)
@@ -116,14 +120,14 @@ def _softmax_sweep(
         E0 = 0.0
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i, l_i, kp_i, acc = _sweep_tiles(
-        m_i, l_i, kp_i, acc, lo, full, qs, K, V, k_offs, v_offs, skn, svn, offs_n, qpos, LK, D, offs_d, c, ca, ca_pos,
-        g, KMASK, E0,
+        (m_i, l_i, kp_i, acc), lo, full, qs, K, V, k_offs, v_offs, skn, svn, offs_n, qpos, LK, D, offs_d,
+        (c, ca, ca_pos, g), KMASK, E0,
         SSA=SSA, MASKED=False, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V,
         ENTROPY=ENTROPY, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_N=BLOCK_N,
     )  # fmt: skip
     m_i, l_i, kp_i, acc = _sweep_tiles(
-        m_i, l_i, kp_i, acc, full, hi, qs, K, V, k_offs, v_offs, skn, svn, offs_n, qpos, LK, D, offs_d, c, ca, ca_pos,
-        g, KMASK, E0,
+        (m_i, l_i, kp_i, acc), full, hi, qs, K, V, k_offs, v_offs, skn, svn, offs_n, qpos, LK, D, offs_d,
+        (c, ca, ca_pos, g), KMASK, E0,
         SSA=SSA, MASKED=True, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V,
         ENTROPY=ENTROPY, DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_N=BLOCK_N,
     )  # fmt: skip
@@ -185,9 +189,7 @@ def _visible_count(KMASK, b, smb, qpos, LK, CAUSAL: tl.constexpr, HAS_KMASK: tl.
 
 @triton.jit
 def _softmax_family_program(
-    Q, K, V, ROWF, SSMAX_S, SSA_N, SSA_B, POLY, SLOPES, LAMBDA, KMASK, M_OUT, L_OUT, KP_OUT, ACC_OUT, OUT, ENT_OUT,
-    pid_m, pid_bh, pid_s, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
+    Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, ADAPT, scale, OUTS, sizes, split,
     SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr,
@@ -202,7 +204,18 @@ def _softmax_family_program(
     softmax(β·z) with V. Otherwise (split-K decode): writes the partial state of its split — m (max t),
     Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the merge kernel. MMA_SUMS: the row sums on
     the tensor cores (half-precision prefill; not adaptive's output sweep with entropy, whose partials would spill).
+
+    Program (query block, B·Hq, split) = program ids (0, 1, 2). Strides are (batch, head, position, dim) per tensor;
+    smb: KMASK's batch stride. NORM: the per-head and per-row parameters (ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES,
+    LAMBDA), read where a flag asks for them; ADAPT: adaptive's (POLY, NPOLY, beta_threshold); OUTS: (OUT, ENT_OUT)
+    and the split state (M_OUT, L_OUT, KP_OUT, ACC_OUT); sizes: (H, GROUP, LQ, LK, D); split: (BH, keys_per_split).
     """
+    ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, LAMBDA = NORM
+    POLY, NPOLY, beta_threshold = ADAPT
+    OUT, ENT_OUT, M_OUT, L_OUT, KP_OUT, ACC_OUT = OUTS
+    H, GROUP, LQ, LK, D = sizes
+    BH, keys_per_split = split
+    pid_m, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
@@ -216,13 +229,13 @@ def _softmax_family_program(
     if SSA:
         ssa_n = tl.load(SSA_N + h)
         ssa_b = tl.load(SSA_B + h)
-    q = _load_q(Q, b, h, offs_m, offs_d, sqb, sqh, sqm, sqd, LQ, D, DOT_F32)
-    K += b.to(tl.int64) * skb + hkv * skh
-    V += b.to(tl.int64) * svb + hkv * svh
+    q = _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32)
+    K += b.to(tl.int64) * k_strides[0] + hkv * k_strides[1]
+    V += b.to(tl.int64) * v_strides[0] + hkv * v_strides[1]
     KMASK += b * smb
     if ADAPTIVE:
         _, l1, kp1, _ = _softmax_sweep(
-            q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
+            q, K, V, KMASK, lo, hi, qpos, k_strides, v_strides, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
             SSA=False, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=False, ENTROPY=True,
             DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
         )  # fmt: skip
@@ -232,7 +245,7 @@ def _softmax_family_program(
             beta = beta * h1 + tl.load(POLY + i)
         rowf = tl.where(h1 > beta_threshold, tl.maximum(beta, 1.0), 1.0)
     m_i, l_i, kp_i, acc = _softmax_sweep(
-        q, K, V, KMASK, lo, hi, qpos, skn, skd, svn, svd, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
+        q, K, V, KMASK, lo, hi, qpos, k_strides, v_strides, LK, D, scale, slope, lam, rowf, ssa_n, ssa_b,
         SSA=SSA, CAUSAL=CAUSAL, HAS_ALIBI=HAS_ALIBI, HAS_KMASK=HAS_KMASK, WITH_V=WITH_V, ENTROPY=ENTROPY,
         DOT_F32=DOT_F32, MMA_SUMS=MMA_SUMS and not (ADAPTIVE and ENTROPY), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         BLOCK_D=BLOCK_D,
@@ -257,19 +270,16 @@ def _softmax_family_program(
 
 @triton.jit
 def _softmax_family_kernel(
-    Q, K, V, ROWF, SSMAX_S, SSA_N, SSA_B, POLY, SLOPES, LAMBDA, KMASK, M_OUT, L_OUT, KP_OUT, ACC_OUT, OUT, ENT_OUT,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-    H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
+    Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, ADAPT, scale, OUTS, sizes, split,
     SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Softmax family for torch tensors of any strides: grid (query blocks, B·Hq, key splits)."""
+    """Softmax family for torch tensors of any strides: grid (query blocks, B·Hq, key splits); the arguments as
+    `_softmax_family_program` takes them, the row sums on the tensor cores in a half-precision prefill."""
     _softmax_family_program(
-        Q, K, V, ROWF, SSMAX_S, SSA_N, SSA_B, POLY, SLOPES, LAMBDA, KMASK, M_OUT, L_OUT, KP_OUT, ACC_OUT, OUT,
-        ENT_OUT, tl.program_id(0), tl.program_id(1), tl.program_id(2), sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-        svb, svh, svn, svd, H, GROUP, LQ, LK, D, BH, scale, keys_per_split, smb, NPOLY, beta_threshold,
-        SSA, HAS_ROWF, LOGN, ADAPTIVE, FINALIZE, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V, ENTROPY,
-        DOT_F32, FINALIZE and not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+        Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, ADAPT, scale, OUTS, sizes, split,
+        SSA, HAS_ROWF, LOGN, ADAPTIVE, FINALIZE, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V, ENTROPY, DOT_F32,
+        FINALIZE and not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip

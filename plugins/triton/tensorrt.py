@@ -40,17 +40,15 @@ def _trt_softmax_family_kernel(
 ):  # fmt: skip
     """softmax, ssmax (LOGN), SSA, adaptive in TensorRT's argument order: one launch, grid (⌈Lq/BLOCK_M⌉, B·H).
     MMA_SUMS: the row sums as column partials in half precision, as the host's compiler favours (aot.py)."""
-    sqb, sqh, sqm, sqd = _contiguous_strides(H, LQ, BLOCK_D)
-    skb, skh, skn, skd = _contiguous_strides(H // GROUP, LK, BLOCK_D)
+    q_strides = _contiguous_strides(H, LQ, BLOCK_D)
+    kv_strides = _contiguous_strides(H // GROUP, LK, BLOCK_D)
     _softmax_family_program(
-        Q, K, V, OUT, PARAMS + 4 * H, PARAMS + 2 * H, PARAMS + 3 * H, PARAMS + 5 * H, PARAMS, QSCALE, KMASK,
-        OUT, OUT, OUT, OUT, OUT, ENT_OUT, tl.program_id(0), tl.program_id(1), 0,
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd,
-        H, GROUP, LQ, LK, BLOCK_D, BH, scale_bits.to(tl.float32, bitcast=True), LK, LK, NPOLY,
-        threshold_bits.to(tl.float32, bitcast=True),
+        Q, K, V, KMASK, q_strides, kv_strides, kv_strides, LK,
+        (OUT, PARAMS + 4 * H, PARAMS + 2 * H, PARAMS + 3 * H, PARAMS, QSCALE),
+        (PARAMS + 5 * H, NPOLY, threshold_bits.to(tl.float32, bitcast=True)), scale_bits.to(tl.float32, bitcast=True),
+        (OUT, ENT_OUT, OUT, OUT, OUT, OUT), (H, GROUP, LQ, LK, BLOCK_D), (BH, LK),
         SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, True, DOT_F32, MMA_SUMS and not DOT_F32,
-        BLOCK_M, BLOCK_N,
-        BLOCK_D,
+        BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 
@@ -66,12 +64,12 @@ def _trt_entmax_kernel(
     its class model's root as the torch path's does. Every head's threshold sweep selects its powers and counts the
     support at α > 2 (GENERAL_SELECTED): a second, select-free sweep for the heads that allow it makes this form's
     output loop spill."""
-    sqb, sqh, sqm, sqd = _contiguous_strides(H, LQ, BLOCK_D)
-    skb, skh, skn, skd = _contiguous_strides(H // GROUP, LK, BLOCK_D)
+    q_strides = _contiguous_strides(H, LQ, BLOCK_D)
+    kv_strides = _contiguous_strides(H // GROUP, LK, BLOCK_D)
     _entmax_program(
-        Q, K, V, PARAMS + H, PARAMS, QSCALE, KMASK, OUT, ENT_OUT, OUT, tl.program_id(0), tl.program_id(1),
-        sqb, sqh, sqm, sqd, skb, skh, skn, skd, skb, skh, skn, skd, H, GROUP, LQ, LK, BLOCK_D,
-        scale_bits.to(tl.float32, bitcast=True), LK, max_passes, tol_bits.to(tl.float32, bitcast=True),
+        Q, K, V, KMASK, PARAMS + H, PARAMS, QSCALE, OUT, ENT_OUT, OUT, q_strides, kv_strides, kv_strides, LK,
+        (H, GROUP, LQ, LK, BLOCK_D), scale_bits.to(tl.float32, bitcast=True),
+        (max_passes, tol_bits.to(tl.float32, bitcast=True)),
         CAUSAL, True, HAS_LAMBDA, True, DOT_F32, GENERAL_SELECTED, False, not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_N,
         BLOCK_D, True,
     )  # fmt: skip
