@@ -78,11 +78,12 @@ def test_keys_per_iteration_of_a_loop_without_the_product_come_from_its_loads():
         "LDG.E.64 R8, desc[UR4][R2.64] ;",
         "LDG.E.U16 R9, desc[UR4][R2.64] ;",
         "LDG.E R10, desc[UR4][R2.64] ;",
+        "LDGSTS.E.BYPASS.128 [R3+0x4000], desc[UR6][R4.64] ;",  # a pipelined tile load into shared memory
         "FMNMX R25, R25, R8, !PT ;",
     ]
     opcodes = [t.split()[1 if t.startswith("@") else 0].split(".")[0] for t in texts]
     body = [sass.Instr(16 * n, op, t, ()) for n, (op, t) in enumerate(zip(opcodes, texts, strict=True))]
-    assert sass.Loop(body, body[-1]).loaded_bytes() == 4 * 16 + 8 + 2 + 4
+    assert sass.Loop(body, body[-1]).loaded_bytes() == 4 * 16 + 8 + 2 + 4 + 16
 
 
 def _static(which: str) -> dict:
@@ -136,6 +137,12 @@ def test_key_loops_stay_within_what_ci_holds(which):
         assert with_entropy - without >= 2 - 1e-9, (norm, with_entropy, without)
     sweeps = [lp["keys"] for lp in rows[("prefill", "entmax α=1.5")]["loops"] if not lp["edge"]]
     assert sweeps == [128, 128, 64], sweeps  # entmax's max and threshold sweeps walk twice the launch's keys
+    # decode reads each key's K and V row once for the KV head's four query heads (packed), K alone for adaptive's
+    # statistics and entmax's logits (its outputs: V and the fp32 logits of the four rows); the budgets hold
+    kv = {norm: {lp["kv_bytes_per_key"] for lp in rows[("decode", norm)]["loops"] if not lp["edge"]}
+          for norm in ("softmax", "ssa", "adaptive (statistics)", "entmax (logits)", "entmax (output)")}  # fmt: skip
+    assert kv["softmax"] == kv["ssa"] == {512} and kv["adaptive (statistics)"] == kv["entmax (logits)"] == {256}, kv
+    assert max(kv["entmax (output)"]) <= 256 + 16 * 4, kv  # V, and the logits of the tile's 16 rows (4 bytes each)
     edges = {norm: sum(lp["edge"] for lp in rows[("prefill", norm)]["loops"]) for norm in ("softmax", "adaptive")}
     assert edges == {"softmax": 1, "adaptive": 2}, edges  # the diagonal tiles walk apart, with their masks
 

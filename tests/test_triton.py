@@ -176,6 +176,25 @@ def test_kernels_match_reference(norm, causal, heads, shape):
     torch.testing.assert_close(h_tri, h_ref, atol=ATOL, rtol=0)
 
 
+def test_decode_packs_a_kv_heads_queries_into_one_program():
+    """Decode (Lq ≤ 16) launches one program per KV head and split, its rows the GROUP × Lq queries that share the KV
+    head (each key and value read once for all of them), with whole key blocks per split and at least TARGET_PROGRAMS
+    programs; prefill keeps a program per query block and head."""
+    from sharp.plugins.triton.attention import TARGET_PROGRAMS, grid
+
+    q = torch.empty(1, 32, 1, 128, device="meta")
+    k = torch.empty(1, 8, 32768, 128, device="meta")
+    p = _problem(q, k, k)
+    cfg = launch_config(p)
+    assert cfg.packed and cfg.block_m == 16 and cfg.keys_per_split % cfg.block_n == 0
+    x, kv_programs, splits = grid(p, cfg)
+    assert (x, kv_programs) == (1, 8) and kv_programs * splits >= TARGET_PROGRAMS
+    p5 = _problem(torch.empty(2, 32, 5, 128, device="meta"), k.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1))
+    assert launch_config(p5).block_m == 32 and grid(p5, launch_config(p5))[:2] == (1, 16)  # 4 heads × 5 queries
+    pre = _problem(torch.empty(1, 32, 100, 128, device="meta"), k, k)
+    assert not launch_config(pre).packed and grid(pre, launch_config(pre))[1] == 32
+
+
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("lq", [1, 5])
 def test_split_k_merge_with_empty_splits(norm, lq):

@@ -155,7 +155,14 @@ def torch_variants(dtypes=("bf16", "fp16"), head_dims=(64, 128)) -> list[Variant
                     "DOT_F32": dtype == "fp32",
                 }
                 # one launch per call: softmax, ssmax (log n on chip), SSA, adaptive (both sweeps in the program)
-                prefill = {**base, "FINALIZE": True, "WITH_V": True, "HAS_ROWF": False, "ENTROPY": True}
+                prefill = {
+                    **base,
+                    "FINALIZE": True,
+                    "WITH_V": True,
+                    "HAS_ROWF": False,
+                    "ENTROPY": True,
+                    "PACKED": False,
+                }
                 for ssa, logn, adaptive in ((False, False, False), (False, True, False), (True, False, False),
                                             (False, False, True)):  # fmt: skip
                     flags = {**prefill, "SSA": ssa, "LOGN": logn, "ADAPTIVE": adaptive}
@@ -189,7 +196,7 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     prefill, decode = {**base, "BLOCK_M": 64, "BLOCK_N": 64}, {**base, "BLOCK_M": 16, "BLOCK_N": 64}
     plain, logn, ssa = dict(SSA=False, LOGN=False), dict(SSA=False, LOGN=True), dict(SSA=True, LOGN=False)
     one, dec = ("B", "GROUP"), ("B", "GROUP", "LQ")
-    finish = {"HAS_ROWF": False, "FINALIZE": True, "WITH_V": True}
+    finish = {"HAS_ROWF": False, "FINALIZE": True, "WITH_V": True, "PACKED": False}
     kinds = ((plain, False, True), (logn, False, True), (ssa, False, True), (plain, True, True), (plain, False, False))
     out = [  # prefill: one launch finishes output and entropy (adaptive: both sweeps on chip), or output only
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
@@ -201,6 +208,7 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("entmax", {**general, "COUNT": False, "ENTROPY": False}, one),
         ("entmax", {**exact, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
     ]
+    decode["PACKED"] = True  # a KV head's queries a program
     split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by merge_softmax
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
     out += [  # adaptive split-K: statistics without V, then the output with β per row
@@ -251,8 +259,7 @@ TUPLES: dict[str, tuple[str, ...]] = {
     "sizes": ("H", "GROUP", "LQ", "LK", "D"),
     "split": ("BH", "keys_per_split"),
     "stop": ("max_passes", "tol"),
-    "NORM": ("ROWF", "SSMAX_S", "SSA_N", "SSA_B", "SLOPES", "LAMBDA"),
-    "ADAPT": ("POLY", "NPOLY", "beta_threshold"),
+    "NORM": ("ROWF", "SSMAX_S", "SSA_N", "SSA_B", "SLOPES", "LAMBDA", "POLY", "NPOLY", "beta_threshold"),
     "OUTS": ("OUT", "ENT_OUT", "M_OUT", "L_OUT", "KP_OUT", "ACC_OUT"),
     "STATE": ("M_OUT", "L_OUT", "KP_OUT", "ACC_OUT"),
 }

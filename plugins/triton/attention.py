@@ -79,7 +79,9 @@ def interpreter_problem() -> str | None:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes, schedule and the key split; `splits > 1` is flash-decoding (partial states merged by a kernel)."""
+    """Tile sizes, schedule and the key split; `splits > 1` is flash-decoding (partial states merged by a kernel).
+    `packed` (decode): a program's rows are one KV head's GROUP × Lq queries, so it reads each key and value once for
+    all of them (grid (1, B·Hkv, splits))."""
 
     block_m: int
     block_n: int
@@ -89,29 +91,39 @@ class LaunchConfig:
     dot_f32: bool  # upcast to fp32 and use IEEE dots: fp32 inputs, and always in the CPU interpreter
     num_warps: int = 4
     num_stages: int = 2
+    packed: bool = False
 
 
 def launch_config(
     p: AttentionProblem, block_size: int | None = None, splits: int | None = None, tile: Tile | None = None
 ) -> LaunchConfig:
-    """Prefill: 64×64 tiles (or `tile`), one split. Decode (Lq ≤ 16): 16-row tiles and enough key splits to fill the
-    GPU."""
+    """Prefill: 64×64 tiles (or `tile`), one split. Decode (Lq ≤ 16): a KV head's GROUP × Lq queries a program
+    (at least 16 rows) and enough key splits to fill the GPU."""
     small = p.lq <= 16
-    block_m = 16 if small or interpreting() else 64
+    block_m = max(16, 1 << (p.group * p.lq - 1).bit_length()) if small else 16 if interpreting() else 64
     block_n = block_size or (16 if interpreting() else 64)
-    if tile is not None:
+    if tile is not None and not small:
         block_m, block_n = tile.block_m, tile.block_n
     block_n = max(16, 1 << (block_n - 1).bit_length())
     block_d = max(16, 1 << (p.q.shape[-1] - 1).bit_length())
     n_kblocks = -(-p.lk // block_n)
-    if splits is None:
-        programs = -(-p.lq // block_m) * p.batch * p.heads
+    if splits is None:  # at least TARGET_PROGRAMS: whole key blocks per split, rounded down
+        programs = p.batch * (p.heads // p.group) if small else -(-p.lq // block_m) * p.batch * p.heads
         splits = max(1, min(n_kblocks, -(-TARGET_PROGRAMS // programs))) if small else 1
-    splits = max(1, min(splits, n_kblocks))
-    keys_per_split = -(-n_kblocks // splits) * block_n
+        keys_per_split = max(1, n_kblocks // splits) * block_n
+    else:
+        splits = max(1, min(splits, n_kblocks))
+        keys_per_split = -(-n_kblocks // splits) * block_n
     splits = -(-p.lk // keys_per_split)
-    cfg = LaunchConfig(block_m, block_n, block_d, splits, keys_per_split, dot_f32(p.q))
-    return replace(cfg, num_warps=tile.num_warps, num_stages=tile.num_stages) if tile is not None else cfg
+    cfg = LaunchConfig(block_m, block_n, block_d, splits, keys_per_split, dot_f32(p.q), packed=small)
+    return replace(cfg, num_warps=tile.num_warps, num_stages=tile.num_stages) if tile is not None and not small else cfg
+
+
+def grid(p: AttentionProblem, cfg: LaunchConfig) -> tuple[int, int, int]:
+    """The split kernels' grid: (query blocks, B·Hq, splits), or packed (1, B·Hkv, splits)."""
+    if cfg.packed:
+        return 1, p.batch * (p.heads // p.group), cfg.splits
+    return -(-p.lq // cfg.block_m), p.batch * p.heads, cfg.splits
 
 
 def autotuning(device: torch.device) -> bool:
@@ -162,7 +174,7 @@ class _Launcher:
         self.p, self.cfg, self.entropy = p, cfg, entropy
         dev = p.q.device
         self.bh = p.batch * p.heads
-        self.grid = (-(-p.lq // cfg.block_m), self.bh, cfg.splits)
+        self.grid = grid(p, cfg)
         self.dummy = torch.zeros(1, dtype=torch.float32, device=dev)
         self.slopes = p.alibi_slopes.float().contiguous() if p.alibi_slopes is not None else self.dummy
         self.lam = p.query_scale.float().contiguous() if p.query_scale is not None else self.dummy  # λ
@@ -225,8 +237,17 @@ def _softmax_family(
         p.v,
         run.kmask,
         *run.strides,
-        (rowf if rowf is not None else run.dummy, ssmax_s, ssa_n, ssa_b, run.slopes, run.lam),
-        (poly, poly.numel() if adaptive else 0, ADAPTIVE_THRESHOLD),
+        (
+            rowf if rowf is not None else run.dummy,
+            ssmax_s,
+            ssa_n,
+            ssa_b,
+            run.slopes,
+            run.lam,
+            poly,
+            poly.numel() if adaptive else 0,
+            ADAPTIVE_THRESHOLD,
+        ),
         p.scale,
         (out, ent, m, big_lam, kp, acc),
         run.sizes,
@@ -238,6 +259,7 @@ def _softmax_family(
         FINALIZE=finalize,
         WITH_V=with_v,
         ENTROPY=entropy,
+        PACKED=cfg.packed,
         **run.flags,
     )
     if finalize:
@@ -340,8 +362,9 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     if cfg.splits == 1:
         out = torch.empty(run.bh, p.lq, cfg.block_d, dtype=p.q.dtype, device=p.q.device)
         ent = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device) if run.entropy else run.dummy
-        counts = torch.zeros(run.bh, run.grid[0], 2, dtype=torch.int32, device=p.q.device) if count else run.dummy
-        _entmax_kernel[run.grid[:2]](
+        blocks = (-(-p.lq // cfg.block_m), run.bh)  # the one-launch kernel's programs: query blocks of a head each
+        counts = torch.zeros(run.bh, blocks[0], 2, dtype=torch.int32, device=p.q.device) if count else run.dummy
+        _entmax_kernel[blocks](
             p.q, p.k, p.v, run.kmask, alpha, run.slopes, run.lam, out, ent, counts, *run.strides, run.sizes, p.scale,
             (MAX_THRESHOLD_PASSES, THRESHOLD_TOL),
             FAST=fast, COUNT=count, ENTROPY=run.entropy, EXACT_D=p.q.shape[-1] == cfg.block_d,
@@ -354,7 +377,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     u = torch.empty(run.bh, p.lq, p.lk, dtype=torch.float32, device=p.q.device)
     _entmax_logits_kernel[run.grid](
         p.q, p.k, alpha, run.slopes, run.lam, run.kmask, u, p.q.stride(), p.k.stride(), run.sizes, p.scale,
-        cfg.keys_per_split, p.lk, **run.flags,
+        cfg.keys_per_split, p.lk, PACKED=cfg.packed, **run.flags,
     )  # fmt: skip
     rows = run.bh * p.lq
     umax = torch.empty(run.bh, p.lq, dtype=torch.float32, device=p.q.device)
@@ -366,7 +389,8 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
     skipped = torch.zeros(cfg.splits, run.bh, run.grid[0], dtype=torch.int32, device=p.q.device)
     flags = {k: run.flags[k] for k in ("CAUSAL", "DOT_F32", "BLOCK_M", "BLOCK_N", "BLOCK_D", "num_warps", "num_stages")}
     _entmax_output_kernel[run.grid](
-        u, p.v, alpha, umax, tau, zsum, plogp, acc, skipped, p.v.stride(), run.sizes, run.split, FAST=fast, **flags,
+        u, p.v, alpha, umax, tau, zsum, plogp, acc, skipped, p.v.stride(), run.sizes, run.split, FAST=fast,
+        PACKED=cfg.packed, **flags,
     )  # fmt: skip
     if count:
         _count(stats, p, cfg, counts.tolist(), int(skipped.sum()))
@@ -394,7 +418,7 @@ def _visible_tiles(p: AttentionProblem, cfg: LaunchConfig) -> int:
             lo = s * cfg.keys_per_split
             hi = min(lo + cfg.keys_per_split, p.lk, last)
             total += max(0, -(-(hi - lo) // cfg.block_n))
-    return total * p.batch * p.heads
+    return total * p.batch * (p.heads // p.group if cfg.packed else p.heads)
 
 
 def run_problem(

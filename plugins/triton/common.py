@@ -24,12 +24,28 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "
 
 
 @triton.jit
-def _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Indices of this program: batch, query head, KV head, query rows/positions, and its key range [lo, hi)."""
-    b = pid_bh // H
-    h = pid_bh % H
-    hkv = h // GROUP
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _program(
+    pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Indices of this program: batch, query head, KV head, each row's query index and key position, and its key
+    range [lo, hi). Grid (query blocks, B·Hq, splits): the rows are BLOCK_M queries of head pid_bh. PACKED (decode),
+    grid (1, B·Hkv, splits): row r is query r % Lq of head hkv·GROUP + r // Lq — the KV head's GROUP × Lq queries in
+    one program, so each key and value is read once for all of them; h is then per row (the caller's b·H + h takes
+    pid_bh's place in row indices), and a row past GROUP·Lq gets query index Lq (every load and store masks it)."""
+    if PACKED:
+        kv_heads = H // GROUP
+        b = pid_bh // kv_heads
+        hkv = pid_bh % kv_heads
+        r = tl.arange(0, BLOCK_M)
+        live = r < GROUP * LQ
+        h = hkv * GROUP + tl.where(live, r // LQ, 0)
+        offs_m = tl.where(live, r % LQ, LQ)
+    else:
+        b = pid_bh // H
+        h = pid_bh % H
+        hkv = h // GROUP
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     qpos = offs_m + (LK - LQ)  # query i sits at key position Lk − Lq + i
     lo = pid_s * keys_per_split
     hi = tl.minimum(lo + keys_per_split, LK)
@@ -39,10 +55,14 @@ def _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL: tl.
 
 
 @triton.jit
-def _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32: tl.constexpr):
-    """The block's queries (BLOCK_M, BLOCK_D), 0 beyond Lq and D; q_strides: (batch, head, position, dim)."""
+def _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32: tl.constexpr, PACKED: tl.constexpr = False):
+    """The block's queries (BLOCK_M, BLOCK_D), 0 beyond Lq and D; q_strides: (batch, head, position, dim); h: the
+    program's head, or each row's (PACKED: `_program`)."""
     sqb, sqh, sqm, sqd = q_strides
-    ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
+    if PACKED:
+        ptrs = Q + b * sqb + (h * sqh + offs_m * sqm)[:, None] + offs_d[None, :] * sqd
+    else:
+        ptrs = Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd
     q = tl.load(ptrs, mask=(offs_m[:, None] < LQ) & (offs_d[None, :] < D), other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -73,8 +93,8 @@ def _logits(
     HAS_KMASK: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    """z (BLOCK_M, BLOCK_N) = λ · (scale · q·k + slope · (j − pos)), −inf where masked (causally, beyond Lk, or a
-    padding key: KMASK (B, Lk) int8, 0 = absent)."""
+    """z (BLOCK_M, BLOCK_N) = λ · (scale · q·k + slope · (j − pos)) (slope: a scalar or a (rows, 1) column), −inf
+    where masked (causally, beyond Lk, or a padding key: KMASK (B, Lk) int8, 0 = absent)."""
     skb, skh, skn, skd = k_strides
     cols = start_n + offs_n
     kt_ptrs = K + b * skb + hkv * skh + cols[None, :] * skn + offs_d[:, None] * skd
@@ -123,6 +143,8 @@ def _pv(p, v, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr):
+    """The ALiBi slope of head h and each row's λ; h and pid_bh (b·H + h) are the program's, or each row's
+    (PACKED: `_program`)."""
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h)

@@ -30,23 +30,29 @@ from sharp.plugins.triton.threshold import (
 def _entmax_logits_kernel(
     Q, K, ALPHA, SLOPES, LAMBDA, KMASK, U_OUT, q_strides, k_strides, sizes, scale, keys_per_split, smb,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_F32: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Split-K entmax decode, step 1: u = (α−1) z of this split's keys into U (B·Hq, Lq, Lk) fp32 (−inf where
     masked), so the threshold kernel reads 4 bytes per logit instead of recomputing Q·Kᵀ every pass. Strides are
-    (batch, head, position, dim); sizes: (H, GROUP, LQ, LK, D)."""
+    (batch, head, position, dim); sizes: (H, GROUP, LQ, LK, D); PACKED: a KV head's queries a program (`_program`)."""
     H, GROUP, LQ, LK, D = sizes
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    b, h, hkv, offs_m, qpos, lo, hi = _program(
+        pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, PACKED, BLOCK_M
+    )
+    bh = b * H + h if PACKED else pid_bh  # each row's (B·Hq) index where the rows are a KV head's query heads
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
-    am1 = tl.load(ALPHA + h) - 1.0
-    q = _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32)
     keep = offs_m < LQ
-    row = pid_bh * LQ + offs_m
+    row = bh * LQ + offs_m
+    slope, lam = _row_params(SLOPES, LAMBDA, h, bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
+    am1 = tl.load(ALPHA + h) - 1.0
+    if PACKED:  # per row, each row's head's: as columns against a tile
+        am1 = am1[:, None]
+        slope = slope[:, None] if HAS_ALIBI else slope
+    q = _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32, PACKED)
     end = tl.minimum(pid_s * keys_per_split + keys_per_split, LK)
     for start_n in range(lo, end, BLOCK_N):
         cols = start_n + offs_n
@@ -123,8 +129,8 @@ def _entmax_threshold_kernel(
 @triton.jit
 def _entmax_output_kernel(
     U, V, ALPHA, UMAX, TAU, Z_OUT, PLOGP_OUT, ACC_OUT, SKIPPED_OUT, v_strides, sizes, split,
-    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Split-K entmax decode, step 3: w = [(u − max u) − τ]_+^{1/(α−1)} from the u that step 1 wrote (the τ of step 2
     was found on exactly these values: recomputing Q·Kᵀ here would round u differently — an FMA — and at α > 2 the
@@ -137,12 +143,16 @@ def _entmax_output_kernel(
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
-    b, h, hkv, offs_m, _, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    b, h, hkv, offs_m, _, lo, hi = _program(
+        pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, PACKED, BLOCK_M
+    )
+    row = (b * H + h if PACKED else pid_bh) * LQ + offs_m
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     inv = 1.0 / (tl.load(ALPHA + h) - 1.0)
+    if PACKED:  # per row: each row's head
+        inv = inv[:, None]
     keep = offs_m < LQ
-    row = pid_bh * LQ + offs_m
     umax = tl.load(UMAX + row, mask=keep, other=0.0)  # (u − max u) − τ: the sum would round τ to max u's ulp
     tau = tl.load(TAU + row, mask=keep, other=0.0)
     zsum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -163,7 +173,7 @@ def _entmax_output_kernel(
             acc += _pv(w, v, DOT_F32)
         else:
             skipped += 1
-    out_row = (pid_s * BH + pid_bh) * LQ + offs_m
+    out_row = pid_s * (BH * LQ) + row
     tl.store(Z_OUT + out_row, zsum, mask=keep)
     tl.store(PLOGP_OUT + out_row, plogp, mask=keep)
     tl.store(ACC_OUT + out_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])

@@ -84,8 +84,9 @@ def _paged_softmax_kernel(
 ):  # fmt: skip
     """Grid (B·Hkv, splits). Rows r < GROUP·Lq: query head hkv·GROUP + r // Lq, query r % Lq at key position
     seq_len − Lq + r % Lq. Writes each row's partial state over its split's pages into STATE (M_OUT, L_OUT, KP_OUT,
-    ACC_OUT). NORM: as the softmax family's (`_softmax_family_program`; paged decode reads no λ)."""
-    ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, _ = NORM
+    ACC_OUT). NORM: as the softmax family's (`_softmax_family_program`; paged decode reads no λ and takes adaptive's
+    β per row, in ROWF)."""
+    ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, _, _, _, _ = NORM
     M_OUT, L_OUT, KP_OUT, ACC_OUT = STATE
     spn, spd = p_strides[2], p_strides[3]
     pid_s = tl.program_id(1)
@@ -262,6 +263,9 @@ def paged_decode(
             per_head(ssa_b, transform is Transform.SIGNED_LOG),
             per_head(alibi_slopes),
             dummy,  # λ: not read
+            dummy,
+            0,
+            0.0,  # adaptive's polynomial: not read (β comes per row, in ROWF)
         )
         _paged_softmax_kernel[(b * hkv, splits)](
             q, k_pages, v_pages, block_table, seq_lens, norm_params, (m, lam, kp, acc), q.stride(), k_pages.stride(),

@@ -189,11 +189,11 @@ def _visible_count(KMASK, b, smb, qpos, LK, CAUSAL: tl.constexpr, HAS_KMASK: tl.
 
 @triton.jit
 def _softmax_family_program(
-    Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, ADAPT, scale, OUTS, sizes, split,
+    Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, scale, OUTS, sizes, split,
     SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
     WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr, MMA_SUMS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PACKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over t = rowf·z (softmax; ssmax with LOGN: rowf = s_h·log n counted on chip; adaptive) or
     t = sgn(z) n log(1 + b|z|) (SSA), for BLOCK_M rows of one head over the key range of split pid_s.
@@ -205,23 +205,26 @@ def _softmax_family_program(
     Λ = Σ e^{t−m}, K' = Σ e^{t−m}(t − m), acc = Σ e^{t−m} v — for the merge kernel. MMA_SUMS: the row sums on
     the tensor cores (half-precision prefill; not adaptive's output sweep with entropy, whose partials would spill).
 
-    Program (query block, B·Hq, split) = program ids (0, 1, 2). Strides are (batch, head, position, dim) per tensor;
-    smb: KMASK's batch stride. NORM: the per-head and per-row parameters (ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES,
-    LAMBDA), read where a flag asks for them; ADAPT: adaptive's (POLY, NPOLY, beta_threshold); OUTS: (OUT, ENT_OUT)
-    and the split state (M_OUT, L_OUT, KP_OUT, ACC_OUT); sizes: (H, GROUP, LQ, LK, D); split: (BH, keys_per_split).
+    Program (query block, B·Hq, split) = program ids (0, 1, 2); PACKED (decode): (1, B·Hkv, split), the rows a KV
+    head's queries (`_program`). Strides are (batch, head, position, dim) per tensor; smb: KMASK's batch stride.
+    NORM: the norm's parameters (ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, LAMBDA, POLY, NPOLY, beta_threshold), read
+    where a flag asks for them (POLY, NPOLY, beta_threshold: adaptive's β); OUTS: (OUT, ENT_OUT) and the split state
+    (M_OUT, L_OUT, KP_OUT, ACC_OUT); sizes: (H, GROUP, LQ, LK, D); split: (BH, keys_per_split).
     """
-    ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, LAMBDA = NORM
-    POLY, NPOLY, beta_threshold = ADAPT
+    ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, LAMBDA, POLY, NPOLY, beta_threshold = NORM
     OUT, ENT_OUT, M_OUT, L_OUT, KP_OUT, ACC_OUT = OUTS
     H, GROUP, LQ, LK, D = sizes
     BH, keys_per_split = split
     pid_m, pid_bh, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b, h, hkv, offs_m, qpos, lo, hi = _program(pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, BLOCK_M)
+    b, h, hkv, offs_m, qpos, lo, hi = _program(
+        pid_bh, pid_m, pid_s, H, GROUP, LQ, LK, keys_per_split, CAUSAL, PACKED, BLOCK_M
+    )
+    bh = b * H + h if PACKED else pid_bh  # each row's (B·Hq) index where the rows are a KV head's query heads
     offs_d = tl.arange(0, BLOCK_D)
-    slope, lam = _row_params(SLOPES, LAMBDA, h, pid_bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
+    slope, lam = _row_params(SLOPES, LAMBDA, h, bh, offs_m, LQ, HAS_ALIBI, HAS_LAMBDA)
     rowf = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     if HAS_ROWF:
-        rowf = tl.load(ROWF + pid_bh * LQ + offs_m, mask=offs_m < LQ, other=1.0)
+        rowf = tl.load(ROWF + bh * LQ + offs_m, mask=offs_m < LQ, other=1.0)
     if LOGN:
         rowf = tl.load(SSMAX_S + h) * tl.log(_visible_count(KMASK, b, smb, qpos, LK, CAUSAL, HAS_KMASK, BLOCK_N))
     ssa_n = 1.0
@@ -229,7 +232,7 @@ def _softmax_family_program(
     if SSA:
         ssa_n = tl.load(SSA_N + h)
         ssa_b = tl.load(SSA_B + h)
-    q = _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32)
+    q = _load_q(Q, q_strides, b, h, offs_m, offs_d, LQ, D, DOT_F32, PACKED)
     K += b.to(tl.int64) * k_strides[0] + hkv * k_strides[1]
     V += b.to(tl.int64) * v_strides[0] + hkv * v_strides[1]
     KMASK += b * smb
@@ -253,14 +256,14 @@ def _softmax_family_program(
 
     keep = offs_m < LQ
     if FINALIZE:
-        row = pid_bh * LQ + offs_m
+        row = bh * LQ + offs_m
         live = l_i > 0
         out = acc / tl.where(live, l_i, 1.0)[:, None]  # a row with no visible key has acc = 0: output 0
         tl.store(OUT + row[:, None] * BLOCK_D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=keep[:, None])
         if ENTROPY:
             tl.store(ENT_OUT + row, _entropy(l_i, kp_i), mask=keep)
     else:
-        row = (pid_s * BH + pid_bh) * LQ + offs_m
+        row = (pid_s * BH + bh) * LQ + offs_m
         tl.store(M_OUT + row, m_i, mask=keep)
         tl.store(L_OUT + row, l_i, mask=keep)
         tl.store(KP_OUT + row, kp_i, mask=keep)
@@ -270,16 +273,16 @@ def _softmax_family_program(
 
 @triton.jit
 def _softmax_family_kernel(
-    Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, ADAPT, scale, OUTS, sizes, split,
+    Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, scale, OUTS, sizes, split,
     SSA: tl.constexpr, HAS_ROWF: tl.constexpr, LOGN: tl.constexpr, ADAPTIVE: tl.constexpr, FINALIZE: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, HAS_KMASK: tl.constexpr,
-    WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr,
+    WITH_V: tl.constexpr, ENTROPY: tl.constexpr, DOT_F32: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Softmax family for torch tensors of any strides: grid (query blocks, B·Hq, key splits); the arguments as
     `_softmax_family_program` takes them, the row sums on the tensor cores in a half-precision prefill."""
     _softmax_family_program(
-        Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, ADAPT, scale, OUTS, sizes, split,
+        Q, K, V, KMASK, q_strides, k_strides, v_strides, smb, NORM, scale, OUTS, sizes, split,
         SSA, HAS_ROWF, LOGN, ADAPTIVE, FINALIZE, CAUSAL, HAS_ALIBI, HAS_LAMBDA, HAS_KMASK, WITH_V, ENTROPY, DOT_F32,
-        FINALIZE and not DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D,
+        FINALIZE and not DOT_F32, PACKED, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip

@@ -44,11 +44,12 @@ def _trt_softmax_family_kernel(
     kv_strides = _contiguous_strides(H // GROUP, LK, BLOCK_D)
     _softmax_family_program(
         Q, K, V, KMASK, q_strides, kv_strides, kv_strides, LK,
-        (OUT, PARAMS + 4 * H, PARAMS + 2 * H, PARAMS + 3 * H, PARAMS, QSCALE),
-        (PARAMS + 5 * H, NPOLY, threshold_bits.to(tl.float32, bitcast=True)), scale_bits.to(tl.float32, bitcast=True),
-        (OUT, ENT_OUT, OUT, OUT, OUT, OUT), (H, GROUP, LQ, LK, BLOCK_D), (BH, LK),
+        (OUT, PARAMS + 4 * H, PARAMS + 2 * H, PARAMS + 3 * H, PARAMS, QSCALE, PARAMS + 5 * H, NPOLY,
+         threshold_bits.to(tl.float32, bitcast=True)),
+        scale_bits.to(tl.float32, bitcast=True), (OUT, ENT_OUT, OUT, OUT, OUT, OUT), (H, GROUP, LQ, LK, BLOCK_D),
+        (BH, LK),
         SSA, False, LOGN, ADAPTIVE, True, CAUSAL, True, False, True, True, True, DOT_F32, MMA_SUMS and not DOT_F32,
-        BLOCK_M, BLOCK_N, BLOCK_D,
+        False, BLOCK_M, BLOCK_N, BLOCK_D,
     )  # fmt: skip
 
 

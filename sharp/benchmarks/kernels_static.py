@@ -63,6 +63,16 @@ class Entry:
     # loops' keys per iteration come from their loads, since ptxas may unroll them (its max sweep: 4 tiles a turn).
     element_bytes: int = 0
 
+    @property
+    def kv_programs(self) -> int:
+        """Decode: the programs that walk one KV head's keys for its queries — 1 where a program packs the KV head's
+        GROUP query heads (PACKED), one per query head's block of rows otherwise; the threshold kernel's hold one
+        row each."""
+        group, lq = self.values["GROUP"], self.values["LQ"]
+        if self.kernel == "entmax_threshold":
+            return group * lq // self.rows
+        return 1 if self.flags.get("PACKED") else group * -(-lq // self.rows)
+
     def variant(self):
         from sharp.plugins.triton.aot import Variant
 
@@ -78,7 +88,16 @@ def entries() -> list[Entry]:
 
     base = dict(CAUSAL=True, HAS_ALIBI=False, HAS_LAMBDA=False, HAS_KMASK=False, DOT_F32=False)
     pre = {**base, **PREFILL_TILE}
-    fam = {**pre, "FINALIZE": True, "WITH_V": True, "HAS_ROWF": False, "SSA": False, "LOGN": False, "ADAPTIVE": False}
+    fam = {
+        **pre,
+        "FINALIZE": True,
+        "WITH_V": True,
+        "HAS_ROWF": False,
+        "SSA": False,
+        "LOGN": False,
+        "ADAPTIVE": False,
+        "PACKED": False,
+    }
     kinds = {"softmax": {}, "ssmax": {"LOGN": True}, "ssa": {"SSA": True}, "adaptive": {"ADAPTIVE": True}}
     out = [Entry("floor", "floor", "floor", pre, PREFILL)]
     for entropy in (True, False):
@@ -92,7 +111,7 @@ def entries() -> list[Entry]:
         out += [Entry(norm + suffix, "prefill", "entmax",
                       {**pre, **flags, **exact, "num_stages": entmax_stages(flags["FAST"], 3)}, PREFILL)
                 for norm, flags in kinds.items()]  # fmt: skip
-    dec = {**base, **DECODE_TILE, "ENTROPY": True}
+    dec = {**base, **DECODE_TILE, "ENTROPY": True, "PACKED": True}  # a KV head's GROUP queries a program
     split = {**dec, "ADAPTIVE": False, "FINALIZE": False, "HAS_ROWF": False, "WITH_V": True, "SSA": False,
              "LOGN": False}  # fmt: skip
     tile = {"rows": DECODE_TILE["BLOCK_M"], "keys": DECODE_TILE["BLOCK_N"]}
@@ -139,6 +158,10 @@ class KeyLoop:
     selected: bool  # entmax's threshold sweep for a power exponent e ≤ 0, taken instead of the other: not summed
     spills: int
     keys: int  # keys per iteration
+    # decode: global bytes loaded per key for one KV head's queries (all its programs), and SASS warp-instructions
+    # per byte of the KV cache those keys hold (one K and one V row each); None elsewhere
+    kv_bytes_per_key: float | None = None
+    instructions_per_kv_byte: float | None = None
 
 
 @dataclass
@@ -249,8 +272,12 @@ def analyse(e: Entry, arch: int = 90) -> Report:
             keys = lp.loaded_bytes() * 32 * WARPS // (e.element_bytes * e.rows)
         per = 32 * WARPS / (e.rows * keys)  # thread-instructions per element per warp-instruction of the body
         counts = lp.counts()
-        loops.append(KeyLoop(site, len(lp.body) * per, {c: counts.get(c, 0) * per for c in sass.COLUMNS}, edge,
-                             repeated, selected, lp.spills(), keys))  # fmt: skip
+        loop = KeyLoop(site, len(lp.body) * per, {c: counts.get(c, 0) * per for c in sass.COLUMNS}, edge, repeated,
+                       selected, lp.spills(), keys)  # fmt: skip
+        if e.path == "decode":
+            loop.kv_bytes_per_key = lp.loaded_bytes() * 32 * WARPS * e.kv_programs / keys
+            loop.instructions_per_kv_byte = len(lp.body) * WARPS * e.kv_programs / (keys * KV_KEY_BYTES)
+        loops.append(loop)
     if not any(lp.repeated and not lp.selected for lp in loops):  # no other sweep beside it: every program takes it
         for lp in loops:
             lp.selected = False
@@ -270,6 +297,17 @@ GOALS_TRITON = (3, 9)  # the Triton the goals are set for (the newest supported)
 OLDER_GUARDS: dict[str, float] = {"entmax per-head α": 4.2, "asentmax": 4.2}
 SOFTMAX_ABSOLUTE = 14.5  # softmax without entropy, instructions per element (goal and held)
 BUDGET_PASSES = 3  # entmax's threshold passes in the sum: the search's goal
+
+# Decode reads the whole KV cache once per token, so its key loops should be bound by memory bandwidth, not by
+# instruction issue. An H100 SXM issues 132 SMs × 4 warp-instructions a clock; at 1.6 GHz (below its 1.98 GHz boost)
+# that is 845 G a second against 3.35 TB/s of HBM3: a loop that issues more than ~0.25 warp-instructions per byte of
+# K and V it consumes is issue-bound. Each decode key loop is held under that budget (per pass), reads each key's K
+# and V row once for all the query heads of its KV head (GQA packing: no re-read per query head), and the split
+# kernels launch at least two programs per SM at batch 1 over 32K keys.
+H100_SMS = 132
+DECODE_INSTRUCTIONS_PER_KV_BYTE = H100_SMS * 4 * 1.6e9 / 3.35e12
+KV_KEY_BYTES = 2 * HEAD_DIM * 2  # one bf16 K row and one V row
+DECODE_MIN_PROGRAMS = 2 * H100_SMS
 
 
 def _floor(reports: list[Report]) -> float:
@@ -303,6 +341,13 @@ def budget_failures(reports: list[Report], threshold_passes: float = BUDGET_PASS
             bad.append(f"{name}: {r.loop_spills} spill instructions inside key loops")
         if not r.summed():  # a sum over no loop would read 0
             bad.append(f"{name}: no interior key loop found")
+        for lp in r.summed() if r.entry.path == "decode" else ():
+            if lp.kv_bytes_per_key > KV_KEY_BYTES:
+                bad.append(f"{name}: {lp.kv_bytes_per_key:.0f} bytes loaded per key and KV head ({lp.site}), more"
+                           f" than one K and one V row ({KV_KEY_BYTES})")  # fmt: skip
+            if lp.instructions_per_kv_byte > DECODE_INSTRUCTIONS_PER_KV_BYTE:
+                bad.append(f"{name}: {lp.instructions_per_kv_byte:.3f} instructions per KV byte ({lp.site}), over"
+                           f" the H100's {DECODE_INSTRUCTIONS_PER_KV_BYTE:.3f}")  # fmt: skip
         limit = held(r.entry)
         if limit is None:
             continue
@@ -312,7 +357,38 @@ def budget_failures(reports: list[Report], threshold_passes: float = BUDGET_PASS
                        f" (held at {limit}×)")  # fmt: skip
         if r.entry.norm == "softmax" + NO_ENTROPY and value > SOFTMAX_ABSOLUTE:
             bad.append(f"{name}: {value:.1f} instructions per element (held at {SOFTMAX_ABSOLUTE})")
+    programs = decode_programs()
+    if programs < DECODE_MIN_PROGRAMS:
+        bad.append(f"decode at batch 1 over {DECODE['LK']:,} keys launches {programs} programs a split kernel"
+                   f" (held at {DECODE_MIN_PROGRAMS})")  # fmt: skip
     return bad
+
+
+def decode_programs() -> int:
+    """Programs of the split kernels (softmax family, entmax's logits and outputs) at the decode class: one
+    sequence, 32 / 8 heads, its 32K keys (the host's launch configuration, no device)."""
+    import torch
+
+    from sharp.models.problem import build_problem
+    from sharp.plugins.triton.attention import grid, launch_config
+
+    q = torch.empty(1, DECODE["H"], 1, HEAD_DIM, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, DECODE["HKV"], DECODE["LK"], HEAD_DIM, device="meta", dtype=torch.bfloat16)
+    p = build_problem(q, k, k, norm="softmax", causal=True, scale=None, alpha=1.5, ssa_n=1.0, ssa_b=1.0,
+                      ssmax_s=1.0, poly=(0.0,), query_scale=None, alibi_slopes=None)  # fmt: skip
+    x, y, z = grid(p, launch_config(p))
+    return x * y * z
+
+
+def decode_table(reports: list[Report]) -> list[list[str]]:
+    """Per decode key loop: bytes per key and KV head, instructions per KV byte against the H100's budget."""
+    rows = []
+    for r in reports:
+        for lp in r.summed() if r.entry.path == "decode" else ():
+            met = lp.kv_bytes_per_key <= KV_KEY_BYTES and lp.instructions_per_kv_byte <= DECODE_INSTRUCTIONS_PER_KV_BYTE
+            rows.append([r.entry.norm, lp.site + (" ×P" if lp.repeated else ""), f"{lp.kv_bytes_per_key:.0f}",
+                         f"{lp.instructions_per_kv_byte:.3f}", "yes" if met else "**no**"])  # fmt: skip
+    return rows
 
 
 def _fmt_classes(c: dict[str, float]) -> str:
@@ -399,6 +475,16 @@ def run(args) -> int:
         " guarded there (≤ 4.2×: 4.18× and 4.17×; 3.96× and 3.98× without entropy, within the goal); no key loop"
         " spills under either — "
         + ("all held." if not failures else "**exceeded**: " + "; ".join(failures)),
+        "",
+        "Decode against an H100 SXM's roofline (the decode class above; a loop's bytes and instructions are those of"
+        " every program that walks one KV head's keys): at most one K and one V row loaded per key"
+        f" ({KV_KEY_BYTES} B at D = {HEAD_DIM}, bf16) and at most {DECODE_INSTRUCTIONS_PER_KV_BYTE:.3f}"
+        " warp-instructions per KV byte (132 SMs × 4 warp-instructions a clock at 1.6 GHz against 3.35 TB/s: more"
+        " and the loop is bound by issue, not bandwidth). The split kernels launch"
+        f" {decode_programs()} programs at batch 1 over {DECODE['LK']:,} keys (held at ≥ {DECODE_MIN_PROGRAMS}: two"
+        " per SM).",
+        "",
+        markdown_table(["norm", "key loop", "bytes / key / KV head", "instr / KV byte", "met"], decode_table(reports)),
         "",
         "Entmax threshold passes per program, counted in Triton's interpreter (fp32): causal prefill of"
         f" {PASS_LENGTH:,} tokens, 2 heads, D = 64, 64×64 tiles, N(0, 1) keys, logits q·k/√D of standard deviation σ"

@@ -119,13 +119,13 @@ class Loop:
         return max(qk) if qk else None
 
     def loaded_bytes(self) -> int:
-        """Bytes one thread loads from global memory per iteration: each LDG's width (.128, .64, .U16/.S16,
-        .U8/.S8; 4 bytes otherwise)."""
+        """Bytes one thread loads from global memory per iteration: each LDG's or LDGSTS's (an asynchronous copy
+        into shared memory: the pipelined tile loads) width (.128, .64, .U16/.S16, .U8/.S8; 4 bytes otherwise)."""
         return sum(_LDG_BYTES.get(m.group(1), 4) if (m := _LDG_WIDTH.search(i.text)) else 4
-                   for i in self.body if i.opcode == "LDG")  # fmt: skip
+                   for i in self.body if i.opcode in ("LDG", "LDGSTS"))  # fmt: skip
 
 
-_LDG_WIDTH = re.compile(r"LDG(?:\.E)?(?:\.EL)?(?:\.[A-Z_]+)*?\.(128|64|U16|S16|U8|S8)\b")
+_LDG_WIDTH = re.compile(r"LDG(?:STS)?(?:\.E)?(?:\.EL)?(?:\.[A-Z_]+)*?\.(128|64|U16|S16|U8|S8)\b")
 _LDG_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
 
 
