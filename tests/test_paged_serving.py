@@ -9,6 +9,8 @@ on purpose here).
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from devices import DEVICE
@@ -199,19 +201,27 @@ def test_triton_paged_kernels_in_the_engine(model_files, reference, dtype):
         assert tokens[name] == reference(ids, n)[: len(tokens[name])] and len(tokens[name]) > 0
 
 
-def test_long_context_benchmark_runs_end_to_end_in_smoke_mode(capsys):
+def test_long_context_benchmark_runs_end_to_end_in_smoke_mode(capsys, tmp_path):
     """`sharp-bench long-context` serves through the real backend and engine (numbers meaningless on CPU; nothing
     written); softmax joins the norms asked for as the baseline, and without a GPU the full run refuses (exit 2)."""
-    from sharp.benchmarks.longctx import SHAPES, run
+    from sharp.benchmarks.longctx import SHAPES, TRANSFORMERS, _body, run
 
-    assert run(["--smoke", "--norms", "ssa"]) == 0
+    page = tmp_path / "benchmarks.md"
+    assert run(["--smoke", "--norms", "ssa", "--write", str(page)]) == 0
     out, err = capsys.readouterr()
-    for norm in ("softmax", "ssa"):  # progress on stderr: one load, a warm-up and the repeats (1 in smoke) per norm
-        steps = [line.split(f"demo {norm}: ")[1].split(" ")[0] for line in err.splitlines() if f"demo {norm}: " in line]
-        assert steps == ["built", "loaded", "warm-up", "run"]
+    assert page.read_text().count("| demo |") == 3 and "Partial" not in page.read_text()  # written cell by cell
+    progress = {"softmax": ["built", "loaded", "warm-up", "run"], "ssa": ["built", "loaded", "warm-up", "run"],
+                TRANSFORMERS: ["built", "warm-up", "run"]}  # fmt: skip
+    for norm, want in progress.items():  # on stderr: a load, a warm-up and the repeats (1 in smoke) per row
+        label = f"demo {norm} 300: "
+        assert [line.split(label)[1].split(" ")[0] for line in err.splitlines() if label in line] == want, norm
     rows = [line for line in out.splitlines() if line.startswith("| demo |")]
-    assert [r.split(" | ")[2] for r in rows] == ["softmax", "ssa"]
+    assert [r.split(" | ")[2] for r in rows] == ["softmax", "ssa", TRANSFORMERS]  # the peer: the same shape in HF
     assert all(r.split(" | ")[8] == "4" for r in rows)  # every run generated its 4 tokens
+    # the section is written after each cell: one cut short says how much it holds
+    args = argparse.Namespace(prompt=[300], prefill_chunk=128, new_tokens=4, repeats=1, command="`x`")
+    cells = [r.strip("| ").split(" | ") for r in rows]
+    assert "Partial: 1 of 3 cells" in _body(args, cells[:1], "CPU", 3) and "Partial" not in _body(args, cells, "CPU", 3)
     assert all(r.split(" | ")[9].rstrip(" |") == "n/a (CPU)" for r in rows)  # no GPU memory to report, and no "nan"
     if not torch.cuda.is_available():  # (with one, run([]) is the real 131K-token benchmark)
         assert run([]) == 2 and "no CUDA GPU" in capsys.readouterr().out
