@@ -226,7 +226,8 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         )
         for fast in (0, 1, 2)
     ]
-    pages = {"HAS_ALIBI": False, "CAUSAL": True, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}
+    pages = {"HAS_ALIBI": False, "CAUSAL": True, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16,
+             "BLOCK_N": paged.PAGED_KEYS}  # fmt: skip
     out += [("paged_softmax", {**pages, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
     out += [
         ("paged_softmax", {**pages, **plain, "HAS_ROWF": False, "WITH_V": False}, dec),

@@ -56,15 +56,20 @@ def _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32: tl.constexpr
 
 
 @triton.jit
-def _page_logits(q, K_PAGES, BT, b, hkv, page, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
-                 HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
-    """z of the packed rows against one page of keys (−inf where masked), the page's pool offset, and which of
-    its slots hold keys. p_strides: the pool's (page, head, slot, dim); sbt: the block table's row stride."""
+def _page_logits(q, K_PAGES, BT, b, hkv, start, last, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale,
+                 D, HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+                 PAGE: tl.constexpr):  # fmt: skip
+    """z of the packed rows against the keys of the pages from `start` (offs_n: the turn's BLOCK_N keys, a whole
+    number of pages; pages from `last` on are not read), −inf where masked; each key's offset in the pool; which keys
+    are present. p_strides: the pool's (page, head, slot, dim); sbt: the block table's row stride. A turn walks
+    several pages so that its fixed work (the block-table lookups, the online rescale) is spread over BLOCK_N keys."""
     spp, sph, spn, spd = p_strides
-    base = tl.load(BT + b * sbt + page).to(tl.int64) * spp + hkv.to(tl.int64) * sph
-    cols = page * PAGE + offs_n
-    present = cols < lk
-    kt = tl.load(K_PAGES + base + offs_n[None, :] * spn + offs_d[:, None] * spd,
+    page = start + offs_n // PAGE
+    cols = start * PAGE + offs_n
+    present = (page < last) & (cols < lk)
+    slot = tl.load(BT + b * sbt + page, mask=page < last, other=0).to(tl.int64)
+    offsets = slot * spp + hkv.to(tl.int64) * sph + (offs_n % PAGE) * spn  # each key's row in the pool
+    kt = tl.load(K_PAGES + offsets[None, :] + offs_d[:, None] * spd,
                  mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
     z = _dot(q, kt, None, DOT_F32) * scale
     if HAS_ALIBI:
@@ -72,7 +77,7 @@ def _page_logits(q, K_PAGES, BT, b, hkv, page, sbt, p_strides, offs_n, offs_d, l
     visible = present[None, :] & keep[:, None]
     if CAUSAL:
         visible = visible & (cols[None, :] <= qpos[:, None])
-    return tl.where(visible, z, float("-inf")), base, present
+    return tl.where(visible, z, float("-inf")), offsets, present
 
 
 @triton.jit
@@ -80,18 +85,19 @@ def _paged_softmax_kernel(
     Q, K_PAGES, V_PAGES, BT, SEQ, NORM, STATE, q_strides, p_strides, sbt, B, H, GROUP, LQ, HKV, D, scale,
     pages_per_split,
     SSA: tl.constexpr, LOGN: tl.constexpr, HAS_ROWF: tl.constexpr, HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr,
-    WITH_V: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+    WITH_V: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     """Grid (B·Hkv, splits). Rows r < GROUP·Lq: query head hkv·GROUP + r // Lq, query r % Lq at key position
     seq_len − Lq + r % Lq. Writes each row's partial state over its split's pages into STATE (M_OUT, L_OUT, KP_OUT,
-    ACC_OUT). NORM: as the softmax family's (`_softmax_family_program`; paged decode reads no λ and takes adaptive's
-    β per row, in ROWF)."""
+    ACC_OUT), walking BLOCK_N keys (BLOCK_N / PAGE pages) a turn. NORM: as the softmax family's
+    (`_softmax_family_program`; paged decode reads no λ and takes adaptive's β per row, in ROWF)."""
     ROWF, SSMAX_S, SSA_N, SSA_B, SLOPES, _, _, _, _ = NORM
     M_OUT, L_OUT, KP_OUT, ACC_OUT = STATE
-    spn, spd = p_strides[2], p_strides[3]
+    spd = p_strides[3]
     pid_s = tl.program_id(1)
     b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
-    offs_n = tl.arange(0, PAGE)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32)
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -114,15 +120,15 @@ def _paged_softmax_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     first = pid_s * pages_per_split
     last = tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))
-    for page in range(first, last):
-        z, base, present = _page_logits(
-            q, K_PAGES, BT, b, hkv, page, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+    for start in range(first, last, BLOCK_N // PAGE):
+        z, offsets, present = _page_logits(
+            q, K_PAGES, BT, b, hkv, start, last, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
             HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
         )  # fmt: skip
         t = _transform(z, rowf, ssa_n, ssa_b, SSA)
         m_i, l_i, kp_i, r, e = _online_step(m_i, l_i, kp_i, t)
         if WITH_V:
-            v = tl.load(V_PAGES + base + offs_n[:, None] * spn + offs_d[None, :] * spd,
+            v = tl.load(V_PAGES + offsets[:, None] + offs_d[None, :] * spd,
                         mask=present[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
             acc = acc * r[:, None] + _pv(e, v, DOT_F32)
     out_row = ((pid_s * B + b) * H + h) * LQ + i
@@ -138,11 +144,12 @@ def _paged_entmax_logits_kernel(
     Q, K_PAGES, BT, SEQ, ALPHA, SLOPES, LAMBDA, U_OUT, q_strides, p_strides, sbt, H, GROUP, LQ, HKV, D, scale,
     pages_per_split, WIDTH,
     HAS_ALIBI: tl.constexpr, HAS_LAMBDA: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    """Paged entmax, step 1: u = (α−1)·λ·z of the split's pages into U (B·Hq·Lq rows × WIDTH keys, prefilled −inf)."""
+    """Paged entmax, step 1: u = (α−1)·λ·z of the split's pages into U (B·Hq·Lq rows × WIDTH keys, prefilled −inf),
+    BLOCK_N keys a turn."""
     b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
-    offs_n = tl.arange(0, PAGE)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32)
     am1 = tl.load(ALPHA + h, mask=keep, other=2.0) - 1.0
@@ -150,14 +157,16 @@ def _paged_entmax_logits_kernel(
     lam = tl.load(LAMBDA + (b * H + h) * LQ + i, mask=keep, other=1.0) if HAS_LAMBDA else am1 * 0 + 1.0
     row = (b * H + h) * LQ + i
     first = tl.program_id(1) * pages_per_split
-    for page in range(first, tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))):
+    last = tl.minimum(first + pages_per_split, tl.cdiv(lk, PAGE))
+    for start in range(first, last, BLOCK_N // PAGE):
         z, _, _ = _page_logits(
-            q, K_PAGES, BT, b, hkv, page, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
+            q, K_PAGES, BT, b, hkv, start, last, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
             HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
         )  # fmt: skip
         u = (am1 * lam)[:, None] * z  # −inf stays −inf: α − 1 > 0, λ > 0
-        cols = page * PAGE + offs_n
-        tl.store(U_OUT + row[:, None].to(tl.int64) * WIDTH + cols[None, :], u, mask=keep[:, None])
+        cols = start * PAGE + offs_n
+        mask = keep[:, None] & (start + offs_n // PAGE < last)[None, :]  # the split's pages only
+        tl.store(U_OUT + row[:, None].to(tl.int64) * WIDTH + cols[None, :], u, mask=mask)
 
 
 @triton.jit
@@ -198,6 +207,11 @@ def _paged_entmax_output_kernel(
     tl.store(PLOGP_OUT + out_row, plogp, mask=keep)
     tl.store(ACC_OUT + out_row[:, None] * BLOCK_D + offs_d[None, :], acc, mask=keep[:, None])
 
+
+# Keys a paged program walks a turn (whole pages): one 16-key page a turn spread the turn's fixed work — the
+# block-table lookups, the online rescale, the small products — over 16 keys (`sharp-bench kernels --static`: 137
+# instructions per element for softmax where split-K's 64-key tiles take 35).
+PAGED_KEYS = 64
 
 # The paged kernels by name, as kernels.KERNELS (the AOT compile check reads both).
 KERNELS = {
@@ -272,7 +286,7 @@ def paged_decode(
             block_table.stride(0), b, hq, group, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split,
             SSA=transform is Transform.SIGNED_LOG, LOGN=transform is Transform.LOG_N_SCALE, HAS_ROWF=rowf is not None,
             HAS_ALIBI=alibi_slopes is not None, CAUSAL=causal, WITH_V=with_v,
-            DOT_F32=dot_f32(q), BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
+            DOT_F32=dot_f32(q), BLOCK_M=block_m, PAGE=page, BLOCK_N=max(page, PAGED_KEYS), BLOCK_D=block_d,
         )  # fmt: skip
         out = torch.empty(rows, block_d, dtype=q.dtype, device=dev) if with_v else dummy
         ent = torch.empty(rows, dtype=torch.float32, device=dev)
@@ -312,7 +326,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
         block_table.stride(0),
         hq, hq // hkv, lq, hkv, d, scale if scale is not None else d**-0.5, pages_per_split, width,
         HAS_ALIBI=alibi_slopes is not None, HAS_LAMBDA=query_scale is not None, CAUSAL=causal, DOT_F32=upcast,
-        BLOCK_M=block_m, PAGE=page, BLOCK_D=block_d,
+        BLOCK_M=block_m, PAGE=page, BLOCK_N=max(page, PAGED_KEYS), BLOCK_D=block_d,
     )  # fmt: skip
     umax = torch.empty(rows, dtype=torch.float32, device=dev)
     tau = torch.empty_like(umax)

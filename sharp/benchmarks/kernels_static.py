@@ -137,9 +137,11 @@ def entries() -> list[Entry]:
         Entry("entmax (output)", "decode", "entmax_output", {**dec, "FAST": 0}, DECODE, **tile),
     ]
     # paged decode (what the torch backend serves on a GPU): pages of 16 keys, a KV head's queries a program
-    pages = {"HAS_ALIBI": False, "CAUSAL": True, "DOT_F32": False, "BLOCK_M": 16, "PAGE": 16}
+    from sharp.plugins.triton.paged import PAGED_KEYS
+
+    pages = {"HAS_ALIBI": False, "CAUSAL": True, "DOT_F32": False, "BLOCK_M": 16, "PAGE": 16, "BLOCK_N": PAGED_KEYS}
     fam = {**pages, "SSA": False, "LOGN": False, "HAS_ROWF": False, "WITH_V": True}
-    page = {"rows": 16, "keys": 16}
+    page = {"rows": 16, "keys": PAGED_KEYS}
     out += [
         Entry("softmax", "paged", "paged_softmax", fam, DECODE, **page),
         Entry("ssmax", "paged", "paged_softmax", {**fam, "LOGN": True}, DECODE, **page),
@@ -147,7 +149,7 @@ def entries() -> list[Entry]:
         Entry("adaptive (statistics)", "paged", "paged_softmax", {**fam, "WITH_V": False}, DECODE, **page),
         Entry("adaptive (output)", "paged", "paged_softmax", {**fam, "HAS_ROWF": True}, DECODE, **page),
         Entry("entmax (logits)", "paged", "paged_entmax_logits", {**pages, "HAS_LAMBDA": False}, DECODE, **page),
-        Entry("entmax (output)", "paged", "paged_entmax_output", {**pages, "FAST": 0}, DECODE, **page),
+        Entry("entmax (output)", "paged", "paged_entmax_output", {**pages, "FAST": 0}, DECODE, rows=16, keys=16),
     ]
     trt = {"CAUSAL": True, "DOT_F32": False, "SSA": False, "LOGN": False, "ADAPTIVE": False,
            "MMA_SUMS": aot.tensorrt_partials()}  # fmt: skip
