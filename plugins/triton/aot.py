@@ -193,7 +193,8 @@ def jit_variants(dtypes=("bf16",), head_dims=(128,)) -> list[Variant]:
 def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     """(kernel, constexprs, integer arguments that are 1) of each kind of launch the torch path makes."""
     base = dict(CAUSAL=True, HAS_ALIBI=False, HAS_LAMBDA=False, HAS_KMASK=False, DOT_F32=dtype == "fp32")
-    prefill, decode = {**base, "BLOCK_M": 64, "BLOCK_N": 64}, {**base, "BLOCK_M": 16, "BLOCK_N": 64}
+    prefill = {**base, "BLOCK_M": 64, "BLOCK_N": 64}
+    decode = {**base, "BLOCK_M": 16, "BLOCK_N": 64, "PACKED": True}  # a KV head's queries a program
     plain, logn, ssa = dict(SSA=False, LOGN=False), dict(SSA=False, LOGN=True), dict(SSA=True, LOGN=False)
     one, dec = ("B", "GROUP"), ("B", "GROUP", "LQ")
     finish = {"HAS_ROWF": False, "FINALIZE": True, "WITH_V": True, "PACKED": False}
@@ -208,7 +209,6 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("entmax", {**general, "COUNT": False, "ENTROPY": False}, one),
         ("entmax", {**exact, "HAS_LAMBDA": True, "HAS_KMASK": True, "FAST": 2, "COUNT": True, "ENTROPY": True}, one),
     ]
-    decode["PACKED"] = True  # a KV head's queries a program
     split = {**decode, "ADAPTIVE": False, "FINALIZE": False, "ENTROPY": True}  # split-K decode: merged by merge_softmax
     out += [("softmax_family", {**split, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
     out += [  # adaptive split-K: statistics without V, then the output with β per row

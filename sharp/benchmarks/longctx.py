@@ -57,6 +57,17 @@ def _progress(t0: float, message: str) -> None:
     print(f"long-context [{time.perf_counter() - t0:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
+def _timings(start: float, stamps: list[float], device: str) -> dict:
+    """A run's cell from its start and each token's arrival: TTFT (s), decode tokens/s, tokens, peak GPU GiB."""
+    decode_s = stamps[-1] - stamps[0]
+    return {
+        "ttft": stamps[0] - start,
+        "tok_s": (len(stamps) - 1) / decode_s if len(stamps) > 1 and decode_s > 0 else float("nan"),
+        "tokens": len(stamps),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
+    }
+
+
 def _serve_once(backend, device: str, prompt: int, new_tokens: int, chunk: int) -> dict:
     """One request through a fresh engine (its own KV cache) on a loaded backend, as a server serves each request:
     TTFT (s), decode tokens/s, tokens, peak GPU memory (GiB)."""
@@ -75,13 +86,7 @@ def _serve_once(backend, device: str, prompt: int, new_tokens: int, chunk: int) 
     engine.submit(request, lambda ev: isinstance(ev, Delta) and stamps.append(time.perf_counter()))
     while not engine.idle():
         engine.step()
-    decode_s = stamps[-1] - stamps[0]
-    return {
-        "ttft": stamps[0] - start,
-        "tok_s": (len(stamps) - 1) / decode_s if len(stamps) > 1 and decode_s > 0 else float("nan"),
-        "tokens": len(stamps),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
-    }
+    return _timings(start, stamps, device)
 
 
 def _llama(shape: dict, context: int, device: str) -> torch.nn.Module:
@@ -125,13 +130,7 @@ def _transformers_once(model, device: str, prompt: int, new_tokens: int, chunk: 
             stamps.append(time.perf_counter())
             if len(stamps) < new_tokens:
                 out = model(input_ids=token, **step)
-    decode_s = stamps[-1] - stamps[0]
-    return {
-        "ttft": stamps[0] - start,
-        "tok_s": (len(stamps) - 1) / decode_s if len(stamps) > 1 and decode_s > 0 else float("nan"),
-        "tokens": len(stamps),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan"),
-    }
+    return _timings(start, stamps, device)
 
 
 def _body(args, rows: list[list[str]], name: str, cells: int) -> str:
