@@ -28,7 +28,7 @@ from sharp.plugins.triton.attention import (
     head_vector,
     merge_splits,
 )
-from sharp.plugins.triton.common import _dot, _pv
+from sharp.plugins.triton.common import _dot, _load_q, _pv
 from sharp.plugins.triton.softmax import _online_step, _transform
 from sharp.plugins.triton.threshold import _support, _weights
 
@@ -44,15 +44,6 @@ def _paged_rows(pid_bk, HKV, GROUP, LQ, SEQ, BLOCK_M: tl.constexpr):
     i = rows % LQ
     lk = tl.load(SEQ + b)
     return b, hkv, rows < GROUP * LQ, h, i, lk, i + lk - LQ
-
-
-@triton.jit
-def _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32: tl.constexpr):
-    """The packed rows' queries (each row its own head); q_strides: (batch, head, position, dim)."""
-    sqb, sqh, sqm, sqd = q_strides
-    q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=keep[:, None] & (offs_d[None, :] < D), other=0.0)  # fmt: skip
-    return q.to(tl.float32) if DOT_F32 else q
 
 
 @triton.jit
@@ -99,7 +90,7 @@ def _paged_softmax_kernel(
     b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32)
+    q = _load_q(Q, q_strides, b, h, tl.where(keep, i, LQ), offs_d, LQ, D, DOT_F32, True)  # rows past GROUP·Lq: none
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
         slope = tl.load(SLOPES + h, mask=keep, other=0.0)
@@ -151,7 +142,7 @@ def _paged_entmax_logits_kernel(
     b, hkv, keep, h, i, lk, qpos = _paged_rows(tl.program_id(0), HKV, GROUP, LQ, SEQ, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_packed_q(Q, q_strides, b, h, i, keep, offs_d, D, DOT_F32)
+    q = _load_q(Q, q_strides, b, h, tl.where(keep, i, LQ), offs_d, LQ, D, DOT_F32, True)  # rows past GROUP·Lq: none
     am1 = tl.load(ALPHA + h, mask=keep, other=2.0) - 1.0
     slope = tl.load(SLOPES + h, mask=keep, other=0.0) if HAS_ALIBI else tl.zeros([BLOCK_M], dtype=tl.float32)
     lam = tl.load(LAMBDA + (b * H + h) * LQ + i, mask=keep, other=1.0) if HAS_LAMBDA else am1 * 0 + 1.0
