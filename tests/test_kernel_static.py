@@ -94,6 +94,36 @@ def _static(which: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def _report(path: str, norm: str, shared: int, per_element: float, kv_bytes: float | None, per_kv_byte: float | None):
+    from sharp.benchmarks.kernels_static import Entry, KeyLoop, Report
+
+    loop = KeyLoop("k:1", per_element, {}, False, False, False, 0, 64, kv_bytes, per_kv_byte)
+    return Report(Entry(norm, path, "k", {}), 128, 0, shared, [loop])
+
+
+def test_budget_failures_name_each_bound_exceeded():
+    """The held bounds, on made-up reports beside a floor: a prefill program's shared memory (two programs an SM),
+    split-K decode's bytes and instructions per KV byte, paged decode's instructions per KV byte (its bytes count
+    the block table's broadcast requests: reported, not held)."""
+    from sharp.benchmarks.kernels_static import DECODE_INSTRUCTIONS_PER_KV_BYTE as BUDGET
+    from sharp.benchmarks.kernels_static import KV_KEY_BYTES, TWO_PROGRAMS_SHARED, budget_failures
+
+    floor = _report("floor", "floor", 114_688, 11.7, None, None)
+    within = [floor, _report("prefill", "ssa", TWO_PROGRAMS_SHARED, 15.0, None, None),
+              _report("decode", "softmax", 70_000, 35.0, KV_KEY_BYTES, BUDGET),
+              _report("paged", "softmax", 40_000, 72.0, KV_KEY_BYTES + 16, BUDGET)]  # fmt: skip
+    assert budget_failures(within) == []
+    over = [floor, _report("tensorrt", "softmax", TWO_PROGRAMS_SHARED + 1, 20.0, None, None),
+            _report("decode", "ssa", 70_000, 39.0, KV_KEY_BYTES + 1, 0.04),
+            _report("decode", "ssmax", 70_000, 35.0, KV_KEY_BYTES, BUDGET * 1.01),
+            _report("paged", "ssa", 40_000, 108.0, KV_KEY_BYTES + 16, BUDGET * 1.01)]  # fmt: skip
+    failures = budget_failures(over)
+    assert len(failures) == 4, failures
+    assert "tensorrt softmax: 115,713 B of shared memory" in failures[0]
+    assert "decode ssa: 513 bytes loaded per key" in failures[1]
+    assert failures[2].startswith("decode ssmax:") and failures[3].startswith("paged ssa:"), failures
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(sys.platform != "linux", reason="the CUDA backend's ptxas and nvdisasm ship for Linux")
 @pytest.mark.parametrize("which", ["newest", "oldest"])
@@ -101,7 +131,7 @@ def test_key_loops_stay_within_what_ci_holds(which):
     """Instructions per score element of every prefill kernel against the floor's at the default problem class
     (each goal, or its guard where the goal is not met), and no key loop spills; the loops
     are found where the kernels have them."""
-    from sharp.benchmarks.kernels_static import SOFTMAX_ABSOLUTE
+    from sharp.benchmarks.kernels_static import PREFILL_PATHS, SOFTMAX_ABSOLUTE, TWO_PROGRAMS_SHARED
 
     got = _static(which)
     rows = {(r["path"], r["norm"]): r for r in got["rows"]}
@@ -116,6 +146,9 @@ def test_key_loops_stay_within_what_ci_holds(which):
         r = rows[("prefill", norm + " (no entropy)")]
         assert r["ratio"] <= r["goal"], (norm, r["ratio"])
     assert rows[("prefill", "softmax (no entropy)")]["per_element"] <= SOFTMAX_ABSOLUTE
+    # two prefill programs share an H100 SM (the floor's 112 KB fits; so must every prefill launch)
+    shared = {(path, norm): r["shared"] for (path, norm), r in rows.items() if path in PREFILL_PATHS}
+    assert TWO_PROGRAMS_SHARED == 115_712 and all(0 < b <= TWO_PROGRAMS_SHARED for b in shared.values()), shared
     # interior passes over K: one for softmax, ssmax and SSA; adaptive's two; entmax's max, threshold (×P), output
     interior = {norm: [(lp["repeated"]) for lp in rows[("prefill", norm)]["loops"] if not lp["edge"]]
                 for norm in ("softmax", "ssmax", "ssa", "adaptive", "entmax α=1.5")}  # fmt: skip

@@ -202,8 +202,9 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     out = [  # prefill: one launch finishes output and entropy (adaptive: both sweeps on chip), or output only
         ("softmax_family", {**prefill, **t, **finish, "ADAPTIVE": a, "ENTROPY": e}, one) for t, a, e in kinds
     ]
-    exact = {**prefill, "EXACT_D": True}  # a head dim that fills its block (D = BLOCK_D)
-    general = {**exact, "FAST": 0, "num_stages": entmax_stages(0, 3)}  # the first tile's stages, as the host caps them
+    # a head dim that fills its block (D = BLOCK_D); the first tile's stages, as the host caps entmax's
+    exact = {**prefill, "EXACT_D": True, "num_stages": entmax_stages(3)}
+    general = {**exact, "FAST": 0}
     out += [  # entmax prefill: with and without its entropy
         ("entmax", {**general, "COUNT": False, "ENTROPY": True}, one),
         ("entmax", {**general, "COUNT": False, "ENTROPY": False}, one),

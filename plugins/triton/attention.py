@@ -322,14 +322,14 @@ def triton_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def entmax_stages(fast: int, stages: int) -> int:
-    """Pipeline stages of an entmax prefill launch whose tile asks for `stages`. The kernel holds its class model's
-    16 class maxima across the threshold loop (8 registers a thread); under Triton 3.6 the general path's (FAST = 0)
-    diagonal threshold loops then spill 2 instructions per tile at 3 stages and none at 2 (bf16, D = 128, 64×64:
-    `sharp-bench kernels --static`), so there it launches with at most 2 — which also lets two programs share an
-    SM's shared memory (88 KB each, where 3 stages took 120 KB). α = 1.5 and 2 (FAST 2 and 1), and every path under
-    3.9, are spill-free at 3. Versions between were not measured and take the newer's choice."""
-    return min(stages, 2) if fast == 0 and triton_version() <= (3, 6) else stages
+def entmax_stages(stages: int) -> int:
+    """Pipeline stages of an entmax prefill launch whose tile asks for `stages`: at most 2, so that two programs share
+    an SM. At the first tile (64×64, bf16, D = 128) 3 stages take 119 KB of shared memory — three of the threshold
+    sweeps' 128-key K tiles, Q, the shift rows of both tile widths and e₀ — over the 113 KB (115,712 B) that two
+    programs may each take on an H100 / H200; 2 take 87 KB. Under Triton 3.6 the general path (FAST = 0) also
+    spills at 3 (its diagonal threshold loops: the class model's maxima held across the threshold loop) and not at
+    2 (`sharp-bench kernels --static` holds both under each supported Triton)."""
+    return min(stages, 2)
 
 
 THRESHOLD_TOL = threshold_tol(torch.float32)  # the kernels work in fp32
@@ -368,7 +368,7 @@ def _entmax(run: _Launcher, stats: StreamStats | None) -> tuple[Tensor, Tensor]:
             p.q, p.k, p.v, run.kmask, alpha, run.slopes, run.lam, out, ent, counts, *run.strides, run.sizes, p.scale,
             (MAX_THRESHOLD_PASSES, THRESHOLD_TOL),
             FAST=fast, COUNT=count, ENTROPY=run.entropy, EXACT_D=p.q.shape[-1] == cfg.block_d,
-            **{**run.flags, "num_stages": entmax_stages(fast, cfg.num_stages)},
+            **{**run.flags, "num_stages": entmax_stages(cfg.num_stages)},
         )  # fmt: skip
         if count:
             per_program = counts[..., 0].flatten().tolist()

@@ -17,8 +17,12 @@ LN2 = tl.constexpr(0.6931471805599453)
 # The running max of a row that has seen no key yet: finite, so that 2^(m_old − m_new) is 0 and Λ·(m_old − m_new) is
 # 0·finite (no −inf − −inf, no 0·∞) without a test per tile; it leaves a sweep as −inf.
 NO_KEY = tl.constexpr(-3.0e38)
-# Columns of the row sums kept as partials (MMA_SUMS): the narrowest N of an MMA.
+# Columns of the entmax threshold sums' key classes and of the shift product's depth (an MMA's K is at least 16).
 PARTIALS = tl.constexpr(16)
+# Columns of the row sums kept as partials (MMA_SUMS: Λ, K₂, entmax's Σ w): the narrowest N of an MMA. The constant
+# e₀ block behind Λ's product is then (BLOCK_N, 8): at 16 its 2 KB put the softmax family's prefill 1 KB over what
+# lets two programs share an SM.
+SUM_COLS = tl.constexpr(8)
 # Triton's interpreter has no libdevice: the MUFU approximations fall back to NumPy there.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
@@ -245,10 +249,10 @@ def _interior_end(lo, hi, qpos, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _unit_column(BLOCK_N: tl.constexpr, dtype: tl.constexpr):
-    """e₀ of the column partials, (BLOCK_N, PARTIALS) in `dtype`: W·e₀ puts each row's sum of W, as rounded to
+    """e₀ of the column partials, (BLOCK_N, SUM_COLS) in `dtype`: W·e₀ puts each row's sum of W, as rounded to
     dtype (as W·V sees it), in column 0."""
-    e0 = tl.where(tl.arange(0, PARTIALS) == 0, 1.0, 0.0)[None, :]
-    return e0.broadcast_to([BLOCK_N, PARTIALS]).to(dtype)
+    e0 = tl.where(tl.arange(0, SUM_COLS) == 0, 1.0, 0.0)[None, :]
+    return e0.broadcast_to([BLOCK_N, SUM_COLS]).to(dtype)
 
 
 # The shift columns' scales (`_shift_columns`): fp16's range ends at 65504, so its parts are taken at 2^11, 1 and

@@ -8,6 +8,7 @@ import triton.language as tl
 from sharp.plugins.triton.common import (
     LN2,
     PARTIALS,
+    SUM_COLS,
     _dot,
     _fold_max,
     _fold_sum,
@@ -92,7 +93,7 @@ def _entmax_tiles(
                 s0, s1, s2 = _add_powers(s0, s1, s2, d, gap, inv, FAST, MMA_SUMS)
             else:
                 # A tile whose weights are all 0 skips its V load and P·V. On interior tiles the test reads the tile's
-                # Z — formed on the tensor cores as P·V sees w (`_tile_z`) — from (rows, 16) partials, where one on d
+                # Z — formed on the tensor cores as P·V sees w (`_tile_z`) — from (rows, 8) partials, where one on d
                 # took a reduction per element. The edge tiles and the TensorRT form (ALiBi on) test d before forming
                 # w: with w formed first, their loops spill (the edge's under Triton 3.9, TensorRT's under 3.6).
                 if MASKED or HAS_ALIBI:
@@ -161,7 +162,7 @@ def _entmax_program(
     u is one per-row factor times q·k (its sign folded into the query) except with ALiBi, where it is formed in full.
     Every sweep walks the interior tiles without masks. The max and threshold sweeps carry no V: they walk SWEEP_N
     keys a tile (wider tiles, less loop and pointer work per key). MMA_SUMS (half-precision inputs): their sums and
-    the output's Σ w as (rows, 16) column partials (see `_sweep_tiles`). The visible-key count is the causal limit (or
+    the output's Σ w as (rows, 8) column partials (see `_sweep_tiles`). The visible-key count is the causal limit (or
     Lk) unless a key mask is given. Writes the output in OUT's dtype and, with ENTROPY, the entropy (without it the
     output sweep forms no log w); COUNT: also (threshold passes, skipped tiles) of the program. Which of these
     choices each compiled form needs to stay free of spills is in docs/kernels.md.
@@ -204,7 +205,7 @@ def _entmax_program(
     sums = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)  # the threshold sums per key class (the class model's)
     if MMA_SUMS:
         E0 = _unit_column(BLOCK_N, V.dtype.element_ty)
-        zsum0 = sums
+        zsum0 = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
     else:
         E0 = 0.0
         zsum0 = zero

@@ -9,7 +9,7 @@ import triton.language as tl
 from sharp.plugins.triton.common import (
     LN2,
     NO_KEY,
-    PARTIALS,
+    SUM_COLS,
     _entropy,
     _fold_sum,
     _folded_scales,
@@ -35,7 +35,7 @@ def _sweep_tiles(
     """Fold the key tiles of [start, end) into the base-2 row state: m (max u), Λ = Σ 2^{u−m}, K₂ = Σ 2^{u−m}(u − m)
     (ENTROPY), acc = Σ 2^{u−m} v. MASKED: keys ≥ Lk, causally hidden or absent (KMASK) read −inf — the diagonal and
     the last tile; otherwise every row sees every key of the tile but padding keys (HAS_KMASK: a column test).
-    MMA_SUMS: Λ and K₂ are (rows, 16) column partials (their row sums), Λ's from P·E0 (E0 = e₀ in the inputs' type)
+    MMA_SUMS: Λ and K₂ are (rows, 8) column partials (their row sums), Λ's from P·E0 (E0 = e₀ in the inputs' type)
     — no row reduction per tile; otherwise row vectors. state: (m, Λ, K₂, acc); scales: the rows' factors (c, ca,
     ca·pos, g) of `_folded_scales`."""
     m_i, l_i, kp_i, acc = state
@@ -75,7 +75,7 @@ def _sweep_tiles(
             if ENTROPY:
                 kp_i = alpha * (kp_i + l_i * (m_i - m_new)) + tl.sum(p * x, 1)
             l_i = l_i * alpha + tl.sum(p, 1)
-        else:  # (rows, 16) column partials: Λ's on the tensor cores (p·e₀, as P·V sees p), K₂'s by FFMA chains
+        else:  # (rows, 8) column partials: Λ's on the tensor cores (p·e₀, as P·V sees p), K₂'s by FFMA chains
             if ENTROPY:
                 kp_i = _fold_sum(kp_i * alpha[:, None] + l_i * (alpha * (m_i - m_new))[:, None], p * x)
             l_i = tl.dot(p.to(E0.dtype), E0, l_i * alpha[:, None])
@@ -111,8 +111,8 @@ def _softmax_sweep(
     full = _interior_end(lo, hi, qpos, CAUSAL, BLOCK_N)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + NO_KEY
     if MMA_SUMS:  # column partials; E0 = e₀ in V's type: P·E0 sums P as P·V sees it
-        l_i = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)
-        kp_i = tl.zeros([BLOCK_M, PARTIALS], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
+        kp_i = tl.zeros([BLOCK_M, SUM_COLS], dtype=tl.float32)
         E0 = _unit_column(BLOCK_N, V.dtype.element_ty)
     else:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -126,7 +126,7 @@ def _weights(d, inv, FAST: tl.constexpr):
 
 @triton.jit
 def _tile_z(w, E0, MMA_SUMS: tl.constexpr):
-    """A tile's Σ w per row: MMA_SUMS, as (rows, 16) column partials formed by the tensor cores from w as P·V sees it
+    """A tile's Σ w per row: MMA_SUMS, as (rows, 8) column partials formed by the tensor cores from w as P·V sees it
     (rounded to E0's type)."""
     if MMA_SUMS:
         z = tl.dot(w.to(E0.dtype), E0)
