@@ -438,10 +438,38 @@ def test_images_are_hadolint_clean():
 
 
 def test_image_scripts_parse_and_refuse_a_wrong_call():
-    for script in ("smoke.sh", "docker/debootstrap-base.sh"):
+    for script in ("smoke.sh", "docker/debootstrap-base.sh", "gpu_checks.sh"):
         assert subprocess.run(["bash", "-n", str(DEPLOY / script)]).returncode == 0, script
     r = subprocess.run([str(DEPLOY / "smoke.sh")], capture_output=True, text=True)
     assert r.returncode == 2 and "usage: deploy/smoke.sh IMAGE" in r.stderr
+
+
+def _gpu_checks(tmp_path: Path, python: str, wheel: bool = True) -> subprocess.CompletedProcess:
+    wheels = tmp_path / "wheels"
+    wheels.mkdir(exist_ok=True)
+    if wheel:
+        (wheels / "sharp_attention-0-py3-none-any.whl").write_bytes(b"")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_PYTHON": python, "WHEELHOUSE": str(wheels)}
+    return subprocess.run(["bash", str(DEPLOY / "gpu_checks.sh")], cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def test_gpu_checks_refuse_without_cuda_or_wheels_and_report_each_failed_step(tmp_path):
+    """The lent GPU's one prepared command: refused (2) where torch sees no CUDA or no sharp wheel was carried; with
+    them, every step runs under its limit and a failed one — here a stand-in interpreter that fails long-context —
+    is named and makes the exit 1 after the others ran. (On a GPU it runs the real steps: not run here.)"""
+    r = _gpu_checks(tmp_path, sys.executable, wheel=False)
+    assert r.returncode == 2 and "no CUDA device is visible to torch" in r.stderr
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\ncase "$*" in *long-context*) echo cut short; exit 3;; esac\necho "ran: $*"\n')
+    fake.chmod(0o755)
+    r = _gpu_checks(tmp_path, str(fake), wheel=False)
+    assert r.returncode == 2 and "has no sharp wheel" in r.stderr
+    r = _gpu_checks(tmp_path, str(fake))
+    log = (tmp_path / "out" / "log").read_text()
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "-m pytest -q -m gpu" in log and "kernels --check --decode-lengths 32768 131072" in log
+    assert "== long-context: exit 3" in log and "== kernels --check: exit" not in log
+    assert (tmp_path / "out" / "benchmarks.md").read_text() == (ROOT / "docs" / "benchmarks.md").read_text()
 
 
 def test_dashboard_queries_only_exported_series_and_recorded_rules(model_files):

@@ -103,25 +103,27 @@ def _report(path: str, norm: str, shared: int, per_element: float, kv_bytes: flo
 
 def test_budget_failures_name_each_bound_exceeded():
     """The held bounds, on made-up reports beside a floor: a prefill program's shared memory (two programs an SM),
-    split-K decode's bytes and instructions per KV byte, paged decode's instructions per KV byte (its bytes count
-    the block table's broadcast requests: reported, not held)."""
+    decode's bytes and instructions per KV byte — paged decode's bytes with room for its block-table requests (32 B a
+    key), not for a second K or V row."""
     from sharp.benchmarks.kernels_static import DECODE_INSTRUCTIONS_PER_KV_BYTE as BUDGET
     from sharp.benchmarks.kernels_static import KV_KEY_BYTES, TWO_PROGRAMS_SHARED, budget_failures
 
     floor = _report("floor", "floor", 114_688, 11.7, None, None)
     within = [floor, _report("prefill", "ssa", TWO_PROGRAMS_SHARED, 15.0, None, None),
               _report("decode", "softmax", 70_000, 35.0, KV_KEY_BYTES, BUDGET),
-              _report("paged", "softmax", 40_000, 72.0, KV_KEY_BYTES + 16, BUDGET)]  # fmt: skip
+              _report("paged", "softmax", 40_000, 72.0, KV_KEY_BYTES + 32, BUDGET)]  # fmt: skip
     assert budget_failures(within) == []
     over = [floor, _report("tensorrt", "softmax", TWO_PROGRAMS_SHARED + 1, 20.0, None, None),
             _report("decode", "ssa", 70_000, 39.0, KV_KEY_BYTES + 1, 0.04),
             _report("decode", "ssmax", 70_000, 35.0, KV_KEY_BYTES, BUDGET * 1.01),
-            _report("paged", "ssa", 40_000, 108.0, KV_KEY_BYTES + 16, BUDGET * 1.01)]  # fmt: skip
+            _report("paged", "ssa", 40_000, 108.0, KV_KEY_BYTES + 32, BUDGET * 1.01),
+            _report("paged", "entmax (logits)", 20_000, 36.0, KV_KEY_BYTES + 33, 0.04)]  # fmt: skip
     failures = budget_failures(over)
-    assert len(failures) == 4, failures
+    assert len(failures) == 5, failures
     assert "tensorrt softmax: 115,713 B of shared memory" in failures[0]
     assert "decode ssa: 513 bytes loaded per key" in failures[1]
     assert failures[2].startswith("decode ssmax:") and failures[3].startswith("paged ssa:"), failures
+    assert "paged entmax (logits): 545 bytes loaded per key" in failures[4]
 
 
 @pytest.mark.compile

@@ -49,7 +49,7 @@ def _paged_rows(pid_bk, HKV, GROUP, LQ, SEQ, BLOCK_M: tl.constexpr):
 @triton.jit
 def _page_logits(q, K_PAGES, BT, b, hkv, start, last, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale,
                  D, HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
-                 PAGE: tl.constexpr):  # fmt: skip
+                 PAGE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """z of the packed rows against the keys of the pages from `start` (offs_n: the turn's BLOCK_N keys, a whole
     number of pages; pages from `last` on are not read), −inf where masked; each key's offset in the pool; which keys
     are present. p_strides: the pool's (page, head, slot, dim); sbt: the block table's row stride. A turn walks
@@ -58,7 +58,11 @@ def _page_logits(q, K_PAGES, BT, b, hkv, start, last, sbt, p_strides, offs_n, of
     page = start + offs_n // PAGE
     cols = start * PAGE + offs_n
     present = (page < last) & (cols < lk)
-    slot = tl.load(BT + b * sbt + page, mask=page < last, other=0).to(tl.int64)
+    # the turn's pages' entries as one short vector, then each key's: a load per key replicated them (Triton 3.6:
+    # 16 requests a thread per turn, 128 B a key; now 32 or 16)
+    pages = start + tl.arange(0, BLOCK_N // PAGE)
+    slots = tl.load(BT + b * sbt + pages, mask=pages < last, other=0).to(tl.int64)
+    slot = tl.reshape(tl.broadcast_to(slots[:, None], [BLOCK_N // PAGE, PAGE]), [BLOCK_N])
     offsets = slot * spp + hkv.to(tl.int64) * sph + (offs_n % PAGE) * spn  # each key's row in the pool
     kt = tl.load(K_PAGES + offsets[None, :] + offs_d[:, None] * spd,
                  mask=present[None, :] & (offs_d[:, None] < D), other=0.0)  # fmt: skip
@@ -114,7 +118,7 @@ def _paged_softmax_kernel(
     for start in range(first, last, BLOCK_N // PAGE):
         z, offsets, present = _page_logits(
             q, K_PAGES, BT, b, hkv, start, last, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
-            HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
+            HAS_ALIBI, CAUSAL, DOT_F32, PAGE, BLOCK_N,
         )  # fmt: skip
         t = _transform(z, rowf, ssa_n, ssa_b, SSA)
         m_i, l_i, kp_i, r, e = _online_step(m_i, l_i, kp_i, t)
@@ -152,7 +156,7 @@ def _paged_entmax_logits_kernel(
     for start in range(first, last, BLOCK_N // PAGE):
         z, _, _ = _page_logits(
             q, K_PAGES, BT, b, hkv, start, last, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
-            HAS_ALIBI, CAUSAL, DOT_F32, PAGE,
+            HAS_ALIBI, CAUSAL, DOT_F32, PAGE, BLOCK_N,
         )  # fmt: skip
         u = (am1 * lam)[:, None] * z  # −inf stays −inf: α − 1 > 0, λ > 0
         cols = start * PAGE + offs_n

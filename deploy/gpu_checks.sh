@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The checks a lent GPU runs first (docs/kernels.md, "Verified and not verified"), as one command that ends inside a
+# lent machine's 10-minute command limit: the GPU test selection, the kernels against SDPA with split-K and paged
+# decode at 32K and 128K keys, and long-context serving against transformers. Each step has its own time limit and
+# writes what it measured as it goes (the benchmarks into $OUT/benchmarks.md, a copy of docs/benchmarks.md: merge
+# its sections back); a step that fails or runs out of time is said, and the script exits 1 after the others ran.
+#
+# On the GPU machine, from the checkout, with `make wheelhouse` (CPython 3.12, torch left out) carried:
+#   OUT=/some/dir bash deploy/gpu_checks.sh
+# GPU_PYTHON picks the interpreter (default python3, the image's, with its CUDA torch and Triton); WHEELHOUSE the
+# wheels (default build/wheelhouse). Installs into /tmp/site and runs the tests from the checkout against it.
+set -uo pipefail
+
+out=${OUT:-build/gpu-checks}
+py=${GPU_PYTHON:-python3}
+wheels=${WHEELHOUSE:-build/wheelhouse}
+
+"$py" -c "import sys, torch; torch.cuda.is_available() or sys.exit('gpu_checks: no CUDA device is visible to torch')" || exit 2
+compgen -G "$wheels/sharp_attention-*.whl" >/dev/null || {
+    echo "gpu_checks: $wheels has no sharp wheel (make wheelhouse here, then carry $wheels)" >&2
+    exit 2
+}
+mkdir -p "$out"
+"$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheels"/*.whl || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+cp docs/benchmarks.md "$out/benchmarks.md"
+"$py" -c "import torch; print(torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee "$out/log"
+
+failed=0
+step() {  # step SECONDS NAME COMMAND...: run it under its limit, its output into the log
+    local limit=$1 name=$2 rc
+    shift 2
+    echo "== $name (limit ${limit}s)" | tee -a "$out/log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$out/log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then
+        echo "== $name: exit $rc$([ "$rc" -eq 124 ] && echo ' (time limit: what it wrote so far is kept)')" | tee -a "$out/log"
+        failed=1
+    fi
+}
+
+bench=("$py" -P -c "import sys; from sharp.benchmarks import main; sys.exit(main())")
+step 160 "test-gpu" "$py" -P -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gpu.py
+step 190 "kernels --check" "${bench[@]}" kernels --check --decode-lengths 32768 131072 --write "$out/benchmarks.md"
+step 190 "long-context" "${bench[@]}" long-context --write "$out/benchmarks.md"
+exit "$failed"
