@@ -31,6 +31,7 @@ import numpy as np
 from sharp.serving import cache as arrays
 from sharp.serving.cache import BatchCache
 from sharp.serving.prefix import PrefixStore
+from sharp.serving.sampler import Sampler
 from sharp.serving.spec import ModelSpec
 
 log = logging.getLogger("sharp.serving")
@@ -59,9 +60,10 @@ class StepOutput:
 class StepResult:
     """What the engine receives from a prefill chunk or a decode step: the last position's logits (B, V) and the
     per-head entropy (B, layers, heads, L) of the rows that ran, in order, and the sequences the model failed on
-    (left out of both); a prefill chunk that asked for them, its logits at every position (n, V) (`scores`)."""
+    (left out of both); a prefill chunk that asked for them, its logits at every position (n, V) (`scores`). The
+    logits are of the backend's `sampler`'s kind: a host array, or the torch backend's tensor on its device."""
 
-    logits: np.ndarray
+    logits: Any
     entropy: np.ndarray | None
     failed: list[Hashable] = field(default_factory=list)
     scores: np.ndarray | None = None
@@ -100,6 +102,7 @@ class Backend(ABC):
     spec: ModelSpec
     kv_bytes_per_token: int  # what one token of one sequence costs in the KV cache
     block_tokens: int = 1  # tokens per unit of KV allocation (the metrics' block size)
+    sampler: Sampler = Sampler()  # the array operations on its logits (StepResult.logits' kind)
 
     @abstractmethod
     def allocate(self, budget_bytes: int, prefix_bytes: int = 0) -> int:
@@ -183,9 +186,9 @@ class Backend(ABC):
                 failed.append(seq)
         self._rebatch(kept)
         if not kept:
-            return StepResult(np.empty((0, self.spec.vocab_size), np.float32), None, failed)
+            return StepResult(self.sampler.empty(self.spec.vocab_size), None, failed)
         ent = None if results[0].entropy is None else np.concatenate([r.entropy for r in results])
-        return StepResult(np.concatenate([r.logits for r in results]), ent, failed)
+        return StepResult(self.sampler.concat([r.logits for r in results]), ent, failed)
 
 
 class GraphBackend(Backend):

@@ -9,9 +9,8 @@ import time
 
 import numpy as np
 
-from sharp.models.sampling import process, sample_rows, token_logprobs
 from sharp.serving.backends import Backend, Chunk, StepResult
-from sharp.serving.grammar import GrammarError, mask_rows, prefetch
+from sharp.serving.grammar import GrammarError, allowed_bits, prefetch
 from sharp.serving.output import TokenLogprob, as_token_logprobs
 from sharp.serving.scheduler import Sequence
 from sharp.serving.stats import StepStats
@@ -37,12 +36,14 @@ class Executor:
         stats.decode_batch = len(seqs)
         return out
 
-    def sample(self, seqs: list[Sequence], logits: np.ndarray) -> tuple[list[int | None], list[TokenLogprob | None]]:
+    def sample(self, seqs: list[Sequence], logits) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Each row's next token (None where its logits are unusable) and, for the rows whose request asked, its
         log-probability — computed in one batched pass over those rows only, from the model's own logits (before
-        any request's processing, as vLLM reports them)."""
-        chosen = sample_rows(self._processed(seqs, logits), [s.request.sampling for s in seqs],
-                             [s.generator for s in seqs])  # fmt: skip
+        any request's processing, as vLLM reports them). The arrays are the backend's sampler's (serving/sampler.py:
+        host NumPy, or the torch backend's device tensors, where only token ids and log-probabilities cross)."""
+        ops = self.backend.sampler
+        chosen = ops.sample_rows(self._processed(seqs, logits), [s.request.sampling for s in seqs],
+                                 [s.generator for s in seqs])  # fmt: skip
         for i, s in enumerate(seqs):
             if s.matcher is not None and chosen[i] is not None:
                 try:
@@ -55,12 +56,12 @@ class Executor:
         if rows:
             top = [seqs[i].request.logprobs for i in rows]
             picked = [chosen[i] for i in rows]
-            lp = token_logprobs(logits[rows], np.array(picked), max(top))
+            lp = ops.token_logprobs(logits, rows, picked, max(top))
             for i, made in zip(rows, as_token_logprobs(lp, picked, top), strict=True):
                 out[i] = made
         return chosen, out
 
-    def _processed(self, seqs: list[Sequence], logits: np.ndarray) -> np.ndarray:
+    def _processed(self, seqs: list[Sequence], logits):
         """The logits each row samples from: its request's logit bias and penalties over its history
         (models/sampling.py `process`); while it is short of its min_tokens, end-of-sequence and its
         stop_token_ids masked; with a grammar (structured outputs), every token it does not allow next masked (all
@@ -69,17 +70,15 @@ class Executor:
         rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or short(s) or s.matcher is not None]
         if not rows:
             return logits
-        out = logits.copy()
+        ops = self.backend.sampler
+        out = ops.copy(logits)
         for i in rows:
             seq, req = seqs[i], seqs[i].request
             if req.sampling.processes:
-                out[i] = process(out[i], req.sampling, seq.prompt_array(), np.asarray(seq.generated, np.int64))
+                ops.process(out, i, req.sampling, seq.prompt_array(), np.asarray(seq.generated, np.int64))
             if short(seq):
-                banned = [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)]
-                out[i, banned] = -np.inf
+                ops.ban(out, i, [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)])
         constrained = [i for i in rows if seqs[i].matcher is not None]
         if constrained:  # last: whatever else changed, only what the grammar allows remains
-            block = out[constrained]
-            mask_rows([seqs[i].matcher for i in constrained], block)
-            out[constrained] = block
+            ops.mask(out, constrained, allowed_bits([seqs[i].matcher for i in constrained], logits.shape[1]))
         return out

@@ -15,13 +15,14 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
+
+from sharp.serving.sampler import allowed
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object
 _MASKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sharp-grammar")  # next masks, beside the forwards
@@ -132,11 +133,10 @@ class Matcher:
             raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
 
 
-def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
-    """Set row i of `logits` (rows, V), in place, to −inf at every token matchers[i] does not allow next — in one
-    pass: the masks not computed ahead are computed in turn (the GIL released; llguidance's parallel fill wakes
-    threads that compete with the model's on a small host), then all are unpacked and applied at once."""
-    vocab = logits.shape[1]
+def allowed_bits(matchers: list[Matcher], vocab: int) -> np.ndarray:
+    """Row i: the tokens matchers[i] allows next, one bit per token (lowest first) in (rows, ⌈vocab/32⌉) int32
+    words — in one pass: the masks not computed ahead are computed in turn (the GIL released; llguidance's parallel
+    fill wakes threads that compete with the model's on a small host)."""
     bits = np.empty((len(matchers), (vocab + 31) // 32), np.int32)
     for i, m in enumerate(matchers):
         pending, m._next = m._next, None
@@ -145,10 +145,12 @@ def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
         else:
             pending.result()
         bits[i] = m.bitmask[0]
-    # one bit per token, lowest bit first, in int32 words: as little-endian bytes, they unpack in token order
-    words = bits if sys.byteorder == "little" else bits.byteswap()
-    allowed = np.unpackbits(words.view(np.uint8), axis=-1, count=vocab, bitorder="little")
-    np.putmask(logits, allowed == 0, -np.inf)
+    return bits
+
+
+def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
+    """Set row i of host `logits` (rows, V), in place, to −inf at every token matchers[i] does not allow next."""
+    np.putmask(logits, ~allowed(allowed_bits(matchers, logits.shape[1]), logits.shape[1]), -np.inf)
 
 
 def prefetch(matchers: list[Matcher]) -> None:

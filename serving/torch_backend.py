@@ -9,14 +9,51 @@ import numpy as np
 import torch
 
 from sharp.exporter import metadata
+from sharp.models import torch_sampling
 from sharp.models.kvcache import OutOfPages, PagedKVCache, block_hashes
 from sharp.serving.backends import DTYPES, PAGE_SIZE, Backend, BackendError, Hit, Prefix, StepResult
+from sharp.serving.sampler import Sampler
 from sharp.serving.spec import ModelSpec
 
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
 # reference, whose (queries × keys) logits grow quadratically with the prompt.
 STREAMED_FROM_KEYS = 1024
 TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
+
+
+class TorchSampler(Sampler):
+    """The sampling stage's operations on logits left on the model's device (models/torch_sampling.py): a step's
+    (rows × vocab) logits stay there, and only token ids, the asked-for log-probabilities and the grammar bitmasks
+    cross."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def empty(self, vocab):
+        return torch.empty(0, vocab, device=self.device)
+
+    def concat(self, parts):
+        return torch.cat(parts)
+
+    def copy(self, logits):
+        return logits.clone()
+
+    def process(self, logits, i, params, prompt, generated):
+        logits[i] = torch_sampling.process(logits[i], params, prompt, generated)
+
+    def ban(self, logits, i, ids):
+        logits[i, torch.tensor(ids, dtype=torch.int64, device=logits.device)] = -torch.inf
+
+    def mask(self, logits, rows, bits):
+        allowed = torch_sampling.unpack_allowed(bits, logits.shape[1], self.device)
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, -torch.inf)
+
+    def sample_rows(self, logits, params, generators):
+        return torch_sampling.sample_rows(logits, params, generators)
+
+    def token_logprobs(self, logits, rows, picked, top):
+        return torch_sampling.token_logprobs(logits[torch.tensor(rows, device=logits.device)], picked, top)
 
 
 class TorchBackend(Backend):
@@ -44,6 +81,7 @@ class TorchBackend(Backend):
         if dtype not in DTYPES:
             raise BackendError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
         self.device, self.dtype = torch.device(device), TORCH_DTYPES[dtype]
+        self.sampler = TorchSampler(self.device)
         self.model = model.to(self.device, self.dtype).eval()
         self.impl = impl
         if impl is not None:
@@ -149,7 +187,7 @@ class TorchBackend(Backend):
         step.commit()  # only a step that ran through every layer counts; a failed one can run again
         ent = out.entropy.float().cpu().numpy() if entropy else None
         every = out.logits[0].float().cpu().numpy() if scores else None
-        return StepResult(out.logits[:, -1].float().cpu().numpy(), ent, scores=every)
+        return StepResult(out.logits[:, -1].float(), ent, scores=every)  # the logits stay on the device
 
     def prefill(self, seq, ids, start, entropy, scores=False):
         positions = np.arange(start, start + ids.shape[1], dtype=np.int64)[None]

@@ -153,6 +153,7 @@ SERVING_ROOMS = {
         "onnxruntime_backend",
         "tensorrt_backend",
         "torch_backend",
+        "sampler",
         "cache",
         "prefix",
         "spec",
