@@ -41,11 +41,7 @@ def sample_rows(
     for i, p in enumerate(params):
         if p.temperature >= TEMPERATURE_FLOOR:
             picks[i] = _sample(logits[i], p, generators[i])
-    out: list[int | None] = picks.tolist()
-    for i, unusable in enumerate(bad.tolist()):
-        if unusable:
-            out[i] = None
-    return out
+    return [None if t < 0 else t for t in torch.where(bad, -1, picks).tolist()]
 
 
 def _sample(row: torch.Tensor, params: SamplingParams, rng: np.random.Generator | None) -> torch.Tensor:
