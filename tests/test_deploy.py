@@ -467,7 +467,8 @@ def test_gpu_checks_refuse_without_cuda_or_wheels_and_report_each_failed_step(tm
     r = _gpu_checks(tmp_path, str(fake))
     log = (tmp_path / "out" / "log").read_text()
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "-m pytest -q -m gpu" in log and "kernels --check --decode-lengths 32768 131072" in log
+    assert "-m pytest -q -m gpu" in log
+    assert "kernels --check --lengths 16384 --head-dims 128 --decode-lengths 32768 131072" in log
     assert "== long-context: exit 3" in log and "== kernels --check: exit" not in log
     assert (tmp_path / "out" / "benchmarks.md").read_text() == (ROOT / "docs" / "benchmarks.md").read_text()
 
