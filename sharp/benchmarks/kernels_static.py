@@ -81,6 +81,17 @@ class Entry:
         return Variant(self.kernel, "bf16", HEAD_DIM, dict(self.flags), spec=spec, values=tuple(self.values.items()))
 
 
+# The softmax family's decode launches, split-K and paged alike: each norm's flags over the plain softmax's
+# (adaptive's two: its statistics sweep without V, then its output with the rows' β).
+FAMILY_DECODES = (
+    ("softmax", {}),
+    ("ssmax", {"LOGN": True}),
+    ("ssa", {"SSA": True}),
+    ("adaptive (statistics)", {"WITH_V": False}),
+    ("adaptive (output)", {"HAS_ROWF": True}),
+)
+
+
 def entries() -> list[Entry]:
     """The launches of the default problem classes; the softmax family's prefill with and without its entropy
     (ENTROPY=False: what a caller that does not ask for it runs)."""
@@ -118,11 +129,7 @@ def entries() -> list[Entry]:
     tile = {"rows": DECODE_TILE["BLOCK_M"], "keys": DECODE_TILE["BLOCK_N"]}
     threshold = {"FAST": 0, "COUNT": False, "BLOCK_R": THRESHOLD_ROWS, "BLOCK_N": THRESHOLD_KEYS}
     out += [
-        Entry("softmax", "decode", "softmax_family", split, DECODE, **tile),
-        Entry("ssmax", "decode", "softmax_family", {**split, "LOGN": True}, DECODE, **tile),
-        Entry("ssa", "decode", "softmax_family", {**split, "SSA": True}, DECODE, **tile),
-        Entry("adaptive (statistics)", "decode", "softmax_family", {**split, "WITH_V": False}, DECODE, **tile),
-        Entry("adaptive (output)", "decode", "softmax_family", {**split, "HAS_ROWF": True}, DECODE, **tile),
+        *(Entry(norm, "decode", "softmax_family", {**split, **f}, DECODE, **tile) for norm, f in FAMILY_DECODES),
         Entry("entmax (logits)", "decode", "entmax_logits", dec, DECODE, **tile),
         Entry(
             "entmax (threshold)",
@@ -143,11 +150,7 @@ def entries() -> list[Entry]:
     fam = {**pages, "SSA": False, "LOGN": False, "HAS_ROWF": False, "WITH_V": True}
     page = {"rows": 16, "keys": PAGED_KEYS}
     out += [
-        Entry("softmax", "paged", "paged_softmax", fam, DECODE, **page),
-        Entry("ssmax", "paged", "paged_softmax", {**fam, "LOGN": True}, DECODE, **page),
-        Entry("ssa", "paged", "paged_softmax", {**fam, "SSA": True}, DECODE, **page),
-        Entry("adaptive (statistics)", "paged", "paged_softmax", {**fam, "WITH_V": False}, DECODE, **page),
-        Entry("adaptive (output)", "paged", "paged_softmax", {**fam, "HAS_ROWF": True}, DECODE, **page),
+        *(Entry(norm, "paged", "paged_softmax", {**fam, **f}, DECODE, **page) for norm, f in FAMILY_DECODES),
         Entry("entmax (logits)", "paged", "paged_entmax_logits", {**pages, "HAS_LAMBDA": False}, DECODE, **page),
         Entry("entmax (output)", "paged", "paged_entmax_output", {**pages, "FAST": 0}, DECODE, rows=16, keys=16),
     ]
