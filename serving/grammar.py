@@ -4,10 +4,11 @@ per sequence a matcher that masks, each step, the tokens that would break it —
 path), so a graph server still never imports torch. JSON is emitted compact (no free whitespace), so a small
 schema's output is bounded.
 
-The tokenizer's vocabulary is compiled once per served model (`Grammars`, lazily); a schema is checked when a
-request is validated, and a schema llguidance cannot compile is refused with its reason. A sequence's next mask, when
-it is expensive, is computed in a worker thread as soon as its token is taken (llguidance releases the GIL), so it
-is ready — computed while the next forward ran — when that step samples: off the step's critical path.
+The tokenizer's vocabulary is compiled once per served model (`Grammars`), in a worker thread from the moment the
+engine is built, so the first structured request neither waits for it nor stalls the event loop; a schema is checked
+when a request is validated, and a schema llguidance cannot compile is refused with its reason. A sequence's next
+mask, when it is expensive, is computed in a worker thread as soon as its token is taken (llguidance releases the
+GIL), so it is ready — computed while the next forward ran — when that step samples: off the step's critical path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import math
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from functools import cached_property, lru_cache
+from functools import lru_cache
+from importlib import import_module
 from typing import Any
 
 import numpy as np
@@ -64,14 +66,23 @@ def compile_grammar(kind: str, spec: str) -> str:
     return grammar
 
 
+def preload() -> Future:
+    """Import llguidance in a worker thread: the first structured request's `validate` (in the event loop) then
+    finds it imported — the import alone takes tens of milliseconds, all of which would hold up every stream."""
+    return _MASKS.submit(import_module, "llguidance")
+
+
 class Grammars:
-    """A served model's vocabulary as llguidance reads it, and matchers of grammars over it."""
+    """A served model's vocabulary as llguidance reads it, and matchers of grammars over it. The vocabulary is
+    compiled in a worker thread from construction on (tens of milliseconds for a byte vocabulary, more for 100K
+    tokens): a server's first structured request would otherwise wait for it; a compile that fails raises when a
+    matcher is first asked for."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._compiled = _MASKS.submit(self._compile)
 
-    @cached_property
-    def _vocabulary(self):
+    def _compile(self):
         from llguidance import LLTokenizer
 
         eos = sorted(self.tokenizer.eos_ids)
@@ -87,7 +98,7 @@ class Grammars:
     def _fresh(self, grammar: str) -> tuple[Any, list[float]]:
         from llguidance import LLMatcher
 
-        return LLMatcher(self._vocabulary, grammar), [math.inf]
+        return LLMatcher(self._compiled.result(), grammar), [math.inf]
 
 
 class Matcher:

@@ -26,6 +26,7 @@ from sharp.serving.auth import bearer_matches
 from sharp.serving.calls import Calls
 from sharp.serving.config import option
 from sharp.serving.engine_client import EngineClient
+from sharp.serving.grammar import preload
 from sharp.serving.metrics_http import MetricsServer
 from sharp.serving.output import Delta, Failed, Finished, TokenLogprob
 from sharp.serving.requests import RequestError, RequestParams, validate
@@ -446,6 +447,7 @@ class SharpServer:
 
     async def start(self) -> None:
         cfg = self.config
+        preload()  # llguidance, for the first structured request's validate (its engine may be another process)
         options = [
             ("grpc.so_reuseport", 0),  # a busy port is an error, never a second server sharing the traffic
             ("grpc.max_receive_message_length", self.engine.limits.message_bytes()),

@@ -108,8 +108,23 @@ def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_t
         cells, plain = rows[f"gRPC, closed loop C={k}, json_schema"], rows[f"gRPC, closed loop C={k}"]
         assert cells[1] == "8/0" and float(cells[3]) / float(cells[2]) == pytest.approx(16, rel=0.02), cells
         assert float(plain[3]) / float(plain[2]) == pytest.approx(16, rel=0.02), plain
-    assert re.search(r"out tok/s: C=1: [\d.]+×, C=4: [\d.]+×\. A new 50-property schema compiles", text)
+    ratio = r"[\d.]+× \(rounds [\d.]+–[\d.]+×\)"
+    assert re.search(rf"round's ratio: C=1: {ratio}, C=4: {ratio}\. A new 50-property schema compiles", text)
     assert re.search(r"compiles \(llguidance, with its matcher's first mask\) in [\d.]+ ms \(median of 5", text)
+
+
+def test_structured_decoding_is_compared_with_plain_decoding_of_the_same_round():
+    """Each round's structured run against that round's plain run, not the medians of each: a machine that slows
+    between rounds slows both of a round alike."""
+    from sharp.benchmarks.serve import Run, structured_ratios
+
+    runs = lambda *tok: [Run(completed=1, tokens=n, seconds=1.0) for n in tok]
+    by_name = {
+        "gRPC, closed loop C=1": runs(1000, 500, 800),
+        "gRPC, closed loop C=1, json_schema": runs(900, 480, 400),  # 0.90, 0.96, 0.50 of its round
+        "gRPC, closed loop C=16": runs(100),  # no structured row at this load: no ratio
+    }
+    assert structured_ratios(by_name, [1, 16]) == ["C=1: 0.90× (rounds 0.50–0.96×)"]  # medians' ratio: 0.60×
 
 
 def test_a_serve_row_reports_the_median_and_the_spread_of_its_rounds():

@@ -164,6 +164,47 @@ def test_an_expensive_next_mask_is_computed_as_soon_as_a_token_is_taken():
     assert set(np.flatnonzero(np.isfinite(_masked(later, BYTES.vocab_size))).tolist()) == {ord("a")}
 
 
+def test_the_vocabulary_is_compiled_in_the_background_from_the_engines_start():
+    """The engine's Grammars compiles the model's vocabulary for llguidance in a worker thread as soon as it is
+    built — not in the first structured request, where it held up every stream (and llguidance's import, in the
+    event loop, held up the server); a vocabulary that cannot compile fails the requests that need it, not the
+    engine."""
+    import sys
+    import threading
+
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving.grammar import GrammarError, Grammars, compile_grammar, preload
+
+    class Watched:
+        """BYTES, noting which thread read its tokenizer.json and when it is readable."""
+
+        def __init__(self, fail: bool = False):
+            self.fail, self.readers, self.readable = fail, [], threading.Event()
+
+        def __getattr__(self, name):
+            return getattr(BYTES, name)
+
+        def tokenizer_json(self):
+            self.readable.wait(10)
+            self.readers.append(threading.current_thread().name)
+            if self.fail:
+                raise GrammarError("no tokenizer.json")
+            return BYTES.tokenizer_json()
+
+    tok = Watched()
+    grammars = Grammars(tok, BYTES.vocab_size)
+    tok.readable.set()  # the compile waited for this: it began with the constructor, not with a request
+    grammars._compiled.result(timeout=30)
+    assert tok.readers == [tok.readers[0]] and tok.readers[0].startswith("sharp-grammar")  # once, in the worker
+    assert grammars.matcher(compile_grammar("regex", "ab")) is not None and len(tok.readers) == 1
+    broken = Watched(fail=True)
+    grammars = Grammars(broken, BYTES.vocab_size)  # the engine is built all the same
+    broken.readable.set()
+    with pytest.raises(GrammarError, match="no tokenizer"):
+        grammars.matcher(compile_grammar("regex", "ab"))
+    assert preload().result(timeout=30) is sys.modules["llguidance"]
+
+
 def _masked(m, vocab: int):
     import numpy as np
 

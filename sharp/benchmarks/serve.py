@@ -186,13 +186,14 @@ def compile_times(model: Path, schemas: int = 5, properties: int = 50) -> tuple[
     from sharp.serving.grammar import Grammars, compile_grammar
 
     spec = load_backend(model).spec
+    began = time.perf_counter()  # the first time counts the vocabulary's compile, begun with Grammars
     grammars, vocab = Grammars(spec.tokenizer, spec.vocab_size), spec.vocab_size
     kinds = [{"type": "integer"}, {"type": "string", "maxLength": 20}, {"type": "boolean"}, {"enum": ["a", "b", "c"]}]
     times = []
     for i in range(schemas + 1):
         props = {f"field_{i}_{k}": kinds[k % len(kinds)] for k in range(properties)}
         schema = json.dumps({"type": "object", "properties": props, "required": sorted(props)})
-        began = time.perf_counter()
+        began = began if i == 0 else time.perf_counter()
         grammars.matcher(compile_grammar("json_schema", schema)).mask(np.zeros(vocab, np.float32))
         times.append(time.perf_counter() - began)
     return times[0], times[1:]
@@ -329,8 +330,16 @@ def bench(model: Path, args, half_kv: Path | None = None) -> str:
     where = machine()  # before an in-process engine changes this process's torch threads
     n, c = args.new_tokens, args.baseline_concurrency
     closed = lambda conc: lambda s: closed_loop(s, prompts, conc, n)
+
+    def plain_and_structured(k: int) -> list[Scenario]:
+        """Structured decoding right after plain decoding at the same load: each round's ratio is of neighbours."""
+        plain = Scenario(f"gRPC, closed loop C={k}", closed(k), args.max_batch)
+        if k not in (1, c):
+            return [plain]
+        return [plain, Scenario(f"gRPC, closed loop C={k}, json_schema", closed(k), args.max_batch, structured=True)]
+
     scenarios = [
-        *(Scenario(f"gRPC, closed loop C={k}", closed(k), args.max_batch) for k in args.concurrency),
+        *(sc for k in args.concurrency for sc in plain_and_structured(k)),
         Scenario(f"gRPC, closed loop C={c}, --max-batch 1", closed(c), 1),
         *(
             Scenario(f"gRPC, closed loop C={k}, --engine-process on", closed(k), args.max_batch, engine_process="on")
@@ -348,10 +357,6 @@ def bench(model: Path, args, half_kv: Path | None = None) -> str:
             native=False,
         ),
         Scenario(f"gRPC, closed loop C={c}, --entropy-metrics off", closed(c), args.max_batch, entropy="off"),
-        *(
-            Scenario(f"gRPC, closed loop C={k}, json_schema", closed(k), args.max_batch, structured=True)
-            for k in sorted({1, c})
-        ),
         *(
             Scenario(f"HTTP (openai SDK, streaming), closed loop C={k}", closed(k), args.max_batch, http=True)
             for k in sorted({1, c})
@@ -408,15 +413,26 @@ def bench(model: Path, args, half_kv: Path | None = None) -> str:
     return "\n".join(lines)
 
 
+def structured_ratios(by_name: dict[str, list[Run]], loads: list[int]) -> list[str]:
+    """Structured decoding's output tokens/s as a share of plain decoding's at each closed-loop load that has both
+    rows: per round (the two run back to back, so a drift of the machine between rounds cancels), their median and
+    the rounds' range."""
+    out = []
+    for k in loads:
+        plain, structured = (by_name.get(f"gRPC, closed loop C={k}{kind}") for kind in ("", ", json_schema"))
+        if plain and structured:
+            each = [(s.tokens / s.seconds) / (p.tokens / p.seconds) for p, s in zip(plain, structured, strict=True)]
+            out.append(f"C={k}: {statistics.median(each):.2f}× (rounds {min(each):.2f}–{max(each):.2f}×)")
+    return out
+
+
 def _structured(by_name: dict[str, list[Run]], model: Path, c: int) -> str:
-    """Structured decoding's output tokens/s as a share of plain decoding's, and what compiling a schema costs."""
-    med = lambda name: statistics.median(r.tokens / r.seconds for r in by_name[name])
-    ratios = [f"C={k}: {med(f'gRPC, closed loop C={k}, json_schema') / med(f'gRPC, closed loop C={k}'):.2f}×"
-              for k in sorted({1, c}) if f"gRPC, closed loop C={k}" in by_name]  # fmt: skip
+    """Structured decoding against plain decoding, and what compiling a schema costs."""
     first, later = compile_times(model)
     return (
         f"Structured decoding (each request's output constrained to a JSON schema, a string of at least 400"
-        f" characters so it runs to the token budget) against plain decoding, out tok/s: {', '.join(ratios)}."
+        f" characters so it runs to the token budget) against plain decoding, out tok/s, the median of each"
+        f" round's ratio: {', '.join(structured_ratios(by_name, sorted({1, c})))}."
         f" A new 50-property schema compiles (llguidance, with its matcher's first mask) in"
         f" {statistics.median(later) * 1e3:.1f} ms (median of {len(later)}; the slowest {max(later) * 1e3:.1f} ms);"
         f" the first, with the model's vocabulary, {first * 1e3:.0f} ms."
