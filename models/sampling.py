@@ -50,6 +50,12 @@ class SamplingParams:
                 raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
 
     @property
+    def truncates(self) -> bool:
+        """Whether a sampled (not greedy) row drops tokens by their rank or probability — top-k, top-p, min-p —
+        so that which survive depends on the tokens masked before: such a row cannot sample first and check."""
+        return self.temperature >= TEMPERATURE_FLOOR and bool(self.top_k or self.top_p < 1 or self.min_p)
+
+    @property
     def processes(self) -> bool:
         """Whether `process` changes anything for these parameters (the rows that need nothing cost nothing)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1

@@ -83,9 +83,8 @@ class Engine(EngineClient):
         arrival = time.perf_counter() if arrival is None else arrival
         text = StopText(req.stop, req.include_stop)
         state = RequestState(req, sink, arrival, text, self.tokenizer.stream(req.skip_special_tokens), stats)
-        seq = Sequence(
-            req, generator(req.seed), state, matcher=self.grammars.matcher(req.grammar) if req.grammar else None
-        )
+        matcher = self.grammars.matcher(req.grammar, req.sampling) if req.grammar else None
+        seq = Sequence(req, generator(req.seed), state, matcher=matcher)
         with self._cond:
             self.admission(len(self.scheduler.waiting))
             self.scheduler.add(seq)

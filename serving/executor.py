@@ -40,17 +40,29 @@ class Executor:
         """Each row's next token (None where its logits are unusable) and, for the rows whose request asked, its
         log-probability — computed in one batched pass over those rows only, from the model's own logits (before
         any request's processing, as vLLM reports them). The arrays are the backend's sampler's (serving/sampler.py:
-        host NumPy, or the torch backend's device tensors, where only token ids and log-probabilities cross)."""
+        host NumPy, or the torch backend's device tensors, where only token ids and log-probabilities cross).
+
+        A row with a grammar whose matcher is `checked` samples unmasked first; the grammar takes the token if it
+        allows it, and only the rows it refuses are masked and sampled again (grammar.py `Matcher`: exact)."""
         ops = self.backend.sampler
-        chosen = ops.sample_rows(self._processed(seqs, logits), [s.request.sampling for s in seqs],
-                                 [s.generator for s in seqs])  # fmt: skip
+        params, generators = [s.request.sampling for s in seqs], [s.generator for s in seqs]
+        processed = self._processed(seqs, logits)
+        chosen = ops.sample_rows(processed, params, generators)
+        refused = []
         for i, s in enumerate(seqs):
-            if s.matcher is not None and chosen[i] is not None:
-                try:
-                    s.matcher.take(chosen[i])
-                except GrammarError:  # its row ends alone, as an unusable one does
-                    chosen[i] = None
-        prefetch([s.matcher for s in seqs if s.matcher is not None])
+            if s.matcher is not None and s.matcher.checked:
+                if chosen[i] is None or not s.matcher.accepts(chosen[i]):
+                    refused.append(i)
+            elif s.matcher is not None and chosen[i] is not None:
+                chosen[i] = _taken(s, chosen[i])
+        if refused:  # masked, and drawn again from what the grammar allows
+            again = ops.rows(processed, refused)
+            bits = allowed_bits([seqs[i].matcher for i in refused], logits.shape[1])
+            ops.mask(again, list(range(len(refused))), bits)
+            drawn = ops.sample_rows(again, [params[i] for i in refused], [generators[i] for i in refused])
+            for i, token in zip(refused, drawn, strict=True):
+                chosen[i] = None if token is None else _taken(seqs[i], token)
+        prefetch([s.matcher for s in seqs if s.matcher is not None and not s.matcher.checked])
         out: list[TokenLogprob | None] = [None] * len(seqs)
         rows = [i for i, s in enumerate(seqs) if s.request.logprobs is not None and chosen[i] is not None]
         if rows:
@@ -67,7 +79,8 @@ class Executor:
         stop_token_ids masked; with a grammar (structured outputs), every token it does not allow next masked (all
         such rows at once, last). Rows that need nothing cost nothing (no copy when none does)."""
         short = lambda s: len(s.generated) < s.request.min_tokens
-        rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or short(s) or s.matcher is not None]
+        masked = lambda s: s.matcher is not None and not s.matcher.checked  # a checked one is masked when refused
+        rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or short(s) or masked(s)]
         if not rows:
             return logits
         ops = self.backend.sampler
@@ -78,7 +91,17 @@ class Executor:
                 ops.process(out, i, req.sampling, seq.prompt_array(), np.asarray(seq.generated, np.int64))
             if short(seq):
                 ops.ban(out, i, [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)])
-        constrained = [i for i in rows if seqs[i].matcher is not None]
+        constrained = [i for i in rows if masked(seqs[i])]
         if constrained:  # last: whatever else changed, only what the grammar allows remains
             ops.mask(out, constrained, allowed_bits([seqs[i].matcher for i in constrained], logits.shape[1]))
         return out
+
+
+def _taken(seq: Sequence, token: int) -> int | None:
+    """`token`, taken by the sequence's grammar; None if the grammar refuses it (its row ends alone, as an unusable
+    one does)."""
+    try:
+        seq.matcher.take(token)
+    except GrammarError:
+        return None
+    return token

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from sharp.models.sampling import SamplingParams
 from sharp.serving.sampler import allowed
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object
@@ -88,11 +89,14 @@ class Grammars:
         eos = sorted(self.tokenizer.eos_ids)
         return LLTokenizer(self.tokenizer.tokenizer_json(), n_vocab=self.vocab_size, eos_token=eos)
 
-    def matcher(self, grammar: str) -> Matcher:
+    def matcher(self, grammar: str, sampling: SamplingParams | None = None) -> Matcher:
         """A matcher at the start of `grammar`: a copy of one made once per grammar (making one parses the grammar,
-        some hundred times what copying costs), told what the grammar's first mask cost the last time."""
+        some hundred times what copying costs), told what the grammar's first mask cost the last time. Its row
+        samples first and is masked only when the grammar refuses the token (`Matcher.checked`) unless `sampling`
+        truncates the distribution (or is not given)."""
         fresh, first = self._fresh(grammar)
-        return Matcher(fresh.deep_copy(), self.vocab_size, first=first)
+        checked = sampling is not None and not sampling.truncates
+        return Matcher(fresh.deep_copy(), self.vocab_size, first=first, checked=checked)
 
     @lru_cache(maxsize=64)  # noqa: B019 - one Grammars per served model, alive as long as its engine
     def _fresh(self, grammar: str) -> tuple[Any, list[float]]:
@@ -107,15 +111,23 @@ class Matcher:
     A step's next masks are computed as soon as its tokens are taken (`prefetch`): in a worker thread, while the
     next forward runs, when together they take longer than handing them over costs (`handoff` seconds); cheaper
     ones (a small vocabulary, a simple grammar, few rows) at once in the engine thread, where a thread's wake-up
-    would cost more than it saves."""
+    would cost more than it saves.
 
-    def __init__(self, matcher, vocab_size: int, handoff: float = HANDOFF_SECONDS, first: list[float] | None = None):
-        self.matcher, self.vocab_size, self.handoff = matcher, vocab_size, handoff
+    A `checked` matcher's row — greedy, or sampled from its whole distribution (no top-k, top-p or min-p) — needs
+    no mask at all while the grammar accepts the token it samples: the executor samples it unmasked, `accepts`
+    checks the token (a lookup, where a mask tests every token of the vocabulary), and only a refused row is
+    masked and sampled again. That is exact: the most likely allowed token is the most likely token when that one
+    is allowed; and a draw from p, kept when allowed and otherwise drawn again from p restricted to the allowed set
+    A, gives each x in A p(x) + (1 − p(A)) · p(x)/p(A) = p(x)/p(A), the masked distribution."""
+
+    def __init__(self, matcher, vocab_size: int, handoff: float = HANDOFF_SECONDS, first: list[float] | None = None,
+                 checked: bool = False):  # fmt: skip
+        self.matcher, self.vocab_size, self.handoff, self.checked = matcher, vocab_size, handoff, checked
         self.bitmask = np.full((1, (vocab_size + 31) // 32), -1, np.int32)  # llguidance's layout: a bit per token
         self._first = first  # the grammar's first-mask cost, shared by its matchers: measured by the first of them
         self.cost = math.inf if first is None else first[0]  # seconds its last mask took (inf: not known)
         self._next: Future | None = None
-        if self.cost > handoff:
+        if self.cost > handoff and not checked:
             self._prefetch()  # the first mask, while the prompt is prefilled
 
     def measured(self, seconds: float) -> None:
@@ -134,6 +146,10 @@ class Matcher:
     def mask(self, logits: np.ndarray) -> None:
         """Set the logits (V,) of every token the grammar does not allow next to −inf, in place."""
         mask_rows([self], logits[None])
+
+    def accepts(self, token: int) -> bool:
+        """Whether the grammar allows `token` next — taken if so; if not, the matcher is as it was."""
+        return self.matcher.try_consume_tokens([token]) == 1
 
     def take(self, token: int) -> None:
         """The token sampled (from masked logits: the grammar accepts it). `prefetch` then starts the next mask."""

@@ -24,6 +24,10 @@ class Sampler:
     def copy(self, logits):
         return logits.copy()
 
+    def rows(self, logits, rows: list[int]):
+        """A copy of rows `rows`."""
+        return logits[rows]
+
     def process(self, logits, i: int, params: SamplingParams, prompt: np.ndarray, generated: np.ndarray) -> None:
         """Row i after its request's bias and penalties (models/sampling.py `process`), in place."""
         logits[i] = process(logits[i], params, prompt, generated)
@@ -34,8 +38,12 @@ class Sampler:
     def mask(self, logits, rows: list[int], bits: np.ndarray) -> None:
         """Rows `rows` set to −inf, in place, at every token their grammar's bitmask (grammar.py `allowed_bits`:
         row i of bits is rows[i]'s) does not allow next — unpacked and applied at once."""
+        banned = allowed(~bits, logits.shape[1])
+        if rows == list(range(rows[0], rows[0] + len(rows))):  # as a view: no gather, no write back
+            np.putmask(logits[rows[0] : rows[0] + len(rows)], banned, -np.inf)
+            return
         block = logits[rows]
-        np.putmask(block, ~allowed(bits, logits.shape[1]), -np.inf)
+        np.putmask(block, banned, -np.inf)
         logits[rows] = block
 
     def sample_rows(self, logits, params: list[SamplingParams], generators: list) -> list[int | None]:
@@ -48,4 +56,4 @@ class Sampler:
 def allowed(bits: np.ndarray, vocab: int) -> np.ndarray:
     """(rows, vocab) bool from bitmasks (rows, ⌈vocab/32⌉) int32 of one bit per token, lowest first."""
     words = bits if sys.byteorder == "little" else bits.byteswap()  # as little-endian bytes: token order
-    return np.unpackbits(words.view(np.uint8), axis=-1, count=vocab, bitorder="little").astype(bool)
+    return np.unpackbits(words.view(np.uint8), axis=-1, count=vocab, bitorder="little").view(bool)  # 0 or 1

@@ -38,6 +38,9 @@ class TorchSampler(Sampler):
     def copy(self, logits):
         return logits.clone()
 
+    def rows(self, logits, rows):
+        return logits[torch.tensor(rows, device=logits.device)]
+
     def process(self, logits, i, params, prompt, generated):
         logits[i] = torch_sampling.process(logits[i], params, prompt, generated)
 

@@ -205,6 +205,123 @@ def test_the_vocabulary_is_compiled_in_the_background_from_the_engines_start():
     assert preload().result(timeout=30) is sys.modules["llguidance"]
 
 
+def _sampled(matchers: list, params, logits_row) -> list:
+    """Executor.sample over one row per matcher, all with `logits_row` and `params`, row i seeded i."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from sharp.models.sampling import generator
+    from sharp.serving.executor import Executor
+    from sharp.serving.sampler import Sampler
+    from sharp.serving.scheduler import Sequence
+
+    request = SimpleNamespace(sampling=params, logprobs=None, min_tokens=0, stop_token_ids=(), ignore_eos=False,
+                              prompt_ids=[1])  # fmt: skip
+    seqs = [Sequence(request, generator(i), matcher=m) for i, m in enumerate(matchers)]
+    backend = SimpleNamespace(sampler=Sampler())  # the executor's sampling stage reads only the backend's sampler
+    logits = np.tile(np.asarray(logits_row, np.float32), (len(seqs), 1))
+    return Executor(backend).sample(seqs, logits)[0]
+
+
+def test_a_checked_row_samples_first_and_keeps_the_masked_distribution():
+    """A row that neither is greedy nor truncates, and a greedy one, sample unmasked and are masked only when the
+    grammar refuses the token: the tokens keep the masked distribution (a draw kept when allowed, else drawn again
+    from the allowed tokens, gives each p(x)/p(A)). A row that truncates (top-k) is masked first: its top two are
+    taken among the allowed tokens, as before."""
+    import numpy as np
+
+    from sharp.models.sampling import SamplingParams
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving.grammar import Grammars, compile_grammar
+
+    grammars, grammar = Grammars(BYTES, BYTES.vocab_size), compile_grammar("regex", "[abc]")
+    row = np.full(BYTES.vocab_size, -np.inf, np.float32)
+    row[[ord("x"), ord("a"), ord("b"), ord("c")]] = np.log([0.5, 0.3, 0.15, 0.05])  # x: refused
+    n = 3000
+    for params, checked, want in [
+        (SamplingParams(temperature=1.0), True, {"a": 0.6, "b": 0.3, "c": 0.1}),
+        (SamplingParams(temperature=0.0, top_k=2), True, {"a": 1.0}),  # greedy: top-k does not apply
+        (SamplingParams(temperature=1.0, top_k=2), False, {"a": 2 / 3, "b": 1 / 3}),  # not 0.79 / 0.21 (checked)
+        (SamplingParams(temperature=1.0, min_p=0.2), False, {"a": 2 / 3, "b": 1 / 3}),
+    ]:
+        matchers = [grammars.matcher(grammar, params) for _ in range(n)]
+        assert {m.checked for m in matchers} == {checked}, params
+        tokens = _sampled(matchers, params, row)
+        got = {chr(t): tokens.count(t) / n for t in set(tokens)}
+        assert set(got) == set(want), (params, got)
+        for token, share in want.items():
+            assert abs(got[token] - share) < 0.035, (params, got)  # 4σ at n = 3000
+
+
+def test_the_engine_checks_the_rows_that_do_not_truncate(chat_files):
+    """A request's matcher is checked (sampled first) when it is greedy or samples its whole distribution, and
+    masked first when top-k, top-p or min-p truncate it."""
+    from sharp.serving.config import EngineConfig
+    from sharp.serving.engine import Engine
+    from sharp.serving.loading import load_backend
+    from sharp.serving.metrics import ServingMetrics
+    from sharp.serving.requests import RequestParams, validate
+
+    backend = load_backend(chat_files["onnxruntime"], "onnxruntime")
+    engine = Engine(backend, EngineConfig(), ServingMetrics(backend.spec))
+    for sampling, checked in [
+        ({"temperature": 0.0}, True),
+        ({"temperature": 0.0, "top_p": 0.5}, True),
+        ({"temperature": 0.7}, True),
+        ({"temperature": 0.7, "top_p": 0.9}, False),
+        ({"temperature": 0.7, "top_k": 5}, False),
+        ({"temperature": 0.7, "min_p": 0.1}, False),
+    ]:
+        params = RequestParams(input_ids=[1, 2], max_new_tokens=2, regex="[ab]", **sampling)
+        seq = engine.submit(validate(params, engine.limits, engine.tokenizer.encode), lambda event: None)
+        assert seq.matcher.checked is checked, sampling
+
+
+def test_a_checked_row_computes_no_mask_while_the_grammar_takes_its_tokens(monkeypatch):
+    """The saving: a checked row's mask (every token of the vocabulary tested) is computed only in a step whose
+    sampled token the grammar refuses; a masked row's, every step."""
+    import numpy as np
+
+    from sharp.models.sampling import GREEDY
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving.grammar import Grammars, Matcher, compile_grammar
+
+    fills = []
+    fill = Matcher._fill
+    monkeypatch.setattr(Matcher, "_fill", lambda self: (fills.append(self), fill(self))[1])
+    grammars, grammar = Grammars(BYTES, BYTES.vocab_size), compile_grammar("regex", "[abc]+")
+    row = np.zeros(BYTES.vocab_size, np.float32)
+    for top, refused in ((ord("b"), False), (ord("x"), True)):
+        row[top] = 6.0 if refused else 5.0
+        matchers = [grammars.matcher(grammar, GREEDY) for _ in range(4)]
+        fills.clear()
+        assert _sampled(matchers, GREEDY, row) == [ord("b")] * 4  # the allowed argmax, refused or not
+        assert len(fills) == (4 if refused else 0)
+    unchecked = [grammars.matcher(grammar) for _ in range(4)]
+    fills.clear()
+    assert _sampled(unchecked, GREEDY, row) == [ord("b")] * 4 and len(fills) >= 4
+
+
+def test_what_a_matcher_accepts_is_what_its_mask_allows():
+    """`accepts` (the check) and the mask agree on every token, in every state of a JSON schema's grammar along an
+    output: the check may stand for the mask."""
+    import numpy as np
+
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving.grammar import Grammars, compile_grammar
+
+    m = Grammars(BYTES, BYTES.vocab_size).matcher(compile_grammar("json_schema", json.dumps(SCHEMA)))
+    for char in '{"ok":true,"color":"red","size":42}':
+        allowed = np.isfinite(_masked(m, BYTES.vocab_size))
+        for token in range(BYTES.vocab_size):
+            took = m.accepts(token)
+            assert took == allowed[token], (char, token)
+            if took:
+                m.matcher.rollback(1)
+        m.take(ord(char))
+
+
 def _masked(m, vocab: int):
     import numpy as np
 

@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 from helpers import HTTP, WEATHER, api, serving
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from sharp.serving.tools import FORMATS, CallReader, Tool, format_for
 
@@ -233,6 +233,10 @@ def get_weather(city: Literal["Oslo", "Rome"], days: Annotated[int, Field(ge=1, 
 
 
 class Answer(BaseModel):
+    """Its schema closed (additionalProperties false): an open one lets a random model's arguments run on in keys
+    of their own until max_tokens, and then no call parses."""
+
+    model_config = ConfigDict(extra="forbid")
     ok: bool
     count: Annotated[int, Field(ge=0, le=99)]
 

@@ -99,6 +99,15 @@ def test_the_torch_sampler_is_the_numpy_sampler_on_device_tensors():
     assert dev.token_logprobs(b, [0, 3], [want[0], want[3]], 2).top_ids.tolist() == (
         host.token_logprobs(a, [0, 3], [want[0], want[3]], 2).top_ids.tolist()
     )
+    bits = np.random.default_rng(0).integers(-(2**31), 2**31, (2, (V + 31) // 32)).astype(np.int32)
+    for rows in ([0, 2], [1, 2], [3]):  # apart, together (a view of the rows), alone
+        for ops, x in ((host, a), (dev, b)):
+            ops.mask(x, rows, bits[: len(rows)])
+        np.testing.assert_array_equal(b.numpy(), a)
+        bit = lambda r, t: (int(bits[r, t // 32]) >> (t % 32)) & 1
+        for r, row in enumerate(rows):
+            assert all(np.isneginf(a[row, t]) for t in range(V) if not bit(r, t)), rows
+    assert np.array_equal(dev.rows(b, [3, 1]).numpy(), host.rows(a, [3, 1])) and np.shares_memory(a, a[1:3])
 
 
 def test_a_torch_backend_samples_on_its_device_under_every_control(model_files):
