@@ -153,15 +153,61 @@ def test_an_expensive_next_mask_is_computed_as_soon_as_a_token_is_taken():
         m.take(ord(regex[1]))
         prefetch([m])
         assert m._next is None  # nothing after the grammar's end
-    # the grammar's first-mask cost was measured (by the matcher above) and is remembered: a later request's matcher
-    # computes its first mask when asked where that cost is below a handoff (set here, since a measured time
-    # depends on the host's load: on a busy CI machine it once read 113 µs, over the 100 µs handoff)
-    first = grammars._fresh(compile_grammar("regex", "ac"))[1]
-    assert 0 < first[0] < float("inf")  # measured
-    first[0] = 1e-6
+    # a later request's matcher finds the grammar's first mask kept (computed by the matcher above): nothing to
+    # start in a worker, and nothing computed when asked
     later = grammars.matcher(compile_grammar("regex", "ac"))
-    assert later.cost == 1e-6 and later._next is None
+    assert later.cost == 0.0 and later._next is None
     assert set(np.flatnonzero(np.isfinite(_masked(later, BYTES.vocab_size))).tolist()) == {ord("a")}
+    assert later.bitmask is grammars._fresh(compile_grammar("regex", "ac"))[1][()]
+
+
+def test_a_grammars_opening_masks_are_computed_once_for_all_its_requests(monkeypatch):
+    """The masks of a grammar's first states are kept, keyed by the tokens taken: a later request along the same
+    opening computes none of them, one that parts from it computes its own from there, and every mask is the one
+    llguidance computes for that state. Past OPENING_TOKENS tokens, or OPENINGS states, nothing more is kept."""
+    import numpy as np
+
+    from sharp.models.sampling import GREEDY
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving import grammar as g
+
+    computed = []  # per mask asked for: whether llguidance computed it (not found kept)
+    real = g.Matcher._fill
+    miss = lambda m: m._taken is None or m._taken not in m._openings
+    monkeypatch.setattr(g.Matcher, "_fill", lambda self: (computed.append(miss(self)), real(self))[1])
+    grammars, schema = g.Grammars(BYTES, BYTES.vocab_size), g.compile_grammar("json_schema", json.dumps(SCHEMA))
+    truth = lambda text: _masks_along(g.Grammars(BYTES, BYTES.vocab_size).matcher(schema, GREEDY), text)
+    first, same, parted = '{"ok":true,"color":"red"', '{"ok":true,"color":"red"', '{"ok":false,"color":"red"'
+    opening, shared = g.OPENING_TOKENS + 1, len('{"ok":') + 1  # states kept per text; states `parted` shares
+    for text, fills, kept in [
+        (first, len(first), opening),  # every state computed; the first 17 kept
+        (same, len(same) - opening, opening),  # those 17 found
+        (parted, len(parted) - shared, 2 * opening - shared),  # the 7 it shares found; its own 10 kept
+    ]:
+        want = truth(text)  # a fresh Grammars' matcher: every mask computed
+        computed.clear()
+        masks = _masks_along(grammars.matcher(schema, GREEDY), text, checked=text is same)
+        assert all(np.array_equal(a, b) for a, b in zip(masks, want, strict=True)), text
+        assert (sum(computed), len(grammars._fresh(schema)[1])) == (fills, kept), text
+    monkeypatch.setattr(g, "OPENINGS", opening + 3)
+    runs = g.compile_grammar("regex", "[ab]{20}")
+    for text in ("a" * 20, "b" * 20):  # 17 states kept, then 3 of the second opening's 16 new ones
+        _masks_along(grammars.matcher(runs, GREEDY), text)
+    assert len(grammars._fresh(runs)[1]) == g.OPENINGS
+
+
+def _masks_along(m, text: str, checked: bool = False) -> list:
+    """The allowed-token masks of matcher `m` before each character of `text`, taken in turn (`checked`: as a
+    checked row's sampled tokens are, by `accepts`)."""
+    import numpy as np
+
+    from sharp.models.tokenizer import BYTES
+
+    masks = []
+    for char in text:
+        masks.append(np.isfinite(_masked(m, BYTES.vocab_size)))
+        assert m.accepts(ord(char)) if checked else m.take(ord(char)) is None
+    return masks
 
 
 def test_the_vocabulary_is_compiled_in_the_background_from_the_engines_start():
