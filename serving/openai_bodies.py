@@ -144,7 +144,7 @@ class Generation(Body):
         msg = RequestParams(
             max_new_tokens=max_tokens,
             temperature=self.temperature,
-            top_k=self.top_k,
+            top_k=0 if self.top_k == -1 else self.top_k,  # -1: off, as vLLM and SGLang also spell it
             top_p=self.top_p,
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],

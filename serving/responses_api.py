@@ -95,7 +95,7 @@ class ResponsesRequest(Body):
     max_output_tokens: Int32 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stream: bool = False
+    stream: bool | None = None  # null: not streamed (sglang-router sends it so)
     text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
@@ -113,6 +113,11 @@ class ResponsesRequest(Body):
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     reasoning: dict[str, Any] | None = None  # sharp runs no reasoning: only empty
+    # vLLM's and SGLang's sampling extensions, as on chat (sglang-router adds them to every Responses body)
+    top_k: Int32 = 0
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    priority: Int32 = 0
 
     def refused(self) -> Refusal | None:
         if self.previous_response_id is not None:
@@ -154,10 +159,12 @@ class ResponsesRequest(Body):
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream,
-                                "parallel_tool_calls": self.parallel_tool_calls}  # fmt: skip
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": bool(self.stream),
+                                "parallel_tool_calls": self.parallel_tool_calls, "top_k": self.top_k,
+                                "priority": self.priority}  # fmt: skip
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
-                            ("top_p", self.top_p)):  # fmt: skip
+                            ("top_p", self.top_p), ("min_p", self.min_p),
+                            ("repetition_penalty", self.repetition_penalty)):  # fmt: skip
             if value is not None:
                 body[name] = value
         if self.tools:

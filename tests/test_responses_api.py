@@ -59,6 +59,29 @@ def test_streamed_events_add_up_to_the_response(srv):
             assert final.output_text == whole.output_text
 
 
+def test_the_body_sglang_router_sends_is_the_request_it_means(srv):
+    """sglang-router re-serializes a Responses body with its own defaults: `stream: null`, SGLang's sampling
+    extensions at their neutral values (`top_k: -1` for off) and `store: true`. Without the last, it is the same
+    request; with it, a 400 naming `store` (nothing is stored)."""
+    url = f"http://127.0.0.1:{srv.server.http_port}/v1/responses"
+    asked = {"model": "tiny", "input": "tell", "max_output_tokens": 12, "temperature": 0.0}
+    rewritten = asked | {"stream": None, "top_p": 1.0, "priority": 0, "top_k": -1, "min_p": 0.0,
+                         "repetition_penalty": 1.0}  # fmt: skip
+    want = httpx.post(url, json=asked, timeout=30)
+    got = httpx.post(url, json=rewritten, timeout=30)
+    assert got.status_code == want.status_code == 200, got.text
+    text = lambda r: [part["text"] for item in r.json()["output"] for part in item["content"]]
+    assert text(got) == text(want) and got.json()["status"] == want.json()["status"]
+    peaked = httpx.post(url, json=asked | {"temperature": 1.0, "min_p": 1.0}, timeout=30)  # only the top token stays
+    assert text(peaked) == text(want), "min_p reaches the sampler"
+    penalized = httpx.post(url, json=asked | {"repetition_penalty": 2.0}, timeout=30)
+    assert text(penalized) != text(want), "repetition_penalty reaches the sampler"
+    refused = httpx.post(url, json=rewritten | {"store": True}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "store", refused.text
+    low = httpx.post(url, json=asked | {"top_k": -2}, timeout=30)  # only -1 means off
+    assert low.status_code == 400 and low.json()["error"]["param"] == "top_k", low.text
+
+
 def test_text_format_is_structured_output(srv):
     class Thing(BaseModel):  # bounded: an unbounded integer sampled at temperature 1 can outrun the token budget
         ok: bool

@@ -6,6 +6,7 @@ was sent after the router could know."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import signal
 import subprocess
 import sys
@@ -13,9 +14,10 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
-from helpers import free_port
+from helpers import WEATHER, free_port
 
 BIN = Path(sys.executable).parent
 MODEL = "tiny"
@@ -125,6 +127,37 @@ def test_the_openai_sdk_works_unchanged_through_the_router(router, replicas):
     chunks = list(via.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_what_agents_send_passes_through_the_router(router, replicas):
+    """Structured outputs, a forced tool call and the Responses API (plain and streamed) through the router: the
+    same answers as from a replica directly (greedy: either replica gives them)."""
+    via, alone = router.client(), direct(replicas[0])
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": WEATHER, "strict": True}}
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "json"}], "temperature": 0, "max_tokens": 40}
+    got, want = (c.chat.completions.create(**ask, response_format=fmt) for c in (via, alone))
+    assert got.choices[0].message.content == want.choices[0].message.content
+    jsonschema.validate(json.loads(got.choices[0].message.content), WEATHER)
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "a forecast", "parameters": WEATHER}}
+    got, want = (c.chat.completions.create(**ask | {"max_tokens": 200}, tools=[tool], tool_choice="required",
+                                           parallel_tool_calls=False) for c in (via, alone))  # fmt: skip
+    assert got.choices[0].finish_reason == "tool_calls" and got.choices[0].message.tool_calls[0].function.name == (
+        "get_weather"
+    )
+    call, wanted = got.choices[0].message.tool_calls[0].function, want.choices[0].message.tool_calls[0].function
+    assert call.arguments == wanted.arguments and jsonschema.validate(json.loads(call.arguments), WEATHER) is None
+    asked = {"model": MODEL, "input": "tell", "max_output_tokens": 16, "temperature": 0}
+    if router.kind == "sglang":  # it rewrites every Responses body with store: true, which a stateless server refuses
+        with pytest.raises(openai.BadRequestError) as refused:
+            via.responses.create(**asked)
+        assert refused.value.body["param"] == "store", refused.value.body
+        return
+    got, want = via.responses.create(**asked), alone.responses.create(**asked)
+    assert got.output_text == want.output_text and got.status == want.status
+    events = list(via.responses.create(**asked, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want.output_text
+    assert events[-1].type in ("response.completed", "response.incomplete")
 
 
 def test_a_conversation_stays_on_the_replica_that_holds_its_prefix(router):
