@@ -50,10 +50,14 @@ class SamplingParams:
                 raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
 
     @property
+    def greedy(self) -> bool:
+        return self.temperature < TEMPERATURE_FLOOR
+
+    @property
     def truncates(self) -> bool:
         """Whether a sampled (not greedy) row drops tokens by their rank or probability — top-k, top-p, min-p —
         so that which survive depends on the tokens masked before: such a row cannot sample first and check."""
-        return self.temperature >= TEMPERATURE_FLOOR and bool(self.top_k or self.top_p < 1 or self.min_p)
+        return not self.greedy and bool(self.top_k or self.top_p < 1 or self.min_p)
 
     @property
     def processes(self) -> bool:
@@ -108,14 +112,14 @@ def sample_rows(
     Exactly `sample` row by row, but the checks and every greedy row cost one batched operation each (a serving
     step's rows are mostly greedy)."""
     bad = unusable_rows(logits).tolist()
-    greedy = [i for i, p in enumerate(params) if p.temperature < TEMPERATURE_FLOOR and not bad[i]]
+    greedy = [i for i, p in enumerate(params) if p.greedy and not bad[i]]
     out: list[int | None] = [None] * len(params)
     if greedy:
         rows = logits if len(greedy) == len(params) else logits[greedy]
         for i, token in zip(greedy, rows.argmax(-1).tolist(), strict=True):
             out[i] = token
     for i, p in enumerate(params):
-        if not bad[i] and p.temperature >= TEMPERATURE_FLOOR:
+        if not bad[i] and not p.greedy:
             out[i] = int(sample(logits[i : i + 1], p, generators[i])[0])
     return out
 

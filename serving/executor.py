@@ -43,7 +43,10 @@ class Executor:
         host NumPy, or the torch backend's device tensors, where only token ids and log-probabilities cross).
 
         A row with a grammar whose matcher is `checked` samples unmasked first; the grammar takes the token if it
-        allows it, and only the rows it refuses are masked and sampled again (grammar.py `Matcher`: exact)."""
+        allows it, and only the rows it refuses are masked and sampled again (grammar.py `Matcher`: exact). Where
+        the grammar is known to allow one token only (`Matcher.forced`), a greedy row takes it: the masked row's
+        argmax. A sampling row draws as it would have: whether a state is known depends on the requests before,
+        and its seed must give the same tokens whatever ran before it."""
         ops = self.backend.sampler
         params, generators = [s.request.sampling for s in seqs], [s.generator for s in seqs]
         processed = self._processed(seqs, logits)
@@ -51,7 +54,10 @@ class Executor:
         refused = []
         for i, s in enumerate(seqs):
             if s.matcher is not None and s.matcher.checked:
-                if chosen[i] is None or not s.matcher.accepts(chosen[i]):
+                forced = s.matcher.forced() if s.request.sampling.greedy else None  # (a drawn row draws as ever)
+                if chosen[i] is not None and forced is not None and forced not in self._banned(s):
+                    chosen[i] = _taken(s, forced)  # the only token allowed: the masked row's argmax
+                elif chosen[i] is None or not s.matcher.accepts(chosen[i]):
                     refused.append(i)
             elif s.matcher is not None and chosen[i] is not None:
                 chosen[i] = _taken(s, chosen[i])
@@ -78,9 +84,8 @@ class Executor:
         (models/sampling.py `process`); while it is short of its min_tokens, end-of-sequence and its
         stop_token_ids masked; with a grammar (structured outputs), every token it does not allow next masked (all
         such rows at once, last). Rows that need nothing cost nothing (no copy when none does)."""
-        short = lambda s: len(s.generated) < s.request.min_tokens
         masked = lambda s: s.matcher is not None and not s.matcher.checked  # a checked one is masked when refused
-        rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or short(s) or masked(s)]
+        rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or self._banned(s) or masked(s)]
         if not rows:
             return logits
         ops = self.backend.sampler
@@ -89,12 +94,20 @@ class Executor:
             seq, req = seqs[i], seqs[i].request
             if req.sampling.processes:
                 ops.process(out, i, req.sampling, seq.prompt_array(), np.asarray(seq.generated, np.int64))
-            if short(seq):
-                ops.ban(out, i, [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)])
+            if banned := self._banned(seq):
+                ops.ban(out, i, banned)
         constrained = [i for i in rows if masked(seqs[i])]
         if constrained:  # last: whatever else changed, only what the grammar allows remains
             ops.mask(out, constrained, allowed_bits([seqs[i].matcher for i in constrained], logits.shape[1]))
         return out
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """The tokens `seq` may not sample this step: end-of-sequence and its stop_token_ids, while it is short of
+        its min_tokens."""
+        req = seq.request
+        if len(seq.generated) >= req.min_tokens:
+            return []
+        return [*req.stop_token_ids, *(() if req.ignore_eos else self.eos_ids)]
 
 
 def _taken(seq: Sequence, token: int) -> int | None:

@@ -18,6 +18,7 @@ import math
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from importlib import import_module
 from typing import Any
@@ -101,10 +102,27 @@ class Grammars:
         return Matcher(fresh.deep_copy(), self.vocab_size, openings=openings, checked=checked)
 
     @lru_cache(maxsize=64)  # noqa: B019 - one Grammars per served model, alive as long as its engine
-    def _fresh(self, grammar: str) -> tuple[Any, dict[tuple[int, ...], np.ndarray]]:
+    def _fresh(self, grammar: str) -> tuple[Any, dict[tuple[int, ...], Opening]]:
         from llguidance import LLMatcher
 
         return LLMatcher(self._compiled.result(), grammar), {}
+
+
+@dataclass(frozen=True)
+class Opening:
+    """A kept mask of a grammar's opening state, and its one allowed token if it allows only one."""
+
+    bitmask: np.ndarray
+    only: int | None
+
+
+def only_token(words: np.ndarray) -> int | None:
+    """The token of the single bit set in a bitmask's int32 words (lowest bit first), or None."""
+    set_words = np.flatnonzero(words)
+    if len(set_words) != 1:
+        return None
+    word = int(words[set_words[0]]) & 0xFFFFFFFF
+    return int(set_words[0]) * 32 + word.bit_length() - 1 if word & (word - 1) == 0 else None
 
 
 class Matcher:
@@ -126,10 +144,11 @@ class Matcher:
     schema goes through the same `{"key":"` — are the same for every request that sends it: the matchers of one
     grammar share them (`openings`, keyed by the tokens taken, for the first OPENING_TOKENS tokens), and a later
     request finds them computed. Those masks are also the dearest: a fresh matcher's first ones took 10–20 µs on
-    the zoo model's vocabulary, 3 µs inside a string."""
+    the zoo model's vocabulary, 3 µs inside a string. Where a kept state allows one token only, that token is
+    known (`forced`): a checked row takes it without a mask or a second draw."""
 
     def __init__(self, matcher, vocab_size: int, handoff: float = HANDOFF_SECONDS,
-                 openings: dict[tuple[int, ...], np.ndarray] | None = None, checked: bool = False):  # fmt: skip
+                 openings: dict[tuple[int, ...], Opening] | None = None, checked: bool = False):  # fmt: skip
         self.matcher, self.vocab_size, self.handoff, self.checked = matcher, vocab_size, handoff, checked
         self.bitmask = np.full((1, (vocab_size + 31) // 32), -1, np.int32)  # llguidance's layout: a bit per token
         self._openings = {} if openings is None else openings
@@ -143,13 +162,18 @@ class Matcher:
         began = time.perf_counter()
         kept = None if self._taken is None else self._openings.get(self._taken)
         if kept is not None:
-            self.bitmask = kept
+            self.bitmask = kept.bitmask
         else:
             self.bitmask = np.empty(self.bitmask.shape, np.int32)  # its own: a kept one is shared, never written
             self.matcher.unsafe_compute_mask_ptr(self.bitmask.ctypes.data, self.bitmask.nbytes)  # releases the GIL
             if self._taken is not None and len(self._openings) < OPENINGS:
-                self._openings[self._taken] = self.bitmask
+                self._openings[self._taken] = Opening(self.bitmask, only_token(self.bitmask[0]))
         self.cost = time.perf_counter() - began
+
+    def forced(self) -> int | None:
+        """The one token the grammar allows next, where this state's mask is kept and allows no other."""
+        kept = None if self._taken is None else self._openings.get(self._taken)
+        return None if kept is None else kept.only
 
     def _took(self, token: int) -> None:
         if self._taken is not None:

@@ -158,7 +158,7 @@ def test_an_expensive_next_mask_is_computed_as_soon_as_a_token_is_taken():
     later = grammars.matcher(compile_grammar("regex", "ac"))
     assert later.cost == 0.0 and later._next is None
     assert set(np.flatnonzero(np.isfinite(_masked(later, BYTES.vocab_size))).tolist()) == {ord("a")}
-    assert later.bitmask is grammars._fresh(compile_grammar("regex", "ac"))[1][()]
+    assert later.bitmask is grammars._fresh(compile_grammar("regex", "ac"))[1][()].bitmask
 
 
 def test_a_grammars_opening_masks_are_computed_once_for_all_its_requests(monkeypatch):
@@ -251,8 +251,9 @@ def test_the_vocabulary_is_compiled_in_the_background_from_the_engines_start():
     assert preload().result(timeout=30) is sys.modules["llguidance"]
 
 
-def _sampled(matchers: list, params, logits_row) -> list:
-    """Executor.sample over one row per matcher, all with `logits_row` and `params`, row i seeded i."""
+def _sampled(matchers: list, params, logits_row, generators: list | None = None, **request) -> list:
+    """Executor.sample over one row per matcher, all with `logits_row` and `params`, row i drawing from
+    generators[i] (default: seeded i) (`request`: fields of the rows' request other than the defaults here)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -262,9 +263,10 @@ def _sampled(matchers: list, params, logits_row) -> list:
     from sharp.serving.sampler import Sampler
     from sharp.serving.scheduler import Sequence
 
-    request = SimpleNamespace(sampling=params, logprobs=None, min_tokens=0, stop_token_ids=(), ignore_eos=False,
-                              prompt_ids=[1])  # fmt: skip
-    seqs = [Sequence(request, generator(i), matcher=m) for i, m in enumerate(matchers)]
+    fields = {"logprobs": None, "min_tokens": 0, "stop_token_ids": (), "ignore_eos": False, "prompt_ids": [1]}
+    request = SimpleNamespace(sampling=params, **(fields | request))
+    generators = generators or [generator(i) for i in range(len(matchers))]
+    seqs = [Sequence(request, generators[i], matcher=m) for i, m in enumerate(matchers)]
     backend = SimpleNamespace(sampler=Sampler())  # the executor's sampling stage reads only the backend's sampler
     logits = np.tile(np.asarray(logits_row, np.float32), (len(seqs), 1))
     return Executor(backend).sample(seqs, logits)[0]
@@ -347,6 +349,40 @@ def test_a_checked_row_computes_no_mask_while_the_grammar_takes_its_tokens(monke
     unchecked = [grammars.matcher(grammar) for _ in range(4)]
     fills.clear()
     assert _sampled(unchecked, GREEDY, row) == [ord("b")] * 4 and len(fills) >= 4
+
+
+def test_a_token_the_grammar_forces_is_taken_without_a_mask_or_a_draw(monkeypatch):
+    """Where a kept opening state allows one token only, a checked row takes it: no mask, no second draw — unless
+    the row may not take it this step (short of min_tokens, the token a stop token): masked, it has nothing left."""
+    import numpy as np
+
+    from sharp.models.sampling import SamplingParams, generator
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving import grammar as g
+    from sharp.serving.sampler import Sampler
+
+    masks = []
+    mask = Sampler.mask
+    monkeypatch.setattr(Sampler, "mask", lambda self, *a: (masks.append(a[1]), mask(self, *a))[1])
+    grammars, grammar = g.Grammars(BYTES, BYTES.vocab_size), g.compile_grammar("regex", "ab[xy]")
+    greedy = SamplingParams(temperature=0.0)
+    row = np.zeros(BYTES.vocab_size, np.float32)
+    row[ord("x")] = 3.0  # the model's choice everywhere: refused until [xy]
+    for fresh in (True, False):
+        m = grammars.matcher(grammar, greedy)
+        assert m.forced() == (None if fresh else ord("a"))  # known once a request has been through
+        masks.clear()
+        assert [_sampled([m], greedy, row)[0] for _ in range(3)] == [ord("a"), ord("b"), ord("x")]
+        assert len(masks) == (2 if fresh else 0)  # refused and masked twice; then neither
+    drawn, wide = SamplingParams(temperature=1.0), g.compile_grammar("regex", "ab[a-z]{6}")
+    runs = [[_sampled([m], drawn, row, [gen])[0] for _ in range(8)] for m, gen in (
+        (g.Grammars(BYTES, BYTES.vocab_size).matcher(wide, drawn), generator(7)),  # nothing kept yet
+        *((grammars.matcher(wide, drawn), generator(7)) for _ in range(2)),  # its opening kept by the first
+    )]  # fmt: skip
+    assert runs[0][:2] == [ord("a"), ord("b")] and runs[0] == runs[1] == runs[2]  # a seed's tokens: the same
+    for stop, want in ((ord("a"), None), (ord("q"), ord("a"))):  # `a` banned while short: nothing to sample
+        m = grammars.matcher(grammar, greedy)
+        assert _sampled([m], greedy, row, min_tokens=2, stop_token_ids=(stop,)) == [want]
 
 
 def test_what_a_matcher_accepts_is_what_its_mask_allows():
