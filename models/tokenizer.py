@@ -4,7 +4,8 @@ needed). Every layer — training, checkpoints, export metadata, serving — use
 BOS/EOS and detokenization are written down in exactly one place.
 
 Interface: `encode(text, bos)`, `decode(ids)`, `stream(skip_special)` (incremental detokenization: text arrives
-only in whole UTF-8 characters), `eos_ids`, `bos`, `vocab_size`, `kind`, `chat_template`, `to_dict()`;
+only in whole UTF-8 characters), `added_id(text)` (a special or added token's id), `eos_ids`, `bos`, `vocab_size`,
+`kind`, `chat_template`, `to_dict()`;
 `tokenizer_from_dict` reads one back, `render_chat` turns chat messages into the prompt text the model was tuned on.
 """
 
@@ -65,6 +66,10 @@ class ByteTokenizer:
     def special(self) -> dict[int, str]:
         """BOS and EOS as tokenizer_json spells them: their text where special tokens are not skipped."""
         return {self.bos: "<bos>", self.eos: "<eos>"}
+
+    def added_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text` (BOS, EOS), or None."""
+        return next((i for i, t in self.special.items() if t == text), None)
 
     def encode(self, text: str, bos: bool = True) -> list[int]:
         return ([self.bos] if bos else []) + list(text.encode("utf-8"))
@@ -175,6 +180,11 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)
+
+    def added_id(self, text: str) -> int | None:
+        """The id of the added token (special or not: Mistral's `[TOOL_CALLS]`, Qwen's `<tool_call>`) spelled
+        `text`, or None: one token of the vocabulary where the text would otherwise be several pieces."""
+        return next((i for i, t in self.backend.get_added_tokens_decoder().items() if t.content == text), None)
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes a token stands for alone: a byte-level piece mapped back to its bytes, a `<0xNN>` byte-fallback

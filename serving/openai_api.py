@@ -422,7 +422,7 @@ class OpenAIServer:
         tool_call_parser: str | None = None,
     ):
         self.engine, self.calls, self.serving, self.timeouts = engine, calls, serving, timeouts
-        self.tool_format = format_for(engine.tokenizer.chat_template, tool_call_parser)
+        self.tool_format = format_for(engine.tokenizer.chat_template, tool_call_parser).bound(engine.tokenizer)
         self.token = auth_token.encode() if auth_token else None
         self.started = int(time.time())
         self.runner: web.AppRunner | None = None

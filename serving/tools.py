@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # OpenAI's names, plus `.` and `:` that MCP servers' names use
@@ -60,6 +60,14 @@ class Format:
     at_start: bool = False
     markers: tuple[str, ...] = ()  # what shows that the calls have begun
     strip: tuple[str, ...] = ()  # markers that are not JSON, dropped before the calls are read
+    tokens: tuple[str, ...] = ()  # the format's tags that a model's vocabulary may hold as one added token
+    token_ids: tuple[tuple[str, int], ...] = ()  # those the served model's does hold (`bound`), with their ids
+
+    def bound(self, tokenizer) -> Format:
+        """This format for a served model: its tags that are added tokens of the vocabulary (`added_id`) are
+        written by a forced call's grammar as those tokens — as the model writes them — not as text pieces."""
+        ids = tuple((t, i) for t in self.tokens if (i := tokenizer.added_id(t)) is not None)
+        return replace(self, token_ids=ids)
 
     def render(self, calls: list[tuple[str, Any]]) -> str:
         """Earlier calls (name, arguments) as the model writes them, for a history a template cannot render."""
@@ -81,9 +89,18 @@ class Format:
             for t in tools
         ]
         schema = json.dumps({"anyOf": alternatives, "x-guidance": COMPACT})
-        call = f"{_lit(self.open)} call {_lit(self.close)}".strip()
-        more = f" ({_lit(self.between)} {call})*" if parallel else ""
-        return f"start: {_lit(self.lead)} {call}{more} {_lit(self.tail)}\ncall: %json {schema}\n".replace("  ", " ")
+        call = f"{self._piece(self.open)} call {self._piece(self.close)}".strip()
+        more = f" ({self._piece(self.between)} {call})*" if parallel else ""
+        start = f"{self._piece(self.lead)} {call}{more} {self._piece(self.tail)}"
+        return f"start: {start}\ncall: %json {schema}\n".replace("  ", " ")
+
+    def _piece(self, text: str) -> str:
+        """`text` as a Lark sequence: its bound tags as their tokens (`<[id]>`), the rest as literal text."""
+        if not text or not self.token_ids:
+            return _lit(text)
+        ids = dict(self.token_ids)
+        parts = re.split("(" + "|".join(map(re.escape, ids)) + ")", text)
+        return " ".join(f"<[{ids[p]}]>" if p in ids else _lit(p) for p in parts if p)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
         """The content before the calls and the calls, or None when the text holds no well-formed calls."""
@@ -151,7 +168,15 @@ def _objects(text: str, fmt: Format) -> list[dict] | None:
 FORMATS = {
     f.name: f
     for f in (
-        Format("hermes", "arguments", "<tool_call>\n", "\n</tool_call>", "\n", markers=("<tool_call>",)),
+        Format(
+            "hermes",
+            "arguments",
+            "<tool_call>\n",
+            "\n</tool_call>",
+            "\n",
+            markers=("<tool_call>",),
+            tokens=("<tool_call>", "</tool_call>"),
+        ),
         Format(
             "llama3_json",
             "parameters",
@@ -159,6 +184,7 @@ FORMATS = {
             at_start=True,
             markers=("<|python_tag|>", "{"),
             strip=("<|python_tag|>",),
+            tokens=("<|python_tag|>",),
         ),
         Format(
             "mistral",
@@ -168,6 +194,7 @@ FORMATS = {
             tail="]",
             markers=("[TOOL_CALLS]",),
             strip=("[TOOL_CALLS]",),
+            tokens=("[TOOL_CALLS]",),
         ),
     )
 }

@@ -277,6 +277,50 @@ def test_the_template_picks_the_format_and_the_flag_overrides_it():
     assert format_for(TOOL_TEMPLATE, "mistral").name == "mistral"
 
 
+def test_a_forced_call_writes_the_tags_the_vocabulary_holds_as_tokens():
+    """Where the served model's vocabulary holds a format's tag as one added token (Mistral's `[TOOL_CALLS]`,
+    Qwen's `<tool_call>`), a forced call's grammar writes that token — as the model writes it — and not the tag's
+    text in pieces; the HTTP server binds its format to the model's tokenizer so."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from sharp.models.tokenizer import BYTES, HFTokenizer
+    from sharp.serving.grammar import GrammarError, Grammars, compile_grammar
+    from sharp.serving.openai_api import OpenAIServer
+
+    backend = Tokenizer.from_str(BYTES.tokenizer_json())
+    backend.add_special_tokens(["[TOOL_CALLS]"])  # 258
+    backend.add_tokens(["<tool_call>", "</tool_call>"])  # 259, 260: added, not special (as Qwen's)
+    tok = HFTokenizer(backend.to_str(), BYTES.bos, (BYTES.eos,), 261)
+    assert (tok.added_id("[TOOL_CALLS]"), tok.added_id("</tool_call>"), tok.added_id("[TOOL")) == (258, 260, None)
+    assert (BYTES.added_id("<eos>"), BYTES.added_id("<tool_call>")) == (BYTES.eos, None)
+    grammars, tools = Grammars(tok, 261), [Tool("get_weather", None, SCHEMAS["get_weather"])]
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}, separators=(",", ":"))
+
+    def accepts(fmt, ids: list[int]) -> bool:
+        m = grammars.matcher(compile_grammar("grammar", fmt.grammar(tools, parallel=False)))
+        try:
+            for token in ids:
+                m.take(token)
+        except GrammarError:
+            return False
+        return m.matcher.is_accepting()
+
+    text = lambda s: BYTES.encode(s, bos=False)
+    mistral, hermes = FORMATS["mistral"].bound(tok), FORMATS["hermes"].bound(tok)
+    assert mistral.token_ids == (("[TOOL_CALLS]", 258),) and hermes.token_ids == (("<tool_call>", 259),
+                                                                                    ("</tool_call>", 260))  # fmt: skip
+    assert FORMATS["llama3_json"].bound(tok).token_ids == ()  # no <|python_tag|> in this vocabulary
+    assert accepts(mistral, [258, *text(f"[{call}]")])
+    assert not accepts(mistral, text(f"[TOOL_CALLS][{call}]"))  # the tag's text: not what the model writes
+    assert accepts(hermes, [259, *text(f"\n{call}\n"), 260])
+    assert not accepts(hermes, text(f"<tool_call>\n{call}\n</tool_call>"))
+    assert accepts(FORMATS["mistral"], text(f"[TOOL_CALLS][{call}]"))  # unbound: the text, as before
+    server = OpenAIServer(SimpleNamespace(tokenizer=tok), None, None, tool_call_parser="mistral")
+    assert server.tool_format.token_ids == (("[TOOL_CALLS]", 258),)
+
+
 def test_forced_grammars_accept_the_calls_and_nothing_else():
     from sharp.models.tokenizer import BYTES
     from sharp.serving.grammar import GrammarError, Grammars, compile_grammar
