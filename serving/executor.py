@@ -85,7 +85,8 @@ class Executor:
         stop_token_ids masked; with a grammar (structured outputs), every token it does not allow next masked (all
         such rows at once, last). Rows that need nothing cost nothing (no copy when none does)."""
         masked = lambda s: s.matcher is not None and not s.matcher.checked  # a checked one is masked when refused
-        rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or self._banned(s) or masked(s)]
+        banned = {i: ids for i, s in enumerate(seqs) if (ids := self._banned(s))}
+        rows = [i for i, s in enumerate(seqs) if s.request.sampling.processes or i in banned or masked(s)]
         if not rows:
             return logits
         ops = self.backend.sampler
@@ -94,8 +95,8 @@ class Executor:
             seq, req = seqs[i], seqs[i].request
             if req.sampling.processes:
                 ops.process(out, i, req.sampling, seq.prompt_array(), np.asarray(seq.generated, np.int64))
-            if banned := self._banned(seq):
-                ops.ban(out, i, banned)
+            if i in banned:
+                ops.ban(out, i, banned[i])
         constrained = [i for i in rows if masked(seqs[i])]
         if constrained:  # last: whatever else changed, only what the grammar allows remains
             ops.mask(out, constrained, allowed_bits([seqs[i].matcher for i in constrained], logits.shape[1]))

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from sharp.models.sampling import SamplingParams
-from sharp.serving.sampler import allowed
+from sharp.serving.sampler import Sampler
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}  # response_format json_object
 _MASKS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sharp-grammar")  # next masks, beside the forwards
@@ -160,7 +160,7 @@ class Matcher:
 
     def _fill(self) -> None:
         began = time.perf_counter()
-        kept = None if self._taken is None else self._openings.get(self._taken)
+        kept = self._kept()
         if kept is not None:
             self.bitmask = kept.bitmask
         else:
@@ -172,8 +172,11 @@ class Matcher:
 
     def forced(self) -> int | None:
         """The one token the grammar allows next, where this state's mask is kept and allows no other."""
-        kept = None if self._taken is None else self._openings.get(self._taken)
+        kept = self._kept()
         return None if kept is None else kept.only
+
+    def _kept(self) -> Opening | None:
+        return None if self._taken is None else self._openings.get(self._taken)
 
     def _took(self, token: int) -> None:
         if self._taken is not None:
@@ -220,7 +223,7 @@ def allowed_bits(matchers: list[Matcher], vocab: int) -> np.ndarray:
 
 def mask_rows(matchers: list[Matcher], logits: np.ndarray) -> None:
     """Set row i of host `logits` (rows, V), in place, to −inf at every token matchers[i] does not allow next."""
-    np.putmask(logits, ~allowed(allowed_bits(matchers, logits.shape[1]), logits.shape[1]), -np.inf)
+    Sampler().mask(logits, list(range(len(matchers))), allowed_bits(matchers, logits.shape[1]))
 
 
 def prefetch(matchers: list[Matcher]) -> None:
