@@ -1,25 +1,25 @@
 """sharp.serving — the engine (continuous batching, chunked prefill, KV budget), the onnxruntime and torch
 backends, the gRPC server with entropy metrics, and its clients.
 
-Names are imported on first use, so a client (`sharp-client`, `sharp.serving.client`) never loads torch or
+Names are imported on first use, so a client (`sharp-client`, `sharp.serving.api.client`) never loads torch or
 onnxruntime.
 """
 
 from importlib import import_module
 
 _HOMES = {
-    "BACKENDS": "backends",
-    "Backend": "backends",
-    "BackendError": "backends",
+    "BACKENDS": "backends.interface",
+    "Backend": "backends.interface",
+    "BackendError": "backends.interface",
     "ModelSpec": "spec",
-    "load_backend": "loading",
-    "AsyncClient": "client",
-    "Client": "client",
-    "make_request": "client",
-    "Engine": "engine",
-    "EngineClient": "engine_client",
-    "EngineProcess": "core",
-    "CoreSpec": "core",
+    "load_backend": "backends.loading",
+    "AsyncClient": "api.client",
+    "Client": "api.client",
+    "make_request": "api.client",
+    "Engine": "engine.engine",
+    "EngineClient": "engine.engine_client",
+    "EngineProcess": "engine.core",
+    "CoreSpec": "engine.core",
     "EngineConfig": "config",
     "GenerationRequest": "requests",
     "RequestError": "requests",
@@ -27,9 +27,9 @@ _HOMES = {
     "Status": "status",
     "validate": "requests",
     "ServingMetrics": "metrics",
-    "BackgroundServer": "server",
-    "ServerConfig": "server",
-    "SharpServer": "server",
+    "BackgroundServer": "api.server",
+    "ServerConfig": "api.server",
+    "SharpServer": "api.server",
 }
 __all__ = sorted(_HOMES)
 

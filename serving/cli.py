@@ -103,10 +103,10 @@ def _configured(config_type, args, **rest):
 
 def serve_parser() -> argparse.ArgumentParser:
     # the serving side only: the client never loads torch
-    from sharp.serving.backends import BACKENDS, DTYPES
+    from sharp.serving.api.server import ServerConfig
+    from sharp.serving.backends.interface import BACKENDS, DTYPES
     from sharp.serving.config import EngineConfig
     from sharp.serving.metrics import ENTROPY_MODES, METRIC_NAMES
-    from sharp.serving.server import ServerConfig
 
     ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
     ap.add_argument(
@@ -178,10 +178,10 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def build_server(args):
     """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
+    from sharp.serving.api.server import ServerConfig
+    from sharp.serving.backends.loading import check_model_path, exported
     from sharp.serving.config import EngineConfig
-    from sharp.serving.core import CoreSpec, EngineProcess, build_engine
-    from sharp.serving.loading import check_model_path, exported
-    from sharp.serving.server import ServerConfig
+    from sharp.serving.engine.core import CoreSpec, EngineProcess, build_engine
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise UsageError("--tls-cert and --tls-key go together; give both or neither")
@@ -226,7 +226,7 @@ def build_server(args):
 
 async def _serve(engine, config) -> int:
     """Serve until a signal drains the server (0) or the engine's process dies (1: its clients were told)."""
-    from sharp.serving.server import SharpServer
+    from sharp.serving.api.server import SharpServer
 
     server = SharpServer(engine, config)
     try:
@@ -292,8 +292,8 @@ async def _serve(engine, config) -> int:
 
 def serve_main(argv: list[str] | None = None) -> int:
     from sharp.models.messages import one_line
-    from sharp.serving.backends import BackendError
-    from sharp.serving.core import CoreExited
+    from sharp.serving.backends.interface import BackendError
+    from sharp.serving.engine.core import CoreExited
 
     args = serve_parser().parse_args(argv)
     try:
@@ -304,7 +304,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     except CoreExited as e:
         print(f"sharp-serve: {one_line(e)}", file=sys.stderr)
         return 1
-    from sharp.serving.warmup import WarmUpError
+    from sharp.serving.engine.warmup import WarmUpError
 
     restore = logs.configure(args.log_level, args.log_format)
     try:
@@ -369,7 +369,7 @@ def client_main(argv: list[str] | None = None) -> int:
     import grpc
     from google.protobuf import json_format
 
-    from sharp.serving.client import Client
+    from sharp.serving.api.client import Client
 
     args = client_parser().parse_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""The engine core in its own process (serving/core.py): the same tokens as the model through both APIs, rows that
+"""The engine core in its own process (engine/core.py): the same tokens as the model through both APIs, rows that
 never disturb each other, cancellation and the queue limit kept on the server's side, a drain's deadline, the
 core's crash reported to every waiting client (and sharp-serve exiting 1), and a pipe that unpickles nothing but
 the classes it carries."""
@@ -21,11 +21,11 @@ import openai
 import pytest
 
 from sharp.serving import Client
+from sharp.serving.api.server import BackgroundServer, ServerConfig
 from sharp.serving.config import EngineConfig
-from sharp.serving.core import CoreSpec, EngineProcess, _Unpickler
-from sharp.serving.output import Delta, Failed, Finished
+from sharp.serving.engine.core import CoreSpec, EngineProcess, _Unpickler
+from sharp.serving.engine.output import Delta, Failed, Finished
 from sharp.serving.requests import RequestError, RequestParams, validate
-from sharp.serving.server import BackgroundServer, ServerConfig
 from sharp.serving.stats import StepStats
 from sharp.serving.status import Status
 from sharp.v1 import generator_pb2 as pb
@@ -207,7 +207,7 @@ def test_a_model_the_core_cannot_load_is_the_same_one_line_error(model_files, tm
     junk.write_bytes(b"not a model")
     with pytest.raises(Exception) as in_core:
         EngineProcess(CoreSpec(str(junk)))
-    from sharp.serving.core import build_engine
+    from sharp.serving.engine.core import build_engine
 
     with pytest.raises(Exception) as in_process:
         build_engine(CoreSpec(str(junk)))
@@ -223,7 +223,7 @@ def test_the_pipe_unpickles_its_messages_and_nothing_else():
     for bad in (os.system, eval, asyncio.run, pickle.loads):
         with pytest.raises(pickle.UnpicklingError):
             _Unpickler(io.BytesIO(pickle.dumps(bad))).load()
-    dotted = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x12sharp.serving.core\x8c\x0cpickle.loads\x93."
+    dotted = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x12sharp.serving.engine.core\x8c\x0cpickle.loads\x93."
     with pytest.raises(pickle.UnpicklingError):
         _Unpickler(io.BytesIO(dotted)).load()
 
@@ -256,7 +256,8 @@ def test_a_model_with_a_tokenizer_json_crosses_the_pipe(chat_files, reference):
     ],
 )
 def test_auto_runs_the_core_in_its_own_process_where_the_model_runs_on_a_gpu(model_files, monkeypatch, flags, apart):
-    from sharp.serving import cli, core
+    from sharp.serving import cli
+    from sharp.serving.engine import core
 
     monkeypatch.setattr(core, "EngineProcess", lambda spec: ("process", spec))  # nothing is started or loaded
     monkeypatch.setattr(core, "build_engine", lambda spec: ("in process", spec))

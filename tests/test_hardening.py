@@ -39,7 +39,7 @@ from hypothesis import strategies as st
 from sharp.serving import (
     Client,
 )
-from sharp.serving.text import StopText
+from sharp.serving.engine.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
 
@@ -257,7 +257,7 @@ def test_cancels_deadlines_and_killed_clients_leave_nothing_behind(model_files):
 
 _STREAM_FOREVER = """
 import sys
-from sharp.serving.client import Client
+from sharp.serving.api.client import Client
 c = Client(sys.argv[1])
 for chunk in c.generate_stream("killed client", max_new_tokens=3000):
     print("streaming", flush=True)

@@ -24,12 +24,12 @@ from sharp.exporter import metadata  # noqa: E402
 from sharp.models import hf  # noqa: E402
 from sharp.models.tokenizer import BYTES, HFTokenizer  # noqa: E402
 from sharp.serving import Client  # noqa: E402
-from sharp.serving.backends import BackendError  # noqa: E402
+from sharp.serving.api.server import BackgroundServer, ServerConfig  # noqa: E402
+from sharp.serving.backends.interface import BackendError  # noqa: E402
+from sharp.serving.backends.loading import load_backend  # noqa: E402
 from sharp.serving.config import EngineConfig  # noqa: E402
-from sharp.serving.engine import Engine  # noqa: E402
-from sharp.serving.loading import load_backend  # noqa: E402
+from sharp.serving.engine.engine import Engine  # noqa: E402
 from sharp.serving.metrics import ServingMetrics  # noqa: E402
-from sharp.serving.server import BackgroundServer, ServerConfig  # noqa: E402
 
 VOCAB = 320
 SIZES = dict(
@@ -282,7 +282,7 @@ def test_sharp_serve_greedy_equals_transformers_generate(hf_dirs, exported, fami
 
 
 def _request(prompt: str):
-    from sharp.serving.client import make_request
+    from sharp.serving.api.client import make_request
 
     return make_request(prompt, max_new_tokens=20, temperature=0)
 
@@ -583,7 +583,7 @@ def test_the_readme_recipe_serves_a_hugging_face_directory(hf_dirs, tmp_path):
 
 
 def test_the_export_cache_key_follows_the_directory_content(hf_dirs, tmp_path):
-    from sharp.serving.loading import content_key
+    from sharp.serving.backends.loading import content_key
 
     model = shutil.copytree(hf_dirs["llama"], tmp_path / "m")
     key = content_key(model)

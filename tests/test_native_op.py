@@ -29,7 +29,7 @@ from sharp.models.normalizers import PAPER_POLY
 from sharp.models.tokenizer import ByteTokenizer
 from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path, norm_table
 from sharp.serving import BackgroundServer, Client, Engine, EngineConfig, ServerConfig, ServingMetrics, load_backend
-from sharp.serving.backends import BackendError
+from sharp.serving.backends.interface import BackendError
 
 Tokenizer = ByteTokenizer()
 

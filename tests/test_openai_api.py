@@ -642,8 +642,8 @@ def test_routes_clients_and_probes_call(chat_files):
 
 
 def test_a_token_the_model_rules_out_is_reported_at_the_floor_in_valid_json():
-    from sharp.serving.openai_api import LOGPROB_FLOOR, _Logprobs
-    from sharp.serving.output import TokenLogprob
+    from sharp.serving.api.openai_api import LOGPROB_FLOOR, _Logprobs
+    from sharp.serving.engine.output import TokenLogprob
 
     ruled_out = TokenLogprob(ord("a"), float("-inf"), [(ord("b"), 0.0), (ord("c"), float("-inf"))])
     shapes = _Logprobs(BYTES)

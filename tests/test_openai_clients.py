@@ -17,7 +17,7 @@ from helpers import HTTP, _log_softmax, api, serving
 from sharp.models import load
 from sharp.models.tokenizer import render_chat
 from sharp.serving import Client
-from sharp.serving.prefix import common_prefix
+from sharp.serving.kv.prefix import common_prefix
 
 
 def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objects(chat_files, reference):

@@ -116,96 +116,63 @@ def test_layers_import_one_way():
     assert wrong == []
 
 
-# serving/'s rooms (docs/design.md): each may import its own room and the rooms after it, never one before it
-SERVING_ROOMS = {
-    "edge": {
-        "server",
-        "openai_api",
-        "auth",
-        "calls",
-        "client",
-        "cli",
-        "metrics_http",
-        "tools",
-        "openai_bodies",
-        "responses_api",
-    },
-    "engine": {
-        "engine_client",
-        "engine",
-        "scheduler",
-        "executor",
-        "output",
-        "requests",
-        "status",
-        "stats",
-        "metrics",
-        "config",
-        "core",
-        "text",
-        "grammar",
-        "warmup",
-        "logs",
-    },
-    "backends": {
-        "loading",
-        "backends",
-        "onnxruntime_backend",
-        "tensorrt_backend",
-        "torch_backend",
-        "sampler",
-        "cache",
-        "prefix",
-        "spec",
-    },
-}
-GRPC_MODULES = {"server", "client", "cli"}  # the gRPC edge: the only importers of grpc and the generated stubs
+# serving/'s rooms (docs/design.md), in import order: a module may import its own room and the rooms after it, never
+# one before it. "" is serving/'s own top level: what every room uses (settings, validation, status, statistics).
+SERVING_ROOMS = ("cli", "api", "engine", "backends", "", "kv")
+GRPC_MODULES = {"api.server", "api.client", "cli"}  # the gRPC edge: the only importers of grpc and the stubs
+
+
+def _serving_modules() -> dict[str, Path]:
+    """serving/'s modules by dotted name under sharp.serving ("api.server", "config", …), packages' inits left out."""
+    root = ROOT / "serving"
+    return {
+        ".".join(p.relative_to(root).with_suffix("").parts): p
+        for p in sorted(root.rglob("*.py"))
+        if p.stem != "__init__"
+    }
+
+
+def _room(module: str) -> str:
+    """A module's room: its folder, or "cli" / "" at serving/'s top level."""
+    return module.split(".")[0] if "." in module else ("cli" if module == "cli" else "")
+
+
+def _imports(path: Path) -> list[str]:
+    """Every dotted name a module imports (`from a.b import c` counts as a.b and a.b.c), at run time or for type
+    checking alike."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+    return found
 
 
 def test_serving_rooms_import_one_way_and_grpc_stays_at_its_edge():
-    import ast
-
-    root = Path(__file__).resolve().parents[1] / "serving"
-    rank = {m: i for i, room in enumerate(SERVING_ROOMS.values()) for m in room}
-    modules = {p.stem for p in root.glob("*.py")} - {"__init__"}
-    assert modules == set(rank), f"give each serving module a room: {sorted(modules ^ set(rank))}"
+    modules = _serving_modules()
+    assert {_room(m) for m in modules} == set(SERVING_ROOMS), "serving/'s folders are its rooms: name a new one here"
+    rank = {room: i for i, room in enumerate(SERVING_ROOMS)}
     wrong = []
-    for name in sorted(modules):
-        for node in ast.walk(ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom):
-                targets = [f"{node.module}.{a.name}" for a in node.names] if node.module else []
-                targets += [node.module or ""]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            for target in targets:
-                parts = target.split(".")
-                if parts[:2] == ["sharp", "serving"] and len(parts) > 2 and rank.get(parts[2], 99) < rank[name]:
-                    wrong.append(f"serving/{name}.py imports {target}")
-                if (parts[0] == "grpc" or "_pb2" in target) and name not in GRPC_MODULES:
-                    wrong.append(f"serving/{name}.py imports {target} (gRPC outside its edge)")
+    for name, path in modules.items():
+        for target in _imports(path):
+            inner = target.removeprefix("sharp.serving.")
+            if target.startswith("sharp.serving.") and inner in modules and rank[_room(inner)] < rank[_room(name)]:
+                wrong.append(f"serving/{name} imports {target}")
+            if (target.split(".")[0] == "grpc" or "_pb2" in target) and name not in GRPC_MODULES:
+                wrong.append(f"serving/{name} imports {target} (gRPC outside its edge)")
     assert wrong == []
 
 
 def _serving_imports() -> dict[str, set[str]]:
     """serving/'s modules and the serving modules each imports (at run time or for type checking alike)."""
-    import ast
-
-    root = ROOT / "serving"
-    modules = {p.stem for p in root.glob("*.py")} - {"__init__"}
-    graph: dict[str, set[str]] = {}
-    for name in modules:
-        found = set()
-        for node in ast.walk(ast.parse((root / f"{name}.py").read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            found |= {t.split(".")[2] for t in targets if t.startswith("sharp.serving.") and t.split(".")[2] in modules}
-        graph[name] = found - {name}
+    modules = _serving_modules()
+    graph = {}
+    for name, path in modules.items():
+        targets = {t.removeprefix("sharp.serving.") for t in _imports(path) if t.startswith("sharp.serving.")}
+        graph[name] = (targets & set(modules)) - {name}
     return graph
 
 
@@ -234,9 +201,9 @@ def test_the_apis_depend_on_the_engine_client_interface_only():
     """gRPC, HTTP and the calls between them hold an `EngineClient`: whether the engine runs in this process or in
     its own is the command line's choice (serving/cli.py), not theirs."""
     graph = _serving_imports()
-    for api in ("server", "openai_api", "calls"):
-        assert "engine_client" in graph[api], api
-        assert not graph[api] & {"engine", "core", "scheduler", "executor"}, api
+    for api in ("api.server", "api.openai_api", "api.calls"):
+        assert "engine.engine_client" in graph[api], api
+        assert not graph[api] & {"engine.engine", "engine.core", "engine.scheduler", "engine.executor"}, api
 
 
 MAX_JIT_PARAMETERS = 30

@@ -18,8 +18,8 @@ from helpers import greedy_request, run_until_idle
 
 from sharp.models import ModelConfig, SharpLM
 from sharp.serving import Engine, EngineConfig, RequestError, load_backend
-from sharp.serving.backends import PAGE_SIZE
-from sharp.serving.output import Delta, Failed, Finished
+from sharp.serving.config import PAGE_SIZE
+from sharp.serving.engine.output import Delta, Failed, Finished
 from sharp.serving.status import Status
 
 MARK = 250  # a prompt holding this id makes the wrapped model raise in every decode step it is part of

@@ -22,9 +22,9 @@ from sharp.models import ModelConfig, SharpLM, save
 from sharp.models.kvcache import PageAllocator, block_hashes
 from sharp.models.registry import NORMS
 from sharp.serving import Engine, EngineConfig, ServingMetrics, load_backend
-from sharp.serving.backends import PAGE_SIZE
-from sharp.serving.output import Delta, Finished
-from sharp.serving.prefix import PrefixStore, common_prefix
+from sharp.serving.config import PAGE_SIZE
+from sharp.serving.engine.output import Delta, Finished
+from sharp.serving.kv.prefix import PrefixStore, common_prefix
 
 BACKENDS = {  # name → how to load a model file for it
     "native": lambda files: load_backend(files["onnx"], "onnxruntime"),

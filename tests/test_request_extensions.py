@@ -142,7 +142,7 @@ def test_a_request_without_max_tokens_generates_to_the_end_of_what_it_can_use(mo
     """As vLLM and llama-server: no max_tokens runs to the end of the context or the end-of-sequence token —
     within --max-new-tokens-limit and what the KV budget holds beside its prompt (which it reserves); a number
     given by --default-max-new-tokens still applies; ModelInfo says 0 for "to the end"."""
-    from sharp.serving.loading import load_backend
+    from sharp.serving.backends.loading import load_backend
 
     per_token = load_backend(model_files["onnxruntime"]).kv_bytes_per_token
     prompt = list(range(10, 60))  # 50 tokens

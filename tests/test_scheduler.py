@@ -1,4 +1,4 @@
-"""The scheduler alone: queues, admission and step plans, with no backend and no model (serving/scheduler.py)."""
+"""The scheduler alone: queues, admission and step plans, with no backend and no model (serving/engine/scheduler.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from sharp.serving.engine.scheduler import Scheduler, Sequence
 from sharp.serving.requests import GenerationRequest
-from sharp.serving.scheduler import Scheduler, Sequence
 
 
 def _seq(prompt: int, new: int = 4, name: str = "r") -> Sequence:

@@ -42,11 +42,11 @@ from sharp.serving import (
     ServingMetrics,
     load_backend,
 )
-from sharp.serving.backends import BackendError, Chunk, _prefill_batches
-from sharp.serving.cache import BatchCache
-from sharp.serving.output import Delta, Finished
+from sharp.serving.backends.interface import BackendError, Chunk, _prefill_batches
+from sharp.serving.engine.output import Delta, Finished
+from sharp.serving.engine.text import StopText
+from sharp.serving.kv.cache import BatchCache
 from sharp.serving.status import Status
-from sharp.serving.text import StopText
 from sharp.v1 import generator_pb2 as pb
 
 CONTEXT = 4096
@@ -771,7 +771,7 @@ def test_an_onnx_server_never_imports_torch(model_files, tmp_path):
     finally:
         proc.kill()
     imported = {m.group(1).strip() for m in re.finditer(r"^import time:.*\|\s*(\S+)\s*$", log.read_text(), re.M)}
-    assert {"onnxruntime", "sharp.serving.engine", "sharp.models.sampling"} <= imported  # the log is read right
+    assert {"onnxruntime", "sharp.serving.engine.engine", "sharp.models.sampling"} <= imported  # the log is read right
     heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "triton", "transformers"))
     torch_backed = sorted(imported & {"sharp.models.lm", "sharp.models.normalizers", "sharp.models.attention"})
     assert heavy == [] and torch_backed == [], (heavy[:5], torch_backed)
@@ -914,7 +914,7 @@ def test_sharp_serve_model_name_and_health_port_options_reach_the_server(model_f
 def test_torch_backend_on_cpu_streams_long_contexts_and_generates_the_same_tokens(model_files, reference, monkeypatch):
     """Past STREAMED_FROM_KEYS keys the CPU torch backend switches to the O(n)-memory streamed attention."""
     import sharp.models.attention as attention
-    from sharp.serving import torch_backend
+    from sharp.serving.backends import torch_backend
 
     calls = []
     streamed = attention._streamed
@@ -931,9 +931,9 @@ def test_torch_backend_on_cpu_streams_long_contexts_and_generates_the_same_token
 def test_sharp_serve_help_shows_the_defaults_the_engine_and_server_use(capsys):
     """One source per setting: every sharp-serve option that is an EngineConfig or ServerConfig field defaults to
     that field's default, and --help prints it."""
+    from sharp.serving.api.server import ServerConfig
     from sharp.serving.cli import serve_parser
     from sharp.serving.config import EngineConfig
-    from sharp.serving.server import ServerConfig
 
     ap = serve_parser()
     options = {a.dest for a in ap._actions} - {"warm_up"}  # auto|on|off, resolved into the field per --device

@@ -137,7 +137,8 @@ def test_an_expensive_next_mask_is_computed_as_soon_as_a_token_is_taken():
     import numpy as np
 
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import Grammars, compile_grammar, prefetch
+    from sharp.serving.engine.matcher import Grammars, prefetch
+    from sharp.serving.grammar import compile_grammar
 
     grammars = Grammars(BYTES, BYTES.vocab_size)
     for handoff, ahead, regex in ((0.0, True, "ab"), (1.0, False, "ac")):  # every mask dearer than a handoff; none
@@ -169,13 +170,14 @@ def test_a_grammars_opening_masks_are_computed_once_for_all_its_requests(monkeyp
 
     from sharp.models.sampling import GREEDY
     from sharp.models.tokenizer import BYTES
-    from sharp.serving import grammar as g
+    from sharp.serving.engine import matcher as g
+    from sharp.serving.grammar import compile_grammar
 
     computed = []  # per mask asked for: whether llguidance computed it (not found kept)
     real = g.Matcher._fill
     miss = lambda m: m._taken is None or m._taken not in m._openings
     monkeypatch.setattr(g.Matcher, "_fill", lambda self: (computed.append(miss(self)), real(self))[1])
-    grammars, schema = g.Grammars(BYTES, BYTES.vocab_size), g.compile_grammar("json_schema", json.dumps(SCHEMA))
+    grammars, schema = g.Grammars(BYTES, BYTES.vocab_size), compile_grammar("json_schema", json.dumps(SCHEMA))
     truth = lambda text: _masks_along(g.Grammars(BYTES, BYTES.vocab_size).matcher(schema, GREEDY), text)
     first, same, parted = '{"ok":true,"color":"red"', '{"ok":true,"color":"red"', '{"ok":false,"color":"red"'
     opening, shared = g.OPENING_TOKENS + 1, len('{"ok":') + 1  # states kept per text; states `parted` shares
@@ -190,7 +192,7 @@ def test_a_grammars_opening_masks_are_computed_once_for_all_its_requests(monkeyp
         assert all(np.array_equal(a, b) for a, b in zip(masks, want, strict=True)), text
         assert (sum(computed), len(grammars._fresh(schema)[1])) == (fills, kept), text
     monkeypatch.setattr(g, "OPENINGS", opening + 3)
-    runs = g.compile_grammar("regex", "[ab]{20}")
+    runs = compile_grammar("regex", "[ab]{20}")
     for text in ("a" * 20, "b" * 20):  # 17 states kept, then 3 of the second opening's 16 new ones
         _masks_along(grammars.matcher(runs, GREEDY), text)
     assert len(grammars._fresh(runs)[1]) == g.OPENINGS
@@ -219,7 +221,8 @@ def test_the_vocabulary_is_compiled_in_the_background_from_the_engines_start():
     import threading
 
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import GrammarError, Grammars, compile_grammar, preload
+    from sharp.serving.engine.matcher import Grammars
+    from sharp.serving.grammar import GrammarError, compile_grammar, preload
 
     class Watched:
         """BYTES, noting which thread read its tokenizer.json and when it is readable."""
@@ -259,9 +262,9 @@ def _sampled(matchers: list, params, logits_row, generators: list | None = None,
     import numpy as np
 
     from sharp.models.sampling import generator
-    from sharp.serving.executor import Executor
-    from sharp.serving.sampler import Sampler
-    from sharp.serving.scheduler import Sequence
+    from sharp.serving.backends.sampler import Sampler
+    from sharp.serving.engine.executor import Executor
+    from sharp.serving.engine.scheduler import Sequence
 
     fields = {"logprobs": None, "min_tokens": 0, "stop_token_ids": (), "ignore_eos": False, "prompt_ids": [1]}
     request = SimpleNamespace(sampling=params, **(fields | request))
@@ -281,7 +284,8 @@ def test_a_checked_row_samples_first_and_keeps_the_masked_distribution():
 
     from sharp.models.sampling import SamplingParams
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import Grammars, compile_grammar
+    from sharp.serving.engine.matcher import Grammars
+    from sharp.serving.grammar import compile_grammar
 
     grammars, grammar = Grammars(BYTES, BYTES.vocab_size), compile_grammar("regex", "[abc]")
     row = np.full(BYTES.vocab_size, -np.inf, np.float32)
@@ -305,9 +309,9 @@ def test_a_checked_row_samples_first_and_keeps_the_masked_distribution():
 def test_the_engine_checks_the_rows_that_do_not_truncate(chat_files):
     """A request's matcher is checked (sampled first) when it is greedy or samples its whole distribution, and
     masked first when top-k, top-p or min-p truncate it."""
+    from sharp.serving.backends.loading import load_backend
     from sharp.serving.config import EngineConfig
-    from sharp.serving.engine import Engine
-    from sharp.serving.loading import load_backend
+    from sharp.serving.engine.engine import Engine
     from sharp.serving.metrics import ServingMetrics
     from sharp.serving.requests import RequestParams, validate
 
@@ -333,7 +337,8 @@ def test_a_checked_row_computes_no_mask_while_the_grammar_takes_its_tokens(monke
 
     from sharp.models.sampling import GREEDY
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import Grammars, Matcher, compile_grammar
+    from sharp.serving.engine.matcher import Grammars, Matcher
+    from sharp.serving.grammar import compile_grammar
 
     fills = []
     fill = Matcher._fill
@@ -358,13 +363,14 @@ def test_a_token_the_grammar_forces_is_taken_without_a_mask_or_a_draw(monkeypatc
 
     from sharp.models.sampling import SamplingParams, generator
     from sharp.models.tokenizer import BYTES
-    from sharp.serving import grammar as g
-    from sharp.serving.sampler import Sampler
+    from sharp.serving.backends.sampler import Sampler
+    from sharp.serving.engine import matcher as g
+    from sharp.serving.grammar import compile_grammar
 
     masks = []
     mask = Sampler.mask
     monkeypatch.setattr(Sampler, "mask", lambda self, *a: (masks.append(a[1]), mask(self, *a))[1])
-    grammars, grammar = g.Grammars(BYTES, BYTES.vocab_size), g.compile_grammar("regex", "ab[xy]")
+    grammars, grammar = g.Grammars(BYTES, BYTES.vocab_size), compile_grammar("regex", "ab[xy]")
     greedy = SamplingParams(temperature=0.0)
     row = np.zeros(BYTES.vocab_size, np.float32)
     row[ord("x")] = 3.0  # the model's choice everywhere: refused until [xy]
@@ -374,7 +380,7 @@ def test_a_token_the_grammar_forces_is_taken_without_a_mask_or_a_draw(monkeypatc
         masks.clear()
         assert [_sampled([m], greedy, row)[0] for _ in range(3)] == [ord("a"), ord("b"), ord("x")]
         assert len(masks) == (2 if fresh else 0)  # refused and masked twice; then neither
-    drawn, wide = SamplingParams(temperature=1.0), g.compile_grammar("regex", "ab[a-z]{6}")
+    drawn, wide = SamplingParams(temperature=1.0), compile_grammar("regex", "ab[a-z]{6}")
     runs = [[_sampled([m], drawn, row, [gen])[0] for _ in range(8)] for m, gen in (
         (g.Grammars(BYTES, BYTES.vocab_size).matcher(wide, drawn), generator(7)),  # nothing kept yet
         *((grammars.matcher(wide, drawn), generator(7)) for _ in range(2)),  # its opening kept by the first
@@ -391,7 +397,8 @@ def test_what_a_matcher_accepts_is_what_its_mask_allows():
     import numpy as np
 
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import Grammars, compile_grammar
+    from sharp.serving.engine.matcher import Grammars
+    from sharp.serving.grammar import compile_grammar
 
     m = Grammars(BYTES, BYTES.vocab_size).matcher(compile_grammar("json_schema", json.dumps(SCHEMA)))
     for char in '{"ok":true,"color":"red","size":42}':
@@ -418,7 +425,8 @@ def test_a_steps_masks_are_computed_and_applied_together_as_each_alone():
     import numpy as np
 
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import Grammars, compile_grammar, mask_rows, prefetch
+    from sharp.serving.engine.matcher import Grammars, mask_rows, prefetch
+    from sharp.serving.grammar import compile_grammar
 
     grammars = Grammars(BYTES, BYTES.vocab_size)
     specs = [
@@ -442,6 +450,6 @@ def test_a_steps_masks_are_computed_and_applied_together_as_each_alone():
 
 
 def _copy(m):
-    from sharp.serving.grammar import Matcher
+    from sharp.serving.engine.matcher import Matcher
 
     return Matcher(m.matcher.deep_copy(), m.vocab_size)

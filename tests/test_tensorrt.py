@@ -483,7 +483,7 @@ def test_a_tensorrt_form_file_serves_by_default_and_says_how(tmp_path, capsys):
     from sharp.models.sampling import GREEDY
     from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
     from sharp.serving import Engine, EngineConfig, load_backend
-    from sharp.serving.output import Delta, Finished
+    from sharp.serving.engine.output import Delta, Finished
     from sharp.serving.requests import GenerationRequest
 
     try:

@@ -15,7 +15,7 @@ import pytest
 from helpers import HTTP, WEATHER, api, serving
 from pydantic import BaseModel, ConfigDict, Field
 
-from sharp.serving.tools import FORMATS, CallReader, Tool, format_for
+from sharp.serving.api.tools import FORMATS, CallReader, Tool, format_for
 
 # a Hermes-style template that renders tools, calls and results (as Qwen's and Hermes' do)
 TOOL_TEMPLATE = (
@@ -286,8 +286,9 @@ def test_a_forced_call_writes_the_tags_the_vocabulary_holds_as_tokens():
     from tokenizers import Tokenizer
 
     from sharp.models.tokenizer import BYTES, HFTokenizer
-    from sharp.serving.grammar import GrammarError, Grammars, compile_grammar
-    from sharp.serving.openai_api import OpenAIServer
+    from sharp.serving.api.openai_api import OpenAIServer
+    from sharp.serving.engine.matcher import Grammars
+    from sharp.serving.grammar import GrammarError, compile_grammar
 
     backend = Tokenizer.from_str(BYTES.tokenizer_json())
     backend.add_special_tokens(["[TOOL_CALLS]"])  # 258
@@ -323,7 +324,8 @@ def test_a_forced_call_writes_the_tags_the_vocabulary_holds_as_tokens():
 
 def test_forced_grammars_accept_the_calls_and_nothing_else():
     from sharp.models.tokenizer import BYTES
-    from sharp.serving.grammar import GrammarError, Grammars, compile_grammar
+    from sharp.serving.engine.matcher import Grammars
+    from sharp.serving.grammar import GrammarError, compile_grammar
 
     grammars = Grammars(BYTES, BYTES.vocab_size)
     tools = [Tool(n, None, SCHEMAS[n]) for n in SCHEMAS]

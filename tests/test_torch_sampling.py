@@ -1,4 +1,4 @@
-"""The torch backend's sampling stage on its device (models/torch_sampling.py, serving/torch_backend.py's
+"""The torch backend's sampling stage on its device (models/torch_sampling.py, serving/backends/torch_backend.py's
 TorchSampler) against the NumPy one every graph backend runs: the same processed logits, the same tokens from the
 same seeds, the same log-probabilities and grammar masks — and a torch backend's step hands the engine a tensor on
 its device, not host logits."""
@@ -11,8 +11,8 @@ import torch
 
 from sharp.models import torch_sampling
 from sharp.models.sampling import SamplingParams, generator, process, sample_rows, token_logprobs
-from sharp.serving.sampler import Sampler
-from sharp.serving.torch_backend import TorchSampler
+from sharp.serving.backends.sampler import Sampler
+from sharp.serving.backends.torch_backend import TorchSampler
 
 V = 300
 PROCESSED = [

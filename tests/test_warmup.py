@@ -1,4 +1,4 @@
-"""Warm-up before SERVING (serving/warmup.py): the shapes it runs, the cache it leaves empty, the health it holds
+"""Warm-up before SERVING (serving/engine/warmup.py): the shapes it runs, the cache it leaves empty, the health it holds
 at NOT_SERVING until done, and a failed warm-up that never serves."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from sharp.models import ModelConfig, SharpLM, load, save
 from sharp.models.sampling import GREEDY
 from sharp.serving import BackgroundServer, Client, Engine, EngineConfig, ServerConfig, load_backend
 from sharp.serving.cli import serve_main
-from sharp.serving.warmup import WarmUpError, chunk_classes, schedule, warm_up
+from sharp.serving.engine.warmup import WarmUpError, chunk_classes, schedule, warm_up
 
 CHUNK = 64
 
@@ -127,7 +127,7 @@ def test_a_failed_warm_up_never_serves(model_path, monkeypatch, capsys):
     def failing(backend, chunk):
         raise WarmUpError("prefill of 256 tokens after 0 failed: RuntimeError: out of memory")
 
-    monkeypatch.setattr("sharp.serving.engine.warm_up", failing)
+    monkeypatch.setattr("sharp.serving.engine.engine.warm_up", failing)
     argv = [str(model_path), "--backend", "torch", "--port", "0", "--metrics-port", "-1", "--warm-up", "on"]
     assert serve_main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the server's own log lines

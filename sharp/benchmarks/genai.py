@@ -30,7 +30,7 @@ from sharp.benchmarks.harness import (
 )
 from sharp.benchmarks.serve import _prompts, closed_loop, grpc_sender, sharp_serve
 from sharp.models.checkpoint import zoo_model
-from sharp.serving.client import AsyncClient
+from sharp.serving.api.client import AsyncClient
 
 
 def sharp_serve_tokens_per_s(package: Path, prompts: list[str], concurrency: int, new_tokens: int) -> float:

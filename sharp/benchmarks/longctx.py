@@ -37,10 +37,10 @@ from sharp.benchmarks.harness import (
 )
 from sharp.models import ModelConfig, SharpLM, save
 from sharp.models.registry import NORMS
+from sharp.serving.backends.loading import load_backend
 from sharp.serving.config import EngineConfig
-from sharp.serving.engine import Engine
-from sharp.serving.loading import load_backend
-from sharp.serving.output import Delta
+from sharp.serving.engine.engine import Engine
+from sharp.serving.engine.output import Delta
 from sharp.serving.requests import RequestParams, validate
 
 SHAPES = {

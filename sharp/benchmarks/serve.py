@@ -47,12 +47,12 @@ from sharp.benchmarks.harness import (
 )
 from sharp.models.checkpoint import zoo_model
 from sharp.plugins.onnxruntime import NativeOpUnavailable, library_path
-from sharp.serving.client import AsyncClient
+from sharp.serving.api.client import AsyncClient
+from sharp.serving.backends.loading import load_backend
 from sharp.serving.config import EngineConfig
-from sharp.serving.engine import Engine
-from sharp.serving.loading import load_backend
+from sharp.serving.engine.engine import Engine
+from sharp.serving.engine.output import Delta, Finished
 from sharp.serving.metrics import ServingMetrics
-from sharp.serving.output import Delta, Finished
 from sharp.serving.requests import RequestParams, validate
 
 
@@ -183,7 +183,8 @@ def compile_times(model: Path, schemas: int = 5, properties: int = 50) -> tuple[
     """Seconds to compile the first schema (the vocabulary compiled with it) and each of `schemas` new ones of
     `properties` properties after it — compiled by llguidance and turned into a matcher with its first mask, as a
     request's first step needs."""
-    from sharp.serving.grammar import Grammars, compile_grammar
+    from sharp.serving.engine.matcher import Grammars
+    from sharp.serving.grammar import compile_grammar
 
     spec = load_backend(model).spec
     began = time.perf_counter()  # the first time counts the vocabulary's compile, begun with Grammars

@@ -22,17 +22,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from sharp.serving.auth import bearer_matches
-from sharp.serving.calls import Calls
+from sharp.serving.api.auth import bearer_matches
+from sharp.serving.api.calls import Calls
+from sharp.serving.api.metrics_http import MetricsServer
+from sharp.serving.api.tools import FORMATS as TOOL_FORMATS
 from sharp.serving.config import option
-from sharp.serving.engine_client import EngineClient
+from sharp.serving.engine.engine_client import EngineClient
+from sharp.serving.engine.output import Delta, Failed, Finished, TokenLogprob
+from sharp.serving.engine.warmup import WarmUp
 from sharp.serving.grammar import preload
-from sharp.serving.metrics_http import MetricsServer
-from sharp.serving.output import Delta, Failed, Finished, TokenLogprob
 from sharp.serving.requests import RequestError, RequestParams, validate
 from sharp.serving.status import Status
-from sharp.serving.tools import FORMATS as TOOL_FORMATS
-from sharp.serving.warmup import WarmUp
 from sharp.v1 import generator_pb2 as pb
 from sharp.v1 import generator_pb2_grpc as pb_grpc
 
@@ -497,7 +497,7 @@ class SharpServer:
         if cfg.health_port is not None:
             await self._start_health(cfg.host, cfg.health_port)
         if cfg.http_port is not None:  # before the engine runs: requests wait in its queue meanwhile, as gRPC's do
-            from sharp.serving.openai_api import HTTPTimeouts, OpenAIServer  # aiohttp, pydantic: only when it is on
+            from sharp.serving.api.openai_api import HTTPTimeouts, OpenAIServer  # aiohttp, pydantic: only when it is on
 
             serving = lambda: self.health.statuses.get("") == health_pb2.HealthCheckResponse.SERVING
             timeouts = HTTPTimeouts(cfg.http_keepalive_timeout, cfg.http_body_timeout)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from sharp import __version__
 from sharp.models.messages import did_you_mean
-from sharp.serving.backends import BACKENDS, Backend, BackendError
+from sharp.serving.backends.interface import BACKENDS, Backend, BackendError
 
 EXPECTED = {
     "onnxruntime": "an .onnx file from sharp-export, or a Hugging Face model directory",
@@ -96,13 +96,13 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
     if path.is_dir():
         path = exported(path)
     if backend == "tensorrt":
-        from sharp.serving.tensorrt_backend import TensorRTBackend
+        from sharp.serving.backends.tensorrt_backend import TensorRTBackend
 
         return TensorRTBackend(path, device)
     if backend == "onnxruntime":
-        from sharp.serving.onnxruntime_backend import OnnxRuntimeBackend
+        from sharp.serving.backends.onnxruntime_backend import OnnxRuntimeBackend
 
         return OnnxRuntimeBackend(path, device, **kw)
-    from sharp.serving.torch_backend import TorchBackend
+    from sharp.serving.backends.torch_backend import TorchBackend
 
     return TorchBackend(path, device, **kw)

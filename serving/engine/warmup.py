@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sharp.serving.backends import Backend
+from sharp.serving.backends.interface import Backend
 
 log = logging.getLogger("sharp.serving")
 

@@ -8,8 +8,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from sharp.serving.engine_client import EngineClient
-from sharp.serving.output import Delivery, Event
+from sharp.serving.engine.engine_client import EngineClient
+from sharp.serving.engine.output import Delivery, Event
 from sharp.serving.requests import GenerationRequest, RequestError
 from sharp.serving.stats import RequestOutcome
 

@@ -17,19 +17,19 @@ import time
 from collections.abc import Callable
 
 from sharp.models.sampling import generator
-from sharp.serving.backends import Backend
+from sharp.serving.backends.interface import Backend
 from sharp.serving.config import EngineConfig
-from sharp.serving.engine_client import EngineClient
-from sharp.serving.executor import Executor
-from sharp.serving.grammar import Grammars
+from sharp.serving.engine.engine_client import EngineClient
+from sharp.serving.engine.executor import Executor
+from sharp.serving.engine.matcher import Grammars
+from sharp.serving.engine.output import Delivery, Event, HeadStats, Output, RequestState
+from sharp.serving.engine.scheduler import Scheduler, Sequence
+from sharp.serving.engine.text import StopText
+from sharp.serving.engine.warmup import WarmUp, warm_up
 from sharp.serving.metrics import ServingMetrics
-from sharp.serving.output import Delivery, Event, HeadStats, Output, RequestState
 from sharp.serving.requests import GenerationRequest
-from sharp.serving.scheduler import Scheduler, Sequence
 from sharp.serving.stats import StepStats
 from sharp.serving.status import Status
-from sharp.serving.text import StopText
-from sharp.serving.warmup import WarmUp, warm_up
 
 log = logging.getLogger("sharp.serving")
 
@@ -74,7 +74,7 @@ class Engine(EngineClient):
             self._thread.join(timeout=30)
 
     def warm_up(self) -> WarmUp:
-        """Run the model's shapes once before `start` (serving/warmup.py); raises WarmUpError."""
+        """Run the model's shapes once before `start` (serving/engine/warmup.py); raises WarmUpError."""
         return warm_up(self.backend, self.config.prefill_chunk)
 
     def submit(self, req: GenerationRequest, sink: Callable[[Event], None], arrival: float | None = None) -> Sequence:

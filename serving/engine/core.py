@@ -32,15 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from sharp.serving.config import EngineConfig
-from sharp.serving.engine import Engine
-from sharp.serving.engine_client import EngineClient
+from sharp.serving.engine.engine import Engine
+from sharp.serving.engine.engine_client import EngineClient
+from sharp.serving.engine.output import Delivery, Delta, Event, Failed, RequestState
+from sharp.serving.engine.scheduler import Sequence
+from sharp.serving.engine.warmup import WarmUp, WarmUpError
 from sharp.serving.metrics import ServingMetrics
-from sharp.serving.output import Delivery, Delta, Event, Failed, RequestState
 from sharp.serving.requests import GenerationRequest, RequestError
-from sharp.serving.scheduler import Sequence
 from sharp.serving.stats import RequestOutcome, StepStats
 from sharp.serving.status import Status
-from sharp.serving.warmup import WarmUp, WarmUpError
 
 log = logging.getLogger("sharp.serving")
 
@@ -103,7 +103,7 @@ class CoreSpec:
 
 def build_engine(spec: CoreSpec, publish=None) -> Engine:
     """The engine `spec` describes, in this process; raises BackendError (and ValueError for a bad config)."""
-    from sharp.serving.loading import load_backend
+    from sharp.serving.backends.loading import load_backend
 
     backend = load_backend(spec.model, spec.backend, spec.device, **spec.backend_options)
     if spec.model_name is not None:
@@ -359,6 +359,6 @@ class EngineProcess(EngineClient):
 
 def _rebuilt(kind: str, message: str) -> Exception:
     """The core's start-up error as this process raises it: a BackendError stays one (sharp-serve exits 2)."""
-    from sharp.serving.backends import BackendError
+    from sharp.serving.backends.interface import BackendError
 
     return BackendError(message) if kind == "BackendError" else CoreExited(f"{kind}: {message}")

@@ -1,5 +1,5 @@
 """The onnxruntime backend: a file written by sharp-export with a KV cache, run as the generation graph
-(serving/backends.py: GraphBackend)."""
+(serving/backends/interface.py: GraphBackend)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import onnxruntime as ort
 
 from sharp.exporter import metadata
 from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
-from sharp.serving.backends import BackendError, GraphBackend, StepOutput
+from sharp.serving.backends.interface import BackendError, GraphBackend, StepOutput
 from sharp.serving.spec import ModelSpec
 
 

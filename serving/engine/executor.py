@@ -1,7 +1,7 @@
 """The executor: a step's model calls on the backend — one batched prefill of the plan's chunks, one batched decode
 step of the running sequences — timed into the step's statistics, and the sampling of their logits into tokens
 (with the model's own log-probabilities, when asked). The backend owns the KV cache and the batching of what it is
-given (serving/backends.py)."""
+given (serving/backends/interface.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import time
 
 import numpy as np
 
-from sharp.serving.backends import Backend, Chunk, StepResult
-from sharp.serving.grammar import GrammarError, allowed_bits, prefetch
-from sharp.serving.output import TokenLogprob, as_token_logprobs
-from sharp.serving.scheduler import Sequence
+from sharp.serving.backends.interface import Backend, Chunk, StepResult
+from sharp.serving.engine.matcher import allowed_bits, prefetch
+from sharp.serving.engine.output import TokenLogprob, as_token_logprobs
+from sharp.serving.engine.scheduler import Sequence
+from sharp.serving.grammar import GrammarError
 from sharp.serving.stats import StepStats
 
 
@@ -39,7 +40,7 @@ class Executor:
     def sample(self, seqs: list[Sequence], logits) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Each row's next token (None where its logits are unusable) and, for the rows whose request asked, its
         log-probability — computed in one batched pass over those rows only, from the model's own logits (before
-        any request's processing, as vLLM reports them). The arrays are the backend's sampler's (serving/sampler.py:
+        any request's processing, as vLLM reports them). The arrays are the backend's sampler's (backends/sampler.py:
         host NumPy, or the torch backend's device tensors, where only token ids and log-probabilities cross).
 
         A row with a grammar whose matcher is `checked` samples unmasked first; the grammar takes the token if it

@@ -1,6 +1,6 @@
 """Where a step's logits become tokens: the array operations the executor's sampling stage runs on them. NumPy's
 (`Sampler`) for host logits — the graph backends', whose outputs are host arrays; the torch backend brings its own
-(`TorchSampler`, serving/torch_backend.py) for logits left on its device. The stage itself — which rows need which
+(`TorchSampler`, backends/torch_backend.py) for logits left on its device. The stage itself — which rows need which
 processor, the grammar, the log-probabilities — is the executor's, once for both."""
 
 from __future__ import annotations

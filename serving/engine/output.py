@@ -19,15 +19,15 @@ import numpy as np
 
 from sharp.models.sampling import Logprobs, token_logprobs
 from sharp.models.tokenizer import TextStream
+from sharp.serving.engine.text import StopText
 from sharp.serving.requests import GenerationRequest
 from sharp.serving.stats import RequestOutcome, StepStats
 from sharp.serving.status import Status
-from sharp.serving.text import StopText
 
 log = logging.getLogger("sharp.serving")
 
 if TYPE_CHECKING:
-    from sharp.serving.backends import Hit, StepResult
+    from sharp.serving.backends.interface import Hit, StepResult
 
 S = TypeVar("S")  # what a stream's caller holds of its request: a Sequence in process, a handle across the pipe
 

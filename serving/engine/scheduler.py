@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sharp.serving.backends import Chunk, Prefix
-from sharp.serving.grammar import Matcher
-from sharp.serving.output import RequestState
+from sharp.serving.backends.interface import Chunk, Prefix
+from sharp.serving.engine.matcher import Matcher
+from sharp.serving.engine.output import RequestState
 from sharp.serving.requests import GenerationRequest
 
 MAX_OVERTAKES = 16  # admissions that may pass a waiting request that does not fit, before it blocks the queue

@@ -1,4 +1,4 @@
-"""The TensorRT backend: an engine from sharp-build-engine run as the generation graph (serving/backends.py:
+"""The TensorRT backend: an engine from sharp-build-engine run as the generation graph (serving/backends/interface.py:
 GraphBackend). Not verified: TensorRT could not be installed where this was written (docs/tensorrt.md)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from sharp.exporter import metadata
-from sharp.serving.backends import BackendError, GraphBackend, StepOutput
+from sharp.serving.backends.interface import BackendError, GraphBackend, StepOutput
 from sharp.serving.spec import ModelSpec
 
 

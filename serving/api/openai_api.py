@@ -32,24 +32,24 @@ from pydantic import BaseModel, ValidationError
 
 from sharp import __version__
 from sharp.models.tokenizer import ChatTemplateError, render_chat, takes_tools
-from sharp.serving.auth import bearer_matches
-from sharp.serving.calls import Calls
-from sharp.serving.engine_client import EngineClient
-from sharp.serving.metrics_http import LOAD_PATH, scrape
-from sharp.serving.openai_bodies import (
+from sharp.serving.api.auth import bearer_matches
+from sharp.serving.api.calls import Calls
+from sharp.serving.api.metrics_http import LOAD_PATH, scrape
+from sharp.serving.api.openai_bodies import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
     Generation,
     TokenizeRequest,
 )
-from sharp.serving.output import Delta, Event, Failed, Finished, TokenLogprob
+from sharp.serving.api.responses_api import Reply, ResponsesRequest, renamed
+from sharp.serving.api.responses_api import usage as responses_usage
+from sharp.serving.api.tools import CallReader, ToolCall, ToolUse, format_for, system_block
+from sharp.serving.engine.engine_client import EngineClient
+from sharp.serving.engine.output import Delta, Event, Failed, Finished, TokenLogprob
 from sharp.serving.requests import GenerationRequest, RequestError, RequestParams, validate
-from sharp.serving.responses_api import Reply, ResponsesRequest, renamed
-from sharp.serving.responses_api import usage as responses_usage
 from sharp.serving.stats import RequestOutcome
 from sharp.serving.status import Status
-from sharp.serving.tools import CallReader, ToolCall, ToolUse, format_for, system_block
 
 log = logging.getLogger("sharp.serving")
 

@@ -13,10 +13,10 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
-from sharp.serving.output import Delivery, Event
+from sharp.serving.engine.output import Delivery, Event
+from sharp.serving.engine.warmup import WarmUp
 from sharp.serving.requests import GenerationRequest, draining_error, queue_full_error
 from sharp.serving.status import Status
-from sharp.serving.warmup import WarmUp
 
 if TYPE_CHECKING:
     from sharp.models.tokenizer import Tokenizer

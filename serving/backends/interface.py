@@ -7,7 +7,7 @@ values are kept is the backend's business:
 - `GraphBackend` (onnxruntime, TensorRT) runs the exported generation graph, whose flat tensors are left-padded
   `input_ids` (B, L), `attention_mask` (B, past + L), `position_ids` (B, L) and per-layer past keys/values
   (B, kv_heads, past, head_dim) (exporter/export.py, Optimum names): the running batch shares one left-padded
-  cache (serving/cache.py), so its memory follows the longest sequence;
+  cache (serving/kv/cache.py), so its memory follows the longest sequence;
 - `TorchBackend` runs a SharpLM on a paged KV cache (models/kvcache.py): each sequence holds only its own pages, a
   sequence joins and leaves without moving data, and on CUDA the attention reads the pages with the Triton kernels.
 A row the model fails on in a batched decode or prefill ends alone: the rows are run one by one and only failing ones
@@ -28,16 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from sharp.serving import cache as arrays
-from sharp.serving.cache import BatchCache
-from sharp.serving.prefix import PrefixStore
-from sharp.serving.sampler import Sampler
+from sharp.serving.backends.sampler import Sampler
+from sharp.serving.kv import cache as arrays
+from sharp.serving.kv.cache import BatchCache
+from sharp.serving.kv.prefix import PrefixStore
 from sharp.serving.spec import ModelSpec
 
 log = logging.getLogger("sharp.serving")
 
-BACKENDS = ("onnxruntime", "torch", "tensorrt")  # each in its own module (serving/<name>_backend.py)
-PAGE_SIZE = 16  # tokens per KV page of the torch backend (a kernel tile: decode reads whole pages)
+BACKENDS = ("onnxruntime", "torch", "tensorrt")  # each in its own module (serving/backends/<name>_backend.py)
 DTYPES = ("fp32", "bf16", "fp16")  # the torch backend's --dtype
 Cache = Any  # a KV tensor as a backend keeps it: a NumPy array (onnxruntime) or a torch tensor (CUDA, TensorRT)
 
@@ -196,7 +195,7 @@ class GraphBackend(Backend):
     keep their own cache, running ones share one left-padded `BatchCache` whose memory is slots × the longest.
     A step's small host arrays are NumPy's (torch's dispatch and thread pool cost more than the work on them).
     `in_place`: the file is in the op's cache form and `forward(..., in_place=True)` writes a decode step's keys
-    into the batch's own buffers (serving/cache.py)."""
+    into the batch's own buffers (serving/kv/cache.py)."""
 
     in_place = False
 

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from sharp.serving.openai_bodies import Body, ChatRequest, Int32, Refusal
-from sharp.serving.tools import ToolCall
+from sharp.serving.api.openai_bodies import Body, ChatRequest, Int32, Refusal
+from sharp.serving.api.tools import ToolCall
 
 RENAMED = {  # a chat field's refusal, in the Responses request's words
     "messages": "input",

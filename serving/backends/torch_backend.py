@@ -1,4 +1,4 @@
-"""The torch backend: a sharp model.pt (SharpLM) on a paged KV cache (serving/backends.py has the interface)."""
+"""The torch backend: a sharp model.pt (SharpLM) on a paged KV cache (backends/interface.py: the interface)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 from sharp.exporter import metadata
 from sharp.models import torch_sampling
 from sharp.models.kvcache import OutOfPages, PagedKVCache, block_hashes
-from sharp.serving.backends import DTYPES, PAGE_SIZE, Backend, BackendError, Hit, Prefix, StepResult
-from sharp.serving.sampler import Sampler
+from sharp.serving.backends.interface import DTYPES, Backend, BackendError, Hit, Prefix, StepResult
+from sharp.serving.backends.sampler import Sampler
+from sharp.serving.config import PAGE_SIZE
 from sharp.serving.spec import ModelSpec
 
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the

@@ -10,9 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sharp.serving.api.tools import TOOL_NAME, Format, Tool, ToolUse
 from sharp.serving.grammar import schema_text
 from sharp.serving.requests import MAX_CHOICES, RequestParams
-from sharp.serving.tools import TOOL_NAME, Format, Tool, ToolUse
 
 Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]

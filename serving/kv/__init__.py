@@ -1,0 +1,1 @@
+"""KV memory: the graph backends' batch cache and their prefix store."""
