@@ -23,14 +23,11 @@ import onnx
 from sharp.exporter import metadata
 from sharp.exporter.metadata import ModelMetadata, plan_metadata_path
 from sharp.exporter.tensorrt import is_tensorrt_form
+from sharp.models.messages import Parser, UsageError
 from sharp.plugins.tensorrt.plugin import KernelManifest, TensorRTUnavailable, import_tensorrt, register
 
 PROFILES = ("prefill", "decode")
 DEFAULT_KERNELS = Path("build/trt-kernels")
-
-
-class UsageError(Exception):
-    """A user mistake: one line on stderr, exit 2."""
 
 
 @dataclass(frozen=True)
@@ -104,13 +101,8 @@ def check_kernels(directory: Path, meta: ModelMetadata, dtype: str) -> KernelMan
     return manifest
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + message
-        self.exit(2, f"{self.prog}: {message}\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="sharp-build-engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="sharp-build-engine", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path, help="an .onnx file from `sharp-export MODEL --tensorrt`")
     ap.add_argument("-o", "--output", type=Path, required=True, help="the engine file to write (MODEL.plan)")
     precision = ap.add_mutually_exclusive_group()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from sharp.exporter.precision import CPU_RUNS, QUANTIZED, PrecisionError
 from sharp.exporter.settings import ExportSettings, flag_names
 from sharp.models import registry
-from sharp.models.messages import did_you_mean, one_line
+from sharp.models.messages import Parser, UsageError, did_you_mean, one_line
 
 if TYPE_CHECKING:  # torch and onnx load only once the command is known to be sound
     import onnx
@@ -41,15 +41,6 @@ SETTINGS = {f.name: f for f in dataclasses.fields(ExportSettings)}
 
 def _flag(param: str) -> str:
     return "--" + param.replace("_", "-")
-
-
-class UsageError(Exception):
-    """A user mistake: printed as one line, exit 2."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + message
-        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def check_norm_change(model: SharpLM, norm: str, values: dict[str, float]) -> None:
@@ -89,7 +80,7 @@ def _check_output(model: Path, out: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="sharp-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(prog="sharp-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "model",
         type=Path,

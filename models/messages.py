@@ -3,8 +3,20 @@ there, the near names beside it (a typo is the usual cause)."""
 
 from __future__ import annotations
 
+import argparse
 import difflib
 from pathlib import Path
+
+
+class UsageError(Exception):
+    """A user mistake: one line on stderr, exit 2 (every sharp command's)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that refuses a command line with one line, `prog: message`, and exit 2 (not usage + message)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def did_you_mean(path: Path) -> str:

@@ -17,14 +17,11 @@ import ssl
 import sys
 from pathlib import Path
 
+from sharp.models.messages import Parser, UsageError
 from sharp.serving import logs
 from sharp.serving.logs import FORMATS, LEVELS
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
-
-
-class UsageError(Exception):
-    """A user mistake: one line on stderr, exit 2."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -34,11 +31,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         if action.default is None or isinstance(action.default, bool):
             return action.help  # "(default: None)" and flags' False say nothing
         return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of usage + message
-        self.exit(2, f"{self.prog}: {message}\n")
 
 
 def _read(path: Path | None, what: str) -> bytes | None:
@@ -108,7 +100,7 @@ def serve_parser() -> argparse.ArgumentParser:
     from sharp.serving.config import EngineConfig
     from sharp.serving.metrics import ENTROPY_MODES, METRIC_NAMES
 
-    ap = _Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
+    ap = Parser(prog="sharp-serve", description=__doc__, formatter_class=_HelpFormatter)
     ap.add_argument(
         "model",
         type=Path,
@@ -330,11 +322,11 @@ def _connection_flags(ap: argparse.ArgumentParser, defaults: bool) -> None:
 
 
 def client_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="sharp-client", description="Talk to a sharp-serve server.")
+    ap = Parser(prog="sharp-client", description="Talk to a sharp-serve server.")
     _connection_flags(ap, defaults=True)
     connection = argparse.ArgumentParser(add_help=False)
     _connection_flags(connection, defaults=False)
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser)
     gen = sub.add_parser("generate", help="generate from a prompt", parents=[connection])
     gen.add_argument("prompt")
     gen.add_argument("--stream", action="store_true", help="print text as it is produced")

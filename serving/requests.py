@@ -114,8 +114,8 @@ class GenerationRequest:
 @dataclass
 class RequestParams:
     """What a client asks for, in no transport's shape (vLLM's SamplingParams with the prompt beside it): each API
-    builds one from its own message (server.py from the gRPC request, openai_api.py from the JSON body) and
-    `validate` checks it. None (and the empty defaults) mean the server's default; the field names are the gRPC
+    builds one from its own message (api/grpc_service.py from the gRPC request, api/openai_api.py from the JSON body)
+    and `validate` checks it. None (and the empty defaults) mean the server's default; the field names are the gRPC
     message's, which are the names refusals use unless the API maps them."""
 
     prompt: str = ""

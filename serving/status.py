@@ -1,8 +1,8 @@
 """`Status`: why a request ended without its output, in no transport's words.
 
-The engine and request validation speak it; each API maps it at its edge with one table — the gRPC server to a
-`grpc.StatusCode` (server.py `GRPC_CODES`), the HTTP API to an HTTP status (openai_api.py `HTTP_STATUS`). The
-names are gRPC's canonical ones, so the metrics' `status` label reads the same whichever door a request used.
+The engine and request validation speak it; each API maps it at its edge with one table — the gRPC service to a
+`grpc.StatusCode` (api/grpc_service.py `GRPC_CODES`), the HTTP API to an HTTP status (api/errors.py `HTTP_STATUS`).
+The names are gRPC's canonical ones, so the metrics' `status` label reads the same whichever door a request used.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from helpers import scrape, start_sharp_serve
 
 from sharp.serving import Client
 from sharp.serving.api.server import BackgroundServer, ServerConfig
@@ -29,7 +30,6 @@ from sharp.serving.requests import RequestError, RequestParams, validate
 from sharp.serving.stats import StepStats
 from sharp.serving.status import Status
 from sharp.v1 import generator_pb2 as pb
-from tests.test_serving import scrape, start_sharp_serve
 
 
 def _engine(model_files, **config) -> EngineProcess:

@@ -237,7 +237,7 @@ def test_a_write_to_a_departed_client_is_a_quiet_disconnect_not_a_500(caplog):
 
     from aiohttp import ClientConnectionResetError
 
-    from sharp.serving.api.openai_api import _Handler
+    from sharp.serving.api.http_app import _Handler
 
     request = SimpleNamespace(remote="127.0.0.1", writer=SimpleNamespace(output_size=0))
     with caplog.at_level(logging.INFO, logger="sharp.serving"), pytest.raises(ConnectionError):

@@ -1,7 +1,7 @@
-"""The paged KV cache (models/kvcache.py): allocator (budget, fragmentation, double free), steps that write in chunks
-and only count once committed, cancellation, the paged kernel reading the cache's own pools, and SharpLM on a
-paged cache generating exactly what it generates on its dense cache — every norm, the reference path and the
-Triton kernels (paged decode and dense prefill chunks)."""
+"""The paged KV cache (serving/kv/pages.py, models/kvcache.py): allocator (budget, fragmentation, double free),
+steps that write in chunks and only count once committed, cancellation, the paged kernel reading the cache's own
+pools, and SharpLM on a paged cache generating exactly what it generates on its dense cache — every norm, the
+reference path and the Triton kernels (paged decode and dense prefill chunks)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import torch
 from devices import ATOL, ATOL_LOOSE, DEVICE
 
 from sharp.models import ModelConfig, SharpLM, kvcache
-from sharp.models.kvcache import PAGED_KERNEL_ROWS, OutOfPages, PageAllocator, PagedKVCache
+from sharp.models.kvcache import PAGED_KERNEL_ROWS
 from sharp.models.registry import NORMS
+from sharp.serving.kv.pages import OutOfPages, PageAllocator, PagedKVCache
 
 
 def test_allocator_budget_fragmentation_and_double_free():

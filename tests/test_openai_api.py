@@ -642,11 +642,11 @@ def test_routes_clients_and_probes_call(chat_files):
 
 
 def test_a_token_the_model_rules_out_is_reported_at_the_floor_in_valid_json():
-    from sharp.serving.api.openai_api import LOGPROB_FLOOR, _Logprobs
+    from sharp.serving.api.replies import LOGPROB_FLOOR, Logprobs
     from sharp.serving.engine.output import TokenLogprob
 
     ruled_out = TokenLogprob(ord("a"), float("-inf"), [(ord("b"), 0.0), (ord("c"), float("-inf"))])
-    shapes = _Logprobs(BYTES)
+    shapes = Logprobs(BYTES)
     for got in (shapes.completion([ord("a")], [ruled_out]), shapes.chat([ruled_out])):
         text = json.dumps(got, allow_nan=False)  # raises on -inf: JSON has no infinities
         assert str(LOGPROB_FLOOR) in text and "Infinity" not in text

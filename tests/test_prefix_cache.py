@@ -19,11 +19,11 @@ from helpers import greedy_request, run_until_idle
 
 from sharp.exporter.export import ExportSettings, export_model
 from sharp.models import ModelConfig, SharpLM, save
-from sharp.models.kvcache import PageAllocator, block_hashes
 from sharp.models.registry import NORMS
 from sharp.serving import Engine, EngineConfig, ServingMetrics, load_backend
 from sharp.serving.config import PAGE_SIZE
 from sharp.serving.engine.output import Delta, Finished
+from sharp.serving.kv.pages import PageAllocator, block_hashes
 from sharp.serving.kv.prefix import PrefixStore, common_prefix
 
 BACKENDS = {  # name → how to load a model file for it

@@ -119,6 +119,7 @@ def test_function_tools_and_their_outputs_sent_back(srv):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": 5}, "input"),
+        ({"input": []}, "input"),  # valid as a Responses body, not as the chat it means (no message)
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [FLAT_TOOL | {"name": "bad name"}]}, "tools[0].name"),

@@ -8,7 +8,7 @@ values are kept is the backend's business:
   `input_ids` (B, L), `attention_mask` (B, past + L), `position_ids` (B, L) and per-layer past keys/values
   (B, kv_heads, past, head_dim) (exporter/export.py, Optimum names): the running batch shares one left-padded
   cache (serving/kv/cache.py), so its memory follows the longest sequence;
-- `TorchBackend` runs a SharpLM on a paged KV cache (models/kvcache.py): each sequence holds only its own pages, a
+- `TorchBackend` runs a SharpLM on a paged KV cache (kv/pages.py): each sequence holds only its own pages, a
   sequence joins and leaves without moving data, and on CUDA the attention reads the pages with the Triton kernels.
 A row the model fails on in a batched decode or prefill ends alone: the rows are run one by one and only failing ones
 end.

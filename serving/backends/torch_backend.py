@@ -10,10 +10,10 @@ import torch
 
 from sharp.exporter import metadata
 from sharp.models import torch_sampling
-from sharp.models.kvcache import OutOfPages, PagedKVCache, block_hashes
 from sharp.serving.backends.interface import DTYPES, Backend, BackendError, Hit, Prefix, StepResult
 from sharp.serving.backends.sampler import Sampler
 from sharp.serving.config import PAGE_SIZE
+from sharp.serving.kv.pages import OutOfPages, PagedKVCache, block_hashes
 from sharp.serving.spec import ModelSpec
 
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the

@@ -1,1 +1,1 @@
-"""KV memory: the graph backends' batch cache and their prefix store."""
+"""KV memory: the torch backend's page pool and its prefix names, the graph backends' batch cache and prefix store."""

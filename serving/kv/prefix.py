@@ -3,7 +3,7 @@
 when a prompt is admitted.
 
 A graph backend's running batch is one left-padded buffer written in place, so pages cannot be shared with it as
-the torch backend's paged cache shares them (models/kvcache.py); instead a hit copies the matched columns into the
+the torch backend's paged cache shares them (kv/pages.py); instead a hit copies the matched columns into the
 joining sequence's own cache — the copy a join makes anyway — and only the rest of its prompt is prefilled. Every
 normalizer is causal and per query, so a prefix's keys, values and per-position entropies depend on the prefix
 alone and are reused exactly.
