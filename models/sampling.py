@@ -13,6 +13,14 @@ from dataclasses import dataclass
 import numpy as np
 
 
+class SamplingError(ValueError):
+    """A sampling setting out of its range; `field` names it (a refusal names the field the client sent)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; top_k 0 and top_p 1 disable those filters, top_p 0 keeps only the most likely
@@ -29,25 +37,30 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
 
     def check(self) -> None:
-        """Raise ValueError saying what is wrong and what is allowed (the token ids of logit_bias are the
-        vocabulary's, checked by the caller that knows it)."""
+        """Raise SamplingError (a ValueError naming its field) saying what is wrong and what is allowed (the token
+        ids of logit_bias are the vocabulary's, checked by the caller that knows it)."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise SamplingError("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise SamplingError("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         for name in ("top_p", "min_p"):
             if not math.isfinite(getattr(self, name)) or not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+                raise SamplingError(name, f"{name} must be in [0, 1], got {getattr(self, name)}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise SamplingError(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not math.isfinite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2] (1 disables it), got {self.repetition_penalty}")
+            raise SamplingError(
+                "repetition_penalty",
+                f"repetition_penalty must be in (0, 2] (1 disables it), got {self.repetition_penalty}",
+            )
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+            raise SamplingError(
+                "logit_bias", f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}"
+            )
         for token, bias in self.logit_bias:
             if not math.isfinite(bias) or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+                raise SamplingError("logit_bias", f"logit_bias of token {token} must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:
@@ -130,7 +143,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     logits = np.asarray(logits)
     if unusable_rows(logits).any():
         raise ValueError("the model produced non-finite logits")
-    if params.temperature < TEMPERATURE_FLOOR:
+    if params.greedy:
         return logits.argmax(-1)
     scores = logits.astype(np.float64) / params.temperature
     if params.min_p:

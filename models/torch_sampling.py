@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sharp.models.sampling import TEMPERATURE_FLOOR, Logprobs, SamplingParams
+from sharp.models.sampling import Logprobs, SamplingParams
 
 
 def process(row: torch.Tensor, params: SamplingParams, prompt: np.ndarray, generated: np.ndarray) -> torch.Tensor:
@@ -39,7 +39,7 @@ def sample_rows(
     bad = ~torch.isfinite(logits.max(-1).values)
     picks = logits.argmax(-1)
     for i, p in enumerate(params):
-        if p.temperature >= TEMPERATURE_FLOOR:
+        if not p.greedy:
             picks[i] = _sample(logits[i], p, generators[i])
     return [None if t < 0 else t for t in torch.where(bad, -1, picks).tolist()]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from sharp.serving.kv.names import PAGE_SIZE
 from sharp.serving.requests import Limits
 from sharp.serving.spec import ModelSpec
 
-PAGE_SIZE = 16  # tokens per KV page of the torch backend (a kernel tile: decode reads whole pages)
 PROMPT_BYTES_PER_TOKEN = 16  # the default prompt limit: more bytes than this per context token is never a prompt
 
 

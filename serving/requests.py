@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from sharp.models.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from sharp.models.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingError, SamplingParams
 from sharp.serving.grammar import KINDS, GrammarError, compile_grammar
 from sharp.serving.status import Status
 
@@ -303,8 +303,8 @@ def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
         )
     try:
         req.sampling.check()
-    except ValueError as e:
-        raise name.error(str(e).split()[0], str(e)) from None
+    except SamplingError as e:
+        raise name.error(e.field, str(e)) from None
     total = len(req.prompt_ids) + req.max_new_tokens
     if total > limits.context_length:
         raise name.error(

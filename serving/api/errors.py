@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from sharp.serving.api.openai_bodies import ChatRequest, CompletionRequest
 from sharp.serving.api.responses_api import ResponsesRequest
+from sharp.serving.requests import RequestError
 from sharp.serving.status import Status
 
 ERROR_TYPE = {
@@ -60,16 +61,15 @@ class APIError(Exception):
         self.outcome = outcome  # the Status it is counted under (sharp_requests_total's status label)
 
     @classmethod
-    def of(
-        cls,
-        code: Status,
-        message: str,
-        transient: bool = False,
-        param: str | None = None,
-        reason: str | None = None,
-    ) -> APIError:
-        """A Status as OpenAI's error: its HTTP status, `reason` (or the status's name) as the code."""
-        return cls(http_status(code, transient), message, reason or code.value, param, code.value)
+    def of(cls, code: Status, message: str) -> APIError:
+        """A failure's Status as OpenAI's error: its HTTP status, the status's name as the code."""
+        return cls(http_status(code), message, code.value, None, code.value)
+
+    @classmethod
+    def refused(cls, e: RequestError) -> APIError:
+        """The one validation's refusal as OpenAI's error: its HTTP status, its field as the param, its reason (or
+        the status's name) as the code."""
+        return cls(http_status(e.code, e.transient), e.message, e.reason or e.code.value, e.field, e.code.value)
 
     def body(self) -> dict[str, Any]:
         kind = ERROR_TYPE.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")

@@ -411,7 +411,7 @@ class OpenAIServer:
         try:
             return await asyncio.to_thread(validate, msg, self.engine.limits, encode, "http", names)
         except RequestError as e:
-            raise APIError.of(e.code, e.message, e.transient, e.field, e.reason) from None
+            raise APIError.refused(e) from None
 
     async def _parse(self, request: web.Request, kind: type[_B]) -> _B:
         try:

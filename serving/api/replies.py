@@ -206,7 +206,7 @@ async def first_event(events: Events) -> tuple[GenerationRequest, int, Event]:
     try:
         req, index, first = await anext(events)
     except RequestError as e:
-        raise APIError.of(e.code, e.message, e.transient, e.field, e.reason) from None
+        raise APIError.refused(e) from None
     if isinstance(first, Failed):
         raise APIError.of(first.code, first.message)
     return req, index, first

@@ -31,6 +31,7 @@ import numpy as np
 from sharp.serving.backends.sampler import Sampler
 from sharp.serving.kv import cache as arrays
 from sharp.serving.kv.cache import BatchCache
+from sharp.serving.kv.names import PageNames
 from sharp.serving.kv.prefix import PrefixStore
 from sharp.serving.spec import ModelSpec
 
@@ -73,8 +74,12 @@ class Prefix:
     """What a leaving sequence's cache holds, to keep for later prompts: the token ids of its cached positions and,
     where every one of its first n positions had it computed, their per-head attention entropy (layers, heads, n)."""
 
-    tokens: np.ndarray  # (len,) int64
+    pages: PageNames  # its token ids and their page names
     entropy: np.ndarray | None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.pages.ids
 
 
 @dataclass
@@ -113,10 +118,10 @@ class Backend(ABC):
     def reserve(self, seq: Hashable, tokens: int) -> bool:
         """Room for `seq` to hold `tokens` tokens, or False (nothing reserved) when that does not fit now."""
 
-    def admit(self, seq: Hashable, prompt: np.ndarray, tokens: int, reuse: bool, entropy: bool) -> Hit | None:
+    def admit(self, seq: Hashable, prompt: PageNames, tokens: int, reuse: bool, entropy: bool) -> Hit | None:
         """Reserve room for `seq` to hold `tokens` tokens and, when `reuse`, start it on the longest cached prefix
-        of `prompt` (at most all but its last token: that one's logits start the answer), whose entropies come
-        with it when `entropy`; None (nothing held) when it does not fit now."""
+        of `prompt` (its ids and page names; at most all but its last token: that one's logits start the answer),
+        whose entropies come with it when `entropy`; None (nothing held) when it does not fit now."""
         return Hit() if self.reserve(seq, tokens) else None
 
     def cache_info(self) -> str:
@@ -318,7 +323,7 @@ class GraphBackend(Backend):
     def join(self, seq, keep=None):
         cache = self._own.pop(seq)
         if keep is not None and self.prefixes.budget:  # its own arrays, which the batch only copies from
-            self.prefixes.put(keep.tokens[: cache[0].shape[2]], cache, keep.entropy, owner=seq)
+            self.prefixes.put(keep.pages, cache, keep.entropy, owner=seq, limit=cache[0].shape[2])
         self._batch.join(seq, cache, cache[0].shape[2])
 
     def release(self, seq, keep=None):
@@ -327,8 +332,7 @@ class GraphBackend(Backend):
         if keep is not None and self.prefixes.budget:
             cache = own if own is not None else self._batch.row(seq) if seq in self._batch else None
             if cache is not None:
-                n = min(len(keep.tokens), cache[0].shape[2])
-                self.prefixes.put(keep.tokens[:n], cache, keep.entropy)
+                self.prefixes.put(keep.pages, cache, keep.entropy, limit=cache[0].shape[2])
         self.prefixes.settle(seq, failed=keep is None)  # what a failed sequence offered is withdrawn
         self._batch.leave(seq)
 

@@ -12,8 +12,8 @@ from sharp.exporter import metadata
 from sharp.models import torch_sampling
 from sharp.serving.backends.interface import DTYPES, Backend, BackendError, Hit, Prefix, StepResult
 from sharp.serving.backends.sampler import Sampler
-from sharp.serving.config import PAGE_SIZE
-from sharp.serving.kv.pages import OutOfPages, PagedKVCache, block_hashes
+from sharp.serving.kv.names import PAGE_SIZE
+from sharp.serving.kv.pages import OutOfPages, PagedKVCache
 from sharp.serving.spec import ModelSpec
 
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
@@ -120,7 +120,7 @@ class TorchBackend(Backend):
         if cache.pages_for(tokens) - best > cache.allocator.free_pages:
             return None  # no hit could make it fit: say so before hashing the prompt (it may ask every step)
         if reuse and cache.allocator.keep:
-            digests = block_hashes(prompt[: len(prompt) - 1], PAGE_SIZE)
+            digests = prompt.names(len(prompt) - 1)
             usable = (lambda page: page in cache.page_entropy) if entropy else None
             hit.tokens = cache.share(seq, digests, usable)
             if hit.tokens and entropy:
@@ -163,7 +163,7 @@ class TorchBackend(Backend):
     def _publish(self, seq: Hashable, keep: Prefix | None) -> None:
         """Name the sequence's full pages (those named already stay as they are)."""
         if keep is not None and self.cache.allocator.keep:
-            named = self.cache.publish(seq, block_hashes(keep.tokens, PAGE_SIZE), keep.entropy)
+            named = self.cache.publish(seq, keep.pages.names(), keep.entropy)
             self._named.setdefault(seq, []).extend(named)
 
     def kv_usage(self):

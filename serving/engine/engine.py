@@ -149,7 +149,7 @@ class Engine(EngineClient):
         prompt whose log-probabilities are asked for is computed, not read from the cache)."""
         req, out = seq.request, self.output
         reuse = req.prompt_logprobs is None and self.config.prefix_cache_bytes() > 0
-        hit = self.backend.admit(seq, seq.prompt_array(), seq.reserved, reuse, out.want_entropy([seq.state]))
+        hit = self.backend.admit(seq, seq.prompt_pages(), seq.reserved, reuse, out.want_entropy([seq.state]))
         if hit is not None and reuse:
             out.restored(seq.state, hit)
         return None if hit is None else hit.tokens

@@ -23,6 +23,7 @@ import numpy as np
 from sharp.serving.backends.interface import Chunk, Prefix
 from sharp.serving.engine.matcher import Matcher
 from sharp.serving.engine.output import RequestState
+from sharp.serving.kv.names import PageNames
 from sharp.serving.requests import GenerationRequest
 
 MAX_OVERTAKES = 16  # admissions that may pass a waiting request that does not fit, before it blocks the queue
@@ -41,13 +42,17 @@ class Sequence:
     failed: bool = False  # ended by a failure: its cache is not kept
     overtaken: int = 0  # requests admitted past it while it did not fit
     matcher: Matcher | None = None  # structured outputs: its place in its grammar (the executor masks by it)
-    _prompt: np.ndarray | None = None
+    _prompt: PageNames | None = None
+
+    def prompt_pages(self) -> PageNames:
+        """The prompt's ids (int64) and page names, made once: admission may ask every step while the request
+        waits, and joining and leaving name its pages again."""
+        if self._prompt is None:
+            self._prompt = PageNames(self.request.prompt_ids)
+        return self._prompt
 
     def prompt_array(self) -> np.ndarray:
-        """The prompt's ids as int64, made once (admission may ask every step while the request waits)."""
-        if self._prompt is None:
-            self._prompt = np.asarray(self.request.prompt_ids, np.int64)
-        return self._prompt
+        return self.prompt_pages().ids
 
     def kept(self) -> Prefix | None:
         """What its cache holds as it leaves, for the prefix cache: the prompt tokens in it and, once the prompt is
@@ -58,7 +63,7 @@ class Sequence:
         if self.length == self.prompt_len:
             ids += self.generated[:-1]
         entropy = self.state.kept_entropy() if self.state is not None else None
-        return Prefix(np.asarray(ids, np.int64), entropy)
+        return Prefix(self.prompt_pages().extended(ids), entropy)
 
     @property
     def prompt_len(self) -> int:

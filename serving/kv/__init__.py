@@ -1,1 +1,2 @@
-"""KV memory: the torch backend's page pool and its prefix names, the graph backends' batch cache and prefix store."""
+"""KV memory: the page names every prefix cache is indexed by, the torch backend's page pool, the graph backends'
+batch cache and prefix store."""

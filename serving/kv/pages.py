@@ -7,7 +7,6 @@ batch moves no data: it edits block tables. The attention over the pages is the 
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
@@ -129,18 +128,6 @@ class PageAllocator:
             self._lru.pop(page, None)
             self._refs[page] += 1
         return pages
-
-
-def block_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """The hash of each full page of `tokens`: hash(parent's hash, the page's tokens), so a page's hash names its
-    whole prefix (the same tokens after another prefix are another block). BLAKE2b: a prompt cannot be crafted to
-    collide with another user's."""
-    ids = np.asarray(tokens, dtype=np.int64)
-    out, parent = [], b""
-    for start in range(0, len(ids) - page_size + 1, page_size):
-        parent = hashlib.blake2b(parent + ids[start : start + page_size].tobytes(), digest_size=16).digest()
-        out.append(parent)
-    return out
 
 
 class PagedKVCache:

@@ -23,8 +23,10 @@ from sharp.models.registry import NORMS
 from sharp.serving import Engine, EngineConfig, ServingMetrics, load_backend
 from sharp.serving.config import PAGE_SIZE
 from sharp.serving.engine.output import Delta, Finished
-from sharp.serving.kv.pages import PageAllocator, block_hashes
-from sharp.serving.kv.prefix import PrefixStore, common_prefix
+from sharp.serving.kv import names as names_module
+from sharp.serving.kv.names import PageNames, page_names
+from sharp.serving.kv.pages import PageAllocator
+from sharp.serving.kv.prefix import CANDIDATES, PrefixStore, common_prefix
 
 BACKENDS = {  # name → how to load a model file for it
     "native": lambda files: load_backend(files["onnx"], "onnxruntime"),
@@ -236,7 +238,7 @@ def test_what_a_failed_request_offered_is_withdrawn(norm_models, backend):
     seq = eng.submit(greedy_request(eng, prompt, 5), lambda ev: None)
     eng.step()  # prefilled and joined: its prompt is offered now
     # what a second request would find, asked of the running engine's backend
-    assert eng.backend.admit("probe", np.asarray(prompt), 48, True, False).tokens == _expected_hit(backend, 39)
+    assert eng.backend.admit("probe", PageNames(prompt), 48, True, False).tokens == _expected_hit(backend, 39)
     eng.backend.release("probe", None)
     eng._fail_forward(seq, "a test")  # what a forward failure does to it
     run_until_idle(eng)
@@ -245,13 +247,42 @@ def test_what_a_failed_request_offered_is_withdrawn(norm_models, backend):
     assert _ask(eng, pub, prompt, n=2).end.cached_tokens == _expected_hit(backend, 39)  # kept: it ended well
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_a_requests_pages_are_named_once(norm_models, backend, monkeypatch):
+    """A request's page names are computed once — not again each step it waits to be admitted, nor when it joins
+    the batch and when it leaves: each full page of its prompt and fed-back tokens is hashed once."""
+    hashed = []
+    real = names_module._name
+    monkeypatch.setattr(names_module, "_name", lambda *a: hashed.append(1) or real(*a))
+    eng, _ = _engine(BACKENDS[backend](norm_models["softmax"]), kv_cache_mb=0.05)  # room for one of them at a time
+    for seed in (1, 2):
+        eng.submit(greedy_request(eng, _prompt(seed, 40), 20), lambda ev: None)
+    waited = 0
+    for _ in range(500):
+        if eng.idle():
+            break
+        waited += len(eng.scheduler.waiting)
+        eng.step()
+    assert eng.idle() and waited >= 10  # the second asked to be admitted step after step
+    assert len(hashed) == 2 * ((40 + 19) // PAGE_SIZE)  # per request: its prompt and 19 tokens fed back, 3 pages
+
+
 # ---- the pieces alone --------------------------------------------------------------------------------------------
-def test_block_hashes_chain_the_parent():
-    a = block_hashes(range(48), 16)
-    b = block_hashes([99, *range(1, 48)], 16)
-    assert len(a) == 3 and len(block_hashes(range(47), 16)) == 2
-    assert a[0] != b[0] and a[1] != b[1] and a[2] != b[2]  # every later block differs with the first
-    assert block_hashes(range(48), 16) == a
+def test_page_names_chain_the_parent_and_are_computed_once(monkeypatch):
+    a = page_names(range(48), 16)
+    b = page_names([99, *range(1, 48)], 16)
+    assert len(a) == 3 and len(page_names(range(47), 16)) == 2
+    assert a[0] != b[0] and a[1] != b[1] and a[2] != b[2]  # every later page differs with the first
+    assert page_names(range(48), 16) == a
+    hashed = []
+    real = names_module._name
+    monkeypatch.setattr(names_module, "_name", lambda *x: hashed.append(1) or real(*x))
+    prompt = PageNames(range(40), 16)
+    for _ in range(5):  # admission asks every step while a request waits
+        assert prompt.names(39) == a[:2]
+    kept = prompt.extended([*range(48), 7])  # its prompt and the tokens generated since
+    assert kept.names() == a and len(hashed) == 3  # each page once: the third when it filled
+    assert prompt.extended(range(20)).names() == a[:1] and len(hashed) == 3
 
 
 def test_the_allocator_keeps_released_named_pages_as_free_and_evicts_the_oldest_tail_first():
@@ -285,23 +316,42 @@ def test_the_graph_store_matches_the_longest_prefix_within_its_budget():
         return [np.full((1, 1, n, 2), float(n), np.float32)]  # 8 bytes a token
 
     store = PrefixStore(8 * 100)
-    store.put(np.arange(50), cache(50), None)
-    store.put(np.arange(60), cache(60), np.zeros((1, 1, 60), np.float32))  # extends the first: replaces it
+    store.put(PageNames(np.arange(50)), cache(50), None)
+    store.put(PageNames(np.arange(60)), cache(60), np.zeros((1, 1, 60), np.float32))  # extends the first: replaces it
     assert len(store) == 1 and store.nbytes == 480
-    entry, n = store.match(np.arange(80), entropy=True)
+    entry, n = store.match(PageNames(np.arange(80)), entropy=True)
     assert n == 60 and entry.cache[0][0, 0, 0, 0] == 60
-    assert store.match(np.arange(60), entropy=False)[1] == 59  # capped at all but the last token
-    store.put(np.arange(100, 150), cache(50), None)  # 400 more bytes: the first goes
-    assert len(store) == 1 and store.match(np.arange(80), entropy=False) == (None, 0)
-    assert store.match(np.arange(100, 130), entropy=True) == (None, 0)  # no entropies kept for it
+    assert store.match(PageNames(np.arange(60)), entropy=False)[1] == 59  # capped at all but the last token
+    store.put(PageNames(np.arange(100, 150)), cache(50), None)  # 400 more bytes: the first goes
+    assert len(store) == 1 and store.match(PageNames(np.arange(80)), entropy=False) == (None, 0)
+    assert store.match(PageNames(np.arange(100, 130)), entropy=True) == (None, 0)  # no entropies kept for it
     assert common_prefix(np.arange(5), np.array([0, 1, 7]), None) == 2
-    store.put(np.arange(500), cache(500), None)  # larger than the budget: its first 100 tokens are kept
-    assert store.match(np.arange(200), entropy=False)[1] == 100
+    store.put(PageNames(np.arange(500)), cache(500), None)  # larger than the budget: its first 100 tokens are kept
+    assert store.match(PageNames(np.arange(200)), entropy=False)[1] == 100
     few = PrefixStore(10**6, max_entries=2)  # a flood of short prompts: the entries stay few, the oldest go
     for start in (0, 1000, 2000):
-        few.put(np.arange(start, start + 3), cache(3), None)
-    assert len(few) == 2 and few.match(np.arange(0, 3), entropy=False) == (None, 0)
-    assert few.match(np.arange(2000, 2003), entropy=False)[1] == 2
+        few.put(PageNames(np.arange(start, start + 3)), cache(3), None)
+    assert len(few) == 2 and few.match(PageNames(np.arange(0, 3)), entropy=False) == (None, 0)
+    assert few.match(PageNames(np.arange(2000, 2003)), entropy=False)[1] == 2
+
+
+def test_a_graph_lookup_walks_the_prompts_pages_not_the_entries():
+    """512 kept caches (the most a store keeps) that share their first page: a lookup compares at most CANDIDATES of
+    them token by token, whatever their number, and finds the longest — whole pages by name, then token by token."""
+    store = PrefixStore(10**9)
+    base = np.arange(16)
+    for i in range(511):  # each: the shared page, then a page of its own
+        store.put(PageNames(np.concatenate([base, np.full(20, 1000 + i)])), [np.zeros((1, 1, 36, 2), np.float32)], None)
+    store.put(PageNames(np.arange(100)), [np.zeros((1, 1, 100, 2), np.float32)], None)
+    assert len(store) == 512
+    store.comparisons = 0
+    entry, n = store.match(PageNames(np.concatenate([np.arange(70), [5, 5]])), entropy=False)
+    assert n == 70 and len(entry.tokens) == 100 and store.comparisons == 1  # the one entry on the prompt's 4 pages
+    store.comparisons = 0
+    entry, n = store.match(PageNames(np.concatenate([base, np.full(10, 1000 + 510), [1]])), entropy=False)
+    assert n == 26 and entry.tokens[-1] == 1510 and store.comparisons <= CANDIDATES  # past the shared page
+    store.comparisons = 0
+    assert store.match(PageNames(np.arange(500, 600)), entropy=False) == (None, 0) and store.comparisons <= CANDIDATES
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -121,10 +121,11 @@ def test_a_torch_backend_samples_on_its_device_under_every_control(model_files):
     from helpers import HTTP, api, serving
 
     from sharp.serving import load_backend
+    from sharp.serving.kv.names import PageNames
 
     backend = load_backend(model_files["torch"], "torch")
     backend.allocate(1 << 20)
-    backend.admit("s", np.array([1, 2, 3]), 8, False, False)
+    backend.admit("s", PageNames([1, 2, 3]), 8, False, False)
     step = backend.prefill("s", np.array([[1, 2, 3]]), 0, False)
     assert isinstance(step.logits, torch.Tensor) and step.logits.device == backend.device
     pattern = r"[a-f]{4}-[0-9]{3}"
