@@ -352,6 +352,13 @@ def test_a_graph_lookup_walks_the_prompts_pages_not_the_entries():
     assert n == 26 and entry.tokens[-1] == 1510 and store.comparisons <= CANDIDATES  # past the shared page
     store.comparisons = 0
     assert store.match(PageNames(np.arange(500, 600)), entropy=False) == (None, 0) and store.comparisons <= CANDIDATES
+    # a lookup that needs entropies walks the pages they cover: a longer entry kept without them hides nothing
+    both = PrefixStore(10**9)
+    both.put(PageNames(np.arange(64)), [np.zeros((1, 1, 64, 2), np.float32)], np.zeros((1, 1, 64), np.float32))
+    both.put(PageNames(np.arange(128)), [np.zeros((1, 1, 128, 2), np.float32)], None)
+    assert len(both) == 2 and both.match(PageNames(np.arange(100)), entropy=False)[1] == 99
+    entry, n = both.match(PageNames(np.arange(100)), entropy=True)
+    assert n == 64 and len(entry.tokens) == 64
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
