@@ -15,6 +15,7 @@ import pytest
 from helpers import HTTP, WEATHER, api, serving
 from pydantic import BaseModel, ConfigDict, Field
 
+from sharp.serving.api.replies import read_calls
 from sharp.serving.api.tools import FORMATS, CallReader, Tool, format_for
 
 # a Hermes-style template that renders tools, calls and results (as Qwen's and Hermes' do)
@@ -268,6 +269,12 @@ def test_text_that_is_not_a_call_is_content(name):
         rest, calls = reader.finish()
         if not calls:
             assert out + rest == text, (name, text)
+        # a whole reply read at once (not streamed), as api/replies.py reads one: the held-back tail is content too
+        whole, calls = read_calls(CallReader(fmt, True, forced=False), text)
+        if not calls:
+            assert whole == text, (name, text)
+    tail = fmt.render(CALLS)[:3]  # text that could be the start of a call, ending the reply
+    assert read_calls(CallReader(fmt, True, forced=False), "well " + tail) == ("well " + tail, [])
 
 
 def test_the_template_picks_the_format_and_the_flag_overrides_it():

@@ -63,6 +63,9 @@ def test_bad_values_are_refused_naming_the_field(model_files):
         ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_p": 1.5}, "min_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"temperature": -1}, "temperature"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),
         ({"logit_bias": {"258": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
@@ -72,7 +75,8 @@ def test_bad_values_are_refused_naming_the_field(model_files):
         for extra, field in cases:
             r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/completions",
                            json={"model": "tiny", "prompt": "x", "max_tokens": 2} | extra, timeout=30)  # fmt: skip
-            assert r.status_code == 400 and field in r.json()["error"]["message"], (extra, r.text)
+            error = r.json()["error"]
+            assert r.status_code == 400 and field in error["message"] and error["param"] == field, (extra, r.text)
 
 
 def test_served_controls_equal_the_models_own_and_a_bias_forces_or_bans(model_files):
