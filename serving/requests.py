@@ -164,6 +164,9 @@ def validate(
         raise name.error("prompt", "give either prompt or input_ids, not both")
     if len(msg.request_id) > MAX_REQUEST_ID:
         raise name.error("request_id", f"{{request_id}} of {len(msg.request_id)} characters; at most {MAX_REQUEST_ID}")
+    if not msg.request_id.isprintable():  # it is written into log lines: a newline or an escape would forge them
+        bad = next(c for c in msg.request_id if not c.isprintable())
+        raise name.error("request_id", f"{{request_id}} holds U+{ord(bad):04X}; only printable characters are allowed")
     if len(msg.stop) > limits.max_stop_strings:
         raise name.error(
             "stop", f"{len(msg.stop)} {{stop}} strings; at most {limits.max_stop_strings} (--max-stop-strings)"

@@ -30,7 +30,7 @@ class RequestOutcome:
         """One line per request, as vLLM and llama-server log them: id, API, status, tokens, times."""
         ms = lambda s: "-" if s is None else f"{s * 1000:.1f}ms"
         return (
-            f"{self.request_id or '-'} {self.api} {self.status} prompt_tokens={self.prompt_tokens}"
+            f"{_printable(self.request_id) or '-'} {self.api} {self.status} prompt_tokens={self.prompt_tokens}"
             f" completion_tokens={self.completion_tokens} cached_tokens={self.cached_tokens}"
             f" ttft={ms(self.ttft)} total={ms(self.duration)}"
         )
@@ -56,3 +56,8 @@ class StepStats:
     queue_time: list[tuple[str, float]] = field(default_factory=list)
     outcomes: list[RequestOutcome] = field(default_factory=list)
     entropy: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (N, layers, heads) nats, (N,) keys
+
+
+def _printable(text: str) -> str:
+    """`text` with anything that is not printable escaped (\\n, \\x1b, …): a log line stays one line of its own."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)

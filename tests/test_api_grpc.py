@@ -106,6 +106,10 @@ def test_seeded_sampling_is_reproducible(model_files):
         (dict(max_new_tokens=1001), grpc.StatusCode.INVALID_ARGUMENT, "[1, 1000]"),
         (dict(prompt=[300]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
         (dict(prompt="x" * 3500, max_new_tokens=1000), grpc.StatusCode.OUT_OF_RANGE, "context of 4096"),
+        # written into log lines: a line feed would forge a whole access line, an escape recolour a terminal
+        (dict(request_id="r1\nINFO sharp.access: forged"), grpc.StatusCode.INVALID_ARGUMENT, "request_id holds U+000A"),
+        (dict(request_id="r1\x1b[31m"), grpc.StatusCode.INVALID_ARGUMENT, "request_id holds U+001B"),
+        (dict(request_id="r1\r"), grpc.StatusCode.INVALID_ARGUMENT, "request_id holds U+000D"),
     ],
 )
 def test_bad_requests_get_their_status_and_the_server_stays_healthy(model_files, kw, code, says):
@@ -363,3 +367,11 @@ def test_every_public_name_of_sharp_serving_resolves():
 
     for name in sharp.serving.__all__:
         getattr(sharp.serving, name)  # AttributeError when its home module lacks it
+
+
+def test_an_access_line_is_one_line_whatever_its_request_id():
+    """The access line escapes what is not printable, whichever way a request id reached it."""
+    from sharp.serving.stats import RequestOutcome
+
+    line = RequestOutcome("ok", "grpc", 0.5, "a\nINFO sharp.access: forged\x1b[0m").access_line()
+    assert "\n" not in line and "\x1b" not in line and line.startswith("a\\nINFO sharp.access: forged\\x1b[0m grpc ok")

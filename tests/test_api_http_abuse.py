@@ -6,6 +6,7 @@ Prometheus out; and grpc.health.v1 Watch, which gRPC's client-side health checki
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -17,13 +18,13 @@ import urllib.request
 import zlib
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import scrape, server
+from helpers import HTTP, scrape, server, serving
 
+from sharp.serving import Client
 from sharp.serving.api import openai_api
-
-HTTP = {"http_port": 0}
 
 
 def raw(port: int, head: bytes, body: bytes = b"", timeout: float = 30) -> tuple[int, dict, bytes]:
@@ -270,3 +271,33 @@ def test_a_reset_mid_response_is_one_info_line_not_a_traceback(caplog):
     with caplog.at_level(logging.INFO, logger="sharp.serving"), pytest.raises(ConnectionResetError):
         asyncio.run(api._errors(request, leaves))
     assert [r.levelno for r in caplog.records] == [logging.INFO] and not caplog.records[0].exc_info
+
+
+def test_more_choices_than_the_queue_holds_are_refused_once_and_never_told_to_retry(model_files):
+    """n = 16 against --max-queue 12 can never be queued: a 400 naming n and the flag (not a 429 with Retry-After),
+    counted once — over HTTP and gRPC alike."""
+    with serving(model_files, server=HTTP, max_queue=12) as srv, Client(srv.target) as c:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "n": 16}
+        r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/completions", json=body, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and "Retry-After" not in r.headers, r.text
+        assert error["param"] == "n" and "--max-queue" in error["message"] and "12" in error["message"]
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("x", max_new_tokens=2, n=16)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-queue" in err.value.details()
+        m = scrape(srv)
+        counted = collections.Counter()
+        for s in m["sharp_requests"].samples:
+            counted[s.labels["status"]] += s.value if s.name == "sharp_requests_total" else 0
+        assert (
+            counted.get("invalid_argument") == 2
+            and not counted.get("cancelled")
+            and not counted.get("resource_exhausted")
+        ), counted
+        assert (
+            r.status_code == 400
+            and httpx.post(
+                f"http://127.0.0.1:{srv.server.http_port}/v1/completions", json=body | {"n": 12}, timeout=30
+            ).status_code
+            == 200
+        )  # as many as the queue holds run

@@ -12,6 +12,7 @@ from sharp.serving.engine.engine_client import EngineClient
 from sharp.serving.engine.output import Delivery, Event
 from sharp.serving.requests import GenerationRequest, RequestError
 from sharp.serving.stats import RequestOutcome
+from sharp.serving.status import Status
 
 LARGE_PROMPT = 1 << 16  # characters: validation of a longer prompt runs in a worker thread
 
@@ -39,6 +40,9 @@ class Calls:
         self.inflight += 1
         submitted = False
         try:
+            if n > (most := self.engine.config.max_queue):  # it could never be queued: not a reason to retry
+                raise RequestError(Status.INVALID_ARGUMENT, f"n: {n} choices can never wait together; the server"
+                                   f" queues at most {most} requests (--max-queue)", field="n")  # fmt: skip
             if prompt_chars > LARGE_PROMPT:  # tokenizing a large prompt must not stall the event loop
                 req = await asyncio.to_thread(validate)
             else:
