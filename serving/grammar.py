@@ -32,6 +32,9 @@ def compile_grammar(kind: str, spec: str) -> str:
     from llguidance import LLMatcher
 
     if kind == "json_schema":
+        if isinstance(schema := _json(spec), dict) and "x-guidance" in schema:  # it would override the options below
+            raise GrammarError("x-guidance is not accepted: sharp writes compact JSON that the schema validates, and a"
+                               " schema may not change how (separators, whitespace, lenient keywords)")  # fmt: skip
         try:
             grammar = LLMatcher.grammar_from_json_schema(spec, defaults={"whitespace_flexible": False})
         except ValueError as e:  # not a JSON object
@@ -48,6 +51,13 @@ def compile_grammar(kind: str, spec: str) -> str:
     if problem := LLMatcher.validate_grammar(grammar):
         raise GrammarError(" ".join(problem.split())[:300])
     return grammar
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None  # llguidance says why
 
 
 def preload() -> Future:

@@ -301,3 +301,16 @@ def test_more_choices_than_the_queue_holds_are_refused_once_and_never_told_to_re
             ).status_code
             == 200
         )  # as many as the queue holds run
+
+
+def test_a_schema_nested_past_the_parsers_limit_is_refused_for_its_depth(model_files):
+    """A JSON schema 250 levels deep is refused naming its nesting and the limit, not as "not valid JSON"."""
+    schema: dict = {"type": "object"}
+    for _ in range(250):
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}  # fmt: skip
+    with serving(model_files, server=HTTP) as srv:
+        r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", json=body, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "nesting_too_deep" and "200 levels" in error["message"], r.text

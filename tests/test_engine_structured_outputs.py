@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import httpx
 import jsonschema
 import pytest
@@ -73,6 +74,21 @@ def test_a_schema_that_cannot_be_compiled_is_a_400_with_the_reason(srv):
     r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", json=body, timeout=30)
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "response_format" and "nonsense" in error["message"], error
+
+
+@pytest.mark.parametrize("option", [{"key_separator": " = "}, {"whitespace_flexible": True}, {"lenient": True}])
+def test_a_schema_may_not_change_how_its_json_is_written(srv, option):
+    """llguidance reads a schema's x-guidance as compile options: " = " between keys is not JSON, free whitespace
+    undoes the compact output, lenient ignores keywords it cannot enforce. Refused, naming it, on both APIs."""
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "x-guidance": option}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+    r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", json=body, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "response_format" and "x-guidance" in error["message"], error
+    with Client(srv.target) as c, pytest.raises(grpc.RpcError) as err:
+        c.generate("x", max_new_tokens=4, json_schema=json.dumps(schema))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-guidance" in err.value.details()
 
 
 def test_the_openai_sdks_parse_returns_the_pydantic_model(srv):

@@ -93,6 +93,7 @@ COMPLETION_NAMES = {"max_new_tokens": "max_tokens", "input_ids": "prompt", "prom
                     "json_schema": "structured_outputs.json"} | STRUCTURED_NAMES  # fmt: skip
 CHAT_NAMES = {"prompt": "messages", "input_ids": "messages", "logprobs": "top_logprobs",
               "json_schema": "response_format"} | STRUCTURED_NAMES  # fmt: skip
+JSON_DEPTH = 200  # levels of arrays and objects inside a body that its parser (pydantic-core) reads
 UNION_HINTS = {  # what a field of several shapes takes, for a value that fits none of them
     "prompt": "a string, an array of token ids, or an array of one string or one token-id array",
     "input": "a string or an array of input items",
@@ -142,6 +143,9 @@ def validation_refusal(e: ValidationError) -> APIError:
     if unknown:
         return APIError(400, f"{where}: unknown field", "unknown_parameter", where)
     if first["type"] == "json_invalid":
+        if "recursion limit" in str(first.get("ctx", {}).get("error", "")):
+            deep = f"the body nests arrays and objects more than {JSON_DEPTH} levels deep, the parser's limit"
+            return APIError(400, deep, "nesting_too_deep")
         return APIError(400, "the body is not valid JSON", "invalid_json", None)
     if union and last in UNION_HINTS:
         return APIError(400, f"{where}: must be {UNION_HINTS[last]}", "invalid_type", where)
