@@ -172,7 +172,7 @@ def bench(args) -> str:
             for p, extra in peers:
                 got = conversation(p, extra, mine[-1], args.questions, args.answer_tokens)
                 turns.setdefault(p.name, []).append(got)
-                print(f"{p.name:<40} turns TTFT " + " ".join(f"{t:.2f}" for t, _ in got)
+                print(f"{p.name:<40} turns TTFT " + " ".join(f"{t:.2f}" for t, *_ in got)
                       + "  cached " + " ".join(str(c) for _, c, _ in got), flush=True)  # fmt: skip
             for p, extra in peers:
                 if "no prefix cache" in p.name:
