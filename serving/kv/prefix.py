@@ -126,8 +126,8 @@ class PrefixStore:
             return
         tokens = pages.ids[:n]
         covered = 0 if entropy is None else min(entropy.shape[-1], n)
-        path = self._along(pages, n, self._holders)
-        for key in [k for name in path for k in self._recent(self._holders, name)]:
+        path = self._along(pages, n, self._holders)  # the entries along it, each compared once
+        for key in list(dict.fromkeys(k for name in path for k in self._recent(self._holders, name))):
             e = self._entries.get(key)
             if e is None:
                 continue  # dropped as another extension on the way
