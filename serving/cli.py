@@ -411,6 +411,9 @@ def client_main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as e:
         print(f"sharp-client: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the call is cancelled as the channel closes; one line, the shell's status
+        print("\nsharp-client: interrupted", file=sys.stderr)
+        return 130
     finally:
         client.close()
     return 0

@@ -291,7 +291,7 @@ def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
         raise name.error(
             "max_new_tokens",
             f"{{max_new_tokens}} must be in [{lowest}, {limits.max_new_tokens_limit}]{scoring}, got"
-            f" {req.max_new_tokens}",
+            f" {req.max_new_tokens} (the server's limit: --max-new-tokens-limit)",
         )
     if not 0 <= req.min_tokens <= req.max_new_tokens:
         raise name.error(

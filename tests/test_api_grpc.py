@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures as cf
 import math
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -104,6 +105,7 @@ def test_seeded_sampling_is_reproducible(model_files):
         (dict(top_k=-2), grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
         (dict(max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "[1, 1000]"),
         (dict(max_new_tokens=1001), grpc.StatusCode.INVALID_ARGUMENT, "[1, 1000]"),
+        (dict(max_new_tokens=1001), grpc.StatusCode.INVALID_ARGUMENT, "--max-new-tokens-limit"),  # the flag named
         (dict(prompt=[300]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
         (dict(prompt="x" * 3500, max_new_tokens=1000), grpc.StatusCode.OUT_OF_RANGE, "context of 4096"),
         # written into log lines: a line feed would forge a whole access line, an escape recolour a terminal
@@ -297,6 +299,19 @@ def test_sharp_client_commands(model_files, capsys):
         assert r.returncode == 0 and "attention (ssa)" in r.stdout and "[finish: " in r.stderr
         bad = run("generate", "hello", "--top-p", "2")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+
+
+def test_ctrl_c_on_a_streamed_generate_ends_with_one_line_and_status_130(model_files):
+    with serving(model_files, max_new_tokens_limit=4000) as srv:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from sharp.serving.cli import client_main; raise SystemExit(client_main())",
+               "--target", srv.target, "generate", "a long answer", "--stream", "--max-new-tokens", "4000"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert proc.stdout.read(1)  # it is streaming
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "sharp-client: interrupted", err
 
 
 def test_async_client(model_files):
