@@ -286,6 +286,13 @@ def test_the_readme_reads_as_a_newcomer_needs():
     and a link, and no prose line runs past 200 characters (code blocks aside)."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "## Install" in text and "pip install" in text and "<!-- recipe:" in text
+    # the install line pins the torch the Makefile pins (unpinned pulls another), and names every extra it installs
+    make = (ROOT / "Makefile").read_text(encoding="utf-8")
+    pin = re.search(r"^TORCH_PIN \?= (\S+)$", make, re.M)[1]
+    assert f"pip install {pin} " in text, pin
+    extras = re.search(r"pip install -q -e '\.\[([a-z,]+)\]'", make)[1].split(",")
+    install = text.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert [e for e in extras if f"`{e}`" not in install] == [], extras
     long, in_code = [], False
     for number, line in enumerate(text.splitlines(), 1):
         in_code ^= line.startswith("```")
