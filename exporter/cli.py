@@ -208,6 +208,9 @@ def _load_transformers(
         tokenizer = hf_export.load_tokenizer(args.model, config)
     except (ValueError, OSError) as e:  # UnsupportedModel, a bad config.json, a refused norm change
         raise UsageError(f"{args.model}: {e}") from None
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its weight-loading bar is library chatter at this command
     model = hf.load_model(args.model, config)
     return (
         hf_export.metadata(model, tokenizer, dataclasses.replace(settings, norm=norm)),

@@ -671,3 +671,15 @@ def test_tools_on_a_llama_whose_template_renders_them(hf_dirs, tmp_path):
         msg = llm.bind_tools(tools, tool_choice="any", parallel_tool_calls=False).invoke("weather?")
         assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather", msg
         jsonschema.validate(msg.tool_calls[0]["args"], schema)
+
+
+def test_sharp_export_of_a_directory_prints_only_its_own_lines(hf_dirs, tmp_path):
+    """transformers' weight-loading progress bar is library chatter: sharp-export's output is its own lines."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "m.onnx"
+    proc = subprocess.run([sys.executable, "-m", "sharp.exporter.cli", str(hf_dirs["llama"]), "-o", str(out)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and out.exists(), proc.stderr
+    assert "%|" not in proc.stderr + proc.stdout and "Loading" not in proc.stderr, proc.stderr[-500:]
