@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import itertools
 import os
 import sys
@@ -18,6 +16,7 @@ pytest.importorskip("triton")
 
 from devices import ATOL, DEVICE, on_device
 from torch.overrides import TorchFunctionMode
+from triton_cases import host, norm_kwargs, problem, qkv
 
 from sharp.models import NORMS, attend
 from sharp.models.problem import build_problem
@@ -25,53 +24,7 @@ from sharp.models.streamed import StreamStats
 from sharp.plugins.triton import attention, tiles
 from sharp.plugins.triton.attention import launch_config, run_problem
 
-host = importlib.import_module(
-    "sharp.plugins.triton.attention"
-)  # the module (the package exports a function of that name)
-
-
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy warnings inside the interpreter
-
-
-def _qkv(b=1, hq=4, hkv=2, lq=21, lk=45, d=16, seed=0, dtype=torch.float32, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, lq, d, generator=g)
-    k = torch.randn(b, hkv, lk, d, generator=g)
-    v = torch.randn(b, hkv, lk, d, generator=g)
-    qs = torch.rand(b, hq, lq, generator=g) + 0.5
-    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), qs.to(device)
-
-
-def _problem(q, k, v, **kw):
-    args = dict(
-        norm="softmax",
-        causal=False,
-        scale=None,
-        alpha=1.5,
-        ssa_n=1.5,
-        ssa_b=1.0,
-        ssmax_s=1.0,
-        poly=(-0.037, 0.481, -2.3, 4.917, -1.791),
-        query_scale=None,
-        alibi_slopes=None,
-    )
-    args.update(kw)
-    return build_problem(q, k, v, **args)
-
-
-def _norm_kwargs(norm, hq, qs, per_head):
-    kw = {"norm": norm}
-    if norm == "asentmax":
-        kw["query_scale"] = qs
-    if per_head:
-        kw.update(
-            alpha=torch.linspace(1.2, 2.0, hq),
-            ssa_n=torch.linspace(1.0, 2.0, hq),
-            ssa_b=torch.linspace(0.5, 1.5, hq),
-            ssmax_s=torch.linspace(0.5, 1.5, hq),
-            alibi_slopes=torch.tensor([0.5, 0.25, 0.0, 0.0]),
-        )
-    return on_device(kw, qs.device)
 
 
 CASES = list(itertools.product(NORMS, [False, True], [(4, 4), (4, 1)], ["prefill", "decode"]))
@@ -82,8 +35,8 @@ def test_kernels_match_reference(norm, causal, heads, shape):
     """16-key tiles, well below the key lengths: every program walks several tiles (a KV cache: Lq < Lk)."""
     hq, hkv = heads
     lq, lk = (21, 45) if shape == "prefill" else (1, 70)
-    q, k, v, qs = _qkv(hq=hq, hkv=hkv, lq=lq, lk=lk, seed=len(norm) + causal)
-    kw = _norm_kwargs(norm, hq, qs, per_head=causal)  # alternate scalar and per-head params, ALiBi
+    q, k, v, qs = qkv(hq=hq, hkv=hkv, lq=lq, lk=lk, seed=len(norm) + causal)
+    kw = norm_kwargs(norm, hq, qs, per_head=causal)  # alternate scalar and per-head params, ALiBi
     o_ref, h_ref = attend(q, k, v, causal=causal, return_entropy=True, **kw)
     o_tri, h_tri = attend(q, k, v, causal=causal, return_entropy=True, impl="triton", block_size=16, **kw)
     torch.testing.assert_close(o_tri, o_ref, atol=ATOL, rtol=0)
@@ -98,14 +51,14 @@ def test_decode_packs_a_kv_heads_queries_into_one_program():
 
     q = torch.empty(1, 32, 1, 128, device="meta")
     k = torch.empty(1, 8, 32768, 128, device="meta")
-    p = _problem(q, k, k)
+    p = problem(q, k, k)
     cfg = launch_config(p)
     assert cfg.packed and cfg.block_m == 16 and cfg.keys_per_split % cfg.block_n == 0
     x, kv_programs, splits = grid(p, cfg)
     assert (x, kv_programs) == (1, 8) and kv_programs * splits >= TARGET_PROGRAMS
-    p5 = _problem(torch.empty(2, 32, 5, 128, device="meta"), k.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1))
+    p5 = problem(torch.empty(2, 32, 5, 128, device="meta"), k.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1))
     assert launch_config(p5).block_m == 32 and grid(p5, launch_config(p5))[:2] == (1, 16)  # 4 heads × 5 queries
-    pre = _problem(torch.empty(1, 32, 100, 128, device="meta"), k, k)
+    pre = problem(torch.empty(1, 32, 100, 128, device="meta"), k, k)
     assert not launch_config(pre).packed and grid(pre, launch_config(pre))[1] == 32
 
 
@@ -114,9 +67,9 @@ def test_decode_packs_a_kv_heads_queries_into_one_program():
 def test_split_k_merge_with_empty_splits(norm, lq):
     """Decode with several key splits of several tiles each, GQA 4:2, a KV cache and per-head parameters: causal
     rows see no key in later splits (fully masked partial rows)."""
-    q, k, v, qs = _qkv(hq=4, hkv=2, lq=lq, lk=100, seed=11)
-    kw = _norm_kwargs(norm, 4, qs, per_head=True)
-    p = _problem(q, k, v, causal=True, **kw)
+    q, k, v, qs = qkv(hq=4, hkv=2, lq=lq, lk=100, seed=11)
+    kw = norm_kwargs(norm, 4, qs, per_head=True)
+    p = problem(q, k, v, causal=True, **kw)
     o_ref, h_ref = attend(q, k, v, causal=True, return_entropy=True, **kw)
     cfg = launch_config(p, block_size=16, splits=3)
     assert cfg.splits == 3 and cfg.keys_per_split > cfg.block_n  # several tiles per split
@@ -130,7 +83,7 @@ def test_split_k_merge_with_empty_splits(norm, lq):
 def test_negative_row_factors_fold_into_the_query(norm, shape):
     """The kernels fold each row's factor (scale, ssmax's s·log n, SSA's b·scale) into its query's sign so the row
     max is one factor times max q·k; a negative scale or s must still give the reference's attention."""
-    q, k, v, _ = _qkv(lq=21 if shape == "prefill" else 1, lk=45, seed=3)
+    q, k, v, _ = qkv(lq=21 if shape == "prefill" else 1, lk=45, seed=3)
     kw = {"ssmax_s": torch.tensor([-1.0, 0.5, -0.2, 1.0])} if norm == "ssmax" else {}
     scale = 0.7 if norm == "ssmax" else -0.4
     o_ref, h_ref = attend(q, k, v, norm=norm, causal=True, scale=scale, return_entropy=True, **kw)
@@ -145,12 +98,12 @@ def test_negative_row_factors_fold_into_the_query(norm, shape):
 def test_output_without_entropy_is_the_same(norm, shape):
     """A caller that does not ask for the entropy (return_entropy=False) gets the same output; the one-launch
     prefill kernels (softmax family and entmax) then skip the entropy's work (ENTROPY=False) and return none."""
-    q, k, v, qs = _qkv(lq=21 if shape == "prefill" else 1, lk=45, seed=4)
-    kw = _norm_kwargs(norm, 4, qs, per_head=False)
+    q, k, v, qs = qkv(lq=21 if shape == "prefill" else 1, lk=45, seed=4)
+    kw = norm_kwargs(norm, 4, qs, per_head=False)
     o_ref = attend(q, k, v, causal=True, **kw)
     o = attend(q, k, v, causal=True, impl="triton", block_size=16, **kw)
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
-    p = _problem(q, k, v, causal=True, **kw)
+    p = problem(q, k, v, causal=True, **kw)
     o2, h2 = run_problem(p, block_size=16, entropy=False)
     torch.testing.assert_close(o2, o_ref.float(), atol=ATOL, rtol=0)
     assert (h2 is None) == (shape == "prefill")
@@ -163,15 +116,15 @@ def test_key_mask_padding_matches_reference(norm, shape):
     its first causal queries see only padding (all-masked rows: zero output, zero entropy), plus a hole in the
     middle of row 0; several tiles and, for decode, several key splits per program."""
     lq, lk = (21, 45) if shape == "prefill" else (1, 70)
-    q, k, v, qs = _qkv(b=3, hq=4, hkv=2, lq=lq, lk=lk, seed=7)
+    q, k, v, qs = qkv(b=3, hq=4, hkv=2, lq=lq, lk=lk, seed=7)
     mask = torch.ones(3, lk, dtype=torch.bool, device=DEVICE)
     mask[1, :7] = False
     mask[2, :30] = False
     mask[0, 20:23] = False
-    kw = _norm_kwargs(norm, 4, qs, per_head=True)
+    kw = norm_kwargs(norm, 4, qs, per_head=True)
     o_ref, h_ref = attend(q, k, v, causal=True, key_mask=mask, return_entropy=True, **kw)
     splits = None if shape == "prefill" else 3
-    o, h = run_problem(_problem(q, k, v, causal=True, key_mask=mask, **kw), block_size=16, splits=splits)
+    o, h = run_problem(problem(q, k, v, causal=True, key_mask=mask, **kw), block_size=16, splits=splits)
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
     if shape == "prefill":
@@ -215,9 +168,9 @@ def test_no_host_synchronisation_inside_a_call(norm, per_head, splits):
     """Given a validated problem (build_problem reads parameter values once), the kernels' host code never makes the
     host wait for the device without `stats` — what CUDA-graph capture and overlapping launches need: no value read
     back, and no parameter copied from host memory per call (float parameters once were, on every launch)."""
-    q, k, v, qs = _qkv(hq=4, hkv=2, lq=3, lk=70, seed=2)
-    kw = _norm_kwargs(norm, 4, qs, per_head=per_head)
-    p = _problem(q, k, v, causal=True, **kw)
+    q, k, v, qs = qkv(hq=4, hkv=2, lq=3, lk=70, seed=2)
+    kw = norm_kwargs(norm, 4, qs, per_head=per_head)
+    p = problem(q, k, v, causal=True, **kw)
     o_ref = attend(q, k, v, causal=True, **kw)
     run_problem(p, block_size=16, splits=splits)  # the first call may copy constants to the device, once
     with _SharpCalls() as calls:
@@ -232,9 +185,9 @@ def test_split_k_decode_merges_on_the_device(norm, bound):
     (each a launch or host work on a GPU, where this path was host-bound: 0.46–0.94 ms a call on an H200) are its
     buffers and parameters — softmax 12, ssmax 15, SSA 18, adaptive 32 (β's polynomial by tensor ops), where the
     merge by tensor ops made them 37, 40, 43 and 78."""
-    q, k, v, qs = _qkv(hq=4, hkv=2, lq=1, lk=70, seed=2)
-    kw = _norm_kwargs(norm, 4, qs, per_head=True)
-    p = _problem(q, k, v, causal=True, **kw)
+    q, k, v, qs = qkv(hq=4, hkv=2, lq=1, lk=70, seed=2)
+    kw = norm_kwargs(norm, 4, qs, per_head=True)
+    p = problem(q, k, v, causal=True, **kw)
     run_problem(p, block_size=16, splits=3)
     with _SharpCalls() as calls:
         o, h = run_problem(p, block_size=16, splits=3)
@@ -245,8 +198,8 @@ def test_split_k_decode_merges_on_the_device(norm, bound):
 
 
 def test_decode_config_splits_keys_to_fill_the_gpu():
-    q, k, v, _ = _qkv(b=1, hq=2, hkv=2, lq=1, lk=4096)
-    cfg = launch_config(_problem(q, k, v), block_size=64)
+    q, k, v, _ = qkv(b=1, hq=2, hkv=2, lq=1, lk=4096)
+    cfg = launch_config(problem(q, k, v), block_size=64)
     assert cfg.block_m == 16 and cfg.splits > 16  # one sequence, two heads: the keys are split
     assert cfg.splits * cfg.keys_per_split >= 4096
 
@@ -274,7 +227,7 @@ def test_large_logits_exact_inputs(norm):
 
 @pytest.mark.parametrize("d", [24, 80])
 def test_head_dims_that_are_not_powers_of_two(d):
-    q, k, v, _ = _qkv(hq=2, hkv=2, lq=9, lk=20, d=d)
+    q, k, v, _ = qkv(hq=2, hkv=2, lq=9, lk=20, d=d)
     for norm in ("ssmax", "entmax"):
         o_ref = attend(q, k, v, norm=norm, causal=True)
         torch.testing.assert_close(attention(q, k, v, norm=norm, causal=True), o_ref, atol=ATOL, rtol=0)
@@ -282,7 +235,7 @@ def test_head_dims_that_are_not_powers_of_two(d):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(dtype):
-    q, k, v, _ = _qkv(dtype=dtype)
+    q, k, v, _ = qkv(dtype=dtype)
     out, ent = attention(q, k, v, norm="entmax", causal=True, return_entropy=True)
     assert out.dtype == dtype and ent.dtype == torch.float32
     ref = attend(q.float(), k.float(), v.float(), norm="entmax", causal=True)
@@ -290,10 +243,10 @@ def test_half_precision_inputs(dtype):
 
 
 def test_empty_keys_and_errors(monkeypatch):
-    q, _, _, _ = _qkv(lq=2)
+    q, _, _, _ = qkv(lq=2)
     k = torch.zeros(1, 2, 0, 16, device=DEVICE)
     assert (attention(q, k, k, norm="ssa") == 0).all()
-    q, k, v, _ = _qkv(device=torch.device("cpu"))
+    q, k, v, _ = qkv(device=torch.device("cpu"))
     with pytest.raises(ValueError, match="forward-only"):
         attend(q.clone().requires_grad_(), k, v, impl="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -349,15 +302,15 @@ def test_half_prefill_keeps_its_row_sums_on_the_tensor_cores(norm, per_head, dty
     (with ALiBi). Output and entropy within the half rounding of p (what P·V sees) of the fp32 reference on the
     same half inputs."""
     monkeypatch.setattr(host, "dot_f32", lambda t: t.dtype == torch.float32)
-    q, k, v, qs = _qkv(b=2, hq=4, hkv=2, lq=150, lk=150, d=16, seed=9)
+    q, k, v, qs = qkv(b=2, hq=4, hkv=2, lq=150, lk=150, d=16, seed=9)
     q = q * 2.5  # logits of a few units: each row's max and weights move from tile to tile
     mask = torch.ones(2, 150, dtype=torch.bool, device=DEVICE)
     mask[1, :37] = False
-    kw = dict(_norm_kwargs(norm, 4, qs, per_head=per_head), causal=True, key_mask=mask)
+    kw = dict(norm_kwargs(norm, 4, qs, per_head=per_head), causal=True, key_mask=mask)
     q, k, v = (t.to(dtype) for t in (q, k, v))
     o_ref, h_ref = attend(q.float(), k.float(), v.float(), return_entropy=True, **kw)
     assert h_ref.std() > 0.3  # sharp and diffuse rows alike
-    p = _problem(q, k, v, **kw)
+    p = problem(q, k, v, **kw)
     tol, tol_h = (2.5e-3, 5e-4) if dtype == torch.float16 else (2e-2, 4e-3)  # measured fp16: 1.0e-3, 1.2e-4
     for tile in tiles.PREFILL_TILES:
         cfg = launch_config(p, tile=tile)

@@ -20,61 +20,15 @@ pytest.importorskip("triton")
 
 
 import triton
-from devices import ATOL, ATOL_LOOSE, DEVICE, device_name, on_device
+from devices import ATOL, ATOL_LOOSE, DEVICE, device_name
+from triton_cases import host, norm_kwargs, problem, qkv
 from tritons import compile_env
 
 from sharp.models import attend
-from sharp.models.problem import build_problem
 from sharp.plugins.triton import tiles
 from sharp.plugins.triton.attention import launch_config
 
-host = importlib.import_module(
-    "sharp.plugins.triton.attention"
-)  # the module (the package exports a function of that name)
-
-
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy warnings inside the interpreter
-
-
-def _qkv(b=1, hq=4, hkv=2, lq=21, lk=45, d=16, seed=0, dtype=torch.float32, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, lq, d, generator=g)
-    k = torch.randn(b, hkv, lk, d, generator=g)
-    v = torch.randn(b, hkv, lk, d, generator=g)
-    qs = torch.rand(b, hq, lq, generator=g) + 0.5
-    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), qs.to(device)
-
-
-def _problem(q, k, v, **kw):
-    args = dict(
-        norm="softmax",
-        causal=False,
-        scale=None,
-        alpha=1.5,
-        ssa_n=1.5,
-        ssa_b=1.0,
-        ssmax_s=1.0,
-        poly=(-0.037, 0.481, -2.3, 4.917, -1.791),
-        query_scale=None,
-        alibi_slopes=None,
-    )
-    args.update(kw)
-    return build_problem(q, k, v, **args)
-
-
-def _norm_kwargs(norm, hq, qs, per_head):
-    kw = {"norm": norm}
-    if norm == "asentmax":
-        kw["query_scale"] = qs
-    if per_head:
-        kw.update(
-            alpha=torch.linspace(1.2, 2.0, hq),
-            ssa_n=torch.linspace(1.0, 2.0, hq),
-            ssa_b=torch.linspace(0.5, 1.5, hq),
-            ssmax_s=torch.linspace(0.5, 1.5, hq),
-            alibi_slopes=torch.tensor([0.5, 0.25, 0.0, 0.0]),
-        )
-    return on_device(kw, qs.device)
 
 
 @pytest.mark.compile
@@ -267,7 +221,7 @@ def test_flex_attention_baseline_computes_the_same_norm(norm, causal):
 
     runs = []
     for length in (40, 24, 40):  # one score_mod per norm for the run: a length's parameter must not stick
-        q, k, v, _ = _qkv(hq=2, hkv=2, lq=length, lk=length, seed=length)
+        q, k, v, _ = qkv(hq=2, hkv=2, lq=length, lk=length, seed=length)
         want = attend(q, k, v, norm=norm, causal=causal, ssa_n=1.5, ssa_b=1.0, ssmax_s=1.0)
         runs.append((_flex_runner(q, k, v, norm, causal, gpu=DEVICE.type == "cuda"), want))
     for run, want in runs[::-1]:
@@ -299,12 +253,12 @@ def test_kernel_benchmark_reports_a_baseline_that_cannot_run(capsys, monkeypatch
 @pytest.mark.parametrize("norm", ["ssa", "adaptive", "entmax"])
 def test_every_prefill_tile_computes_the_same_attention(norm):
     """Each tile the tuner may pick (up to 128 × 128) over several key tiles: causal, a padding mask, GQA."""
-    q, k, v, qs = _qkv(b=2, hq=4, hkv=2, lq=150, lk=150, d=16, seed=4)
+    q, k, v, qs = qkv(b=2, hq=4, hkv=2, lq=150, lk=150, d=16, seed=4)
     mask = torch.ones(2, 150, dtype=torch.bool, device=DEVICE)
     mask[1, :37] = False  # a left-padded row
-    kw = dict(_norm_kwargs(norm, 4, qs, per_head=True), causal=True, key_mask=mask)
+    kw = dict(norm_kwargs(norm, 4, qs, per_head=True), causal=True, key_mask=mask)
     o_ref, h_ref = attend(q, k, v, return_entropy=True, **kw)
-    p = _problem(q, k, v, **kw)
+    p = problem(q, k, v, **kw)
     for tile in tiles.PREFILL_TILES:
         cfg = launch_config(p, tile=tile)
         assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.splits) == (tile.block_m, tile.block_n, tile.num_warps, 1)
@@ -325,14 +279,14 @@ def test_prefill_tiles_are_tuned_once_per_problem_class(monkeypatch):
     time_ms = tiles._time_ms
     monkeypatch.setattr(tiles, "_time_ms", lambda fn, dev: timed.append(1) or time_ms(fn, dev))
     for lq in (40, 50, 100):  # 40 and 50 share a length class (33–64); 100 does not
-        q, k, v, _ = _qkv(lq=lq, lk=lq, seed=lq)
+        q, k, v, _ = qkv(lq=lq, lk=lq, seed=lq)
         o, h = attend(q, k, v, norm="ssa", causal=True, impl="triton", return_entropy=True)
         o_ref, h_ref = attend(q, k, v, norm="ssa", causal=True, return_entropy=True)
         torch.testing.assert_close(o, o_ref, atol=ATOL_LOOSE, rtol=0)
         torch.testing.assert_close(h, h_ref, atol=ATOL_LOOSE, rtol=0)
     assert len(timed) == 4 and len(tiles._TUNED) == 2
     assert set(tiles._TUNED.values()) <= set(tiles.PREFILL_TILES)
-    q, k, v, _ = _qkv(lq=1, lk=300)
+    q, k, v, _ = qkv(lq=1, lk=300)
     attend(q, k, v, norm="ssa", impl="triton")
     assert len(timed) == 4  # decode: split-K, not tuned
 
@@ -351,7 +305,7 @@ def test_tuned_tiles_persist_on_disk_per_gpu_triton_and_class(monkeypatch, tmp_p
     timed = []
     time_ms = tiles._time_ms
     monkeypatch.setattr(tiles, "_time_ms", lambda fn, dev: timed.append(1) or time_ms(fn, dev))
-    q, k, v, _ = _qkv(lq=40, lk=40)
+    q, k, v, _ = qkv(lq=40, lk=40)
 
     def prefill() -> Tile:
         monkeypatch.setattr(tiles, "_TUNED", {})  # a new process
@@ -396,8 +350,8 @@ def test_the_tuner_skips_tiles_that_do_not_fit_and_keeps_the_fastest(monkeypatch
         if tile == cands[1]:
             raise OutOfResources(300_000, 232_448, "shared memory")
 
-    q, k, v, _ = _qkv(lq=40, lk=40)
-    p = _problem(q, k, v)
+    q, k, v, _ = qkv(lq=40, lk=40)
+    p = problem(q, k, v)
     assert tuned_tile(host.tile_class(p), p.q.device, run_with) == cands[2]
     monkeypatch.setattr(tiles, "PREFILL_TILES", (cands[1],))
     monkeypatch.setattr(tiles, "_TUNED", {})

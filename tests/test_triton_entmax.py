@@ -4,9 +4,6 @@ root in few passes, sparsemax's exact step, output passes that skip tiles withou
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-
 import pytest
 import torch
 
@@ -16,9 +13,9 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 from devices import ATOL, DEVICE
+from triton_cases import host, problem, qkv
 
 from sharp.models import attend
-from sharp.models.problem import build_problem
 from sharp.models.streamed import StreamStats
 from sharp.plugins.triton.attention import launch_config, run_problem
 from sharp.plugins.triton.common import PARTIALS, _fold_sum, _shift_columns, _shift_rows
@@ -33,21 +30,7 @@ from sharp.plugins.triton.threshold import (
     _threshold_step,
 )
 
-host = importlib.import_module(
-    "sharp.plugins.triton.attention"
-)  # the module (the package exports a function of that name)
-
-
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy warnings inside the interpreter
-
-
-def _qkv(b=1, hq=4, hkv=2, lq=21, lk=45, d=16, seed=0, dtype=torch.float32, device=DEVICE):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, lq, d, generator=g)
-    k = torch.randn(b, hkv, lk, d, generator=g)
-    v = torch.randn(b, hkv, lk, d, generator=g)
-    qs = torch.rand(b, hq, lq, generator=g) + 0.5
-    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), qs.to(device)
 
 
 @triton.jit
@@ -121,34 +104,17 @@ def _search_probe(X, ALPHA, TAU, COUNT, LK, max_passes, tol, ROWS: tl.constexpr,
 _TL_TYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def _problem(q, k, v, **kw):
-    args = dict(
-        norm="softmax",
-        causal=False,
-        scale=None,
-        alpha=1.5,
-        ssa_n=1.5,
-        ssa_b=1.0,
-        ssmax_s=1.0,
-        poly=(-0.037, 0.481, -2.3, 4.917, -1.791),
-        query_scale=None,
-        alibi_slopes=None,
-    )
-    args.update(kw)
-    return build_problem(q, k, v, **args)
-
-
 @pytest.mark.parametrize("alpha", [1.5, 2.0, 1.3])
 @pytest.mark.parametrize("splits", [None, 3])
 def test_entmax_scalar_alpha_fast_paths(alpha, splits):
     """α = 1.5 and 2 take the kernels' exp/log-free power paths (α = 1.3 the general one), fused prefill and
     split-K decode (logits → τ on chip → partial outputs)."""
     lq = 21 if splits is None else 3
-    q, k, v, _ = _qkv(hq=4, hkv=2, lq=lq, lk=75, seed=5)
+    q, k, v, _ = qkv(hq=4, hkv=2, lq=lq, lk=75, seed=5)
     kw = dict(norm="entmax", causal=True, alpha=alpha, alibi_slopes=torch.tensor([0.5, 0.25, 0.0, 0.1], device=DEVICE))
     o_ref, h_ref = attend(q, k, v, return_entropy=True, **kw)
     stats = StreamStats()
-    o, h = run_problem(_problem(q, k, v, **kw), block_size=16, splits=splits, stats=stats)
+    o, h = run_problem(problem(q, k, v, **kw), block_size=16, splits=splits, stats=stats)
     torch.testing.assert_close(o, o_ref, atol=ATOL, rtol=0)
     torch.testing.assert_close(h, h_ref, atol=ATOL, rtol=0)
     # Halley's step where S'' is bounded (α ≤ 1.5) converges in fewer passes than Newton's (8–9 at these sizes)
@@ -165,7 +131,7 @@ def test_per_head_alpha_takes_each_heads_threshold_sweep(norm, dtype, monkeypatc
     the same inputs; without the entropy (ENTROPY=False) the same output to the bit (at α = 3 the fp32 reference is
     the one 1.7e-5 off it, the kernel 4.6e-6: k = 1/2 makes the weights' error d^(k−1) times τ's)."""
     monkeypatch.setattr(host, "dot_f32", lambda t: t.dtype == torch.float32)
-    q, k, v, qs = _qkv(b=2, hq=4, hkv=2, lq=70, lk=70, d=16, seed=5)
+    q, k, v, qs = qkv(b=2, hq=4, hkv=2, lq=70, lk=70, d=16, seed=5)
     mask = torch.ones(2, 70, dtype=torch.bool, device=DEVICE)
     mask[1, :9] = False
     alpha = torch.tensor([1.25, 1.5, 1.75, 3.0], dtype=torch.float64, device=DEVICE)
@@ -175,9 +141,9 @@ def test_per_head_alpha_takes_each_heads_threshold_sweep(norm, dtype, monkeypatc
                           query_scale=qs.double() if norm == "asentmax" else None, **kw)  # fmt: skip
     kw = dict(kw, alpha=alpha.float(), query_scale=qs if norm == "asentmax" else None)
     kw.pop("return_entropy")
-    out, ent = run_problem(_problem(q, k, v, **kw), block_size=16)
+    out, ent = run_problem(problem(q, k, v, **kw), block_size=16)
     o_ref, h_ref = o_ref.float(), h_ref.float()
-    out2, ent2 = run_problem(_problem(q, k, v, **kw), block_size=16, entropy=False)  # ENTROPY=False: no log w
+    out2, ent2 = run_problem(problem(q, k, v, **kw), block_size=16, entropy=False)  # ENTROPY=False: no log w
     assert ent2 is None and torch.equal(out2, out)
     assert torch.isfinite(out.float()).all() and torch.isfinite(ent).all()
     tol, tol_h = (ATOL, ATOL) if dtype == torch.float32 else (2.5e-3, 5e-4)  # fp16: the half rounding of P
@@ -187,9 +153,9 @@ def test_per_head_alpha_takes_each_heads_threshold_sweep(norm, dtype, monkeypatc
 
 @pytest.mark.parametrize("alpha", [1.5, 2.0])
 def test_entmax_pass_count_and_block_skipping(alpha):
-    q, k, v, _ = _qkv(hq=2, hkv=2, lq=48, lk=128, seed=3)
+    q, k, v, _ = qkv(hq=2, hkv=2, lq=48, lk=128, seed=3)
     slopes = torch.tensor([2.0, 1.0], device=DEVICE)
-    p = _problem(q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=slopes)
+    p = problem(q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=slopes)
     stats = StreamStats()
     out, ent = run_problem(p, block_size=16, stats=stats)
     o_ref, h_ref = attend(q, k, v, norm="entmax", causal=True, alpha=alpha, alibi_slopes=slopes, return_entropy=True)
@@ -215,7 +181,7 @@ def test_entmax_at_large_alpha_converges_through_the_safeguard(seed):
     q, k, v = ((torch.randn(1, 2, 40, 16, generator=g) * 128).round().to(DEVICE) / 64 for _ in range(3))
     kw = dict(norm="entmax", causal=True, alpha=2.5, return_entropy=True)
     o_ref, h_ref = attend(q.double(), k.double(), v.double(), **kw)
-    split_k = run_problem(_problem(q, k, v, norm="entmax", causal=True, alpha=2.5), block_size=16, splits=3)
+    split_k = run_problem(problem(q, k, v, norm="entmax", causal=True, alpha=2.5), block_size=16, splits=3)
     runs = {impl: attend(q, k, v, impl=impl, block_size=16, **kw) for impl in ("streamed", "triton")}
     for impl, (o, h) in (runs | {"triton split-K": split_k}).items():
         torch.testing.assert_close(o.double(), o_ref, atol=5e-5, rtol=0, msg=lambda m, impl=impl: f"{impl}: {m}")
@@ -239,7 +205,7 @@ def test_threshold_search_settles_in_few_passes(alpha):
     threshold kernel's test, whose search starts at the bracket's end.)"""
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 256, 32, generator=g).to(DEVICE) for _ in range(3))
-    p = _problem(q, k, v, norm="entmax", causal=True, alpha=alpha)
+    p = problem(q, k, v, norm="entmax", causal=True, alpha=alpha)
     stats = StreamStats()
     out, _ = run_problem(p, block_size=64, stats=stats)
     ref = attend(q.double(), k.double(), v.double(), norm="entmax", causal=True, alpha=alpha)  # α > 2: fp32's is off
@@ -258,7 +224,7 @@ def test_halley_rows_step_to_the_class_model_where_the_count_shows_it_exact():
     in the interpreter, the float64 reference's output all the same."""
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 256, 32, generator=g).to(DEVICE) for _ in range(3))
-    p = _problem(4.0 * q, k, v, norm="entmax", causal=True, alpha=1.5)
+    p = problem(4.0 * q, k, v, norm="entmax", causal=True, alpha=1.5)
     stats = StreamStats()
     out, _ = run_problem(p, block_size=64, stats=stats)
     ref = attend(4.0 * q.double(), k.double(), v.double(), norm="entmax", causal=True, alpha=1.5)
@@ -286,7 +252,7 @@ def test_entmax_output_skips_the_tiles_without_weight(dtype):
     length, d = 512, 16
     q, k, v = (torch.randn(1, 2, length, d, generator=g) for _ in range(3))
     q = q * 16.0
-    p = _problem(*(t.to(DEVICE, dtype) for t in (q, k, v)), norm="entmax", causal=True, alpha=1.25)
+    p = problem(*(t.to(DEVICE, dtype) for t in (q, k, v)), norm="entmax", causal=True, alpha=1.25)
     stats = StreamStats()
     run_problem(p, block_size=64, stats=stats)
     cfg = launch_config(p, block_size=64)
