@@ -24,7 +24,7 @@ from sharp.serving import Engine, EngineConfig, ServingMetrics, load_backend
 from sharp.serving.config import PAGE_SIZE
 from sharp.serving.engine.output import Delta, Finished
 from sharp.serving.kv import names as names_module
-from sharp.serving.kv.names import PageNames, page_names
+from sharp.serving.kv.names import PageNames
 from sharp.serving.kv.pages import PageAllocator
 from sharp.serving.kv.prefix import CANDIDATES, PrefixStore, common_prefix
 
@@ -269,11 +269,11 @@ def test_a_requests_pages_are_named_once(norm_models, backend, monkeypatch):
 
 # ---- the pieces alone --------------------------------------------------------------------------------------------
 def test_page_names_chain_the_parent_and_are_computed_once(monkeypatch):
-    a = page_names(range(48), 16)
-    b = page_names([99, *range(1, 48)], 16)
-    assert len(a) == 3 and len(page_names(range(47), 16)) == 2
+    a = PageNames(range(48), 16).names()
+    b = PageNames([99, *range(1, 48)], 16).names()
+    assert len(a) == 3 and len(PageNames(range(47), 16).names()) == 2
     assert a[0] != b[0] and a[1] != b[1] and a[2] != b[2]  # every later page differs with the first
-    assert page_names(range(48), 16) == a
+    assert PageNames(range(48), 16).names() == a
     hashed = []
     real = names_module._name
     monkeypatch.setattr(names_module, "_name", lambda *x: hashed.append(1) or real(*x))

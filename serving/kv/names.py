@@ -43,8 +43,3 @@ class PageNames:
         other = PageNames(ids, self.page_size)
         other._names = list(self.names(len(other.ids)))
         return other
-
-
-def page_names(tokens: Sequence[int] | np.ndarray, page_size: int = PAGE_SIZE) -> list[bytes]:
-    """The names of the full pages of `tokens`."""
-    return PageNames(tokens, page_size).names()
