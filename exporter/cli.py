@@ -53,17 +53,35 @@ def check_norm_change(model: SharpLM, norm: str, values: dict[str, float]) -> No
         raise UsageError(why)
 
 
+def _gguf(path: Path) -> Path | None:
+    """The GGUF file MODEL names (a .gguf, or a directory holding one and no config.json), checked by its header
+    (architecture, tensors within the file), or None."""
+    from sharp.models import gguf
+
+    try:
+        found = gguf.find(path)
+        if found is not None:
+            gguf.read_header(found)
+    except gguf.GGUFError as e:
+        raise UsageError(str(e)) from None
+    return found
+
+
 def _check_model(path: Path) -> None:
     """MODEL names a file or a Hugging Face directory; a mistyped one gets the near names beside it."""
+    if _gguf(path) is not None:
+        return
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise UsageError(f"{path}: a directory without config.json; expected a Hugging Face model directory")
+            raise UsageError(
+                f"{path}: a directory without config.json or a .gguf; expected a Hugging Face model directory"
+            )
         return
     if path.is_file():
         return
     raise UsageError(
-        f"{path}: no such file or directory (expected a sharp checkpoint such as model.pt, or a Hugging Face model"
-        f" directory with config.json){did_you_mean(path)}"
+        f"{path}: no such file or directory (expected a sharp checkpoint such as model.pt, a GGUF file, or a Hugging"
+        f" Face model directory with config.json){did_you_mean(path)}"
     )
 
 
@@ -84,7 +102,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "model",
         type=Path,
-        help="a sharp checkpoint (model.pt), or a Hugging Face model directory (config.json, weights, tokenizer.json)",
+        help="a sharp checkpoint (model.pt), a GGUF file (llama.cpp's; Llama, Mistral, Qwen2/3), or a Hugging Face"
+        " model directory (config.json, weights, tokenizer.json)",
     )
     ap.add_argument("-o", "--output", type=Path, help="output .onnx (default: MODEL with .onnx)")
     _settings_flags(ap)
@@ -200,18 +219,28 @@ def _load_transformers(
     except ImportError as e:
         msg = f"exporting a Hugging Face model needs transformers ({e}); pip install 'sharp-attention[hf]'"
         raise UsageError(msg) from None
+    source = args.model
+    if (found := _gguf(source)) is not None:
+        from sharp.models import gguf
+
+        try:
+            source = gguf.hf_directory(found)
+        except ImportError as e:
+            raise UsageError(f"reading a GGUF file needs gguf ({e}); pip install 'sharp-attention[hf]'") from None
+        except gguf.GGUFError as e:
+            raise UsageError(str(e)) from None
     try:
-        config = hf.load_config(args.model)
+        config = hf.load_config(source)
         norm = settings.norm or hf.AttentionSettings.of(config).norm
         values = {param: getattr(args, param) for param in CHANGE_PARAMS}
         hf.sharpen(config, norm, tuple(args.poly) if args.poly else None, **values)
-        tokenizer = hf_export.load_tokenizer(args.model, config)
+        tokenizer = hf_export.load_tokenizer(source, config)
     except (ValueError, OSError) as e:  # UnsupportedModel, a bad config.json, a refused norm change
         raise UsageError(f"{args.model}: {e}") from None
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # its weight-loading bar is library chatter at this command
-    model = hf.load_model(args.model, config)
+    model = hf.load_model(source, config)
     return (
         hf_export.metadata(model, tokenizer, dataclasses.replace(settings, norm=norm)),
         lambda s: hf_export.export_hf(model, tokenizer, s),
@@ -269,7 +298,8 @@ def _export(args) -> int:
             f"--genai --fallback none needs sharp's op library in the package, and there is none ({attention})"
         )
     quiet_libraries()
-    meta, export, reference = (_load_transformers if args.model.is_dir() else _load_sharplm)(args, settings)
+    transformers_model = args.model.is_dir() or _gguf(args.model) is not None
+    meta, export, reference = (_load_transformers if transformers_model else _load_sharplm)(args, settings)
     settings = dataclasses.replace(settings, norm=meta.norm)
     proto = export(settings)
     from sharp.exporter.check import run_check

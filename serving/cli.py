@@ -104,7 +104,8 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "model",
         type=Path,
-        help="an .onnx file from sharp-export or a Hugging Face model directory (onnxruntime: exported once, checked,"
+        help="an .onnx file from sharp-export, a GGUF file, or a Hugging Face model directory (onnxruntime: exported"
+        " once, checked,"
         " into $SHARP_CACHE, default ~/.cache/sharp), a model.pt (torch), an engine (tensorrt)",
     )
     ap.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
@@ -171,7 +172,7 @@ def serve_parser() -> argparse.ArgumentParser:
 def build_server(args):
     """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
     from sharp.serving.api.server import ServerConfig
-    from sharp.serving.backends.loading import check_model_path, exported
+    from sharp.serving.backends.loading import check_model_path, exported, needs_export
     from sharp.serving.config import EngineConfig
     from sharp.serving.engine.core import CoreSpec, EngineProcess, build_engine
 
@@ -204,9 +205,10 @@ def build_server(args):
         "torch": {"dtype": args.dtype},
     }.get(args.backend, {})
     model, name = check_model_path(args.model, args.backend), args.model_name  # said before a process starts
-    if model.is_dir():  # a Hugging Face directory: served as its exported file, under the directory's name
-        if name is None and MODEL_NAME.fullmatch(model.resolve().name):
-            name = model.resolve().name
+    if needs_export(model):  # a Hugging Face directory or a GGUF: served as its export, under its own name
+        given = model.resolve().name if model.is_dir() else model.stem
+        if name is None and MODEL_NAME.fullmatch(given):
+            name = given
         model = exported(model, say=lambda line: print(line, flush=True))
     spec = CoreSpec(str(model), args.backend, args.device, kw, name, config, args.entropy_metrics,
                     args.metrics_names, args.log_level, args.log_format)  # fmt: skip

@@ -10,6 +10,7 @@ from sharp.serving.kv.names import PAGE_SIZE
 from sharp.serving.requests import Limits
 from sharp.serving.spec import ModelSpec
 
+DEFAULT_KV_MB = 256  # the least default KV budget; a model whose one full context needs more gets that
 PROMPT_BYTES_PER_TOKEN = 16  # the default prompt limit: more bytes than this per context token is never a prompt
 
 
@@ -24,10 +25,11 @@ class EngineConfig:
 
     max_batch: int = option(32, "sequences decoded together")
     max_queue: int = option(256, "waiting requests; more get RESOURCE_EXHAUSTED (HTTP 429)")
-    kv_cache_mb: float = option(
-        256.0,
+    kv_cache_mb: float | None = option(
+        None,
         f"KV-cache budget (torch: a pool of {PAGE_SIZE}-token pages allocated at start; onnxruntime/tensorrt:"
-        " padding included)",
+        f" padding included); default: {DEFAULT_KV_MB} MiB or one request of the model's whole context, whichever"
+        " is larger",
     )
     prefix_cache_mb: float | None = option(
         None,
@@ -54,8 +56,9 @@ class EngineConfig:
                 continue
             if f.type.startswith("int") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"`{f.name}` must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.kv_cache_mb, int | float) and math.isfinite(self.kv_cache_mb) and self.kv_cache_mb > 0):
-            raise ValueError(f"`kv_cache_mb` must be a finite number > 0, got {self.kv_cache_mb!r}")
+        kv = self.kv_cache_mb
+        if kv is not None and not (isinstance(kv, int | float) and math.isfinite(kv) and kv > 0):
+            raise ValueError(f"`kv_cache_mb` must be a finite number > 0, got {kv!r}")
         mb = self.prefix_cache_mb
         if mb is not None and not (isinstance(mb, int | float) and math.isfinite(mb) and mb >= 0):
             raise ValueError(f"`prefix_cache_mb` must be a finite number >= 0, got {mb!r}")
@@ -65,10 +68,19 @@ class EngineConfig:
                 f" ({self.max_new_tokens_limit})"
             )
 
-    def prefix_cache_bytes(self) -> int:
-        """The prefix cache's budget in bytes (0: off)."""
-        mb = self.kv_cache_mb if self.prefix_cache_mb is None else self.prefix_cache_mb
-        return int(mb * 2**20)
+    def kv_cache_bytes(self, spec: ModelSpec, kv_bytes_per_token: int) -> int:
+        """The KV budget in bytes: --kv-cache-mb, else the default, which always holds one request of the model's
+        whole context (in whole pages: what the paged pool needs)."""
+        if self.kv_cache_mb is not None:
+            return int(self.kv_cache_mb * 2**20)
+        pages = -(-spec.context_length // PAGE_SIZE)
+        return max(DEFAULT_KV_MB * 2**20, pages * PAGE_SIZE * kv_bytes_per_token)
+
+    def prefix_cache_bytes(self, kv_cache_bytes: int) -> int:
+        """The prefix cache's budget in bytes (0: off); by default as large as the KV budget."""
+        if self.prefix_cache_mb is None:
+            return kv_cache_bytes
+        return int(self.prefix_cache_mb * 2**20)
 
     def limits(self, spec: ModelSpec, kv_bytes_per_token: int, kv_budget_bytes: int, block_tokens: int = 1) -> Limits:
         """What requests are checked against: this configuration's bounds and the served model's."""

@@ -12,18 +12,22 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
+from urllib.request import Request, urlopen
 
 import torch
 
+from sharp import smollm2
 from sharp.models import NORMS, attend, registry
-from sharp.models.checkpoint import zoo_model
+
+QUESTION = "What is the capital of France?"
+STREAMED = "Write one sentence about the sea."
 
 
 def _problem(n: int, seed: int = 0, deviant: float | None = None) -> tuple[torch.Tensor, ...]:
@@ -81,8 +85,6 @@ def dispersion() -> None:
 
 
 def _scrape(port: int) -> list[str]:
-    from urllib.request import urlopen
-
     text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     return [line for line in text.splitlines() if line.startswith("sharp_")]
 
@@ -95,57 +97,63 @@ def _entropy_table(lines: list[str], metric: str) -> list[str]:
         if m:
             (sums if m.group(1) == "sum" else counts)[(int(m.group(3)), int(m.group(2)))] = float(m.group(4))
     heads = max(h for _, h in counts) + 1
-    rows = [f"   {'layer':<7}" + "".join(f"{'head ' + str(h):>9}" for h in range(heads))]
+    rows = [f"   {'layer':<7}" + "".join(f"{'head ' + str(h):>8}" for h in range(heads))]
     for layer in sorted({ly for ly, _ in counts}):
         cells = [sums[layer, h] / max(counts[layer, h], 1) for h in range(heads)]
-        rows.append(f"   {layer:<7}" + "".join(f"{c:>9.3f}" for c in cells))
+        rows.append(f"   {layer:<7}" + "".join(f"{c:>8.3f}" for c in cells))
     return rows
 
 
+def _ask(http: str, model: str, question: str) -> dict:
+    """One greedy chat completion through the OpenAI-compatible API, as any OpenAI client sends it."""
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 64, "temperature": 0}
+    req = Request(f"{http}/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urlopen(req, timeout=120).read())
+
+
 def product() -> None:
-    """Export, serve, stream through sharp-client, scrape the metrics, drain: the shipped flow end to end."""
+    """Serve the real model's GGUF, ask it through the OpenAI API and gRPC, scrape the metrics, drain."""
     try:
-        model = zoo_model("ssa")
+        model = smollm2.gguf_path()
     except FileNotFoundError as e:
         raise SystemExit(f"sharp demo: cannot run the product demo: {e}") from None
     bin_dir = Path(sys.executable).parent
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ssa.onnx"
-        print("2. sharp-export models/zoo/ssa.pt --norm ssa\n")
-        subprocess.run([bin_dir / "sharp-export", str(model), "--norm", "ssa", "-o", str(out)], check=True)
-        print("\n3. sharp-serve on onnxruntime (CPU), any free ports\n")
-        server = subprocess.Popen(
-            [bin_dir / "sharp-serve", str(out), "--port", "0", "--metrics-port", "0"], stdout=subprocess.PIPE, text=True
-        )
-        try:
-            banner = server.stdout.readline().strip()
-            print(f"   {banner}")
-            found = re.search(r" on ([\d.]+:\d+), metrics http://[\d.]+:(\d+)/", banner)
-            if not found:
-                raise SystemExit("sharp-serve did not start")
-            target, metrics_port = found.group(1), int(found.group(2))
-            prompt = "import os\n\n\ndef read_config(path"
-            print(f"\n4. sharp-client generate --stream --stats (temperature 0.8, top-k 40, seed 0)\n{prompt}", end="")
-            client = [bin_dir / "sharp-client", "--target", target, "generate", prompt, "--stream", "--stats"]
-            client += ["--max-new-tokens", "120", "--temperature", "0.8", "--top-k", "40", "--seed", "0"]
-            subprocess.run(client, check=True)
-            lines = _scrape(metrics_port)
-            print("\n5. the server's Prometheus metrics after this request\n")
-            for line in lines:
-                if re.match(
-                    r"sharp_(requests_total|generation_tokens_total|prompt_tokens_total|time_to_first_token_seconds_(sum|count))",
-                    line,
-                ):
-                    print(f"   {line}")
-            print("\n   sharp_attention_entropy_nats (mean per layer and head, from the _sum and _count series):")
-            print("\n".join(_entropy_table(lines, "sharp_attention_entropy_nats")))
-            print("   sharp_attention_normalized_entropy (1 = uniform over the visible keys):")
-            print("\n".join(_entropy_table(lines, "sharp_attention_normalized_entropy")))
-        finally:
-            server.send_signal(signal.SIGTERM)
-            rest, _ = server.communicate(timeout=60)
-        print("\n6. SIGTERM: " + "; ".join(line.removeprefix("sharp-serve: ") for line in rest.splitlines()))
-        print(f"   sharp-serve exited with {server.returncode}")
+    print(f"2. sharp-serve {model.name} (onnxruntime, CPU; any free ports)\n")
+    print(f"   {smollm2.NAME}, the Q4_1 GGUF llama.cpp users run: read, exported and checked once into sharp's cache\n")
+    cmd = [bin_dir / "sharp-serve", str(model), "--port", "0", "--metrics-port", "0", "--http-port", "0"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        while (banner := server.stdout.readline()) and not banner.startswith(f"sharp-serve: {model.stem} ("):
+            print(f"   {banner.rstrip()}")  # the one-time export's lines
+        print(f"   {banner.strip()}")
+        found = re.search(r" on ([\d.]+:\d+), metrics http://[\d.]+:(\d+)/.*OpenAI API (http://\S+/v1)", banner)
+        if not found:
+            raise SystemExit("sharp-serve did not start")
+        target, metrics_port, http = found.group(1), int(found.group(2)), found.group(3)
+        print(f"\n3. POST {http}/chat/completions (greedy): {QUESTION}\n")
+        reply = _ask(http, model.stem, QUESTION)
+        print(f"   {reply['choices'][0]['message']['content']}")
+        print(f"   ({reply['usage']['prompt_tokens']} prompt tokens, {reply['usage']['completion_tokens']} generated)")
+        prompt = f"<|im_start|>user\n{STREAMED}<|im_end|>\n<|im_start|>assistant\n"  # the model's chat format
+        print(f"\n4. sharp-client generate --stream --stats over gRPC (temperature 0.7, seed 0): {STREAMED}\n")
+        client = [bin_dir / "sharp-client", "--target", target, "generate", prompt, "--stream", "--stats"]
+        client += ["--max-new-tokens", "60", "--temperature", "0.7", "--seed", "0"]
+        subprocess.run(client, check=True)
+        lines = _scrape(metrics_port)
+        print("\n5. the server's Prometheus metrics after these requests\n")
+        for line in lines:
+            if re.match(
+                r"sharp_(requests_total|generation_tokens_total|prompt_tokens_total|time_to_first_token_seconds_(sum|count))",
+                line,
+            ):
+                print(f"   {line}")
+        print("\n   sharp_attention_normalized_entropy (mean per layer and head; 1 = uniform over the visible keys):")
+        print("\n".join(_entropy_table(lines, "sharp_attention_normalized_entropy")))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        rest, _ = server.communicate(timeout=60)
+    print("\n6. SIGTERM: " + "; ".join(line.removeprefix("sharp-serve: ") for line in rest.splitlines()))
+    print(f"   sharp-serve exited with {server.returncode}")
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -316,6 +317,22 @@ def test_kv_budget_admits_only_what_fits(model_files):
     with pytest.raises(RequestError) as err:
         greedy_request(eng, [256] * 10, 600)
     assert err.value.code is Status.RESOURCE_EXHAUSTED and "--kv-cache-mb" in err.value.message
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_the_default_kv_budget_holds_one_request_of_the_whole_context(model_files, backend):
+    """Without --kv-cache-mb a prompt of the model's full context is admitted, whatever its KV bytes per token; a
+    model whose context fits in 256 MiB keeps 256 MiB."""
+    be = load_backend(model_files[backend], backend)
+    context = be.spec.context_length
+    assert EngineConfig().kv_cache_bytes(be.spec, be.kv_bytes_per_token) == 256 * 2**20
+    wide = SimpleNamespace(context_length=1 << 20)  # a context whose cache needs more than 256 MiB
+    assert EngineConfig().kv_cache_bytes(wide, be.kv_bytes_per_token) == (1 << 20) * be.kv_bytes_per_token
+    assert EngineConfig(kv_cache_mb=1).kv_cache_bytes(wide, be.kv_bytes_per_token) == 2**20
+    be.kv_bytes_per_token = 2 * 256 * 2**20 // context  # this model's whole context needs 512 MiB
+    eng = Engine(be, EngineConfig())
+    assert eng.limits.kv_budget_bytes >= context * be.kv_bytes_per_token
+    greedy_request(eng, [256] * (context - 8), 8)  # admitted: no RequestError
 
 
 @pytest.mark.parametrize("seed", range(170, 181))  # 170, 177, 180: a free slot would pass the budget

@@ -583,7 +583,7 @@ def test_the_readme_recipe_serves_a_hugging_face_directory(hf_dirs, tmp_path):
 
 
 def test_the_export_cache_key_follows_the_directory_content(hf_dirs, tmp_path):
-    from sharp.serving.backends.loading import content_key
+    from sharp.models.cache import content_key
 
     model = shutil.copytree(hf_dirs["llama"], tmp_path / "m")
     key = content_key(model)

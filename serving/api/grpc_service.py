@@ -178,7 +178,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             layer_info=layer_info,
             max_new_tokens_limit=c.max_new_tokens_limit,
             max_batch=c.max_batch,
-            kv_cache_mb=c.kv_cache_mb,
+            kv_cache_mb=self.engine.limits.kv_budget_bytes / 2**20,  # what the default came to
             default_max_new_tokens=c.default_max_new_tokens or 0,
             max_prompt_bytes=self.engine.limits.max_prompt_bytes,
             max_stop_strings=c.max_stop_strings,

@@ -5,18 +5,16 @@ directory is exported once, checked, into a cache keyed by its content (`exporte
 
 from __future__ import annotations
 
-import hashlib
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from sharp import __version__
+from sharp.models import cache, gguf
 from sharp.models.messages import did_you_mean
 from sharp.serving.backends.interface import BACKENDS, Backend, BackendError
 
 EXPECTED = {
-    "onnxruntime": "an .onnx file from sharp-export, or a Hugging Face model directory",
+    "onnxruntime": "an .onnx file from sharp-export, a GGUF file, or a Hugging Face model directory",
     "torch": "a model.pt",
     "tensorrt": "an engine from sharp-build-engine",
 }
@@ -28,9 +26,22 @@ def check_model_path(path: str | Path, backend: str) -> Path:
     path = Path(path)
     if backend not in BACKENDS:
         raise BackendError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    try:
+        found = gguf.find(path)
+        if found is not None:
+            gguf.read_header(found)
+    except ImportError as e:
+        raise BackendError(f"{path}: reading a GGUF file needs gguf ({e}); pip install 'sharp-attention[hf]'") from None
+    except gguf.GGUFError as e:
+        raise BackendError(str(e)) from None
+    if found is not None:
+        if backend != "onnxruntime":
+            raise BackendError(f"{path}: a GGUF file; --backend {backend} serves {EXPECTED[backend]} (serve it with"
+                               " --backend onnxruntime)")  # fmt: skip
+        return found
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise BackendError(f"{path}: a directory without config.json (expected {EXPECTED[backend]})")
+            raise BackendError(f"{path}: a directory without config.json or a .gguf (expected {EXPECTED[backend]})")
         if backend != "onnxruntime":
             raise BackendError(f"{path}: a Hugging Face model directory; --backend {backend} serves {EXPECTED[backend]}"
                                " (serve the directory with --backend onnxruntime)")  # fmt: skip
@@ -45,34 +56,16 @@ def check_model_path(path: str | Path, backend: str) -> Path:
     return path
 
 
-def export_cache() -> Path:
-    """Where exported Hugging Face directories are kept: $SHARP_CACHE, else $XDG_CACHE_HOME/sharp (~/.cache/sharp)."""
-    if os.environ.get("SHARP_CACHE"):
-        return Path(os.environ["SHARP_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sharp"
-
-
-def content_key(directory: Path) -> str:
-    """A digest of every file in `directory` (names and bytes; hidden ones, such as a download cache, left out) and
-    of this sharp's version: an edited weight, config or tokenizer — or a new sharp — exports again."""
-    digest = hashlib.blake2b(__version__.encode(), digest_size=16)
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        rel = path.relative_to(directory)
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        digest.update(str(rel).encode() + b"\0")
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-        digest.update(b"\0")
-    return digest.hexdigest()
+def needs_export(path: Path) -> bool:
+    """Whether `path` (as check_model_path returned it) is served as its export: a Hugging Face directory or a GGUF."""
+    return path.is_dir() or gguf.is_gguf(path)
 
 
 def exported(directory: Path, say=print) -> Path:
-    """The ONNX file of the Hugging Face model in `directory`: exported (and checked) by sharp-export in its own
-    process the first time — the server's process never imports torch — then found by the directory's content.
-    Raises BackendError with sharp-export's own refusal when it cannot be exported."""
-    out = export_cache() / "exports" / content_key(directory) / "model.onnx"
+    """The ONNX file of the Hugging Face model in `directory` (or of a GGUF file): exported (and checked) by
+    sharp-export in its own process the first time — the server's process never imports torch — then found by the
+    content. Raises BackendError with sharp-export's own refusal when it cannot be exported."""
+    out = cache.root() / "exports" / cache.content_key(directory) / "model.onnx"
     if out.is_file():
         say(f"sharp-serve: {directory} exported before: {out}")
         return out
@@ -93,7 +86,7 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
     """The backend for `path` (a Hugging Face directory: its exported file); raises BackendError with what was found
     and what was expected."""
     path = check_model_path(path, backend)
-    if path.is_dir():
+    if needs_export(path):
         path = exported(path)
     if backend == "tensorrt":
         from sharp.serving.backends.tensorrt_backend import TensorRTBackend

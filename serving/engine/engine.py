@@ -44,7 +44,9 @@ class Engine(EngineClient):
         self.backend, self.config, self.spec = backend, config, backend.spec
         self.tokenizer = self.spec.tokenizer
         self.metrics = metrics or ServingMetrics(self.spec, entropy="off")
-        budget = backend.allocate(int(config.kv_cache_mb * 2**20), config.prefix_cache_bytes())
+        kv_bytes = config.kv_cache_bytes(self.spec, backend.kv_bytes_per_token)
+        self._prefix_bytes = config.prefix_cache_bytes(kv_bytes)
+        budget = backend.allocate(kv_bytes, self._prefix_bytes)
         self.limits = config.limits(self.spec, backend.kv_bytes_per_token, budget, backend.block_tokens)
         self.metrics.configured(config.max_queue, config.max_batch, self.limits)
         self.attention = backend.attention  # what runs attention, in words (GetModelInfo, the start-up line)
@@ -148,7 +150,7 @@ class Engine(EngineClient):
         """Admission's question to the backend: room for `seq`, and how much of its prompt is cached already (a
         prompt whose log-probabilities are asked for is computed, not read from the cache)."""
         req, out = seq.request, self.output
-        reuse = req.prompt_logprobs is None and self.config.prefix_cache_bytes() > 0
+        reuse = req.prompt_logprobs is None and self._prefix_bytes > 0
         hit = self.backend.admit(seq, seq.prompt_pages(), seq.reserved, reuse, out.want_entropy([seq.state]))
         if hit is not None and reuse:
             out.restored(seq.state, hit)

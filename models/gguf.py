@@ -1,0 +1,124 @@
+"""GGUF files (llama.cpp's format, as llama.cpp, Ollama and vLLM users have them) read as Hugging Face directories.
+
+A GGUF file is only read, never executed. Its header is checked with the `gguf` package (architecture, every tensor
+within the file); transformers' GGUF loader then dequantizes the tensors and rebuilds the config, the tokenizer and
+its chat template, and the result is written once as a Hugging Face model directory under sharp's cache, named by the
+file's bytes (models/cache.py). From there on a GGUF is exported, checked and served as that directory is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from sharp.models import cache
+
+MAGIC = b"GGUF"
+# general.architecture values that transformers reads from GGUF and whose model type sharp exports (models/hf.py).
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class GGUFError(ValueError):
+    """The file is not a complete GGUF of a supported architecture; the message says what was found."""
+
+
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file that starts as a GGUF does (or is named like one: such a file must be one)."""
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == MAGIC or path.suffix.lower() == ".gguf"
+
+
+def find(path: Path) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one .gguf of a directory without config.json; None when
+    `path` is neither. A directory with several is refused, naming them."""
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return None
+        files = sorted(p for p in path.glob("*.gguf") if p.is_file())
+        if len(files) > 1:
+            names = ", ".join(p.name for p in files)
+            raise GGUFError(f"{path} holds {len(files)} GGUF files ({names}); name the one to use")
+        return files[0] if files else None
+    return path if is_gguf(path) else None
+
+
+@dataclass(frozen=True)
+class Header:
+    architecture: str
+    tensor_types: dict[str, int]  # GGML type name (Q4_1, F32, …) → how many tensors
+
+
+def read_header(path: Path) -> Header:
+    """The architecture and tensor types of a GGUF file, after checking that it is one, whole, of an architecture
+    sharp serves; raises GGUFError saying what is wrong."""
+    with path.open("rb") as f:
+        if f.read(4) != MAGIC:
+            raise GGUFError(f"{path}: not a GGUF file (it does not start with the bytes GGUF)")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        arch = reader.fields["general.architecture"].contents()
+        size = path.stat().st_size
+        for tensor in reader.tensors:  # the reader maps tensors lazily: a cut file can pass its header
+            if tensor.data_offset + tensor.n_bytes > size:
+                raise ValueError(f"tensor {tensor.name} ends past the end of the file")
+    except KeyError:
+        raise GGUFError(f"{path}: a GGUF without general.architecture") from None
+    except Exception as e:  # whatever the reader raises on a cut or corrupt file
+        raise GGUFError(f"{path}: not a complete GGUF file, truncated or corrupt ({type(e).__name__}: {e})") from None
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: a GGUF of architecture {arch!r}; sharp reads GGUF files of {', '.join(ARCHITECTURES)}"
+        )
+    types: dict[str, int] = {}
+    for tensor in reader.tensors:
+        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+    return Header(str(arch), types)
+
+
+def hf_directory(path: Path, say=print) -> Path:
+    """The Hugging Face directory of a GGUF file, written into the cache the first time (dequantized fp32 weights
+    as model.safetensors, config.json, generation_config.json, tokenizer.json, the chat template), then found by
+    the file's bytes."""
+    read_header(path)
+    out = cache.root() / "gguf" / cache.content_key(path)
+    if (out / "config.json").is_file():
+        return out
+    say(f"reading {path} (GGUF) into {out}")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        _write_hf_directory(path, tmp)
+        tmp.rename(out)  # whole or absent: config.json marks a finished entry
+    except FileExistsError:
+        pass  # another process wrote the same entry meanwhile
+    except OSError as e:
+        if not (out / "config.json").is_file():
+            raise GGUFError(f"{path}: cannot write its directory into {out.parent}: {e.strerror}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_hf_directory(path: Path, out: Path) -> None:
+    from safetensors.torch import save_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # its dequantizing bar is library chatter at sharp's commands
+    out.mkdir(parents=True)
+    where, name = str(path.parent), path.name
+    config = AutoConfig.from_pretrained(where, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=config, dtype="float32")
+    save_model(model, str(out / "model.safetensors"))  # tied weights once; the loader ties them again
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights written are plain fp32
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(out)
