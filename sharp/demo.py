@@ -90,17 +90,28 @@ def _scrape(port: int) -> list[str]:
 
 
 def _entropy_table(lines: list[str], metric: str) -> list[str]:
-    """Mean per layer and head from a histogram's _sum and _count lines."""
+    """Mean per layer (and head, when the server labels heads: it does up to 256 of them) from a histogram's _sum
+    and _count lines."""
     sums, counts = {}, {}
     for line in lines:
-        m = re.match(rf'{metric}_(sum|count)\{{head="(\d+)",layer="(\d+)",model="[^"]*"\}} (\S+)', line)
+        m = re.match(rf"{metric}_(sum|count)\{{(.*)\}} (\S+)", line)
         if m:
-            (sums if m.group(1) == "sum" else counts)[(int(m.group(3)), int(m.group(2)))] = float(m.group(4))
-    heads = max(h for _, h in counts) + 1
-    rows = [f"   {'layer':<7}" + "".join(f"{'head ' + str(h):>8}" for h in range(heads))]
-    for layer in sorted({ly for ly, _ in counts}):
-        cells = [sums[layer, h] / max(counts[layer, h], 1) for h in range(heads)]
-        rows.append(f"   {layer:<7}" + "".join(f"{c:>8.3f}" for c in cells))
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            key = (int(labels["layer"]), int(labels.get("head", -1)))
+            (sums if m.group(1) == "sum" else counts)[key] = float(m.group(3))
+    means = {key: sums[key] / max(counts[key], 1) for key in counts}
+    heads = sorted({h for _, h in means})
+    layers = sorted({ly for ly, _ in means})
+    if heads == [-1]:  # by layer: ten layers a row
+        rows = []
+        for start in range(0, len(layers), 10):
+            chunk = layers[start : start + 10]
+            rows.append(f"   {'layer':<7}" + "".join(f"{ly:>7}" for ly in chunk))
+            rows.append(f"   {'':<7}" + "".join(f"{means[ly, -1]:>7.3f}" for ly in chunk))
+        return rows
+    rows = [f"   {'layer':<7}" + "".join(f"{'head ' + str(h):>8}" for h in heads)]
+    for layer in layers:
+        rows.append(f"   {layer:<7}" + "".join(f"{means[layer, h]:>8.3f}" for h in heads))
     return rows
 
 
@@ -121,6 +132,7 @@ def product() -> None:
     print(f"2. sharp-serve {model.name} (onnxruntime, CPU; any free ports)\n")
     print(f"   {smollm2.NAME}, the Q4_1 GGUF llama.cpp users run: read, exported and checked once into sharp's cache\n")
     cmd = [bin_dir / "sharp-serve", str(model), "--port", "0", "--metrics-port", "0", "--http-port", "0"]
+    cmd += ["--log-level", "warning"]  # the access lines would land inside the streamed text
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         while (banner := server.stdout.readline()) and not banner.startswith(f"sharp-serve: {model.stem} ("):
@@ -143,11 +155,11 @@ def product() -> None:
         print("\n5. the server's Prometheus metrics after these requests\n")
         for line in lines:
             if re.match(
-                r"sharp_(requests_total|generation_tokens_total|prompt_tokens_total|time_to_first_token_seconds_(sum|count))",
+                r'sharp_(requests_total\{.*status="ok"|generation_tokens_total|prompt_tokens_total|time_to_first_token_seconds_(sum|count))',
                 line,
             ):
                 print(f"   {line}")
-        print("\n   sharp_attention_normalized_entropy (mean per layer and head; 1 = uniform over the visible keys):")
+        print("\n   sharp_attention_normalized_entropy (mean per layer; 1 = uniform over the visible keys):")
         print("\n".join(_entropy_table(lines, "sharp_attention_normalized_entropy")))
     finally:
         server.send_signal(signal.SIGTERM)
