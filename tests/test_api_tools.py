@@ -15,7 +15,6 @@ import pytest
 from helpers import HTTP, WEATHER, api, serving
 from pydantic import BaseModel, ConfigDict, Field
 
-from sharp.serving.api.replies import read_calls
 from sharp.serving.api.tools import FORMATS, CallReader, Tool, format_for
 
 # a Hermes-style template that renders tools, calls and results (as Qwen's and Hermes' do)
@@ -96,6 +95,44 @@ def test_a_named_function_and_one_call_without_parallel_calls(srv):
         calls = r.choices[0].message.tool_calls
         assert len(calls) == 1 and calls[0].function.name == "get_time", calls
         _valid(calls[0])
+
+
+def test_a_named_function_gets_one_call_even_with_parallel_calls_allowed(srv):
+    """A named tool_choice is one call to that function (vLLM's and OpenAI's answer): a model left free to go on
+    after it must not write more calls until its budget cuts it."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for seed in range(4):
+        r = api(srv).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=named, seed=seed,
+                                             temperature=1.0, max_tokens=400)  # fmt: skip
+        assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1
+
+
+@pytest.mark.parametrize(("stream", "budget"), [(False, 12), (False, 50), (True, 50)])
+def test_a_call_cut_by_max_tokens_is_a_call_whose_arguments_do_not_parse(srv, stream, budget):
+    """A forced call cut by its token budget comes back as a tool call — its name, and its arguments as far as they
+    got, which no JSON parser takes for finished ones — with finish_reason `length`, never as the markup in
+    `content`, which an agent loop would take for the answer."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model="tiny", messages=USER, tools=TOOLS, tool_choice=named, temperature=0, max_tokens=budget)
+    if not stream:
+        r = api(srv).chat.completions.create(**kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "length" and not choice.message.content, choice
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    else:
+        got, finish = {}, None
+        for chunk in api(srv).chat.completions.create(**kw, stream=True):
+            assert not chunk.choices[0].delta.content
+            for d in chunk.choices[0].delta.tool_calls or ():
+                name, args = got.get(d.index, ("", ""))
+                got[d.index] = (name + (d.function.name or ""), args + (d.function.arguments or ""))
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length"
+        calls = list(got.values())
+    ((name, arguments),) = calls
+    assert name == "get_weather"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(arguments)
 
 
 def test_streamed_calls_arrive_as_deltas(srv):
@@ -275,6 +312,13 @@ def test_text_that_is_not_a_call_is_content(name):
             assert whole == text, (name, text)
     tail = fmt.render(CALLS)[:3]  # text that could be the start of a call, ending the reply
     assert read_calls(CallReader(fmt, True, forced=False), "well " + tail) == ("well " + tail, [])
+
+
+def read_calls(reader: CallReader, text: str) -> tuple[str, list]:
+    """A whole reply read at once, as api/replies.py reads a reply that is not streamed."""
+    content = reader.push(text)
+    rest, calls = reader.finish()
+    return content + rest, calls
 
 
 def test_the_template_picks_the_format_and_the_flag_overrides_it():

@@ -191,15 +191,6 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-def read_calls(reader: CallReader | None, content: str) -> tuple[str, list[ToolCall]]:
-    """A whole reply's text and the tool calls read from it (none without a reader)."""
-    if reader is None:
-        return content, []
-    content = reader.push(content)
-    rest, calls = reader.finish()
-    return content + rest, calls
-
-
 async def first_event(events: Events) -> tuple[GenerationRequest, int, Event]:
     """A request's first event; its refusal, or a failure before any text (the status line can still say so), as
     an APIError."""
@@ -268,7 +259,7 @@ async def generate(request: web.Request, body: Generation, events: Events, choic
             content, calls = "".join(text[i]), []
             if (reader := choice.reader()) is not None:
                 content = reader.push(content)
-                rest, calls = reader.finish()
+                rest, calls = reader.finish(cut=ends[i].reason == "length")
                 content += rest
             finish = finish_reason(ends[i], calls)
             logprobs = join(pieces[i], choice.chat)
@@ -313,7 +304,7 @@ async def _stream(
         if isinstance(ev, Finished):
             ends[i], calls = ev, []
             if readers[i] is not None:
-                rest, calls = readers[i].finish()
+                rest, calls = readers[i].finish(cut=ev.reason == "length")
                 if rest:
                     chunk = reply.choice(rest, None, chunk=True, logprobs=join(held[i], chat), index=i)
                     await resp.write(sse(base | {"choices": [chunk]}))
@@ -367,9 +358,9 @@ async def respond(request: web.Request, body: ResponsesRequest, tools: ToolUse |
         content, calls = "".join(text), []
         if reader is not None:
             content = reader.push(content)
-            rest, calls = reader.finish()
+            rest, calls = reader.finish(cut=ev.reason == "length")
             content += rest
-        status = "incomplete" if ev.reason == "length" and not calls else "completed"
+        status = "incomplete" if ev.reason == "length" else "completed"  # a cut call too
         reply.text(content)
         reply.end_text(status)
         reply.calls(calls)
@@ -403,8 +394,8 @@ async def _respond_stream(
         error = APIError.of(ev.code, ev.message)
         await send(reply.event("error", code=error.code, message=error.message, param=None))
     else:
-        rest, calls = reader.finish() if reader is not None else ("", [])
-        status = "incomplete" if ev.reason == "length" and not calls else "completed"
+        rest, calls = reader.finish(cut=ev.reason == "length") if reader is not None else ("", [])
+        status = "incomplete" if ev.reason == "length" else "completed"  # a cut call too
         await send(*reply.text(rest), *reply.end_text(status), *reply.calls(calls))
         used = responses_usage(ev.prompt_tokens, ev.cached_tokens, ev.completion_tokens)
         final = reply.response(status, used, incomplete=status == "incomplete")

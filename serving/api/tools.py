@@ -122,6 +122,35 @@ class Format:
             calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
         return content, calls
 
+    def parse_cut(self, text: str, name: str | None = None) -> tuple[str, list[ToolCall]] | None:
+        """A reply cut by its token budget inside its calls: the content before them, the calls written whole, and
+        the one cut short with its name and the arguments' text as far as it got (as OpenAI returns a cut call: a
+        client's JSON parse of those arguments fails, so it is never mistaken for a finished call or an answer).
+        `name`: the one function a forced reply calls, for a call cut before its name. None when the cut call's name
+        is not known."""
+        at = self._begin(text)
+        if at is None:
+            return None
+        content, rest = text[:at], text[at:].strip()
+        for m in self.strip:
+            if rest.startswith(m):
+                rest = rest[len(m) :].lstrip()
+        objects, tail = _objects_until_cut(rest, self)
+        calls = [
+            ToolCall(o["name"], json.dumps(o.get(self.arguments_key, {}), ensure_ascii=False))
+            for o in objects
+            if isinstance(o.get("name"), str)
+        ]
+        written = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', tail)
+        if written is not None:
+            name = json.loads(f'"{written[1]}"')
+        if tail and name is not None:
+            args = re.search(rf'"{re.escape(self.arguments_key)}"\s*:\s*', tail)
+            calls.append(ToolCall(name, tail[args.end() :] if args else ""))
+        elif not tail.strip() and not calls and name is not None:  # cut before the call's JSON began
+            calls.append(ToolCall(name, ""))
+        return (content, calls) if calls else None
+
     def _begin(self, text: str) -> int | None:
         """Where the calls begin in `text`, if they do."""
         if self.at_start:
@@ -140,6 +169,25 @@ class Format:
 
 def _lit(s: str) -> str:
     return json.dumps(s) if s else ""
+
+
+def _objects_until_cut(text: str, fmt: Format) -> tuple[list[dict], str]:
+    """The whole JSON objects at the start of a cut call list, and the text from the first one that does not parse."""
+    decoder, out, i = json.JSONDecoder(), [], 0
+    wraps = [w for w in (fmt.open.strip(), fmt.close.strip()) if w]
+    while i < len(text):
+        while i < len(text) and text[i] in " \t\r\n;,[]":
+            i += 1
+        if i < len(text) and (wrap := next((w for w in wraps if text.startswith(w, i)), None)):
+            i += len(wrap)
+            continue
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError:
+            return out, text[i:]
+        out += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, dict)]
+        i = end
+    return out, ""
 
 
 def _objects(text: str, fmt: Format) -> list[dict] | None:
@@ -245,12 +293,18 @@ class ToolUse:
         return [t for t in self.tools if t.name == self.choice]
 
     def grammar(self) -> str | None:
+        """The grammar of a forced reply: one call to the named function (as vLLM and OpenAI answer a named
+        tool_choice), or under `required` one call or several when parallel calls are allowed."""
         forced = self.forced
-        return None if forced is None else self.fmt.grammar(forced, self.parallel)
+        return None if forced is None else self.fmt.grammar(forced, self.parallel and self.choice == "required")
 
     def reader(self) -> CallReader | None:
         """A reader of one choice's text, or None when calls are not read (`tool_choice: "none"`)."""
-        return None if self.choice == "none" else CallReader(self.fmt, self.parallel, self.forced is not None)
+        if self.choice == "none":
+            return None
+        forced = self.forced
+        name = forced[0].name if forced is not None and len(forced) == 1 else None
+        return CallReader(self.fmt, self.parallel, forced is not None, name)
 
 
 class CallReader:
@@ -258,8 +312,8 @@ class CallReader:
     start is held back); from there on the text is kept, and read as calls at the end. A text that turns out to hold
     no well-formed calls is content after all."""
 
-    def __init__(self, fmt: Format, parallel: bool, forced: bool):
-        self.fmt, self.parallel = fmt, parallel
+    def __init__(self, fmt: Format, parallel: bool, forced: bool, name: str | None = None):
+        self.fmt, self.parallel, self.forced, self.name = fmt, parallel, forced, name
         self.text, self.sent, self.calling = "", 0, forced
 
     def push(self, piece: str) -> str:
@@ -273,9 +327,14 @@ class CallReader:
             return self._send(len(self.text) - self.fmt.could_begin(self.text))
         return ""
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The content not yet sent, and the calls (at most one unless parallel calls are allowed)."""
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """The content not yet sent, and the calls (at most one unless parallel calls are allowed). `cut`: the
+        reply ran out of tokens, so its last call may be cut short (`Format.parse_cut`)."""
         parsed = self.fmt.parse(self.text) if self.calling else None
+        if parsed is None and cut and self.calling:
+            parsed = self.fmt.parse_cut(self.text, self.name)
+            if parsed is None and self.forced:  # a forced reply's markup is never an answer
+                parsed = ("", [])
         if parsed is None:
             return self._send(len(self.text)), []
         content, calls = parsed

@@ -1,0 +1,232 @@
+"""sharp on a real model: SmolLM2-135M-Instruct, the Q4_1 GGUF `make install` brings (sharp/smollm2.py).
+
+The GGUF is read and exported once per run, by sharp-export itself (its check included); then greedy parity with
+transformers' own attention (not sharp's), int8's agreement on real text, and the agents' API answering sensibly
+through the openai SDK. On random weights none of these could fail for the right reasons: greedy parity there is a
+coin toss between near-equal logits, and a quantized file has no confident positions to get wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from helpers import api, greedy_request, run_until_idle, serving
+
+from sharp import smollm2
+from sharp.exporter import metadata
+from sharp.exporter.check import verify_text
+from sharp.exporter.cli import main as export_main
+from sharp.exporter.precision import quantize
+from sharp.models import gguf
+from sharp.plugins.onnxruntime import choose_library
+from sharp.serving import Engine, EngineConfig, load_backend
+from sharp.serving.engine.output import Delta
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain in two sentences what a Python list is.",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory) -> dict:
+    """The GGUF read into a Hugging Face directory and exported by `sharp-export FILE.gguf` (checked), in a cache of
+    this run's own."""
+    root = tmp_path_factory.mktemp("real")
+    old = os.environ.get("SHARP_CACHE")
+    os.environ["SHARP_CACHE"] = str(root / "cache")
+    try:
+        out = root / "smollm2.onnx"
+        assert export_main([str(smollm2.gguf_path()), "-o", str(out)]) == 0
+        directory = gguf.hf_directory(smollm2.gguf_path())  # what the export read: found in the cache now
+    finally:
+        if old is None:
+            del os.environ["SHARP_CACHE"]
+        else:
+            os.environ["SHARP_CACHE"] = old
+    return {"onnx": out, "dir": directory}
+
+
+@pytest.fixture(scope="module")
+def transformers_model(real):
+    """The dequantized weights in transformers with its own attention: the reference sharp is held to."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(real["dir"], dtype=torch.float32).eval()
+
+
+def _chat_ids(tokenizer, question: str) -> list[int]:
+    from sharp.models.tokenizer import render_chat
+
+    return tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": question}]), bos=False)
+
+
+def _sharp_greedy(path: Path, prompts: list[list[int]], native: bool) -> list[list[int]]:
+    """Greedy tokens of the exported file through sharp's engine (all prompts in one batch)."""
+    be = load_backend(path, native=native)
+    eng = Engine(be, EngineConfig(max_batch=len(prompts)))
+    got: list[list[int]] = [[] for _ in prompts]
+    for i, ids in enumerate(prompts):
+        req = greedy_request(eng, ids, NEW_TOKENS, ignore_eos=True)
+        eng.submit(req, lambda ev, i=i: isinstance(ev, Delta) and got[i].extend(ev.token_ids))
+    run_until_idle(eng)
+    return got
+
+
+def _transformers_greedy(model, ids: list[int]) -> list[int]:
+    """NEW_TOKENS greedy tokens, end of turn included and gone past (as sharp's ignore_eos does)."""
+    out, past, x = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            step = model(input_ids=x, past_key_values=past, use_cache=True)
+            past, token = step.past_key_values, int(step.logits[0, -1].argmax())
+            out.append(token)
+            x = torch.tensor([[token]])
+    return out
+
+
+def test_the_gguf_is_read_with_its_own_config_tokenizer_and_chat_template(real):
+    config = json.loads((real["dir"] / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["num_key_value_heads"]) == ("llama", 30, 3)
+    assert config["rope_parameters"]["rope_theta"] == 100000.0 and config["tie_word_embeddings"] is True
+    meta = metadata.read(real["onnx"])
+    tok = meta.tokenizer
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    assert tok.eos_ids == {2} and tok.encode("Paris", bos=True) == tok.encode("Paris", bos=False)  # no BOS added
+    assert meta.shape.context_length == 8192 and meta.norm == "softmax"
+
+
+def test_greedy_tokens_equal_transformers_for_64_tokens(real, transformers_model):
+    """fp32 export, native op and the file's own fallback bodies: transformers' greedy tokens on three chat
+    prompts (a wrong RoPE θ, an untied head, an off-by-one KV head or a lost chat template fails this)."""
+    tok = metadata.read(real["onnx"]).tokenizer
+    prompts = [_chat_ids(tok, p) for p in PROMPTS]
+    want = [_transformers_greedy(transformers_model, ids) for ids in prompts]
+    assert tok.decode(want[0]).startswith("The capital of France is Paris.")
+    assert _sharp_greedy(real["onnx"], prompts, native=True) == want
+    assert _sharp_greedy(real["onnx"], prompts, native=False) == want
+
+
+def test_int8_weights_agree_with_fp32_on_real_text(real, tmp_path):
+    """The int8 file against the fp32 model on held-out text, by the export's own check: what it measured on the
+    real model (top-1 98.0% of all positions, 100% of the confident ones, mean KL 3e-3, perplexity −0.4%)."""
+    from sharp.exporter import hf as hf_export
+    from sharp.models import hf
+
+    int8 = tmp_path / "int8.onnx"
+    onnx.save(quantize(onnx.load(real["onnx"]), "int8"), int8)
+    model = hf.load_model(real["dir"])
+    shape = metadata.read(real["onnx"]).shape
+    library, _ = choose_library(True)
+    rows = verify_text(int8, shape, True, lambda ids: hf_export.reference(model, ids), library)
+    total = dict(rows)["all"]
+    assert total.confident >= 100 and total.confident_top1 >= 0.99
+    assert total.top1 >= 0.97 and total.kl <= 0.01
+    fp32 = verify_text(real["onnx"], shape, True, lambda ids: hf_export.reference(model, ids), library)
+    assert dict(fp32)["all"].top1 == 1.0 and dict(fp32)["all"].kl < 1e-6  # the measure itself: fp32 is exact
+
+
+def _perplexity(logits: np.ndarray, ids: np.ndarray) -> float:
+    logits = logits[:, :-1].astype(np.float64)
+    top = logits.max(-1, keepdims=True)
+    log_p = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    return float(np.exp(-np.take_along_axis(log_p, ids[:, 1:, None], -1).mean()))
+
+
+@pytest.fixture(scope="module")
+def served(real):
+    with serving({"onnxruntime": real["onnx"]}, server={"http_port": 0}, max_batch=4) as srv:
+        yield srv
+
+
+def test_a_chat_answer_is_a_real_answer(served):
+    client = api(served)
+    reply = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=32, temperature=0
+    )
+    assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
+
+
+def test_a_json_schema_answer_is_valid_and_sensible(served):
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    reply = api(served).chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON with the key city."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}},
+        max_tokens=40,
+        temperature=0,
+    )
+    assert json.loads(reply.choices[0].message.content) == {"city": "Paris"}
+
+
+def test_a_forced_tool_call_names_the_city_and_its_result_is_used(served):
+    client = api(served)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "The current weather in a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}},
+                    "required": ["city"],
+                },
+            },
+        }
+    ]
+    messages = [{"role": "user", "content": "What is the weather like in Berlin today?"}]
+    reply = client.chat.completions.create(
+        model="smollm2",
+        messages=messages,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60,
+        temperature=0,
+    )
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Berlin"
+    assert reply.choices[0].finish_reason == "tool_calls"
+    messages += [
+        reply.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_celsius": 31, "sky": "sunny"})},
+    ]
+    answer = client.chat.completions.create(model="smollm2", messages=messages, tools=tools, max_tokens=60,
+                                            temperature=0)  # fmt: skip
+    assert not answer.choices[0].message.tool_calls and "31 degrees" in answer.choices[0].message.content
+
+
+def test_cached_tokens_n_streaming_and_logprobs(served):
+    client = api(served)
+    long = "Tell me about the history of Paris. " * 20
+    messages = [{"role": "user", "content": long}]
+    first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
+    again = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    assert again.choices[0].message.content == first.choices[0].message.content
+    stream = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == first.choices[0].message.content
+    many = client.chat.completions.create(
+        model="smollm2", messages=messages, max_tokens=8, temperature=1.0, seed=1, n=3, logprobs=True, top_logprobs=2
+    )
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    for choice in many.choices:
+        entries = choice.logprobs.content
+        assert len(entries) == 8 and all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
