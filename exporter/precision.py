@@ -72,6 +72,7 @@ def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -
     if not targets:
         raise PrecisionError(f"--weights {precision}: the graph has no MatMul with a constant weight to quantize")
     bits = QUANTIZED[precision]
+    targets = _on_grids(proto, targets, bits, block)
     eight = {n.name for n in targets if weight_bits(n, precision) != bits}
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # it logs every node at INFO
     for width, names in ((8, eight), (bits, {n.name for n in targets} - eight)):
@@ -84,10 +85,32 @@ def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -
         quantizer = MatMulNBitsQuantizer(proto, algo_config=config, nodes_to_exclude=others)
         quantizer.process()
         proto = quantizer.model.model
-    left = [n.name for n in weight_matmuls(proto)]
+    left = [n.name for n in weight_matmuls(proto) if n.name in {t.name for t in targets}]
     if left:  # the quantizer skips what it cannot take; a file labelled int4 must not hide fp32 projections
         raise PrecisionError(f"--weights {precision}: onnxruntime's quantizer left {len(left)} MatMuls in fp32")
     return proto
+
+
+def _on_grids(proto: onnx.ModelProto, targets: list[onnx.NodeProto], bits: int, block: int) -> list[onnx.NodeProto]:
+    """Write the weights already on a grid of at most `bits` (a quantized GGUF's, exporter/grid.py) exactly, at the
+    fewest bits that hold them; returns the MatMuls left for onnxruntime's quantizer."""
+    from sharp.exporter import grid
+
+    weights = {i.name: i for i in proto.graph.initializer}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*proto.graph.value_info, *proto.graph.input)}
+    left = []
+    for node in targets:
+        w = numpy_helper.to_array(weights[node.input[1]])
+        found = next((g for b in (4, 8) if b <= bits and (g := grid.find(w, b, block)) is not None), None)
+        if found is None:
+            left.append(node)
+            continue
+        grid.rewrite(proto, node, found, ranks.get(node.input[0], 3) or 3, _ACCURACY_LEVEL)
+    used = {i for n in proto.graph.node for i in n.input}
+    kept = [i for i in proto.graph.initializer if i.name in used]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(kept)
+    return left
 
 
 def _rotary_nodes(graph: onnx.GraphProto) -> list[str]:

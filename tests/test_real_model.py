@@ -186,6 +186,7 @@ def test_a_forced_tool_call_names_the_city_and_its_result_is_used(served):
                     "type": "object",
                     "properties": {"city": {"type": "string"}},
                     "required": ["city"],
+                    "additionalProperties": False,  # as strict tools (and pydantic's) say: no invented fields
                 },
             },
         }
@@ -200,7 +201,7 @@ def test_a_forced_tool_call_names_the_city_and_its_result_is_used(served):
         temperature=0,
     )
     call = reply.choices[0].message.tool_calls[0]
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Berlin"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Berlin"}
     assert reply.choices[0].finish_reason == "tool_calls"
     messages += [
         reply.choices[0].message.model_dump(exclude_none=True),

