@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # torch and onnx load only once the command is known to be so
     from sharp.exporter.metadata import ModelMetadata
     from sharp.models.lm import SharpLM
 
+# A quantized GGUF's default --weights: the precision that keeps its blocks as they are (exporter/grid.py).
+GGUF_WEIGHTS = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
 # Parameters an inference-time norm change needs from the command line (the model never learned them).
 CHANGE_PARAMS = tuple(dict.fromkeys(p for n in registry.all_norms() for p in n.change_requires))
 SETTINGS = {f.name: f for f in dataclasses.fields(ExportSettings)}
@@ -65,6 +67,13 @@ def _gguf(path: Path) -> Path | None:
     except gguf.GGUFError as e:
         raise UsageError(str(e)) from None
     return found
+
+
+def gguf_weights(tensor_types: dict[str, int]) -> str:
+    """The default --weights of a GGUF with these tensor types: the lowest that holds its quantized blocks exactly
+    (int4 for Q4_0/Q4_1, int8 for Q8_0), fp32 for F32/F16 files (or other types, which dequantize to fp32)."""
+    found = {GGUF_WEIGHTS[t] for t in tensor_types if t in GGUF_WEIGHTS}
+    return "int4" if "int4" in found else "int8" if "int8" in found else "fp32"
 
 
 def _check_model(path: Path) -> None:
@@ -265,6 +274,10 @@ def _check_package_dir(model: Path, out: Path) -> None:
 def _export(args) -> int:
     settings = _settings(args)  # every refusal the command line alone shows comes before torch loads
     _check_model(args.model)
+    if not hasattr(args, "dtype") and (found := _gguf(args.model)) is not None:
+        from sharp.models import gguf
+
+        settings = dataclasses.replace(settings, dtype=gguf_weights(gguf.read_header(found).tensor_types))
     if args.genai:
         out = args.output or args.model.with_name(args.model.stem + "-genai")
         _check_package_dir(args.model, out)

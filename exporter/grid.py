@@ -45,37 +45,60 @@ def find(weight: np.ndarray, bits: int, block: int) -> Grid | None:
     if k % block:
         return None
     levels, mid = 1 << bits, 1 << (bits - 1)
-    w = np.ascontiguousarray(weight.T, np.float64).reshape(n, k // block, block)
+    w = np.ascontiguousarray(weight.T, np.float64).reshape(-1, block)  # (N · blocks, block), row-major in N
     lo, hi = w.min(-1, keepdims=True), w.max(-1, keepdims=True)
     scale = np.maximum(np.abs(w).max(-1, keepdims=True), np.finfo(np.float32).tiny)
     gaps = np.diff(np.sort(w, -1), axis=-1)
-    real = gaps > REL_TOLERANCE * 8 * scale
-    step = np.where(real, gaps, np.inf).min(-1, keepdims=True)
-    flat = ~np.isfinite(step)  # a constant block: any step; its one value is the offset
-    step = np.where(flat, 1.0, step)
-    codes = np.rint((w - lo) / step)
-    if codes.max() > levels - 1:
+    smallest = np.where(gaps > REL_TOLERANCE * 8 * scale, gaps, np.inf).min(-1, keepdims=True)
+    # the step a quantizer chose: llama.cpp's Q4_1 spans its block ((max − min) / 15), Q8_0 and Q4_0 scale the
+    # largest magnitude (amax / 127, amax / 8); else the smallest gap between values, or a fraction of it
+    candidates = [(hi - lo) / (levels - 1), scale / (mid - 1), scale / mid] + [smallest / j for j in range(1, 9)]
+    codes, fits, bases = np.zeros_like(w), np.zeros_like(lo), np.zeros_like(lo)
+    todo = np.arange(len(w))
+    for step in candidates:
+        x, low, step = w[todo], lo[todo], step[todo]
+        step = np.where(np.isfinite(step) & (step > 0), step, 1.0)  # a constant block: any step
+        c = np.rint((x - low) / step)
+        mean_c, mean_w = c.mean(-1, keepdims=True), x.mean(-1, keepdims=True)
+        spread = ((c - mean_c) ** 2).sum(-1, keepdims=True)
+        slope = ((c - mean_c) * (x - mean_w)).sum(-1, keepdims=True) / np.maximum(spread, 1)
+        fitted = np.where(spread > 0, slope, step)  # least squares: the step and offset that fit the codes best
+        base = mean_w - fitted * mean_c
+        good = (c.max(-1) <= levels - 1) & np.all(np.abs(base + fitted * c - x) <= REL_TOLERANCE * scale[todo], -1)
+        done = todo[good]
+        codes[done], fits[done], bases[done] = c[good], fitted[good], base[good]
+        todo = todo[~good]
+        if not len(todo):
+            break
+    if len(todo):
         return None
-    # the step and offset that fit the codes best (least squares), then every value must be on that grid
-    mean_c, mean_w = codes.mean(-1, keepdims=True), w.mean(-1, keepdims=True)
-    spread = ((codes - mean_c) ** 2).sum(-1, keepdims=True)
-    fitted = np.where(spread > 0, ((codes - mean_c) * (w - mean_w)).sum(-1, keepdims=True) / np.maximum(spread, 1), step)
-    base = mean_w - fitted * mean_c
-    if not np.all(np.abs(base + fitted * codes - w) <= REL_TOLERANCE * scale):
-        return None
-    # a block whose offset is a whole number of steps within the code range needs no correction
-    whole = np.rint(base / fitted)
-    aligned = (np.abs(base / fitted - whole) * fitted <= REL_TOLERANCE * scale) & (whole + mid >= 0)
-    aligned &= whole + mid + codes.max(-1, keepdims=True) <= levels - 1
-    shift = np.where(aligned, whole + mid, 0)
+    # a block whose offset is a whole number of steps within the code range needs no correction; a negative step
+    # (the codes reversed) aligns Q4_0's blocks, whose scale llama.cpp signs by the value of largest magnitude
+    top = levels - 1
+    flipped_bases, flipped_fits = bases + top * fits, -fits
+    aligned = np.zeros_like(lo, bool)
+    shift = np.zeros_like(lo)
+    for flip in (False, True):
+        b, f = (flipped_bases, flipped_fits) if flip else (bases, fits)
+        least = top - codes.max(-1, keepdims=True) if flip else codes.min(-1, keepdims=True)
+        most = top - codes.min(-1, keepdims=True) if flip else codes.max(-1, keepdims=True)
+        whole = np.rint(b / f)
+        fits_here = (np.abs(b / f - whole) * np.abs(f) <= REL_TOLERANCE * scale) & (whole + mid + least >= 0)
+        fits_here &= whole + mid + most <= top
+        use = fits_here & ~aligned
+        if flip:
+            codes = np.where(use, top - codes, codes)
+            fits, bases = np.where(use, f, fits), np.where(use, b, bases)
+        shift = np.where(use, whole + mid, shift)
+        aligned |= fits_here
     codes = codes + shift
-    offsets = np.where(aligned, 0.0, base + mid * fitted)
+    offsets = np.where(aligned, 0.0, bases + mid * fits).reshape(n, k // block)
     return Grid(
         bits,
         block,
-        codes.astype(np.uint8),
-        fitted[..., 0].astype(np.float32),
-        None if aligned.all() else offsets[..., 0].T.astype(np.float32).copy(),
+        codes.astype(np.uint8).reshape(n, k // block, block),
+        fits.reshape(n, k // block).astype(np.float32),
+        None if aligned.all() else offsets.T.astype(np.float32).copy(),
     )
 
 
@@ -112,12 +135,20 @@ def rewrite(proto: onnx.ModelProto, node: onnx.NodeProto, grid: Grid, rank: int,
         ]
         nodes += [
             helper.make_node("Reshape", [x, f"{name}_blocked"], [f"{name}_x_blocks"], name=f"{name}_Reshape"),
-            helper.make_node("ReduceSum", [f"{name}_x_blocks", f"{name}_last"], [f"{name}_x_sums"], keepdims=0,
-                             name=f"{name}_ReduceSum"),  # fmt: skip
-            helper.make_node("MatMul", [f"{name}_x_sums", f"{w}_offsets"], [f"{name}_offset"],
-                             name=f"{name}_offset_MatMul"),  # fmt: skip
+            helper.make_node(
+                "ReduceSum",
+                [f"{name}_x_blocks", f"{name}_last"],
+                [f"{name}_x_sums"],
+                keepdims=0,
+                name=f"{name}_ReduceSum",
+            ),
+            helper.make_node(
+                "MatMul", [f"{name}_x_sums", f"{w}_offsets"], [f"{name}_offset"], name=f"{name}_offset_MatMul"
+            ),
             helper.make_node("Add", [product, f"{name}_offset"], [y], name=f"{name}_Add"),
         ]
+    if not any(o.domain == "com.microsoft" for o in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     at = list(graph.node).index(node)
     graph.node.remove(node)
     for i, new in enumerate(nodes):

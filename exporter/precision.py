@@ -11,6 +11,11 @@ embedding stays fp32: the quantizer's Gather form needs opset 21 and the file's 
 tied LM head, a Transpose of it, stays fp32 with it. Norms and the attention op are untouched; activations stay
 fp32.
 
+Weights that already sit on a 4- or 8-bit blockwise grid — a quantized GGUF's, dequantized by the loader — are not
+quantized again: exporter/grid.py writes them exactly, at their own bits (a tied LM head too, in a MatMulNBits of
+its own beside the fp32 embedding), so a Q4_1 file is served with llama.cpp's weights (and, at accuracy level 4,
+int8 activations in the dot products, as llama.cpp's Q4_1 × Q8_1 kernels have them).
+
 A precision file is judged against the fp32 PyTorch model on text by `Agreement` and `BOUNDS` (docs/op.md).
 """
 
@@ -29,7 +34,7 @@ HALF = ("fp16", "bf16")
 EXPORTABLE = ("fp32", *HALF, *QUANTIZED)
 QUANT_BLOCK = 32
 KEEP_8BIT = ("v_proj", "down_proj", "down")  # module names (transformers, SharpLM) int4 keeps at 8 bits
-_ACCURACY_LEVEL = 4
+ACCURACY_LEVEL = 4
 _SCOPES = "pkg.torch.onnx.name_scopes"  # the exporter's record of the module a node came from
 
 
@@ -63,8 +68,11 @@ def check_block(block: int) -> None:
         raise PrecisionError(f"`quant_block` must be a power of two >= 16 (MatMulNBits' blocks), got {block}")
 
 
-def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -> onnx.ModelProto:
-    """`proto` with its weight MatMuls as MatMulNBits at `precision` (int8 or int4)."""
+def quantize(
+    proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK, accuracy_level: int = ACCURACY_LEVEL
+) -> onnx.ModelProto:
+    """`proto` with its weight MatMuls as MatMulNBits at `precision` (int8 or int4). `accuracy_level` 0 computes in
+    fp32 (the tests' check that weights on a grid are written exactly; the 8-bit kernel is then ~8× slower)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     check_block(block)
@@ -72,14 +80,14 @@ def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -
     if not targets:
         raise PrecisionError(f"--weights {precision}: the graph has no MatMul with a constant weight to quantize")
     bits = QUANTIZED[precision]
-    targets = _on_grids(proto, targets, bits, block)
+    targets = _on_grids(proto, targets, block, accuracy_level)
     eight = {n.name for n in targets if weight_bits(n, precision) != bits}
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)  # it logs every node at INFO
     for width, names in ((8, eight), (bits, {n.name for n in targets} - eight)):
         if not names:
             continue
         config = DefaultWeightOnlyQuantConfig(
-            block_size=block, is_symmetric=False, bits=width, accuracy_level=_ACCURACY_LEVEL
+            block_size=block, is_symmetric=False, bits=width, accuracy_level=accuracy_level
         )
         others = [n.name for n in proto.graph.node if n.name not in names]
         quantizer = MatMulNBitsQuantizer(proto, algo_config=config, nodes_to_exclude=others)
@@ -91,25 +99,41 @@ def quantize(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -
     return proto
 
 
-def _on_grids(proto: onnx.ModelProto, targets: list[onnx.NodeProto], bits: int, block: int) -> list[onnx.NodeProto]:
-    """Write the weights already on a grid of at most `bits` (a quantized GGUF's, exporter/grid.py) exactly, at the
-    fewest bits that hold them; returns the MatMuls left for onnxruntime's quantizer."""
+def _on_grids(
+    proto: onnx.ModelProto, targets: list[onnx.NodeProto], block: int, accuracy_level: int
+) -> list[onnx.NodeProto]:
+    """Write the weights already on a 4- or 8-bit grid (a quantized GGUF's, exporter/grid.py) exactly, at the fewest
+    bits that hold them (a Q8_0 tensor of a Q4_1 file keeps its 8 bits under int4, as llama.cpp keeps it). A tied LM
+    head too: a MatMul on the Transpose of the embedding, whose fp32 table stays for the Gather — the head is most of
+    what a small model's decode step reads. Returns the MatMuls left for onnxruntime's quantizer."""
     from sharp.exporter import grid
 
-    weights = {i.name: i for i in proto.graph.initializer}
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*proto.graph.value_info, *proto.graph.input)}
+    graph = proto.graph
+    weights = {i.name: i for i in graph.initializer}
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.value_info, *graph.input)}
+    producers = {o: n for n in graph.node for o in n.output}
+    tied = [
+        (n, producers[n.input[1]])
+        for n in graph.node
+        if n.op_type == "MatMul" and n.input[1] in producers and producers[n.input[1]].op_type == "Transpose"
+        and producers[n.input[1]].input[0] in weights and len(weights[producers[n.input[1]].input[0]].dims) == 2
+    ]  # fmt: skip
     left = []
-    for node in targets:
-        w = numpy_helper.to_array(weights[node.input[1]])
-        found = next((g for b in (4, 8) if b <= bits and (g := grid.find(w, b, block)) is not None), None)
+    for node, transpose in [(n, None) for n in targets] + tied:
+        w = numpy_helper.to_array(weights[transpose.input[0] if transpose else node.input[1]])
+        w = w.T if transpose else w
+        found = next((g for b in (4, 8) if (g := grid.find(w, b, block)) is not None), None)
         if found is None:
-            left.append(node)
+            if transpose is None:
+                left.append(node)
             continue
-        grid.rewrite(proto, node, found, ranks.get(node.input[0], 3) or 3, _ACCURACY_LEVEL)
-    used = {i for n in proto.graph.node for i in n.input}
-    kept = [i for i in proto.graph.initializer if i.name in used]
-    del proto.graph.initializer[:]
-    proto.graph.initializer.extend(kept)
+        grid.rewrite(proto, node, found, ranks.get(node.input[0], 3) or 3, accuracy_level)
+        if transpose is not None and not any(transpose.output[0] in n.input for n in graph.node):
+            graph.node.remove(transpose)
+    used = {i for n in graph.node for i in n.input}
+    kept = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
     return left
 
 

@@ -42,9 +42,10 @@ class ExportSettings:
         "fp32",
         "precision of the weights: fp32 (as traced); fp16 or bf16 (the graph computes in it; I/O, the KV cache and the"
         " attention op stay fp32); int8 or int4 (blockwise weight-only MatMulNBits through onnxruntime's quantizer;"
-        " int4 keeps the value and down projections at 8 bits). The check then compares the file with the fp32 model"
-        " on text against the bounds of docs/op.md and refuses a file outside them (bf16 needs onnxruntime-gpu for"
-        " that: the CPU provider cannot run it)",
+        " int4 keeps the value and down projections at 8 bits; weights already on a 4- or 8-bit grid, as a quantized"
+        " GGUF's are, keep theirs exactly — the default for a Q4_0/Q4_1 GGUF is int4, for a Q8_0 one int8). The check"
+        " then compares the file with the fp32 model on text against the bounds of docs/op.md and refuses a file"
+        " outside them (bf16 needs onnxruntime-gpu for that: the CPU provider cannot run it)",
         "--weights",
         "--dtype",
         choices=EXPORTABLE,
