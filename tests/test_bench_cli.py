@@ -178,6 +178,7 @@ def test_peers_report_holds_each_peers_medians_ratios_to_sharp_and_the_reason_a_
     from sharp.benchmarks.peers import Peer, Reading, report
 
     args = SimpleNamespace(
+        model="random",
         lengths=[1024, 4096],
         new_tokens=64,
         repeats=2,

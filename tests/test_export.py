@@ -165,7 +165,7 @@ def test_fallback_none_needs_a_plugin(tmp_path):
 @pytest.mark.parametrize(
     ("setup", "args", "message"),
     [
-        ("missing", [], "no such file or directory (expected a sharp checkpoint such as model.pt, or a Hugging Face"),
+        ("missing", [], "no such file or directory (expected a sharp checkpoint such as model.pt, a GGUF file, or a"),
         ("mistyped", [], "; did you mean "),
         ("garbage", [], "not a torch file (expected a sharp checkpoint"),
         ("truncated", [], "not a readable torch file (truncated or corrupt"),

