@@ -44,19 +44,23 @@ def find(weight: np.ndarray, bits: int, block: int) -> Grid | None:
     k, n = weight.shape
     if k % block:
         return None
+    if n > 64 and find(weight[:, :64], bits, block) is None:  # a few columns first: most weights fail at once
+        return None
     levels, mid = 1 << bits, 1 << (bits - 1)
     w = np.ascontiguousarray(weight.T, np.float64).reshape(-1, block)  # (N · blocks, block), row-major in N
     lo, hi = w.min(-1, keepdims=True), w.max(-1, keepdims=True)
     scale = np.maximum(np.abs(w).max(-1, keepdims=True), np.finfo(np.float32).tiny)
-    gaps = np.diff(np.sort(w, -1), axis=-1)
-    smallest = np.where(gaps > REL_TOLERANCE * 8 * scale, gaps, np.inf).min(-1, keepdims=True)
     # the step a quantizer chose: llama.cpp's Q4_1 spans its block ((max − min) / 15), Q8_0 and Q4_0 scale the
-    # largest magnitude (amax / 127, amax / 8); else the smallest gap between values, or a fraction of it
-    candidates = [(hi - lo) / (levels - 1), scale / (mid - 1), scale / mid] + [smallest / j for j in range(1, 9)]
+    # largest magnitude (amax / 127, amax / 8); else (computed only for the blocks those leave) the smallest gap
+    # between values, or a fraction of it
+    candidates = [lambda: (hi - lo) / (levels - 1), lambda: scale / (mid - 1), lambda: scale / mid]
+    gap: list[np.ndarray] = []  # computed once, when first asked for
+    smallest = lambda: gap[0] if gap else gap.append(_smallest_gap(w, scale)) or gap[0]
+    candidates += [lambda j=j: smallest() / j for j in range(1, 9)]
     codes, fits, bases = np.zeros_like(w), np.zeros_like(lo), np.zeros_like(lo)
     todo = np.arange(len(w))
-    for step in candidates:
-        x, low, step = w[todo], lo[todo], step[todo]
+    for candidate in candidates:
+        x, low, step = w[todo], lo[todo], candidate()[todo]
         step = np.where(np.isfinite(step) & (step > 0), step, 1.0)  # a constant block: any step
         c = np.rint((x - low) / step)
         mean_c, mean_w = c.mean(-1, keepdims=True), x.mean(-1, keepdims=True)
@@ -100,6 +104,11 @@ def find(weight: np.ndarray, bits: int, block: int) -> Grid | None:
         fits.reshape(n, k // block).astype(np.float32),
         None if aligned.all() else offsets.T.astype(np.float32).copy(),
     )
+
+
+def _smallest_gap(w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    gaps = np.diff(np.sort(w, -1), axis=-1)
+    return np.where(gaps > REL_TOLERANCE * 8 * scale, gaps, np.inf).min(-1, keepdims=True)
 
 
 def _packed(grid: Grid) -> np.ndarray:

@@ -106,7 +106,7 @@ def hf_directory(path: Path, say=print) -> Path:
 
 
 def _write_hf_directory(path: Path, out: Path) -> None:
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as transformers_logging
 
@@ -115,10 +115,13 @@ def _write_hf_directory(path: Path, out: Path) -> None:
     where, name = str(path.parent), path.name
     config = AutoConfig.from_pretrained(where, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=config, dtype="float32")
-    save_model(model, str(out / "model.safetensors"))  # tied weights once; the loader ties them again
     config = model.config
+    tied = getattr(config, "tie_word_embeddings", False)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(weights, str(out / "model.safetensors"))  # a tied head as the embedding alone, as Hugging Face writes it
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights written are plain fp32
+    config.architectures = [type(model).__name__]  # what other tools read (llama.cpp's converter needs it)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(out)

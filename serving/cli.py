@@ -205,6 +205,8 @@ def build_server(args):
         "torch": {"dtype": args.dtype},
     }.get(args.backend, {})
     model, name = check_model_path(args.model, args.backend), args.model_name  # said before a process starts
+    if (busy := server.busy_port()) is not None:  # before an export of minutes, not after it
+        raise UsageError(busy)
     if needs_export(model):  # a Hugging Face directory or a GGUF: served as its export, under its own name
         given = model.resolve().name if model.is_dir() else model.stem
         if name is None and MODEL_NAME.fullmatch(given):
@@ -214,7 +216,10 @@ def build_server(args):
                     args.metrics_names, args.log_level, args.log_format)  # fmt: skip
     on_gpu = args.backend == "tensorrt" or (args.backend == "onnxruntime" and args.device == "cuda")
     if args.engine_process == "off" or (args.engine_process == "auto" and not on_gpu):
-        return build_engine(spec), server
+        try:
+            return build_engine(spec), server
+        except ValueError as e:  # a setting the model's own sizes rule out (its context)
+            raise UsageError(re.sub(r"`(\w+)`", lambda m: "--" + m[1].replace("_", "-"), str(e))) from None
     return EngineProcess(spec), server
 
 

@@ -38,7 +38,11 @@ class EngineConfig:
         " 0: off",
     )
     prefill_chunk: int = option(256, "prompt tokens per engine step")
-    max_new_tokens_limit: int = option(4096, "per request")
+    max_new_tokens_limit: int | None = option(
+        None,
+        "per request (default: none but the model's context and the KV budget, which bound every request, as in vLLM"
+        " and llama-server)",
+    )
     default_max_new_tokens: int | None = option(
         None,
         "when a request does not say (default: to the end of the context, within --max-new-tokens-limit and the KV"
@@ -62,7 +66,8 @@ class EngineConfig:
         mb = self.prefix_cache_mb
         if mb is not None and not (isinstance(mb, int | float) and math.isfinite(mb) and mb >= 0):
             raise ValueError(f"`prefix_cache_mb` must be a finite number >= 0, got {mb!r}")
-        if self.default_max_new_tokens is not None and self.default_max_new_tokens > self.max_new_tokens_limit:
+        limit = self.max_new_tokens_limit
+        if self.default_max_new_tokens is not None and limit is not None and self.default_max_new_tokens > limit:
             raise ValueError(
                 f"`default_max_new_tokens` ({self.default_max_new_tokens}) must be <= `max_new_tokens_limit`"
                 f" ({self.max_new_tokens_limit})"
@@ -83,13 +88,20 @@ class EngineConfig:
         return int(self.prefix_cache_mb * 2**20)
 
     def limits(self, spec: ModelSpec, kv_bytes_per_token: int, kv_budget_bytes: int, block_tokens: int = 1) -> Limits:
-        """What requests are checked against: this configuration's bounds and the served model's."""
+        """What requests are checked against: this configuration's bounds and the served model's; ValueError (the
+        setting in backquotes) for a default no request to this model could use."""
+        limit = self.max_new_tokens_limit or spec.context_length
+        if self.default_max_new_tokens is not None and self.default_max_new_tokens > limit:
+            raise ValueError(
+                f"`default_max_new_tokens` ({self.default_max_new_tokens}) must be <= {limit}, the model's context"
+                + (" (and `max_new_tokens_limit`)" if self.max_new_tokens_limit else "")
+            )
         return Limits(
             vocab_size=spec.vocab_size,
             context_length=spec.context_length,
             kv_bytes_per_token=kv_bytes_per_token,
             kv_budget_bytes=kv_budget_bytes,
-            max_new_tokens_limit=self.max_new_tokens_limit,
+            max_new_tokens_limit=self.max_new_tokens_limit or spec.context_length,
             default_max_new_tokens=self.default_max_new_tokens,
             max_prompt_bytes=self.max_prompt_bytes or PROMPT_BYTES_PER_TOKEN * spec.context_length,
             max_stop_strings=self.max_stop_strings,

@@ -50,7 +50,39 @@ def compile_grammar(kind: str, spec: str) -> str:
         grammar = LLMatcher.grammar_from_lark(spec)
     if problem := LLMatcher.validate_grammar(grammar):
         raise GrammarError(" ".join(problem.split())[:300])
+    if kind == "json_schema" and (problem := dead_start(grammar)):  # a client's schema; sharp's own tool grammars
+        raise GrammarError(problem)  # name the served vocabulary's tokens, which a byte vocabulary lacks
     return grammar
+
+
+def dead_start(grammar: str) -> str | None:
+    """Why a grammar that compiles cannot begin any output (a `$ref` loop, a schema whose every instance is
+    infinite), or None. llguidance reports such a grammar only when a matcher computes its first mask, and then
+    allows nothing but end-of-sequence: an empty reply that would pass for a finished one. Probed on a byte
+    vocabulary (the grammar's structure, not the served model's tokens, decides)."""
+    import numpy as np
+    from llguidance import LLMatcher
+
+    probe = LLMatcher(_probe_tokenizer(), grammar)
+    mask = np.zeros((1, (_probe_tokenizer().vocab_size + 31) // 32), np.int32)
+    probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+    if not probe.is_error():
+        return None
+    return f"the schema admits no output that can begin (llguidance: {error_line(probe.get_error())})"
+
+
+def error_line(error: str) -> str:
+    """llguidance's error text without the parser state it appends."""
+    return " ".join(error.split("<state>")[0].split())[:300] or "no reason given"
+
+
+@lru_cache(maxsize=1)
+def _probe_tokenizer():
+    from llguidance import LLTokenizer
+
+    from sharp.models.tokenizer import BYTES
+
+    return LLTokenizer(BYTES.tokenizer_json(), n_vocab=BYTES.vocab_size, eos_token=sorted(BYTES.eos_ids))
 
 
 def _json(text: str) -> Any:

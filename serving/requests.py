@@ -286,8 +286,24 @@ def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
     if bad:
         raise name.error("input_ids", f"{{input_ids}} {bad[:3]} outside the vocabulary [0, {limits.vocab_size})")
     lowest = 0 if req.prompt_logprobs is not None else 1  # 0: score the prompt, generate nothing
-    if not lowest <= req.max_new_tokens <= limits.max_new_tokens_limit:
-        scoring = " (0 only when scoring the prompt)" if lowest else ""
+    scoring = " (0 only when scoring the prompt)" if lowest else ""
+    if req.max_new_tokens < lowest:
+        raise name.error(
+            "max_new_tokens",
+            f"{{max_new_tokens}} must be in [{lowest}, {limits.max_new_tokens_limit}]{scoring},"
+            f" got {req.max_new_tokens}",
+        )
+    # the model's context first (what bounds every request), then a limit the server sets (named by its flag)
+    total = len(req.prompt_ids) + req.max_new_tokens
+    if total > limits.context_length:
+        raise name.error(
+            "prompt",
+            f"{{prompt}} ({len(req.prompt_ids)} tokens) + {{max_new_tokens}} ({req.max_new_tokens}) exceeds the"
+            f" model's context of {limits.context_length} tokens",
+            Status.OUT_OF_RANGE,
+            "context_length_exceeded",
+        )
+    if req.max_new_tokens > limits.max_new_tokens_limit:
         raise name.error(
             "max_new_tokens",
             f"{{max_new_tokens}} must be in [{lowest}, {limits.max_new_tokens_limit}]{scoring}, got"
@@ -308,15 +324,6 @@ def _check(req: GenerationRequest, limits: Limits, name: _Names) -> None:
         req.sampling.check()
     except SamplingError as e:
         raise name.error(e.field, str(e)) from None
-    total = len(req.prompt_ids) + req.max_new_tokens
-    if total > limits.context_length:
-        raise name.error(
-            "prompt",
-            f"{{prompt}} ({len(req.prompt_ids)} tokens) + {{max_new_tokens}} ({req.max_new_tokens}) exceeds the"
-            f" model's context of {limits.context_length} tokens",
-            Status.OUT_OF_RANGE,
-            "context_length_exceeded",
-        )
     need = total * limits.kv_bytes_per_token
     if need > limits.kv_budget_bytes:
         raise name.error(

@@ -57,6 +57,14 @@ def _patch_language_once_per_launch() -> None:
 
 _patch_language_once_per_launch()
 
+# The modules that take minutes (a real model exported, a wheel built and its demo run cold) start first: with
+# `--dist loadfile` a module runs on one worker, and a long one started last would leave the other worker idle.
+FIRST = ("test_real_model.py", "test_packaging.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the rest keep their order
+
 
 # ---- shared fixtures: defined once here, so a session-scoped model is built once per session (a fixture imported
 # into several modules is registered, and built, once per module) -------------------------------------------------

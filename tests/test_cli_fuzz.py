@@ -185,9 +185,9 @@ def test_serve_start_up_mistakes(tiny, tmp_path, capsys):
             (["--port", str(port)], f"--port {port}: cannot listen on 127.0.0.1:{port}: port {port} is already in use"),
             (
                 ["--port", "0", "--metrics-port", str(port)],
-                f"--metrics-port {port}: cannot serve metrics on 127.0.0.1:{port}: port {port} is already in use",
+                f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}: port {port} is already in use",
             ),
-            (["--port", "0", "--http-port", str(port)], f"--http-port {port}: cannot serve HTTP"),
+            (["--port", "0", "--http-port", str(port)], f"--http-port {port}: cannot listen on 127.0.0.1:{port}"),
             (["--port", "5000", "--metrics-port", "5000"], "their own port"),
             (["--port", "0", "--host", "192.0.2.1"], "not an address of this machine"),
             (["--port", "0", "--kv-cache-mb", "inf"], "--kv-cache-mb"),

@@ -76,6 +76,40 @@ def test_a_schema_that_cannot_be_compiled_is_a_400_with_the_reason(srv):
     assert r.status_code == 400 and error["param"] == "response_format" and "nonsense" in error["message"], error
 
 
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, LOOP], ids=["self", "a-b-a"])
+def test_a_schema_no_output_can_begin_is_a_400_not_an_empty_success(srv, schema):
+    """A `$ref` loop compiles, but llguidance's matcher is in error from its first mask and allows only the end:
+    served, that was HTTP 200, finish_reason "stop", content "". Refused at validation, on both APIs."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": fmt}
+    r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", json=body, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "response_format", error
+    assert "admits no output that can begin" in error["message"], error
+    with Client(srv.target) as c, pytest.raises(grpc.RpcError) as err:
+        c.generate("x", max_new_tokens=4, json_schema=json.dumps(schema))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "admits no output" in err.value.details()
+
+
+def test_a_grammar_that_fails_while_decoding_says_why_in_one_line():
+    """A token the grammar refuses leaves its matcher in error: the engine ends that request with the grammar's
+    reason (serving/engine/output.py `unusable`: INVALID_ARGUMENT, the request's own fault), not as the model's
+    "non-finite logits"; the reason is llguidance's first line, without the parser state it appends."""
+    from sharp.models.tokenizer import BYTES
+    from sharp.serving.engine.matcher import Grammars
+    from sharp.serving.grammar import GrammarError, compile_grammar
+
+    m = Grammars(BYTES, BYTES.vocab_size).matcher(compile_grammar("regex", "ab"))
+    assert m.error() is None
+    with pytest.raises(GrammarError) as err:
+        m.take(ord("z"))
+    assert "\n" not in str(err.value) and "<state>" not in str(err.value)
+    assert m.error() == """Parser Error: token "z" doesn't satisfy the grammar; forced bytes: got 'a'; applying 'z'"""
+
+
 @pytest.mark.parametrize("option", [{"key_separator": " = "}, {"whitespace_flexible": True}, {"lenient": True}])
 def test_a_schema_may_not_change_how_its_json_is_written(srv, option):
     """llguidance reads a schema's x-guidance as compile options: " = " between keys is not JSON, free whitespace

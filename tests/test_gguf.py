@@ -88,3 +88,23 @@ def test_sharp_serve_refuses_before_exporting(tmp_path, arch, backend, says):
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and says in err[0], err
     assert not (tmp_path / "cache").exists()  # refused from the header alone: nothing read, nothing exported
+
+
+def test_a_busy_port_is_said_before_the_export_with_a_way_out(tmp_path):
+    """A second sharp-serve on the default ports is told at once which flag's port is taken and how to choose
+    another — not after minutes of exporting the model."""
+    import socket
+
+    model = _write_gguf(tmp_path / "m.gguf", "llama")  # would fail to export: the refusal must come first
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "SHARP_CACHE": str(tmp_path / "cache")}
+        cmd = [sys.executable, "-m", "sharp.serving.cli", str(model), "--port", "0", "--http-port", str(port)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, err
+    assert err[0].startswith(f"sharp-serve: --http-port {port}: cannot listen on 127.0.0.1:{port}: port {port} is")
+    assert "or 0 for any free one" in err[0]
+    assert not (tmp_path / "cache").exists()  # nothing exported

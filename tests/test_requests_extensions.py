@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import httpx
+import pytest
 from helpers import HTTP, EosEveryFourth, SlowEndless, server, serving
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -136,6 +138,22 @@ def test_the_load_a_replica_reports_rises_with_requests_and_falls_back(model_fil
             time.sleep(0.05)
         after = _load_families(srv)
         assert _value(after, "vllm:num_requests_running") == 0 and _value(after, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_max_tokens_is_bounded_by_the_context_unless_the_server_sets_a_limit(model_files):
+    """Without --max-new-tokens-limit a request may ask for the rest of the model's context (as vLLM and
+    llama-server bound it); asking past the context is `context_length_exceeded` naming the context, even with
+    max_tokens alone too large; a limit the server sets is named by its flag."""
+    with serving(model_files) as srv, Client(srv.target) as c:
+        assert c.info().max_new_tokens_limit == 4096  # the context
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("ok", max_new_tokens=5000)
+        assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE and "context of 4096" in err.value.details()
+    with serving(model_files, max_new_tokens_limit=100) as srv, Client(srv.target) as c:
+        assert c.info().max_new_tokens_limit == 100
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("ok", max_new_tokens=101)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-new-tokens-limit" in err.value.details()
 
 
 def test_a_request_without_max_tokens_generates_to_the_end_of_what_it_can_use(model_files):

@@ -176,7 +176,7 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             kv_heads=s.kv_heads,
             vocab_size=s.vocab_size,
             layer_info=layer_info,
-            max_new_tokens_limit=c.max_new_tokens_limit,
+            max_new_tokens_limit=self.engine.limits.max_new_tokens_limit,
             max_batch=c.max_batch,
             kv_cache_mb=self.engine.limits.kv_budget_bytes / 2**20,  # what the default came to
             default_max_new_tokens=c.default_max_new_tokens or 0,

@@ -69,6 +69,18 @@ class ServerConfig:
         " else hermes)",
     )
 
+    def busy_port(self) -> str | None:
+        """The first port this server would listen on that it cannot, with the flag that sets it and a way out;
+        None when all are free. Said before any work (a model's export), as the servers say it again if a port is
+        taken meanwhile."""
+        hosts = {"metrics_port": self.metrics_host, "http_port": self.http_host}
+        for name in ("port", "health_port", "http_port", "metrics_port"):
+            port, host = getattr(self, name), hosts.get(name) or self.host
+            if port and (problem := bind_problem(host, port)) is not None:
+                flag = "--" + name.replace("_", "-")
+                return f"{flag} {port}: cannot listen on {host}:{port}: {problem}{_WAY_OUT}"
+        return None
+
     def check(self) -> None:
         """Raise ValueError naming the first setting out of range (in backquotes: the CLI names its flag)."""
         ports = ("port", "metrics_port", "health_port", "http_port")
@@ -98,6 +110,9 @@ class ServerConfig:
             )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("`tls_cert` and `tls_key` go together; give both or neither")
+
+
+_WAY_OUT = " (give the flag another port, or 0 for any free one; --metrics-port -1 turns the metrics port off)"
 
 
 def bind_problem(host: str, port: int) -> str | None:

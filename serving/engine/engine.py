@@ -221,7 +221,7 @@ class Engine(EngineClient):
         out = self.output
         for seq, token, logprob, reason in zip(seqs, tokens, logprobs, reasons, strict=True):
             if token is None:
-                out.unusable(seq.state)
+                out.unusable(seq.state, seq.matcher.error() if seq.matcher is not None else None)
             elif out.emit(seq.state, token, reason, logprob) == "stop":
                 self._end(seq)
 

@@ -22,7 +22,7 @@ import numpy as np
 from sharp.models.sampling import SamplingParams
 from sharp.serving.backends.sampler import Sampler
 from sharp.serving.grammar import WORKERS as _MASKS
-from sharp.serving.grammar import GrammarError
+from sharp.serving.grammar import GrammarError, error_line
 
 _DONE: Future = Future()  # a mask already computed
 _DONE.set_result(None)
@@ -144,6 +144,10 @@ class Matcher:
         """Set the logits (V,) of every token the grammar does not allow next to −inf, in place."""
         mask_rows([self], logits[None])
 
+    def error(self) -> str | None:
+        """Why the grammar failed (llguidance's reason), or None while it has not."""
+        return error_line(self.matcher.get_error()) if self.matcher.is_error() else None
+
     def accepts(self, token: int) -> bool:
         """Whether the grammar allows `token` next — taken if so; if not, the matcher is as it was."""
         if self.matcher.try_consume_tokens([token]) != 1:
@@ -157,7 +161,7 @@ class Matcher:
             self._next.result()
             self._next = None
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar refused token {token}: {error_line(self.matcher.get_error())}")
         self._took(token)
 
 

