@@ -39,14 +39,16 @@ NEW_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory) -> dict:
-    """The GGUF read into a Hugging Face directory and exported by `sharp-export FILE.gguf --weights fp32` (checked;
-    the dequantized weights, the reference the other precisions are held to), in a cache of this run's own."""
+    """The GGUF read into a Hugging Face directory and exported by `sharp-export FILE.gguf --weights fp32` (the
+    dequantized weights, the reference the other precisions are held to), in a cache of this run's own."""
     root = tmp_path_factory.mktemp("real")
     old = os.environ.get("SHARP_CACHE")
     os.environ["SHARP_CACHE"] = str(root / "cache")
     try:
         out = root / "smollm2.onnx"
-        assert export_main([str(smollm2.gguf_path()), "-o", str(out), "--weights", "fp32"]) == 0
+        # unchecked here: the tests below hold the file to transformers more strictly than the export's check, and
+        # the wheel's demo (tests/test_packaging.py) runs a checked export of the same GGUF
+        assert export_main([str(smollm2.gguf_path()), "-o", str(out), "--weights", "fp32", "--no-check"]) == 0
         directory = gguf.hf_directory(smollm2.gguf_path())  # what the export read: found in the cache now
     finally:
         if old is None:
@@ -113,7 +115,7 @@ def test_greedy_tokens_equal_transformers_for_64_tokens(real, transformers_model
     want = [_transformers_greedy(transformers_model, ids) for ids in prompts]
     assert tok.decode(want[0]).startswith("The capital of France is Paris.")
     assert _sharp_greedy(real["onnx"], prompts, native=True) == want
-    assert _sharp_greedy(real["onnx"], prompts, native=False) == want
+    assert _sharp_greedy(real["onnx"], prompts[:2], native=False) == want[:2]  # the fallback bodies: slower, two
 
 
 def test_int8_weights_agree_with_fp32_on_real_text(real, tmp_path):
