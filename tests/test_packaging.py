@@ -291,7 +291,7 @@ def test_the_readme_reads_as_a_newcomer_needs():
     make = (ROOT / "Makefile").read_text(encoding="utf-8")
     pin = re.search(r"^TORCH_PIN \?= (\S+)$", make, re.M)[1]
     assert f"pip install {pin} " in text, pin
-    extras = re.search(r"pip install -q -e '\.\[([a-z,]+)\]'", make)[1].split(",")
+    extras = sorted({e for found in re.findall(r"pip install -q -e '\.\[([a-z,]+)\]'", make) for e in found.split(",")})
     install = text.split("## Install", 1)[1].split("\n## ", 1)[0]
     assert [e for e in extras if f"`{e}`" not in install] == [], extras
     long, in_code = [], False
