@@ -261,11 +261,21 @@ def norm_change_problem(
     None: the one rule (and message) of sharp-export, the export API and the Hugging Face path. `spell` writes a
     parameter as the caller's user gives it (e.g. a command-line flag); `train` says how that kind of model is
     trained with a norm (its `{norm}` filled in)."""
+    goal = get(target)
+    for p in given:  # a change parameter of another norm: say which norm takes it
+        if p not in goal.change_requires and p not in goal.param_names:
+            users = [n.name for n in all_norms() if p in n.change_requires]
+            if users:
+                norms = " or ".join(users)
+                return f"{spell(p)} is a parameter of {norms}, not of {target}: add {spell('norm')} {users[0]}"
     if trained == target:
         return None
-    goal = get(target)
     if trained not in goal.inference_time_from:
-        allowed = "".join(f", {n.name}" for n in all_norms() if trained in n.inference_time_from)
+        allowed = "".join(
+            f", {n.name}" + (f" (with {', '.join(n.change_requires)})" if n.change_requires else "")
+            for n in all_norms()
+            if trained in n.inference_time_from
+        )
         why = (
             f"{target} is an inference-time change of {' or '.join(goal.inference_time_from)} models only"
             if goal.inference_time_from

@@ -160,8 +160,15 @@ def test_one_rule_and_one_message_for_changing_a_trained_models_norm():
     refusal = rule("softmax", "entmax")
     assert refusal == (
         "cannot export a softmax model as entmax: entmax parameters are learned in training; retrain with "
-        "sharp-train --norm entmax (allowed for this model: its own norm, adaptive, ssmax)"
+        "sharp-train --norm entmax (allowed for this model: its own norm, adaptive, ssmax (with ssmax_s))"
     )
+    # the messages agree with each other: the list names what ssmax needs, and a parameter given without its norm
+    # says which norm takes it (it once said "ssmax_s is not a parameter of softmax (its parameters: ())")
+    assert rule("softmax", "softmax", ["ssmax_s"], spell=export_cli._flag) == (
+        "--ssmax-s is a parameter of ssmax, not of softmax: add --norm ssmax"
+    )
+    with pytest.raises(hf.UnsupportedModel, match="ssmax_s is a parameter of ssmax, not of softmax: add norm ssmax"):
+        hf.sharpen(transformers.LlamaConfig(), "softmax", ssmax_s=1.2)
     model = SharpLM(ModelConfig(dim=16, layers=1, heads=2, norm="softmax"))
     with pytest.raises(export_cli.UsageError) as cli_err:
         export_cli.check_norm_change(model, "entmax", {})
