@@ -104,13 +104,9 @@ class Format:
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
         """The content before the calls and the calls, or None when the text holds no well-formed calls."""
-        at = self._begin(text)
-        if at is None:
+        if (split := self._split(text)) is None:
             return None
-        content, rest = text[:at], text[at:].strip()
-        for m in self.strip:
-            if rest.startswith(m):
-                rest = rest[len(m) :].lstrip()
+        content, rest = split
         objects = _objects(rest, self)
         if not objects:
             return None
@@ -128,13 +124,9 @@ class Format:
         client's JSON parse of those arguments fails, so it is never mistaken for a finished call or an answer).
         `name`: the one function a forced reply calls, for a call cut before its name. None when the cut call's name
         is not known."""
-        at = self._begin(text)
-        if at is None:
+        if (split := self._split(text)) is None:
             return None
-        content, rest = text[:at], text[at:].strip()
-        for m in self.strip:
-            if rest.startswith(m):
-                rest = rest[len(m) :].lstrip()
+        content, rest = split
         objects, tail = _objects_until_cut(rest, self)
         calls = [
             ToolCall(o["name"], json.dumps(o.get(self.arguments_key, {}), ensure_ascii=False))
@@ -150,6 +142,18 @@ class Format:
         elif not tail.strip() and not calls and name is not None:  # cut before the call's JSON began
             calls.append(ToolCall(name, ""))
         return (content, calls) if calls else None
+
+    def _split(self, text: str) -> tuple[str, str] | None:
+        """The content before the calls, and the calls' text without the markers that are not JSON; None when the
+        calls do not begin."""
+        at = self._begin(text)
+        if at is None:
+            return None
+        content, rest = text[:at], text[at:].strip()
+        for m in self.strip:
+            if rest.startswith(m):
+                rest = rest[len(m) :].lstrip()
+        return content, rest
 
     def _begin(self, text: str) -> int | None:
         """Where the calls begin in `text`, if they do."""
