@@ -81,9 +81,9 @@ def genai_config(meta: ModelMetadata, library_name: str | None) -> dict[str, Any
 def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> tuple[str, dict[str, Any]]:
     """tokenizer.json text and tokenizer_config.json of the model's tokenizer."""
     if isinstance(tok, HFTokenizer):
-        text = tok.json
+        text = tok.package_json()  # BOS as sharp-serve adds it, stated in the file and in the config alike
         config = {k: v for k, v in (("bos_token", tok.bos_text), ("eos_token", tok.eos_text)) if v}
-        config["add_bos_token"] = tok.prepend_bos
+        config["add_bos_token"] = tok.adds_bos
         if tok.chat_template is not None:  # onnxruntime-genai's apply_chat_template reads it here
             config["chat_template"] = tok.chat_template
     else:

@@ -181,6 +181,30 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special)
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether `encode` starts a text with BOS: sharp's one rule for every path (sharp-serve, a --genai
+        package, the file's own tokenizer.json): the post-processor's BOS, else tokenizer_config.json's
+        `add_bos_token` (`prepend_bos`)."""
+        return self.bos is not None and self.encode("a")[:1] == [self.bos]
+
+    def package_json(self) -> str:
+        """The tokenizer.json a package ships: this one, with BOS written into its post-processor when `encode`
+        prepends it, so a runtime that reads only the file (transformers, onnxruntime-extensions) adds the same."""
+        if not self.prepend_bos or self.bos is None:
+            return self.json
+        from tokenizers import processors
+
+        tok = self.backend.__class__.from_str(self.json)
+        bos = self.bos_text
+        template = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, self.bos)]
+        )
+        tok.post_processor = (
+            template if tok.post_processor is None else processors.Sequence([tok.post_processor, template])
+        )
+        return tok.to_str()
+
     def added_id(self, text: str) -> int | None:
         """The id of the added token (special or not: Mistral's `[TOOL_CALLS]`, Qwen's `<tool_call>`) spelled
         `text`, or None: one token of the vocabulary where the text would otherwise be several pieces."""

@@ -387,8 +387,10 @@ def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tok
     assert library is None or (package / library).is_file()  # sharp's kernel travels inside the package
     prompt = "The quick brown fox"
     tok = HFTokenizer.from_dir(hf_dirs["llama"], VOCAB, 1, [2])
-    ids = tok.encode(prompt)  # genai's tokenizer does not add BOS: the app prepends model.bos_token_id
-    assert [config["model"]["bos_token_id"], *og.Tokenizer(og.Model(str(package))).encode(prompt)] == ids
+    ids = tok.encode(prompt)
+    genai_tok = og.Tokenizer(og.Model(str(package)))
+    genai_tok.update_options(add_special_tokens="true")  # genai adds none unless told (docs/hf.md)
+    assert list(genai_tok.encode(prompt)) == ids and ids[0] == config["model"]["bos_token_id"]
     sharpened = hf.load_config(hf_dirs["llama"])
     hf.sharpen(sharpened, "adaptive")
     with torch.no_grad():
@@ -398,6 +400,42 @@ def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tok
             .tolist()
         )
     assert _genai_greedy(package, ids, 16) == want
+    _one_bos_rule(package, tmp_path / "source")
+
+
+def _one_bos_rule(package: Path, source: Path) -> None:
+    """sharp's encode, onnxruntime-genai's on the package and transformers' on the package agree on BOS for every
+    way tokenizer_config.json's `add_bos_token` (absent, false, true) and the post-processor (BOS or none) combine —
+    the package states sharp's decision in its config and, when BOS comes from the config alone, in its file."""
+    import onnxruntime_genai as og
+
+    from sharp.exporter.genai import tokenizer_files
+
+    source.mkdir()
+    prompt = "The quick brown fox"
+    for template in (True, False):
+        backend = _train_tokenizer()
+        if not template:
+            backend.post_processor = None
+        backend.save(str(source / "tokenizer.json"))
+        for add_bos in (None, False, True):
+            options = {"bos_token": "<s>", "eos_token": "</s>"}
+            if add_bos is not None:
+                options["add_bos_token"] = add_bos
+            (source / "tokenizer_config.json").write_text(json.dumps(options))
+            ours = HFTokenizer.from_dir(source, VOCAB, 1, [2])
+            want = ours.encode(prompt)
+            assert (want[0] == 1) == (template or bool(add_bos)), (template, add_bos)
+            text, package_config = tokenizer_files(ours)
+            (package / "tokenizer.json").write_text(text)
+            (package / "tokenizer_config.json").write_text(json.dumps(package_config))
+            assert package_config["add_bos_token"] == ours.adds_bos == (want[0] == 1)
+            genai = og.Tokenizer(og.Model(str(package)))
+            genai.update_options(add_special_tokens="true")
+            assert list(genai.encode(prompt)) == want, (template, add_bos)
+            assert transformers.AutoTokenizer.from_pretrained(str(package)).encode(prompt) == want, (template, add_bos)
+            if template:  # the source as transformers reads it: its post-processor's BOS, whatever the config says
+                assert transformers.AutoTokenizer.from_pretrained(str(source)).encode(prompt) == want
 
 
 @pytest.mark.parametrize(

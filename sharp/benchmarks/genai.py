@@ -47,13 +47,11 @@ def sharp_serve_tokens_per_s(package: Path, prompts: list[str], concurrency: int
 
 
 def genai_tokens_per_s(package: Path, prompts: list[str], concurrency: int, new_tokens: int) -> float:
-    import json
-
     import onnxruntime_genai as og
 
     model = og.Model(str(package))
     tokenizer = og.Tokenizer(model)
-    bos = json.loads((package / "genai_config.json").read_text())["model"]["bos_token_id"]
+    tokenizer.update_options(add_special_tokens="true")  # BOS as the package's tokenizer says: as sharp-serve's
     queue, lock, produced = list(prompts), threading.Lock(), [0]
 
     def worker() -> None:
@@ -62,7 +60,7 @@ def genai_tokens_per_s(package: Path, prompts: list[str], concurrency: int, new_
                 if not queue:
                     return
                 prompt = queue.pop()
-            ids = [bos, *tokenizer.encode(prompt)]  # genai's tokenizer adds no BOS; the app does, as here
+            ids = list(tokenizer.encode(prompt))
             params = og.GeneratorParams(model)
             params.set_search_options(max_length=len(ids) + new_tokens, do_sample=False)
             generator = og.Generator(model, params)
