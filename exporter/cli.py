@@ -315,7 +315,10 @@ def _export(args) -> int:
     meta, export, reference = (_load_transformers if transformers_model else _load_sharplm)(args, settings)
     settings = dataclasses.replace(settings, norm=meta.norm)
     proto = export(settings)
+    from sharp.exporter import metadata
     from sharp.exporter.check import run_check
+
+    metadata.named(proto, metadata.source_name(_gguf(args.model) or args.model))  # the served id, whatever -o says
 
     passes = lambda path: run_check(settings, path, meta.shape, reference, library, attention) == 0
     return _write(args, settings, out, proto, library, meta.shape.layers, passes)

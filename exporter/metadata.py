@@ -19,6 +19,9 @@ and a tokenizer of kind "hf" ({"bos", "eos": [...], "vocab_size", "prepend_bos",
 null}) whose tokenizer.json text is the
 second entry, key `sharp.tokenizer.json` — the file is self-contained: serving needs nothing beside it.
 
+`name` (optional) is the model's own name, kept from what was exported (a directory's name, a file's stem) so a
+server's model id stays the model's whatever the file is called (`NAME`: the ids a server accepts).
+
 The normalizer is written once, per layer, with that layer's parameters; the model-wide norm is derived.
 Serving, benchmarks and tests read files through `read`, which checks the schema before anything is built.
 """
@@ -27,7 +30,8 @@ from __future__ import annotations
 
 import json
 import mmap
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +51,8 @@ TOKENIZER_KEY = "sharp.tokenizer.json"
 SCHEMA = 1
 ARCHITECTURES = ("sharplm", "transformers")
 _NORM_FIELDS = ("norm", "layer_norms_override")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")  # a model id: what a client may send as `model`
+NAME_RULE = "1-128 characters of letters, digits and ._:/@+- starting with a letter or digit"
 
 
 class MetadataError(ValueError):
@@ -68,6 +74,7 @@ class ModelMetadata:
     sharp_version: str = __version__
     architecture: str = "sharplm"
     hf_shape: ModelShape | None = None  # the sizes of a transformers model (a SharpLM's come from its config)
+    name: str | None = None  # the exported model's own name (NAME), the served id unless the server is told another
 
     @property
     def shape(self) -> ModelShape:
@@ -125,6 +132,8 @@ class ModelMetadata:
         }
         if self.architecture != "sharplm":
             d.update(architecture=self.architecture, shape=asdict(self.hf_shape))
+        if self.name is not None:
+            d["name"] = self.name
         return json.dumps(d)
 
     def write(self, proto: onnx.ModelProto) -> None:
@@ -133,6 +142,19 @@ class ModelMetadata:
         proto.metadata_props.append(onnx.StringStringEntryProto(key=KEY, value=self.to_json()))
         if isinstance(self.tokenizer, HFTokenizer):
             proto.metadata_props.append(onnx.StringStringEntryProto(key=TOKENIZER_KEY, value=self.tokenizer.json))
+
+
+def source_name(path: Path) -> str | None:
+    """The name an export keeps of what it was exported from: a directory's name, a file's stem; None when that is
+    no valid model id (NAME)."""
+    path = Path(path)
+    name = path.resolve().name if path.is_dir() else path.stem
+    return name if NAME.fullmatch(name) else None
+
+
+def named(proto: onnx.ModelProto, name: str | None) -> None:
+    """Rewrite the file's metadata with the model's name."""
+    replace(read(proto), name=name).write(proto)
 
 
 def parse(text: str, tokenizer_json: str | None = None) -> ModelMetadata:
@@ -152,6 +174,9 @@ def parse(text: str, tokenizer_json: str | None = None) -> ModelMetadata:
     architecture = d.get("architecture", "sharplm")
     if architecture not in ARCHITECTURES:
         raise MetadataError(f"metadata architecture {architecture!r}; valid: {', '.join(ARCHITECTURES)}")
+    name = d.get("name")
+    if name is not None and not (isinstance(name, str) and NAME.fullmatch(name)):
+        raise MetadataError(f"metadata name {name!r:.60}: {NAME_RULE}")
     layers = []
     for i, layer in enumerate(d["layers"]):
         if not isinstance(layer, dict) or not isinstance(layer.get("norm"), str):
@@ -161,7 +186,7 @@ def parse(text: str, tokenizer_json: str | None = None) -> ModelMetadata:
         hf_shape = ModelShape(**d["shape"]) if architecture == "transformers" else None
         tokenizer = tokenizer_from_dict(d["tokenizer"], tokenizer_json)
         meta = ModelMetadata(
-            d["config"], layers, tokenizer, d["export"], str(d.get("sharp_version")), architecture, hf_shape
+            d["config"], layers, tokenizer, d["export"], str(d.get("sharp_version")), architecture, hf_shape, name
         )
         cfg = meta.shape
         for layer in layers:

@@ -21,8 +21,6 @@ from sharp.models.messages import Parser, UsageError
 from sharp.serving import logs
 from sharp.serving.logs import FORMATS, LEVELS
 
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
-
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written; each option's default after its help (when it has one)."""
@@ -117,7 +115,15 @@ def serve_parser() -> argparse.ArgumentParser:
         default=ServerConfig.metrics_port,
         help="Prometheus port (0: any free port; -1: off)",
     )
-    ap.add_argument("--model-name", help="the model's name in metrics and GetModelInfo (default: the file's stem)")
+    ap.add_argument(
+        "--served-model-name",
+        "--model-name",
+        nargs="+",
+        metavar="NAME",
+        help="the ids clients send as `model` (vLLM's flag): the first in replies, metrics and GetModelInfo, the others"
+        " aliases (default: the model's own name, kept by sharp-export from the directory or file it exported; else"
+        " the file's stem)",
+    )
     _config_flags(ap, EngineConfig)
     ap.add_argument(
         "--entropy-metrics",
@@ -171,6 +177,7 @@ def serve_parser() -> argparse.ArgumentParser:
 
 def build_server(args):
     """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
+    from sharp.exporter.metadata import NAME, NAME_RULE, source_name
     from sharp.serving.api.server import ServerConfig
     from sharp.serving.backends.loading import check_model_path, exported, needs_export
     from sharp.serving.config import EngineConfig
@@ -180,11 +187,12 @@ def build_server(args):
         raise UsageError("--tls-cert and --tls-key go together; give both or neither")
     if not -1 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port must be in [-1, 65535] (0: any free port, -1: off), got {args.metrics_port}")
-    if args.model_name is not None and not MODEL_NAME.fullmatch(args.model_name):
-        raise UsageError(
-            f"--model-name {args.model_name!r}: 1-128 characters of letters, digits and ._:/@+- starting with a letter"
-            " or digit"
-        )
+    names = tuple(args.served_model_name or ())
+    for name in names:
+        if not NAME.fullmatch(name):
+            raise UsageError(f"--served-model-name {name!r}: {NAME_RULE}")
+    if len(set(names)) < len(names):
+        raise UsageError(f"--served-model-name names one id twice: {' '.join(names)}")
     if args.threads < 0:
         raise UsageError(f"--threads must be >= 0 (0: all cores), got {args.threads}")
     config = _configured(EngineConfig, args)
@@ -204,15 +212,14 @@ def build_server(args):
         "onnxruntime": {"op_library": args.ort_op_library, "threads": args.threads, "native": args.native},
         "torch": {"dtype": args.dtype},
     }.get(args.backend, {})
-    model, name = check_model_path(args.model, args.backend), args.model_name  # said before a process starts
+    model = check_model_path(args.model, args.backend)  # said before a process starts
     if (busy := server.busy_port()) is not None:  # before an export of minutes, not after it
         raise UsageError(busy)
-    if needs_export(model):  # a Hugging Face directory or a GGUF: served as its export, under its own name
-        given = model.resolve().name if model.is_dir() else model.stem
-        if name is None and MODEL_NAME.fullmatch(given):
-            name = given
+    if needs_export(model):  # a Hugging Face directory or a GGUF: served as its export, under its own name (the
+        if not names and (given := source_name(model)):  # cache is by content: another copy's name is not this one)
+            names = (given,)
         model = exported(model, say=lambda line: print(line, flush=True))
-    spec = CoreSpec(str(model), args.backend, args.device, kw, name, config, args.entropy_metrics,
+    spec = CoreSpec(str(model), args.backend, args.device, kw, names, config, args.entropy_metrics,
                     args.metrics_names, args.log_level, args.log_format)  # fmt: skip
     on_gpu = args.backend == "tensorrt" or (args.backend == "onnxruntime" and args.device == "cuda")
     if args.engine_process == "off" or (args.engine_process == "auto" and not on_gpu):

@@ -14,13 +14,19 @@ from sharp.models.tokenizer import Tokenizer
 class ModelSpec:
     """What the engine and GetModelInfo need to know about the served model, from its metadata."""
 
-    name: str
+    name: str  # the model's id: in replies, metrics and GetModelInfo
     backend: str
     metadata: ModelMetadata
+    aliases: tuple[str, ...] = ()  # further ids a request may name (--served-model-name's others)
     config: ModelShape = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "config", self.metadata.shape)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every id this model answers to, its own first."""
+        return (self.name, *self.aliases)
 
     @property
     def norm(self) -> str:

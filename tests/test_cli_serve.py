@@ -120,7 +120,9 @@ def test_a_second_signal_stops_the_drain(model_files):
         (["MODEL", "--max-batch", "0"], "max-batch must be an integer >= 1"),
         (["MODEL.pt"], "export it with sharp-export"),
         (["MODEL", "--entropy-metrics", "all"], "invalid choice"),
-        (["MODEL", "--model-name", "has space"], "--model-name 'has space': 1-128 characters"),
+        (["MODEL", "--served-model-name", "has space"], "--served-model-name 'has space': 1-128 characters"),
+        (["MODEL", "--served-model-name", "a", "b", "a"], "--served-model-name names one id twice: a b a"),
+        (["MODEL", "--served-model-name"], "expected at least one argument"),
         (["MODEL", "--health-port", "70000"], "--health-port must be in [0, 65535]"),
         (["MODEL", "--port", "5000", "--health-port", "5000"], "--health-port 5000 is taken"),
         (["MODEL", "--http-port", "70000"], "--http-port must be in [0, 65535]"),
@@ -146,10 +148,35 @@ def test_sharp_serve_model_name_and_health_port_options_reach_the_server(model_f
 
     args = serve_parser().parse_args(
         [str(model_files["onnxruntime"]), "--model-name", "prod-model", "--health-port", "0", "--port", "0"]
-    )
+    )  # --model-name: the older spelling of --served-model-name, still taken (manifests written with it)
     engine, config = build_server(args)
     assert engine.spec.name == "prod-model" and config.health_port == 0
     assert engine.metrics.registry.get_sample_value("sharp_queue_capacity", {"model": "prod-model"}) == 256
+
+
+def test_served_model_names_are_the_id_and_its_aliases_on_every_route(model_files):
+    """vLLM's --served-model-name: the first id in replies and metrics, every id listed and accepted."""
+    import httpx
+    import openai
+    from helpers import HTTP, api
+
+    from sharp.serving.api.server import BackgroundServer
+    from sharp.serving.cli import build_server, serve_parser
+
+    args = serve_parser().parse_args([str(model_files["onnxruntime"]), "--served-model-name", "my-llama", "gpt-4o"])
+    engine, config = build_server(args)
+    assert engine.spec.names == ("my-llama", "gpt-4o")
+    with BackgroundServer(engine, dataclasses.replace(config, port=0, metrics_port=0, **HTTP)) as srv:
+        client = api(srv)
+        assert [m.id for m in client.models.list()] == ["my-llama", "gpt-4o"]
+        assert client.models.retrieve("gpt-4o").id == "gpt-4o"
+        for name in ("my-llama", "gpt-4o"):
+            assert client.completions.create(model=name, prompt="x", max_tokens=2).model == "my-llama"
+        with pytest.raises(openai.NotFoundError, match="'tiny' is not served here"):
+            client.completions.create(model="tiny", prompt="x", max_tokens=2)
+        base = f"http://127.0.0.1:{srv.server.http_port}"
+        assert httpx.get(f"{base}/v1/models/tiny").status_code == 404
+    assert engine.metrics.registry.get_sample_value("sharp_queue_capacity", {"model": "my-llama"}) == 256
 
 
 def test_sharp_serve_help_shows_the_defaults_the_engine_and_server_use(capsys):

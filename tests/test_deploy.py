@@ -385,7 +385,8 @@ def test_the_kserve_runtime_and_service_fit_kserves_crds_and_sharp_serve():
     name = service["metadata"]["name"]
     args = serve_parser().parse_args([a.replace("{{.Name}}", name) for a in container["args"]])
     assert args.http_port == container["ports"][0]["containerPort"] == container["readinessProbe"]["httpGet"]["port"]
-    assert args.model_name == name and args.model.parent == Path("/mnt/models") and args.metrics_names == "vllm"
+    assert args.served_model_name == [name] and args.model.parent == Path("/mnt/models")
+    assert args.metrics_names == "vllm"
     model = service["spec"]["predictor"]["model"]
     assert model["runtime"] == runtime["metadata"]["name"]
     assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}

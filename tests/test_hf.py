@@ -26,7 +26,7 @@ from sharp.models.tokenizer import BYTES, HFTokenizer  # noqa: E402
 from sharp.serving import Client  # noqa: E402
 from sharp.serving.api.server import BackgroundServer, ServerConfig  # noqa: E402
 from sharp.serving.backends.interface import BackendError  # noqa: E402
-from sharp.serving.backends.loading import load_backend  # noqa: E402
+from sharp.serving.backends.loading import check_model_path, load_backend  # noqa: E402
 from sharp.serving.config import EngineConfig  # noqa: E402
 from sharp.serving.engine.engine import Engine  # noqa: E402
 from sharp.serving.metrics import ServingMetrics  # noqa: E402
@@ -250,7 +250,7 @@ def exported(hf_dirs, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("hf-onnx")
     files = {}
     for family in ("llama", "gpt2"):
-        files[family] = out / f"{family}.onnx"
+        files[family] = out / f"x-{family}.onnx"  # not the model's name: the file keeps its directory's
         assert export_cli.main([str(hf_dirs[family]), "-o", str(files[family])]) == 0
     return files
 
@@ -258,6 +258,7 @@ def exported(hf_dirs, tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_sharp_serve_greedy_equals_transformers_generate(hf_dirs, exported, family):
     backend = load_backend(exported[family])
+    assert backend.spec.name == family  # the id is the exported directory's name, whatever -o called the file
     engine = Engine(backend, EngineConfig(), ServingMetrics(backend.spec))
     eager = _eager(hf_dirs[family])
     tok = Tokenizer.from_file(str(hf_dirs[family] / "tokenizer.json"))
@@ -400,6 +401,10 @@ def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tok
             .tolist()
         )
     assert _genai_greedy(package, ids, 16) == want
+    assert check_model_path(package, "onnxruntime") == package / "model.onnx"  # sharp-serve takes the package
+    backend = load_backend(package)
+    assert backend.spec.name == "llama" and backend.spec.norm == "adaptive"  # named as its source, not "model"
+    del backend
     _one_bos_rule(package, tmp_path / "source")
 
 

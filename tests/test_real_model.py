@@ -29,6 +29,7 @@ from sharp.serving.engine.output import Delta
 
 pytestmark = pytest.mark.slow
 
+NAME = "SmolLM2-135M-Instruct.Q4_1"  # the GGUF's name, kept by the export whatever -o called the file
 PROMPTS = [
     "What is the capital of France?",
     "Write a short poem about the sea.",
@@ -175,8 +176,9 @@ def served(real):
 
 def test_a_chat_answer_is_a_real_answer(served):
     client = api(served)
+    assert [m.id for m in client.models.list()] == [NAME]  # served from smollm2.onnx, named as the GGUF
     reply = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=32, temperature=0
+        model=NAME, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=32, temperature=0
     )
     assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
 
@@ -189,7 +191,7 @@ def test_a_json_schema_answer_is_valid_and_sensible(served):
         "additionalProperties": False,
     }
     reply = api(served).chat.completions.create(
-        model="smollm2",
+        model=NAME,
         messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON with the key city."}],
         response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema, "strict": True}},
         max_tokens=40,
@@ -217,7 +219,7 @@ def test_a_forced_tool_call_names_the_city_and_its_result_is_used(served):
     ]
     messages = [{"role": "user", "content": "What is the weather like in Berlin today?"}]
     reply = client.chat.completions.create(
-        model="smollm2",
+        model=NAME,
         messages=messages,
         tools=tools,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
@@ -231,7 +233,7 @@ def test_a_forced_tool_call_names_the_city_and_its_result_is_used(served):
         reply.choices[0].message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_celsius": 31, "sky": "sunny"})},
     ]
-    answer = client.chat.completions.create(model="smollm2", messages=messages, tools=tools, max_tokens=60,
+    answer = client.chat.completions.create(model=NAME, messages=messages, tools=tools, max_tokens=60,
                                             temperature=0)  # fmt: skip
     assert not answer.choices[0].message.tool_calls and "31 degrees" in answer.choices[0].message.content
 
@@ -240,16 +242,16 @@ def test_cached_tokens_n_streaming_and_logprobs(served):
     client = api(served)
     long = "Tell me about the history of Paris. " * 20
     messages = [{"role": "user", "content": long}]
-    first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
-    again = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0)
+    first = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+    again = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
     assert again.choices[0].message.content == first.choices[0].message.content
     stream = client.chat.completions.create(
-        model="smollm2", messages=messages, max_tokens=8, temperature=0, stream=True
+        model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == first.choices[0].message.content
     many = client.chat.completions.create(
-        model="smollm2", messages=messages, max_tokens=8, temperature=1.0, seed=1, n=3, logprobs=True, top_logprobs=2
+        model=NAME, messages=messages, max_tokens=8, temperature=1.0, seed=1, n=3, logprobs=True, top_logprobs=2
     )
     assert sorted(c.index for c in many.choices) == [0, 1, 2]
     for choice in many.choices:

@@ -184,21 +184,22 @@ class OpenAIServer:
         return await handler(request)
 
     # ---- routes ----
-    def _model(self) -> dict[str, Any]:
+    def _model(self, name: str) -> dict[str, Any]:
         spec = self.engine.spec
-        return {"id": spec.name, "object": "model", "created": self.started, "owned_by": "sharp",
-                "max_model_len": spec.context_length}  # fmt: skip
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "sharp",
+                "max_model_len": spec.context_length, "root": spec.name}  # fmt: skip
 
     async def models(self, request: web.Request) -> web.Response:
+        """Every id the model answers to, its own first (vLLM lists each --served-model-name)."""
         self._serving()
-        return web.json_response({"object": "list", "data": [self._model()]})
+        return web.json_response({"object": "list", "data": [self._model(n) for n in self.engine.spec.names]})
 
     async def model(self, request: web.Request) -> web.Response:
         self._serving()
         name = request.match_info["model"]
-        if name != self.engine.spec.name:
+        if name not in self.engine.spec.names:
             raise not_served(name)
-        return web.json_response(self._model())
+        return web.json_response(self._model(name))
 
     async def health(self, request: web.Request) -> web.Response:
         if self.serving() and not self.engine.draining:
@@ -402,7 +403,7 @@ class OpenAIServer:
         body = await self._read(request, kind)
         if (refusal := body.refused()) is not None:
             raise APIError(400, refusal[1], "unsupported_value", refusal[0], "invalid_argument")
-        if body.model != self.engine.spec.name:
+        if body.model not in self.engine.spec.names:
             raise not_served(body.model)
         return body
 
@@ -420,7 +421,7 @@ class OpenAIServer:
             raise self._refuse(e) from None
         if (refusal := body.refused()) is not None:
             raise self._refuse(APIError(400, refusal[1], "unsupported_value", refusal[0], "invalid_argument"))
-        if body.model != self.engine.spec.name:
+        if body.model not in self.engine.spec.names:
             raise self._refuse(not_served(body.model))
         return body
 

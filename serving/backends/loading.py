@@ -13,8 +13,10 @@ from sharp.models import cache, gguf
 from sharp.models.messages import did_you_mean
 from sharp.serving.backends.interface import BACKENDS, Backend, BackendError
 
+GENAI_CONFIG = "genai_config.json"  # what marks a sharp-export --genai package directory
 EXPECTED = {
-    "onnxruntime": "an .onnx file from sharp-export, a GGUF file, or a Hugging Face model directory",
+    "onnxruntime": "an .onnx file from sharp-export (or its --genai package), a GGUF file, or a Hugging Face model"
+    " directory",
     "torch": "a model.pt",
     "tensorrt": "an engine from sharp-build-engine",
 }
@@ -39,9 +41,18 @@ def check_model_path(path: str | Path, backend: str) -> Path:
             raise BackendError(f"{path}: a GGUF file; --backend {backend} serves {EXPECTED[backend]} (serve it with"
                                " --backend onnxruntime)")  # fmt: skip
         return found
+    if path.is_dir() and (path / GENAI_CONFIG).is_file() and not (path / "config.json").is_file():
+        if backend != "onnxruntime":  # sharp-export --genai's package: its model.onnx is a file sharp-export wrote
+            raise BackendError(f"{path}: an onnxruntime-genai package; --backend {backend} serves {EXPECTED[backend]}"
+                               " (serve the package with --backend onnxruntime)")  # fmt: skip
+        path = path / "model.onnx"
+        if not path.is_file():
+            raise BackendError(f"{path.parent}: an onnxruntime-genai package without model.onnx")
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise BackendError(f"{path}: a directory without config.json or a .gguf (expected {EXPECTED[backend]})")
+            raise BackendError(f"{path}: a directory without config.json, a .gguf or {GENAI_CONFIG} (expected"
+                               f" {EXPECTED[backend]})")  # fmt: skip
         if backend != "onnxruntime":
             raise BackendError(f"{path}: a Hugging Face model directory; --backend {backend} serves {EXPECTED[backend]}"
                                " (serve the directory with --backend onnxruntime)")  # fmt: skip

@@ -49,7 +49,7 @@ class OnnxRuntimeBackend(GraphBackend):
             metadata.check_graph(meta, _dims(self.session.get_inputs()), _dims(self.session.get_outputs()))
         except metadata.MetadataError as e:
             raise BackendError(f"{path}: {e}") from None
-        self.spec = ModelSpec(Path(path).stem, "onnxruntime", meta)
+        self.spec = ModelSpec(meta.name or Path(path).stem, "onnxruntime", meta)
         self.in_place = bool(meta.export.get("kv_in_place", False))  # the op's cache form (exporter/cache_form.py)
         GraphBackend.__init__(self)
         self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]

@@ -50,7 +50,7 @@ class TensorRTBackend(GraphBackend):
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.outputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
         self.past_names = sorted((n for n in names if n.startswith("past_key_values.")), key=names.index)
-        self.spec = ModelSpec(Path(path).stem, "tensorrt", meta)
+        self.spec = ModelSpec(meta.name or Path(path).stem, "tensorrt", meta)
         GraphBackend.__init__(self)
 
     @torch.inference_mode()

@@ -95,7 +95,7 @@ class TorchBackend(Backend):
         else:
             self.attention = f"attention: torch reference, streamed from {STREAMED_FROM_KEYS} keys"
         meta = metadata.ModelMetadata.from_model(model, {"dtype": dtype, "kv_dtype": dtype})  # pages in --dtype
-        self.spec = ModelSpec(Path(path).stem, "torch", meta)
+        self.spec = ModelSpec(meta.name or Path(path).stem, "torch", meta)
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
         self.cache: PagedKVCache | None = None
         self._named: dict[Hashable, list[int]] = {}  # pages a running sequence named (withdrawn if it fails)

@@ -93,7 +93,7 @@ class CoreSpec:
     backend: str = "onnxruntime"
     device: str = "cpu"
     backend_options: dict = field(default_factory=dict)
-    model_name: str | None = None
+    model_names: tuple[str, ...] = ()  # the served ids, the first the model's own (default: the file's name)
     config: EngineConfig = field(default_factory=EngineConfig)
     entropy: str = "auto"  # the metrics' entropy labels (serving/metrics.py)
     metric_names: str = "sharp"  # also the vllm: load series (serving/metrics.py)
@@ -106,8 +106,8 @@ def build_engine(spec: CoreSpec, publish=None) -> Engine:
     from sharp.serving.backends.loading import load_backend
 
     backend = load_backend(spec.model, spec.backend, spec.device, **spec.backend_options)
-    if spec.model_name is not None:
-        backend.spec = replace(backend.spec, name=spec.model_name)
+    if spec.model_names:
+        backend.spec = replace(backend.spec, name=spec.model_names[0], aliases=spec.model_names[1:])
     metrics = ServingMetrics(backend.spec, entropy=spec.entropy, names=spec.metric_names)
     return Engine(backend, spec.config, metrics, publish)
 

@@ -285,7 +285,8 @@ def start_sharp(
     port = _free_port()
     cmd = [sys.executable, "-m", "sharp.serving.cli", str(onnx), "--port=0", "--metrics-port=-1",
            f"--http-port={port}", "--kv-cache-mb=4096", f"--prefix-cache-mb={prefix_cache_mb}", "--max-batch=8",
-           "--log-level=warning", *([f"--threads={threads}"] if threads else [])]  # fmt: skip
+           "--log-level=warning", f"--served-model-name={onnx.stem}",
+           *([f"--threads={threads}"] if threads else [])]  # fmt: skip
     peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}/v1", "/models", "", onnx.stem, extra or {}, log)
     peer.disk_mib = _mib(onnx)
     return peer

@@ -112,6 +112,7 @@ def sharp_serve(
         "-m",
         "sharp.serving.cli",
         str(model),
+        f"--served-model-name={model.stem}",  # the id the HTTP scenarios send
         "--port=0",
         "--metrics-port=0",
         f"--max-batch={max_batch}",
@@ -316,7 +317,7 @@ def _served(model: Path, sc: Scenario) -> Run:
                 import openai
 
                 async with openai.AsyncOpenAI(base_url=srv.openai_url, api_key="none", max_retries=0) as client:
-                    return await scenario(http_sender(client, model.stem))  # sharp-serve names it so
+                    return await scenario(http_sender(client, model.stem))  # sharp_serve names it so
             async with AsyncClient(srv.target) as client:
                 fields = {"json_schema": json.dumps(LONG_JSON)} if sc.structured else {}
                 return await scenario(grpc_sender(client, **fields))
