@@ -246,9 +246,7 @@ def test_cached_tokens_n_streaming_and_logprobs(served):
     again = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
     assert again.choices[0].message.content == first.choices[0].message.content
-    stream = client.chat.completions.create(
-        model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True
-    )
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == first.choices[0].message.content
     many = client.chat.completions.create(
         model=NAME, messages=messages, max_tokens=8, temperature=1.0, seed=1, n=3, logprobs=True, top_logprobs=2
