@@ -49,10 +49,46 @@ def compile_grammar(kind: str, spec: str) -> str:
     else:
         grammar = LLMatcher.grammar_from_lark(spec)
     if problem := LLMatcher.validate_grammar(grammar):
-        raise GrammarError(" ".join(problem.split())[:300])
+        raise GrammarError(explained(" ".join(problem.split())[:300]))
     if kind == "json_schema" and (problem := dead_start(grammar)):  # a client's schema; sharp's own tool grammars
         raise GrammarError(problem)  # name the served vocabulary's tokens, which a byte vocabulary lacks
     return grammar
+
+
+# What to use instead of a JSON Schema keyword no grammar can enforce while the text is written (llguidance refuses
+# them as "Unimplemented keys"), so the refusal names the keyword and a way out, not only the library's words.
+INSTEAD = {
+    "uniqueItems": "items cannot be kept distinct token by token: send an array without it (pydantic: list[...] for"
+    " set[...]) and deduplicate what you parse",
+    "contains": "send the item's schema as `items`, or check the item after parsing",
+    "not": "state what is allowed (enum, const, pattern) rather than what is not",
+    "if": "use anyOf of the cases, each with its own required properties",
+    "then": "use anyOf of the cases, each with its own required properties",
+    "else": "use anyOf of the cases, each with its own required properties",
+    "dependentRequired": "use anyOf of the shapes the object may take",
+    "dependentSchemas": "use anyOf of the shapes the object may take",
+}
+ONE_OF = (
+    "oneOf: its branches could both match one value, and exactly-one cannot be enforced while the text is written"
+    " (sharp does not weaken it to anyOf: the reply must validate): use anyOf, or make the branches exclusive — a"
+    " required property with a different const in each (pydantic: a discriminated union), or different types"
+)
+
+
+def explained(problem: str) -> str:
+    """llguidance's refusal of a schema, with the keyword it could not enforce named and what to use instead."""
+    if "oneOf constraints are not supported" in problem:
+        return ONE_OF
+    if m := re.fullmatch(r"Unimplemented keys: \[(.*)\]", problem):
+        keys = [k.strip().strip('"') for k in m[1].split(",")]
+        advice: dict[str, list[str]] = {}
+        for k in keys:
+            if k in INSTEAD:
+                advice.setdefault(INSTEAD[k], []).append(k)
+        ways = "; ".join(f"{'/'.join(named)}: {way}" for way, named in advice.items())
+        said = ", ".join(keys)
+        return f"the schema uses {said}, which cannot be enforced while decoding" + (f" ({ways})" if ways else "")
+    return problem
 
 
 def dead_start(grammar: str) -> str | None:

@@ -143,6 +143,56 @@ def test_the_openai_sdks_parse_returns_the_pydantic_model(srv):
         assert isinstance(r.choices[0].message.parsed, Thing)
 
 
+def test_pydantic_unions_work_and_what_cannot_be_enforced_is_named_with_a_way_out(srv):
+    """A discriminated union (oneOf with a const per branch) is served and parses; a set[...] (uniqueItems) and a
+    oneOf whose branches overlap are refused naming the keyword and what to use — never llguidance's
+    "Enable 'coerce_one_of' option", which no client can reach (and which would let a reply break the schema)."""
+    from typing import Annotated, Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(BaseModel):
+        pet: Annotated[Cat | Dog, Field(discriminator="kind")]
+
+    assert "oneOf" in json.dumps(Pet.model_json_schema())
+    for seed in range(3):
+        r = api(srv).chat.completions.parse(model="tiny", messages=[{"role": "user", "content": "a pet"}],
+                                            response_format=Pet, temperature=1.0, seed=seed, max_tokens=60)  # fmt: skip
+        assert isinstance(r.choices[0].message.parsed, Pet)  # (parse raises on a reply cut by max_tokens)
+
+    class Tagged(BaseModel):
+        tags: set[str]
+
+    overlapping = {"type": "object", "properties": {"n": {"oneOf": [{"type": "number"}, {"type": "integer"}]}}}
+    for schema, says in ((Tagged.model_json_schema(), "uniqueItems"), (overlapping, "oneOf")):
+        fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+        with pytest.raises(openai.BadRequestError) as err:
+            api(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                             response_format=fmt, max_tokens=4)  # fmt: skip
+        error = err.value.body
+        assert error["param"] == "response_format" and says in error["message"], error
+        assert "coerce_one_of" not in error["message"]
+    assert "list[...]" in str(grammar_refusal(Tagged.model_json_schema()))
+    assert "use anyOf, or make the branches exclusive" in str(grammar_refusal(overlapping))
+
+
+def grammar_refusal(schema: dict) -> Exception:
+    from sharp.serving.grammar import GrammarError, compile_grammar
+
+    with pytest.raises(GrammarError) as err:
+        compile_grammar("json_schema", json.dumps(schema))
+    return err.value
+
+
 def test_vllms_structured_outputs_regex_choice_and_grammar_on_both_apis(srv):
     """vLLM's `structured_outputs` extension (completions and chat) and gRPC's fields: a regular expression, a
     choice of strings, a Lark grammar; two at once, or one that cannot compile, is refused naming it."""
