@@ -71,13 +71,47 @@ def _tls(cert_path: Path | None, key_path: Path | None) -> tuple[bytes | None, b
     return cert, key
 
 
+class _Given(argparse.Action):
+    """Store the value and note that the flag was given (`args.given`): a port left at its default is a preference,
+    a port given is a requirement (`_yielding_defaults`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = {*getattr(namespace, "given", ()), self.dest}
+
+
+DEFAULT_PORTS = ("port", "metrics_port")  # the listeners with a fixed default port
+
+
 def _config_flags(ap: argparse.ArgumentParser, config_type) -> None:
     """A flag per config field made with `option` (serving/config.py): `--name-with-dashes`, the field's type,
     default and help — the one source of each setting."""
     for f in dataclasses.fields(config_type):
         if "help" in f.metadata:
             kind = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
-            ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"])
+            action = _Given if f.name in DEFAULT_PORTS else "store"
+            ap.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f.metadata["help"],
+                            action=action)  # fmt: skip
+
+
+def _yielding_defaults(server, given: set[str], say=print):
+    """`server` with its defaulted ports made to yield, so a second server on one machine starts as the first did:
+    with the HTTP API on, /metrics is on its port and no metrics port of its own is opened unless --metrics-port is
+    given; a default port (gRPC's 50051, metrics' 9400) that is taken becomes any free one, said in a line (the
+    listening line names it). A port given on the command line is never changed: taken, start-up fails naming it."""
+    from sharp.serving.api.server import bind_problem
+
+    changes: dict[str, int | None] = {}
+    if "metrics_port" not in given and server.http_port is not None:
+        changes["metrics_port"] = None
+    for name in DEFAULT_PORTS:
+        port = changes.get(name, getattr(server, name))
+        host = (server.metrics_host if name == "metrics_port" else None) or server.host
+        if name not in given and port and "already in use" in (bind_problem(host, port) or ""):
+            changes[name] = 0
+            say(f"sharp-serve: {host}:{port} (the default --{name.replace('_', '-')}) is taken; listening on a free"
+                " port instead")  # fmt: skip
+    return dataclasses.replace(server, **changes)
 
 
 def _configured(config_type, args, **rest):
@@ -112,8 +146,10 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--metrics-port",
         type=int,
+        action=_Given,
         default=ServerConfig.metrics_port,
-        help="Prometheus port (0: any free port; -1: off)",
+        help="Prometheus port (0: any free port; -1: off); with --http-port, off unless given (/metrics is on the HTTP"
+        " port). A default port (this one, --port's) that is taken becomes any free one; a port given must be free",
     )
     ap.add_argument(
         "--served-model-name",
@@ -213,6 +249,7 @@ def build_server(args):
         "torch": {"dtype": args.dtype},
     }.get(args.backend, {})
     model = check_model_path(args.model, args.backend)  # said before a process starts
+    server = _yielding_defaults(server, getattr(args, "given", set()), say=lambda line: print(line, flush=True))
     if (busy := server.busy_port()) is not None:  # before an export of minutes, not after it
         raise UsageError(busy)
     if needs_export(model):  # a Hugging Face directory or a GGUF: served as its export, under its own name (the

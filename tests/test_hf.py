@@ -8,6 +8,7 @@ save_pretrained; the tokenizer is a byte-level BPE trained here with `tokenizers
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -572,9 +573,11 @@ def _readme_recipe() -> tuple[str, str]:
 
 
 def test_the_readme_recipe_serves_a_hugging_face_directory(hf_dirs, tmp_path):
-    """`sharp-serve ./my-llama --http-port 8000`, then the openai SDK, exactly as the README has them (ports made
-    free): the directory is exported once, checked, into the cache and served under its own name; a second start
-    finds the export by the directory's content instead of exporting again."""
+    """`sharp-serve ./my-llama --http-port 8000`, then the openai SDK, exactly as the README has them — followed
+    twice on one machine, the second server beside the first with another HTTP port, and nothing else added: the
+    directory is exported once, checked, into the cache and served under its own name; the second start finds the
+    export by the directory's content, and its defaulted gRPC port, taken by the first (or anyone), yields to a free
+    one; neither opens a metrics port of its own (/metrics is on the HTTP port)."""
     import os
     import signal
     import socket
@@ -596,33 +599,42 @@ def test_the_readme_recipe_serves_a_hugging_face_directory(hf_dirs, tmp_path):
     }
 
     def start(port: int) -> tuple[subprocess.Popen, list[str]]:
-        command = "exec " + shell.split("#")[0].replace("8000", str(port)) + " --port 0 --metrics-port -1"
+        command = "exec " + shell.split("#")[0].replace("8000", str(port))
         proc = subprocess.Popen(command, shell=True, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
         lines = []
-        while not (lines and " on 127.0.0.1:" in lines[-1]):
+        while not (lines and lines[-1].startswith("sharp-serve: my-llama (")):
             line = proc.stdout.readline()
             assert line, f"sharp-serve ended: {lines}"
             lines.append(line)
         return proc, lines
 
+    def ask(port: int) -> None:
+        called = subprocess.run([sys.executable, "-c", python.replace("8000", str(port))], capture_output=True,
+                                text=True, timeout=120)  # fmt: skip
+        assert called.returncode == 0, called.stderr[-2000:]
+
     def stop(proc: subprocess.Popen) -> None:  # SIGTERM drains: exit 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
 
-    proc, lines = start(port := free_port())
+    first, second = None, None
     try:
+        first, lines = start(port := free_port())
         assert lines[0].startswith("sharp-serve: exporting my-llama once (checked) into ")
-        assert any("check passed" in line for line in lines) and lines[-1].startswith("sharp-serve: my-llama (")
-        called = subprocess.run([sys.executable, "-c", python.replace("8000", str(port))], capture_output=True,
-                                text=True, timeout=120)  # fmt: skip
-        assert called.returncode == 0, called.stderr[-2000:]
+        assert any("check passed" in line for line in lines) and "metrics http" not in lines[-1]
+        ask(port)
+        exports = list((tmp_path / "cache" / "exports").glob("*/model.onnx"))
+        assert len(exports) == 1
+        second, again = start(other := free_port())  # the same content: found, not exported again
+        assert f"sharp-serve: my-llama exported before: {exports[0]}\n" in again
+        assert again[0].startswith("sharp-serve: 127.0.0.1:50051 (the default --port) is taken; listening on a free")
+        grpc_ports = [re.search(r" on 127\.0\.0\.1:(\d+)", said[-1])[1] for said in (lines, again)]
+        assert grpc_ports[0] != grpc_ports[1] and "metrics http" not in again[-1], again
+        ask(other)
     finally:
-        stop(proc)
-    exports = list((tmp_path / "cache" / "exports").glob("*/model.onnx"))
-    assert len(exports) == 1
-    proc, lines = start(port)  # the same content: found, not exported again (and the port free again)
-    stop(proc)
-    assert lines[0] == f"sharp-serve: my-llama exported before: {exports[0]}\n" and len(lines) == 2
+        for proc in (first, second):
+            if proc is not None:
+                stop(proc)
 
 
 def test_the_export_cache_key_follows_the_directory_content(hf_dirs, tmp_path):
