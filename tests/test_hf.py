@@ -710,7 +710,7 @@ def test_tools_on_a_llama_whose_template_renders_them(hf_dirs, tmp_path):
         oa = openai.OpenAI(base_url=base, api_key="none")
         messages = [{"role": "user", "content": "weather in Oslo?"}]
         for seed in range(4):
-            r = oa.chat.completions.create(model="llama", messages=messages, tools=tools, tool_choice="required",
+            r = oa.chat.completions.create(model="llama-tools", messages=messages, tools=tools, tool_choice="required",
                                            parallel_tool_calls=False, temperature=1.0, seed=seed,
                                            max_tokens=100)  # fmt: skip
             assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
@@ -719,10 +719,10 @@ def test_tools_on_a_llama_whose_template_renders_them(hf_dirs, tmp_path):
             jsonschema.validate(json.loads(call.function.arguments), schema)
         history = [*messages, r.choices[0].message.model_dump(exclude_none=True),
                    {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]  # fmt: skip
-        answer = oa.chat.completions.create(model="llama", messages=history, max_tokens=8, seed=0)  # (context: 512)
+        answer = oa.chat.completions.create(model="llama-tools", messages=history, max_tokens=8, seed=0)  # (context: 512)
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
-        llm = ChatOpenAI(model="llama", base_url=base, api_key="none", temperature=1.0, max_tokens=100, seed=1)
+        llm = ChatOpenAI(model="llama-tools", base_url=base, api_key="none", temperature=1.0, max_tokens=100, seed=1)
         msg = llm.bind_tools(tools, tool_choice="any", parallel_tool_calls=False).invoke("weather?")
         assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather", msg
         jsonschema.validate(msg.tool_calls[0]["args"], schema)
