@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache, partial
 from pathlib import Path
 
 from sharp.models import cache
@@ -54,7 +57,14 @@ class Header:
 
 def read_header(path: Path) -> Header:
     """The architecture and tensor types of a GGUF file, after checking that it is one, whole, of an architecture
-    sharp serves; raises GGUFError saying what is wrong."""
+    sharp serves; raises GGUFError saying what is wrong. Read once per file version in a process: the reader parses
+    every field, the vocabulary's included (2.4 s for SmolLM2's), and a command asks several times."""
+    stat = path.stat()
+    return _read_header(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=8)
+def _read_header(path: Path, size: int, mtime_ns: int) -> Header:
     with path.open("rb") as f:
         if f.read(4) != MAGIC:
             raise GGUFError(f"{path}: not a GGUF file (it does not start with the bytes GGUF)")
@@ -110,11 +120,13 @@ def _write_hf_directory(path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # its dequantizing bar is library chatter at sharp's commands
+    transformers_logging.disable_progress_bar()
     out.mkdir(parents=True)
     where, name = str(path.parent), path.name
-    config = AutoConfig.from_pretrained(where, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=config, dtype="float32")
+    with _quiet_single_reader():
+        config = AutoConfig.from_pretrained(where, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=config, dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     config = model.config
     tied = getattr(config, "tie_word_embeddings", False)
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
@@ -124,4 +136,29 @@ def _write_hf_directory(path: Path, out: Path) -> None:
     config.architectures = [type(model).__name__]  # what other tools read (llama.cpp's converter needs it)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
-    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+@contextmanager
+def _quiet_single_reader() -> Iterator[None]:
+    """transformers' GGUF loader as sharp runs it: the file parsed once for config, weights and tokenizer (it parses
+    it anew for each, 2.4 s a time for SmolLM2's vocabulary), and its dequantizing bar (a bare tqdm, not under
+    transformers' progress-bar switch) kept off sharp's commands' output."""
+    import gguf as gguf_package
+    import transformers.modeling_gguf_pytorch_utils as loader
+
+    readers: dict[str, object] = {}
+    reader_type, bar = gguf_package.GGUFReader, loader.tqdm
+
+    def one_reader(path, *args, **kwargs):
+        key = os.fspath(path)
+        if args or kwargs or key not in readers:
+            readers[key] = reader_type(path, *args, **kwargs)
+        return readers[key]
+
+    gguf_package.GGUFReader = one_reader
+    loader.tqdm = partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader, loader.tqdm = reader_type, bar
