@@ -91,20 +91,45 @@ def explained(problem: str) -> str:
     return problem
 
 
+PROBE_STEPS = 64  # bytes a new grammar is walked on the byte vocabulary before it is admitted (best effort: the
+# walk takes the lowest byte allowed, so it opens declared objects of a strict schema but not every branch)
+
+
 def dead_start(grammar: str) -> str | None:
-    """Why a grammar that compiles cannot begin any output (a `$ref` loop, a schema whose every instance is
-    infinite), or None. llguidance reports such a grammar only when a matcher computes its first mask, and then
-    allows nothing but end-of-sequence: an empty reply that would pass for a finished one. Probed on a byte
-    vocabulary (the grammar's structure, not the served model's tokens, decides)."""
+    """Why a grammar that compiles cannot be used, or None: one that admits no output that can begin (a `$ref` loop,
+    a schema whose every instance is infinite — llguidance reports such a grammar only when a matcher computes its
+    first mask, and then allows nothing but end-of-sequence: an empty reply that would pass for a finished one), or
+    one beyond llguidance's parser limits as soon as its text opens (an object of ~500 optional properties: a row of
+    over 2,000 Earley items at its first byte — that was a failure on the first token, after admission). Walked for
+    PROBE_STEPS bytes on a byte vocabulary, taking the lowest byte allowed each time (the grammar's structure, not the
+    served model's tokens, decides)."""
     import numpy as np
     from llguidance import LLMatcher
 
-    probe = LLMatcher(_probe_tokenizer(), grammar)
-    mask = np.zeros((1, (_probe_tokenizer().vocab_size + 31) // 32), np.int32)
-    probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-    if not probe.is_error():
+    vocab = _probe_tokenizer().vocab_size
+    probe = LLMatcher(_probe_tokenizer(), grammar, log_level=0)  # its reason is said to the client, not on stderr
+    mask = np.zeros((1, (vocab + 31) // 32), np.int32)
+    for step in range(PROBE_STEPS):  # noqa: B007 - `step` says where it failed
+        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if probe.is_error():
+            break
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab])
+        if probe.is_stopped() or allowed.size == 0:
+            return None
+        if not probe.consume_token(int(allowed[0])):
+            break
+    else:
         return None
-    return f"the schema admits no output that can begin (llguidance: {error_line(probe.get_error())})"
+    reason = error_line(probe.get_error())
+    if m := re.search(r"Current row has (\d+) items; max is (\d+)", reason):
+        return (
+            f"the schema is beyond the grammar library's limit of {m[2]} parser items in a row (it needs {m[1]} as"
+            " its text opens; llguidance's max_items_in_row): an object of about 500 or more optional properties"
+            " does this — split it into nested objects, or make properties required"
+        )
+    if step == 0:
+        return f"the schema admits no output that can begin (llguidance: {reason})"
+    return f"the schema fails after its first {step} bytes (llguidance: {reason})"
 
 
 def error_line(error: str) -> str:

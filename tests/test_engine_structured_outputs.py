@@ -94,6 +94,32 @@ def test_a_schema_no_output_can_begin_is_a_400_not_an_empty_success(srv, schema)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "admits no output" in err.value.details()
 
 
+def _optional(n: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+
+
+NESTED = {"type": "object", "properties": {"a": _optional(600)}, "additionalProperties": False}  # strict mode's shape
+
+
+@pytest.mark.parametrize("schema", [_optional(500), NESTED], ids=["500-optional", "nested-600"])
+def test_a_schema_beyond_the_parsers_limits_is_refused_at_admission_naming_the_limit(srv, schema):
+    """~500 optional properties compile, then llguidance's parser exceeds its 2,000 items in a row at the first
+    byte: that was a 500 "non-finite logits" on the first token, counted `internal`. Refused at validation with the
+    limit named, on both APIs; 400 properties are served."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "response_format": fmt, "max_tokens": 4}
+    r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", json=body, timeout=30)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "response_format", error
+    assert "limit of 2000 parser items in a row" in error["message"] and "max_items_in_row" in error["message"], error
+    with Client(srv.target) as c, pytest.raises(grpc.RpcError) as err:
+        c.generate("x", max_new_tokens=4, json_schema=json.dumps(schema))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "parser items in a row" in err.value.details()
+    fmt["json_schema"]["schema"] = _optional(400)
+    r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+
+
 def test_a_grammar_that_fails_while_decoding_says_why_in_one_line():
     """A token the grammar refuses leaves its matcher in error: the engine ends that request with the grammar's
     reason (serving/engine/output.py `unusable`: INVALID_ARGUMENT, the request's own fault), not as the model's

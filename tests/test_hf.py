@@ -719,7 +719,7 @@ def test_tools_on_a_llama_whose_template_renders_them(hf_dirs, tmp_path):
             jsonschema.validate(json.loads(call.function.arguments), schema)
         history = [*messages, r.choices[0].message.model_dump(exclude_none=True),
                    {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]  # fmt: skip
-        answer = oa.chat.completions.create(model="llama-tools", messages=history, max_tokens=8, seed=0)  # (context: 512)
+        answer = oa.chat.completions.create(model="llama-tools", messages=history, max_tokens=8, seed=0)  # context 512
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
         llm = ChatOpenAI(model="llama-tools", base_url=base, api_key="none", temperature=1.0, max_tokens=100, seed=1)
