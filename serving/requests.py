@@ -23,6 +23,7 @@ from sharp.serving.status import Status
 
 DEFAULT_SAMPLING = SamplingParams()
 MAX_REQUEST_ID = 128
+MAX_CACHE_SALT = 1024
 
 
 class RequestError(Exception):
@@ -102,6 +103,7 @@ class GenerationRequest:
     include_stop: bool = False  # the stop string or stop token that ended it stays in the text
     priority: int = 0  # lower is admitted first (vLLM's order); equal priorities in arrival order
     grammar: str | None = None  # structured outputs: the llguidance grammar decoding is constrained to
+    cache_salt: str | None = None  # its prompt's cached pages are named apart: found only with the same salt
 
     def choices(self, n: int) -> list[GenerationRequest]:
         """`n` choices of this request, one group: choice i samples with seed + i (so they differ)."""
@@ -146,6 +148,7 @@ class RequestParams:
     choice: Sequence[str] | None = None  # … or the strings it must be one of
     grammar: str | None = None  # … or a Lark grammar it must follow
     n: int = 1  # choices of this prompt (serving.calls runs them)
+    cache_salt: str | None = None  # vLLM's: the prefix cache shares pages only among requests with the same salt
 
 
 MAX_CHOICES = 16  # n (and HTTP's best_of): choices of one request
@@ -164,6 +167,9 @@ def validate(
         raise name.error("prompt", "give either prompt or input_ids, not both")
     if len(msg.request_id) > MAX_REQUEST_ID:
         raise name.error("request_id", f"{{request_id}} of {len(msg.request_id)} characters; at most {MAX_REQUEST_ID}")
+    if msg.cache_salt is not None and not 1 <= len(msg.cache_salt) <= MAX_CACHE_SALT:
+        raise name.error("cache_salt", f"{{cache_salt}} must be 1 to {MAX_CACHE_SALT} characters, got"
+                         f" {len(msg.cache_salt)}")  # fmt: skip
     if not msg.request_id.isprintable():  # it is written into log lines: a newline or an escape would forge them
         bad = next(c for c in msg.request_id if not c.isprintable())
         raise name.error("request_id", f"{{request_id}} holds U+{ord(bad):04X}; only printable characters are allowed")
@@ -239,6 +245,7 @@ def validate(
         include_stop=msg.include_stop,
         priority=msg.priority,
         grammar=grammar,
+        cache_salt=msg.cache_salt,
     )
     _check(req, limits, name)
     return req

@@ -9,6 +9,7 @@ import asyncio
 import json
 
 import grpc
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -58,6 +59,36 @@ def test_openai_sdk_sync_and_async_carry_a_conversation_with_its_own_reply_objec
         assert whole == streamed
         sync = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0)
         assert sync.choices[0].message.content == whole
+
+
+def test_cache_salt_keeps_each_tenants_prefix_to_itself_on_every_api(chat_files):
+    """vLLM's cache_salt as the openai SDK sends it (extra_body) on chat, completions and Responses, and over gRPC:
+    cached_tokens counts only what requests with the same salt left (the prefix-cache oracle closed)."""
+    messages = [{"role": "user", "content": "the secret is 4711; what is it?"}]
+    with serving(chat_files, server=HTTP) as srv, Client(srv.target) as c:
+        oa = api(srv)
+
+        def cached(salt: str | None, kind: str = "chat") -> int:
+            extra = {} if salt is None else {"cache_salt": salt}
+            if kind == "chat":
+                r = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=2, extra_body=extra)
+                return r.usage.prompt_tokens_details.cached_tokens
+            if kind == "completions":
+                r = oa.completions.create(model="tiny", prompt="the secret is 4711", max_tokens=2, extra_body=extra)
+                return r.usage.prompt_tokens_details.cached_tokens
+            if kind == "responses":
+                r = oa.responses.create(model="tiny", input=messages, max_output_tokens=2, extra_body=extra)
+                return r.usage.input_tokens_details.cached_tokens
+            return c.generate("the secret is 4711", max_new_tokens=2, **extra).usage.cached_tokens
+
+        assert cached("alice") == 0
+        assert cached("mallory") == 0 and cached(None) == 0  # another salt, or none: nothing of alice's prompt
+        assert cached("alice") > 0 and cached("alice", "responses") > 0
+        assert cached("bob", "completions") == 0 and cached("bob", "completions") > 0
+        assert cached("eve", "grpc") == 0 and cached("bob", "grpc") > 0  # the same text, bob's salt: bob's pages
+        r = httpx.post(f"http://127.0.0.1:{srv.server.http_port}/v1/chat/completions", timeout=30,
+                       json={"model": "tiny", "messages": messages, "cache_salt": ""})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
 def test_langchain_chat_openai_invokes_streams_and_keeps_history(chat_files):

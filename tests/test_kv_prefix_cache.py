@@ -27,6 +27,7 @@ from sharp.serving.kv import names as names_module
 from sharp.serving.kv.names import PageNames
 from sharp.serving.kv.pages import PageAllocator
 from sharp.serving.kv.prefix import CANDIDATES, PrefixStore, common_prefix
+from sharp.serving.requests import RequestError
 
 BACKENDS = {  # name → how to load a model file for it
     "native": lambda files: load_backend(files["onnx"], "onnxruntime"),
@@ -151,6 +152,28 @@ def test_a_block_is_named_by_its_whole_prefix(norm_models, backend):
     warm = _ask(eng, pub, c)
     assert warm.end.cached_tokens == 32
     _same(warm, cold)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_salted_prefix_is_found_only_with_its_salt(norm_models, backend):
+    """vLLM's cache_salt: a prompt's pages are named from its salt, so its prefix is a hit for the same salt only —
+    cached_tokens, exact, would otherwise tell one client what another's prompt begins with (an oracle that gave 4
+    of 4 characters of a secret in 32-38 guesses). Unsalted and other-salted requests see nothing of it, and the
+    salted hit answers as a cold prefill does."""
+    files = norm_models["softmax"]
+    prompt = _prompt(7, 60)
+    cold_eng, cold_pub = _engine(BACKENDS[backend](files), prefix_cache_mb=0)
+    cold = _ask(cold_eng, cold_pub, prompt)
+    eng, pub = _engine(BACKENDS[backend](files))
+    assert _ask(eng, pub, prompt, n=1, cache_salt="tenant-a").end.cached_tokens == 0
+    assert _ask(eng, pub, prompt, cache_salt="tenant-b").end.cached_tokens == 0
+    assert _ask(eng, pub, prompt).end.cached_tokens == 0
+    assert _ask(eng, pub, prompt, n=1, cache_salt="tenant-c").end.cached_tokens == 0  # nor of the unsalted one
+    hit = _ask(eng, pub, prompt, cache_salt="tenant-a")
+    assert hit.end.cached_tokens == (59 if backend != "torch" else 48)
+    _same(hit, cold)
+    with pytest.raises(RequestError, match="cache_salt must be 1 to 1024 characters"):
+        greedy_request(eng, prompt, 4, cache_salt="")
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

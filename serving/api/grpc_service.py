@@ -25,7 +25,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name  # "sharp.v1.Gen
 GRPC_CODES = {status: getattr(grpc.StatusCode, status.name) for status in Status}  # the names are gRPC's own
 _OPTIONAL = ("max_new_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs", "skip_special_tokens",
              "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "json_schema", "regex",
-             "grammar")  # fmt: skip
+             "grammar", "cache_salt")  # fmt: skip
 
 
 def params_of(msg: pb.GenerateRequest) -> RequestParams:

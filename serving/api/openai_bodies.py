@@ -116,6 +116,7 @@ class Generation(Body):
     include_stop_str_in_output: bool = False  # vLLM's name
     no_stop_trim: bool = False  # SGLang's name for the same
     priority: Int32 = 0
+    cache_salt: str | None = None  # vLLM's: pages of the prefix cache shared only with the same salt
     repetition_penalty: float | None = None
     min_p: float | None = None
     return_hidden_states: bool = False
@@ -155,6 +156,7 @@ class Generation(Body):
             skip_special_tokens=self.skip_special_tokens,
             include_stop=self.include_stop_str_in_output or self.no_stop_trim,
             priority=self.priority,
+            cache_salt=self.cache_salt,
             min_p=self.min_p,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,

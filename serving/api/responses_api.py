@@ -118,6 +118,7 @@ class ResponsesRequest(Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     priority: Int32 = 0
+    cache_salt: str | None = None
 
     def refused(self) -> Refusal | None:
         if self.previous_response_id is not None:
@@ -163,7 +164,7 @@ class ResponsesRequest(Body):
                                 "parallel_tool_calls": self.parallel_tool_calls, "top_k": self.top_k,
                                 "priority": self.priority}  # fmt: skip
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
-                            ("top_p", self.top_p), ("min_p", self.min_p),
+                            ("top_p", self.top_p), ("min_p", self.min_p), ("cache_salt", self.cache_salt),
                             ("repetition_penalty", self.repetition_penalty)):  # fmt: skip
             if value is not None:
                 body[name] = value

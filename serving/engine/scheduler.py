@@ -23,7 +23,7 @@ import numpy as np
 from sharp.serving.backends.interface import Chunk, Prefix
 from sharp.serving.engine.matcher import Matcher
 from sharp.serving.engine.output import RequestState
-from sharp.serving.kv.names import PageNames
+from sharp.serving.kv.names import PageNames, root
 from sharp.serving.requests import GenerationRequest
 
 MAX_OVERTAKES = 16  # admissions that may pass a waiting request that does not fit, before it blocks the queue
@@ -48,7 +48,7 @@ class Sequence:
         """The prompt's ids (int64) and page names, made once: admission may ask every step while the request
         waits, and joining and leaving name its pages again."""
         if self._prompt is None:
-            self._prompt = PageNames(self.request.prompt_ids)
+            self._prompt = PageNames(self.request.prompt_ids, root=root(self.request.cache_salt))
         return self._prompt
 
     def prompt_array(self) -> np.ndarray:

@@ -14,16 +14,29 @@ import numpy as np
 PAGE_SIZE = 16  # tokens per named page; the torch backend's KV page (a kernel tile: decode reads whole pages)
 
 
+ROOT = b""  # the parent of a sequence's first page: every unsalted prefix starts there
+
+
 def _name(parent: bytes, page: np.ndarray) -> bytes:
     return hashlib.blake2b(parent + page.tobytes(), digest_size=16).digest()
 
 
-class PageNames:
-    """Token ids (int64) and the names of their full pages, computed on first need and kept."""
+def root(salt: str | None) -> bytes:
+    """The parent of a sequence's first page: ROOT, or a digest of the request's `cache_salt` (vLLM's field) — so
+    salted pages are named apart from everyone else's, and a prefix is found only by a request with the same salt."""
+    return (
+        ROOT if salt is None else hashlib.blake2b(salt.encode("utf-8"), digest_size=16, person=b"sharp-salt").digest()
+    )
 
-    def __init__(self, ids: Sequence[int] | np.ndarray, page_size: int = PAGE_SIZE):
+
+class PageNames:
+    """Token ids (int64) and the names of their full pages, computed on first need and kept; `root` the first
+    page's parent (`root(salt)`)."""
+
+    def __init__(self, ids: Sequence[int] | np.ndarray, page_size: int = PAGE_SIZE, root: bytes = ROOT):
         self.ids = np.asarray(ids, np.int64)
         self.page_size = page_size
+        self.root = root
         self._names: list[bytes] = []
 
     def __len__(self) -> int:
@@ -34,12 +47,12 @@ class PageNames:
         n = len(self.ids) if tokens is None else max(0, min(tokens, len(self.ids)))
         size, names = self.page_size, self._names
         for i in range(len(names), n // size):
-            names.append(_name(names[-1] if names else b"", self.ids[i * size : (i + 1) * size]))
+            names.append(_name(names[-1] if names else self.root, self.ids[i * size : (i + 1) * size]))
         return names[: n // size]
 
     def extended(self, ids: Sequence[int] | np.ndarray) -> PageNames:
         """The names of `ids`, which start as these ids do (the same prompt, or part of it, then the tokens generated
         since): the pages named here already are not hashed again."""
-        other = PageNames(ids, self.page_size)
+        other = PageNames(ids, self.page_size, self.root)
         other._names = list(self.names(len(other.ids)))
         return other

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from sharp.serving.kv.names import PageNames
+from sharp.serving.kv.names import ROOT, PageNames
 
 Cache = Any  # a KV tensor as the backend keeps it: a NumPy array, or a torch tensor on CUDA (TensorRT)
 
@@ -45,6 +45,7 @@ class Entry:
     nbytes: int
     owner: Hashable | None = None  # the running sequence it was taken from, until that one ends well
     names: list[bytes] = field(default_factory=list)  # its full pages' names
+    root: bytes = ROOT  # where its path of pages starts: ROOT, or its cache_salt's root (kv/names.py)
 
     def covered(self) -> int:
         """Positions whose entropies are kept."""
@@ -53,12 +54,12 @@ class Entry:
 
 MAX_ENTRIES = 512  # kept caches at most (a flood of short prompts keeps few)
 CANDIDATES = 4  # entries holding a prompt's last matched page that a lookup compares token by token past it
-ROOT = b""  # the name under which every entry is held: the path of pages starts there
 
 
 class PrefixStore:
     """Kept caches, least recently used first, within `budget` bytes (0: off) and MAX_ENTRIES entries, indexed by
-    page name: `_holders[name]` the entries that hold that page (ROOT: every entry), `_covered[name]` those whose
+    page name: `_holders[name]` the entries that hold that page (a root: every entry of that salt, or of none),
+    `_covered[name]` those whose
     kept entropies cover it, oldest first. `comparisons` counts the entries a lookup compared token by token."""
 
     def __init__(self, budget: int, max_entries: int = MAX_ENTRIES):
@@ -77,8 +78,8 @@ class PrefixStore:
         return f"prefix cache {self.budget / 2**20:g} MiB" if self.budget else "prefix cache off"
 
     def _along(self, pages: PageNames, tokens: int, index: dict[bytes, dict[int, None]]) -> list[bytes]:
-        """The names, from ROOT, of the pages of `pages`' first `tokens` ids that some entry in `index` holds."""
-        path = [ROOT]
+        """The names, from its root, of the pages of `pages`' first `tokens` ids that some entry in `index` holds."""
+        path = [pages.root]
         for name in pages.names(tokens):
             if name not in index:
                 break
@@ -142,10 +143,10 @@ class PrefixStore:
         kept = [_own(t, n) for t in cache]
         ent = None if not covered else np.ascontiguousarray(entropy[..., :covered], np.float32)
         key, names = self._next, pages.names(n)
-        self._entries[key] = Entry(tokens.copy(), kept, ent, n * per_token, owner, names)
-        for name in (ROOT, *names):
+        self._entries[key] = Entry(tokens.copy(), kept, ent, n * per_token, owner, names, pages.root)
+        for name in (pages.root, *names):
             self._holders.setdefault(name, {})[key] = None
-        for name in (ROOT, *names[: covered // pages.page_size]):
+        for name in (pages.root, *names[: covered // pages.page_size]):
             self._covered.setdefault(name, {})[key] = None
         self._next += 1
         self.nbytes += n * per_token
@@ -164,7 +165,7 @@ class PrefixStore:
         e = self._entries.pop(key)
         self.nbytes -= e.nbytes
         for index in (self._holders, self._covered):
-            for name in (ROOT, *e.names):
+            for name in (e.root, *e.names):
                 held = index.get(name)
                 if held is not None and held.pop(key, 0) is None and not held:
                     del index[name]
