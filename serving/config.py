@@ -51,18 +51,33 @@ class EngineConfig:
     max_prompt_bytes: int | None = option(None, "UTF-8 bytes of a text prompt (default: 16 × the model's context)")
     max_stop_strings: int = option(16, "stop strings per request")
     max_stop_length: int = option(256, "characters of one stop string")
+    min_priority: int = option(
+        0,
+        "the lowest `priority` a request may ask for (lower is admitted first, as in vLLM): by default a client can"
+        " only defer its own requests; lower it (e.g. -10) to let clients ask to go first",
+    )
+    priority_aging: float = option(
+        1.0,
+        "seconds of waiting that improve a waiting request's priority by 1, so a request is never starved by a flood"
+        " of better-priority ones (it waits at most about the priority gap times this); 0: strict priority",
+    )
 
     def check(self) -> None:
         """Raise ValueError naming the first setting out of range (in backquotes: the CLI names its flag)."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type.startswith("int") and value is None and f.type.endswith("None"):
+            if (f.type.startswith("int") and value is None and f.type.endswith("None")) or f.name == "min_priority":
                 continue
             if f.type.startswith("int") and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"`{f.name}` must be an integer >= 1, got {value!r}")
         kv = self.kv_cache_mb
         if kv is not None and not (isinstance(kv, int | float) and math.isfinite(kv) and kv > 0):
             raise ValueError(f"`kv_cache_mb` must be a finite number > 0, got {kv!r}")
+        if isinstance(self.min_priority, bool) or not isinstance(self.min_priority, int):
+            raise ValueError(f"`min_priority` must be an integer, got {self.min_priority!r}")
+        aging = self.priority_aging
+        if not (isinstance(aging, int | float) and math.isfinite(aging) and aging >= 0):
+            raise ValueError(f"`priority_aging` must be a finite number >= 0 (0: strict priority), got {aging!r}")
         mb = self.prefix_cache_mb
         if mb is not None and not (isinstance(mb, int | float) and math.isfinite(mb) and mb >= 0):
             raise ValueError(f"`prefix_cache_mb` must be a finite number >= 0, got {mb!r}")
@@ -107,4 +122,5 @@ class EngineConfig:
             max_stop_strings=self.max_stop_strings,
             max_stop_length=self.max_stop_length,
             kv_block_tokens=block_tokens,
+            min_priority=self.min_priority,
         )

@@ -69,6 +69,7 @@ class Limits:
     max_stop_strings: int
     max_stop_length: int
     kv_block_tokens: int = 1  # the backend's unit of KV allocation (the torch backend's pages)
+    min_priority: int = 0  # the lowest priority a request may ask for (--min-priority)
 
     def message_bytes(self) -> int:
         """The largest request message these limits allow (the servers' receive limit)."""
@@ -167,6 +168,12 @@ def validate(
         raise name.error("prompt", "give either prompt or input_ids, not both")
     if len(msg.request_id) > MAX_REQUEST_ID:
         raise name.error("request_id", f"{{request_id}} of {len(msg.request_id)} characters; at most {MAX_REQUEST_ID}")
+    if msg.priority < limits.min_priority:
+        raise name.error(
+            "priority",
+            f"{{priority}} {msg.priority} is below {limits.min_priority}, the lowest this server allows"
+            " (--min-priority; lower is admitted first)",
+        )
     if msg.cache_salt is not None and not 1 <= len(msg.cache_salt) <= MAX_CACHE_SALT:
         raise name.error("cache_salt", f"{{cache_salt}} must be 1 to {MAX_CACHE_SALT} characters, got"
                          f" {len(msg.cache_salt)}")  # fmt: skip

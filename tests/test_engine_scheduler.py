@@ -68,6 +68,31 @@ def test_the_queue_is_ordered_by_priority_then_arrival():
     assert [q.request.request_id for q in s.admit(lambda q: 0)] == list("cfadbe")
 
 
+def test_aging_lets_a_waiting_request_past_a_flood_of_better_priorities():
+    """A flood of priority -5 requests, one arriving every second, and a priority-0 request queued at t=0: with
+    strict priority it waits for the whole flood; with aging (1 s per step of priority) it goes before every
+    request that arrived 5 s or more after it, and before its own kind it keeps arrival order."""
+    for aging, admitted_by in ((0.0, None), (1.0, 7)):
+        now = [0.0]
+        s = Scheduler(max_batch=1, prefill_chunk=100, aging=aging, clock=lambda now=now: now[0])
+        low = _seq(2, name="low")
+        s.add(low)
+        order = []
+        for t in range(1, 12):
+            now[0] = float(t)
+            flood = _seq(2, name=f"f{t}")
+            flood.request = replace(flood.request, priority=-5)
+            s.add(flood)
+            (admitted,) = s.admit(lambda q: 0)  # one a step: a batch of one, freed at once
+            s.prefilling.clear()
+            order.append(admitted.request.request_id)
+        if admitted_by is None:
+            assert "low" not in order  # starved while better priorities keep coming
+        else:
+            assert order.index("low") < admitted_by  # past the flood's newer requests
+            assert order[: order.index("low")] == [f"f{t}" for t in range(1, order.index("low") + 1)]
+
+
 def test_a_plan_prefills_the_oldest_prompts_first_within_the_chunk_budget():
     s = Scheduler(max_batch=8, prefill_chunk=10)
     a, b, c = _seq(7, name="a"), _seq(6, name="b"), _seq(3, name="c")

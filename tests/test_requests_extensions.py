@@ -88,8 +88,11 @@ def test_chat_template_switches_and_what_is_refused(chat_files):
         reasoning = {"separate_reasoning": False, "stream_reasoning": False, "include_reasoning": False}
         plain = {"model": "tiny", "messages": messages[:1], "max_tokens": 4, "temperature": 0}
         want = post(srv, "/v1/chat/completions", plain).json()["choices"][0]["message"]["content"]
-        got = post(srv, "/v1/chat/completions", plain | reasoning | {"priority": -3}).json()
+        got = post(srv, "/v1/chat/completions", plain | reasoning | {"priority": 3}).json()
         assert got["choices"][0]["message"]["content"] == want  # no reasoning parser: all text is content
+        first = post(srv, "/v1/chat/completions", plain | {"priority": -3})  # going first: only where allowed
+        error = first.json()["error"]
+        assert first.status_code == 400 and error["param"] == "priority" and "--min-priority" in error["message"]
         hidden = post(srv, "/v1/chat/completions", plain | {"return_hidden_states": True})
         assert hidden.status_code == 400 and hidden.json()["error"]["param"] == "return_hidden_states"
         rendered = post(srv, "/v1/completions/render", {"model": "tiny", "prompt": "x", "priority": 7}).json()

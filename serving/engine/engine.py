@@ -52,7 +52,8 @@ class Engine(EngineClient):
         self.attention = backend.attention  # what runs attention, in words (GetModelInfo, the start-up line)
         self.prefix_cache = backend.cache_info()  # its size, in words (the start-up line)
         self._cond = threading.Condition()
-        self.scheduler = Scheduler(config.max_batch, config.prefill_chunk, self.tokenizer.eos_ids)
+        self.scheduler = Scheduler(config.max_batch, config.prefill_chunk, self.tokenizer.eos_ids,
+                                   aging=config.priority_aging)  # fmt: skip
         self.executor = Executor(backend, self.tokenizer.eos_ids)
         self.grammars = Grammars(self.tokenizer, self.spec.vocab_size)  # the vocabulary compiled on first use
         self.output = Output(self.metrics.entropy != "off")

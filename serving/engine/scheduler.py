@@ -14,6 +14,7 @@ tokens sampled, and which requests they end.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ class Sequence:
     failed: bool = False  # ended by a failure: its cache is not kept
     overtaken: int = 0  # requests admitted past it while it did not fit
     matcher: Matcher | None = None  # structured outputs: its place in its grammar (the executor masks by it)
+    queued: float = 0.0  # when it joined the waiting queue (the scheduler's clock)
     _prompt: PageNames | None = None
 
     def prompt_pages(self) -> PageNames:
@@ -100,9 +102,12 @@ class Scheduler:
         eos_ids: frozenset[int] | set[int] = frozenset(),
         max_overtakes: int = MAX_OVERTAKES,
         lookahead: int = LOOKAHEAD,
+        aging: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.max_batch, self.prefill_chunk, self.eos_ids = max_batch, prefill_chunk, eos_ids
         self.max_overtakes, self.lookahead = max_overtakes, lookahead
+        self.aging, self.clock = aging, clock
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []
         self.running: list[Sequence] = []  # the decode batch, in order
@@ -126,10 +131,20 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq` behind every waiting sequence of its priority or a lower value (arrival order within one)."""
+        seq.queued = self.clock()
         at = len(self.waiting)
         while at and self.waiting[at - 1].request.priority > seq.request.priority:
             at -= 1
         self.waiting.insert(at, seq)
+
+    def _age(self) -> None:
+        """With aging, order the queue by priority less one for every `aging` seconds waited (then arrival): a
+        request waits at most about its priority's gap to the best one times `aging`, however many better-priority
+        requests keep arriving."""
+        if self.aging > 0 and len(self.waiting) > 1:
+            now = self.clock()
+            key = lambda s: (s.request.priority - (now - s.queued) / self.aging, s.queued)
+            self.waiting = deque(sorted(self.waiting, key=key))
 
     def admit(self, reserve: Callable[[Sequence], int | None]) -> list[Sequence]:
         """Move waiting sequences, in queue order, to prefilling while the batch has room and `reserve(seq)` finds
@@ -137,6 +152,7 @@ class Scheduler:
         or None when it does not fit. One that does not fit lets the next `lookahead` behind it try (smaller
         requests are not stuck behind a large one), but only `max_overtakes` times: then it blocks the queue until
         running sequences leave and it fits (a large request is never starved)."""
+        self._age()
         admitted: list[Sequence] = []
         passed: list[Sequence] = []  # those that did not fit this step, in order
         for seq in list(self.waiting):
