@@ -51,6 +51,11 @@ class EngineConfig:
     max_prompt_bytes: int | None = option(None, "UTF-8 bytes of a text prompt (default: 16 × the model's context)")
     max_stop_strings: int = option(16, "stop strings per request")
     max_stop_length: int = option(256, "characters of one stop string")
+    max_grammar_bytes: int = option(
+        1 << 17,
+        "characters of a request's JSON schema, regular expression, choices or grammar: compiling one takes time that"
+        " grows with it (a 260 KB schema took 8 s), spent in a worker, never on the event loop or an engine step",
+    )
     min_priority: int = option(
         0,
         "the lowest `priority` a request may ask for (lower is admitted first, as in vLLM): by default a client can"
@@ -123,4 +128,5 @@ class EngineConfig:
             max_stop_length=self.max_stop_length,
             kv_block_tokens=block_tokens,
             min_priority=self.min_priority,
+            max_grammar_bytes=self.max_grammar_bytes,
         )

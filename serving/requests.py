@@ -70,6 +70,7 @@ class Limits:
     max_stop_length: int
     kv_block_tokens: int = 1  # the backend's unit of KV allocation (the torch backend's pages)
     min_priority: int = 0  # the lowest priority a request may ask for (--min-priority)
+    max_grammar_bytes: int = 1 << 17  # a schema's, regex's, choices' or grammar's text (--max-grammar-bytes)
 
     def message_bytes(self) -> int:
         """The largest request message these limits allow (the servers' receive limit)."""
@@ -151,6 +152,11 @@ class RequestParams:
     n: int = 1  # choices of this prompt (serving.calls runs them)
     cache_salt: str | None = None  # vLLM's: the prefix cache shares pages only among requests with the same salt
 
+    @property
+    def constrained(self) -> bool:
+        """Whether it asks for structured output: validating it compiles a grammar (milliseconds to seconds)."""
+        return any(getattr(self, k) for k in KINDS)
+
 
 MAX_CHOICES = 16  # n (and HTTP's best_of): choices of one request
 GRPC_NAMES: dict[str, str] = {}  # gRPC's field names are RequestParams' own
@@ -221,6 +227,9 @@ def validate(
     if given:
         kind = given[0]
         spec = json.dumps(list(msg.choice)) if kind == "choice" else getattr(msg, kind)
+        if len(spec) > limits.max_grammar_bytes:  # before any compile: its time grows with the text
+            raise name.error(kind, f"{{{kind}}} of {len(spec)} characters; at most {limits.max_grammar_bytes}"
+                             " (--max-grammar-bytes)")  # fmt: skip
         try:
             grammar = compile_grammar(kind, spec)
         except GrammarError as e:

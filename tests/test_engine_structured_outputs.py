@@ -120,6 +120,52 @@ def test_a_schema_beyond_the_parsers_limits_is_refused_at_admission_naming_the_l
     assert r.status_code == 200, r.text
 
 
+def test_a_schema_being_compiled_stalls_neither_health_nor_a_bystanders_stream(srv):
+    """A large schema's compile (and the matcher of a new grammar) runs in a worker, not on the event loop: while a
+    4,000-property schema is compiled (seconds; then refused, past the parser's limits), /health and a plain
+    streamed request's first token keep their unloaded pace (generous bounds: 2x + 0.25 s; on the loop they waited
+    for the whole compile)."""
+    import statistics
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    base = f"http://127.0.0.1:{srv.server.http_port}"
+    plain = {"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": True}
+
+    def health() -> float:
+        began = time.perf_counter()
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+        return time.perf_counter() - began
+
+    def first_token() -> float:
+        began = time.perf_counter()
+        took = None
+        with httpx.stream("POST", f"{base}/v1/completions", json=plain, timeout=30) as r:
+            for line in r.iter_lines():
+                if took is None and line.startswith("data: {"):
+                    took = time.perf_counter() - began
+        assert took is not None
+        return took
+
+    unloaded = statistics.median(health() for _ in range(5)), statistics.median(first_token() for _ in range(3))
+    schema = _optional(4000)
+    hostile = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}}  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=hostile, timeout=120)
+        time.sleep(0.3)  # its compile under way
+        during = max(health() for _ in range(5)), max(first_token() for _ in range(3))
+        measured_while_compiling = not refused.done()
+        answer = refused.result()
+        assert answer.status_code == 400 and "parser items in a row" in answer.text, answer.text
+    assert measured_while_compiling, (during, unloaded)
+    hostile["response_format"]["json_schema"]["schema"] = _optional(9000)  # 260 KB: past the budget, never compiled
+    began = time.perf_counter()
+    answer = httpx.post(f"{base}/v1/chat/completions", json=hostile, timeout=120)
+    assert answer.status_code == 400 and "(--max-grammar-bytes)" in answer.text and time.perf_counter() - began < 2
+    assert during[0] <= 2 * unloaded[0] + 0.25 and during[1] <= 2 * unloaded[1] + 0.25, (during, unloaded)
+
+
 def test_a_grammar_that_fails_while_decoding_says_why_in_one_line():
     """A token the grammar refuses leaves its matcher in error: the engine ends that request with the grammar's
     reason (serving/engine/output.py `unusable`: INVALID_ARGUMENT, the request's own fault), not as the model's

@@ -1,12 +1,13 @@
-"""The calls of every API (gRPC and HTTP) into the engine: one place that validates off the event loop when a
-prompt is large, submits, counts what is refused before it reaches the engine, and knows how many calls are in
-flight (what a drain waits for)."""
+"""The calls of every API (gRPC and HTTP) into the engine: one place that validates off the event loop when that
+is slow (a large prompt to tokenize, a grammar to compile: `VALIDATORS`, a bounded queue), submits, counts what is
+refused before it reaches the engine, and knows how many calls are in flight (what a drain waits for)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from sharp.serving.engine.engine_client import EngineClient
 from sharp.serving.engine.output import Delivery, Event
@@ -15,12 +16,34 @@ from sharp.serving.stats import RequestOutcome
 from sharp.serving.status import Status
 
 LARGE_PROMPT = 1 << 16  # characters: validation of a longer prompt runs in a worker thread
+# Validations that take long (a grammar's compile: llguidance releases the GIL, so the event loop keeps its pace) run
+# here, two at a time; at most --max-queue wait, more are refused as a full queue is.
+VALIDATORS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sharp-validate")
 
 
 class Calls:
     def __init__(self, engine: EngineClient):
         self.engine = engine
         self.inflight = 0
+        self.validating = 0  # calls in VALIDATORS' queue or workers
+
+    async def _validated(self, validate: Callable[[], GenerationRequest]) -> GenerationRequest:
+        """`validate()` in a worker, then the engine's own preparation of the request (a new grammar's first
+        matcher); a full queue of such work is refused as the engine's full queue is."""
+        if self.validating >= (most := self.engine.config.max_queue):
+            raise RequestError(Status.RESOURCE_EXHAUSTED, f"validation queue full: {self.validating} requests with a"
+                               f" grammar or a large prompt are being checked (--max-queue {most})")  # fmt: skip
+
+        def work() -> GenerationRequest:
+            req = validate()
+            self.engine.prepare(req)
+            return req
+
+        self.validating += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(VALIDATORS, work)
+        finally:
+            self.validating -= 1
 
     async def events(
         self, validate: Callable[[], GenerationRequest], api: str, prompt_chars: int = 0
@@ -33,18 +56,24 @@ class Calls:
                 yield req, ev
 
     async def choices(
-        self, validate: Callable[[], GenerationRequest], api: str, prompt_chars: int = 0, n: int = 1
+        self,
+        validate: Callable[[], GenerationRequest],
+        api: str,
+        prompt_chars: int = 0,
+        n: int = 1,
+        constrained: bool = False,
     ) -> AsyncIterator[tuple[GenerationRequest, int, Event]]:
         """(request, choice, event) of a call for `n` choices of one prompt (`GenerationRequest.choices`), as they
-        come, ending after every choice's Finished or Failed event; as `events` otherwise."""
+        come, ending after every choice's Finished or Failed event; as `events` otherwise. A `constrained` call (a
+        grammar to compile) or one with a large prompt is validated in a worker."""
         self.inflight += 1
         submitted = False
         try:
             if n > (most := self.engine.config.max_queue):  # it could never be queued: not a reason to retry
                 raise RequestError(Status.INVALID_ARGUMENT, f"n: {n} choices can never wait together; the server"
                                    f" queues at most {most} requests (--max-queue)", field="n")  # fmt: skip
-            if prompt_chars > LARGE_PROMPT:  # tokenizing a large prompt must not stall the event loop
-                req = await asyncio.to_thread(validate)
+            if constrained or prompt_chars > LARGE_PROMPT:  # neither may stall the event loop
+                req = await self._validated(validate)
             else:
                 req = validate()
             if n == 1:

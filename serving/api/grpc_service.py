@@ -91,7 +91,11 @@ class GeneratorService(pb_grpc.GeneratorServicer):
         is counted once, by serving.calls or the engine)."""
         engine, params = self.engine, params_of(msg)
         events = self.calls.choices(
-            lambda: validate(params, engine.limits, engine.tokenizer.encode), "grpc", len(msg.prompt), params.n
+            lambda: validate(params, engine.limits, engine.tokenizer.encode),
+            "grpc",
+            len(msg.prompt),
+            params.n,
+            params.constrained,
         )
         try:
             async with contextlib.aclosing(events):

@@ -431,4 +431,4 @@ class OpenAIServer:
             msg.request_id = request_id
         limits = self.engine.limits
         check = lambda: validate(msg, limits, encode, api="http", names=names)
-        return self.calls.choices(check, "http", len(msg.prompt), runs)
+        return self.calls.choices(check, "http", len(msg.prompt), runs, msg.constrained)

@@ -145,6 +145,7 @@ class _Core:
                 break
             if kind == "submit":
                 key, req, arrival = args
+                engine.prepare(req)  # a new grammar's matcher: never under the lock each step's publish takes
                 with self._lock:  # registered before the engine thread can publish an event of it
                     seq = engine.submit(req, _no_sink, arrival)
                     self._seqs[key], self._keys[seq.state] = seq, key
@@ -250,6 +251,9 @@ class EngineProcess(EngineClient):
         atexit.register(self.stop)  # before multiprocessing's own exit hook, which waits for the core forever
 
     # ---- the client -----------------------------------------------------------------------------------------------
+    def prepare(self, req: GenerationRequest) -> None:
+        """Nothing here: the core prepares a request in its own process, outside the lock its steps take (`serve`)."""
+
     def submit(self, req: GenerationRequest, sink: Callable[[Event], None], arrival: float | None = None) -> Handle:
         with self._lock:
             if self.exit_code is not None:

@@ -94,6 +94,11 @@ class Engine(EngineClient):
             self._cond.notify_all()
         return seq
 
+    def prepare(self, req: GenerationRequest) -> None:
+        """A new grammar's first matcher, made here (a worker thread) so that `submit` only copies it."""
+        if req.grammar:
+            self.grammars.warm(req.grammar)
+
     def cancel(self, seq: Sequence) -> None:
         """Free the sequence at the start of the next engine step."""
         with self._cond:

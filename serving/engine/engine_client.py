@@ -48,6 +48,11 @@ class EngineClient(ABC):
         """Queue a validated request that arrived at `arrival` (perf_counter); RequestError if refused."""
 
     @abstractmethod
+    def prepare(self, req: GenerationRequest) -> None:
+        """Do before `submit`, in a worker thread, what submitting would otherwise do where it blocks others (an
+        in-process engine makes its first matcher of a new grammar); a core in its own process does it there."""
+
+    @abstractmethod
     def cancel(self, handle: Any) -> None:
         """Free `handle`'s request at the next engine step (nothing if it has ended)."""
 

@@ -56,6 +56,10 @@ class Grammars:
         checked = sampling is not None and not sampling.truncates
         return Matcher(fresh.deep_copy(), self.vocab_size, openings=openings, checked=checked)
 
+    def warm(self, grammar: str) -> None:
+        """Make `grammar`'s first matcher now (parsing it takes up to seconds), so a later `matcher` only copies."""
+        self._fresh(grammar)
+
     @lru_cache(maxsize=64)  # noqa: B019 - one Grammars per served model, alive as long as its engine
     def _fresh(self, grammar: str) -> tuple[Any, dict[tuple[int, ...], Opening]]:
         from llguidance import LLMatcher
