@@ -11,7 +11,7 @@ import grpc
 import httpx
 import jsonschema
 import pytest
-from helpers import HTTP, api, serving
+from helpers import HTTP, api, server, serving
 
 from sharp.serving import Client
 
@@ -120,11 +120,20 @@ def test_a_schema_beyond_the_parsers_limits_is_refused_at_admission_naming_the_l
     assert r.status_code == 200, r.text
 
 
-def test_a_schema_being_compiled_stalls_neither_health_nor_a_bystanders_stream(srv):
+@pytest.mark.parametrize("placement", ["in-process", "engine-process"])
+def test_a_schema_being_compiled_stalls_neither_health_nor_a_bystanders_stream(srv, chat_files, placement):
     """A large schema's compile (and the matcher of a new grammar) runs in a worker, not on the event loop: while a
     4,000-property schema is compiled (seconds; then refused, past the parser's limits), /health and a plain
     streamed request's first token keep their unloaded pace (generous bounds: 2x + 0.25 s; on the loop they waited
-    for the whole compile)."""
+    for the whole compile) — with the engine in the server's process and in its own."""
+    if placement == "in-process":
+        _pace_while_compiling(srv)
+    else:
+        with server(chat_files, http_port=0) as own:
+            _pace_while_compiling(own)
+
+
+def _pace_while_compiling(srv) -> None:
     import statistics
     import time
     from concurrent.futures import ThreadPoolExecutor
