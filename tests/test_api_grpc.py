@@ -33,6 +33,7 @@ from sharp.serving import (
 )
 from sharp.serving.engine.output import Delta, Finished
 from sharp.v1 import generator_pb2 as pb
+from sharp.v1 import generator_pb2_grpc as pb_grpc
 
 CONTEXT = 4096
 
@@ -390,3 +391,38 @@ def test_an_access_line_is_one_line_whatever_its_request_id():
 
     line = RequestOutcome("ok", "grpc", 0.5, "a\nINFO sharp.access: forged\x1b[0m").access_line()
     assert "\n" not in line and "\x1b" not in line and line.startswith("a\\nINFO sharp.access: forged\\x1b[0m grpc ok")
+
+
+def test_calls_whose_deadline_passes_before_their_message_is_read_are_counted(model_files):
+    """A call that waits for a busy event loop past its deadline never reaches a handler (gRPC ends it before its
+    message is read): counted `cancelled` all the same, when gRPC lets go of it — and a call that was served is
+    not counted twice."""
+    import gc
+
+    with serving(model_files) as srv:
+        channel = grpc.insecure_channel(srv.target)
+        stub = pb_grpc.GeneratorStub(channel)
+        request = pb.GenerateRequest(prompt="x", max_new_tokens=2)
+        stub.Generate(request, timeout=30)
+        cancelled = lambda: sample_value(scrape(srv), "sharp_requests", "sharp_requests_total", status="cancelled")
+        before = cancelled()
+        srv.loop.call_soon_threadsafe(time.sleep, 1.5)  # the server's event loop busy: nothing is read meanwhile
+        unary = [stub.Generate.future(request, timeout=0.3) for _ in range(6)]
+        streams = [stub.GenerateStream(request, timeout=0.3) for _ in range(2)]
+        codes = [call.exception().code() for call in unary]
+        for call in streams:
+            with pytest.raises(grpc.RpcError) as err:
+                list(call)
+            codes.append(err.value.code())
+        assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 8
+        deadline = time.monotonic() + 10
+        while cancelled() < before + 8 and time.monotonic() < deadline:
+            srv.loop.call_soon_threadsafe(gc.collect)
+            time.sleep(0.1)
+        assert cancelled() == before + 8
+        stub.Generate(request, timeout=30)  # served: counted ok, and never again as unread
+        srv.loop.call_soon_threadsafe(gc.collect)
+        time.sleep(0.3)
+        assert cancelled() == before + 8
+        assert sample_value(scrape(srv), "sharp_requests", "sharp_requests_total", status="ok") == 2
+        channel.close()

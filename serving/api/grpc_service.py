@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import weakref
+from collections.abc import Callable
 
 import grpc
 
@@ -209,12 +211,32 @@ def _decoding(deserializer):
     return load
 
 
+GENERATE_METHODS = (f"/{SERVICE}/Generate", f"/{SERVICE}/GenerateStream")
+
+
+class _Arrived:
+    """A generation call that reached the server; collected when gRPC lets go of the call."""
+
+
 class Guard(grpc.aio.ServerInterceptor):
     """Undecodable request messages get INVALID_ARGUMENT; with a token, every call but grpc.health.v1 must carry
-    `authorization: Bearer <token>` (scheme case-insensitive, token compared in constant time)."""
+    `authorization: Bearer <token>` (scheme case-insensitive, token compared in constant time). A generation call
+    whose message is never read — its deadline passed, or its client left, while it waited for the event loop —
+    never reaches a handler, so nothing else would count it: `unread()` is called for it when gRPC drops the call."""
 
-    def __init__(self, token: str | None):
+    def __init__(self, token: str | None, unread: Callable[[], None] | None = None):
         self.token = token.encode() if token else None
+        self.unread = unread
+
+    def _watch(self, details) -> tuple[list[bool], _Arrived | None]:
+        """A flag the call's wrapper sets when it runs, and a token its closure holds as long as gRPC holds the
+        call: when the token is collected and the flag was never set, `unread()`."""
+        reached = [False]
+        if self.unread is None or details.method not in GENERATE_METHODS:
+            return reached, None
+        arrived, unread = _Arrived(), self.unread
+        weakref.finalize(arrived, lambda: None if reached[0] else unread())  # holds the flag, never the token
+        return reached, arrived
 
     def _authorized(self, details) -> bool:
         if self.token is None or details.method.startswith("/grpc.health.v1.Health/"):
@@ -226,8 +248,10 @@ class Guard(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_streaming:
             return handler
         allowed = self._authorized(details)
+        reached, arrived = self._watch(details)
 
-        async def refuse(request, context) -> bool:
+        async def refuse(request, context, _held=arrived) -> bool:
+            reached[0] = True
             if not allowed:
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token (authorization)")
             if isinstance(request, _Undecodable):

@@ -28,6 +28,7 @@ from sharp.serving.config import option
 from sharp.serving.engine.engine_client import EngineClient
 from sharp.serving.engine.warmup import WarmUp
 from sharp.serving.grammar import preload
+from sharp.serving.stats import RequestOutcome
 from sharp.serving.status import Status
 from sharp.v1 import generator_pb2 as pb
 from sharp.v1 import generator_pb2_grpc as pb_grpc
@@ -228,7 +229,12 @@ class SharpServer:
             ("grpc.so_reuseport", 0),  # a busy port is an error, never a second server sharing the traffic
             ("grpc.max_receive_message_length", self.engine.limits.message_bytes()),
         ]
-        self.server = grpc.aio.server(interceptors=[Guard(cfg.auth_token)], options=options)
+        metrics = self.engine.metrics
+
+        def unread() -> None:  # a call whose deadline passed (or whose client left) before its message was read
+            metrics.log_outcome(RequestOutcome("cancelled", "grpc"))
+
+        self.server = grpc.aio.server(interceptors=[Guard(cfg.auth_token, unread)], options=options)
         pb_grpc.add_GeneratorServicer_to_server(self.service, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
