@@ -57,9 +57,10 @@ def _patch_language_once_per_launch() -> None:
 
 _patch_language_once_per_launch()
 
-# The modules that take minutes (a real model exported, a wheel built and its demo run cold) start first: with
-# `--dist loadfile` a module runs on one worker, and a long one started last would leave the other worker idle.
-FIRST = ("test_real_model.py", "test_packaging.py")
+# The module that takes minutes (a real model exported and held to transformers) starts first: with `--dist loadfile`
+# a module runs on one worker, and a long one started last would leave the other worker idle. (The wheel's demo, as
+# long, runs alone under make test-wheel.)
+FIRST = ("test_real_model.py",)
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -23,6 +23,7 @@ def _run(args, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.wheel
 def test_wheel_installed_outside_the_tree_runs_the_demo(tmp_path):
     src = tmp_path / "src"  # a copy of the tracked files: the build never writes into the checkout
     tracked = _run(["git", "ls-files"], cwd=ROOT).stdout.split()
