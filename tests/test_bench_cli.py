@@ -386,3 +386,16 @@ def test_routers_refuses_what_it_cannot_run(argv, capsys):
     with pytest.raises(SystemExit) as e:
         run(argv)
     assert e.value.code == 2 and "must be" in capsys.readouterr().err
+
+
+def test_hostile_measures_a_bystander_beside_compiles_and_fails_when_the_load_is_not_that(tmp_path, capsys):
+    """`sharp-bench hostile` end to end (small: 600 properties compile fast and are still refused past the parser's
+    row limit): a row per engine placement and probe, ratios of loaded to unloaded medians; hostile schemas that are
+    served instead (100 properties) are not the load it measures: exit 1 saying so."""
+    page = tmp_path / "bench.md"
+    argv = ["hostile", "--properties", "600", "--probes", "2", "--repeats", "1", "--write", str(page)]
+    assert main(argv) == 0
+    rows = [line for line in page.read_text().splitlines() if line.startswith("| in ")]
+    assert len(rows) == 4 and all(float(r.split("|")[5].strip().rstrip("×")) > 0 for r in rows), rows
+    assert main(["hostile", "--properties", "100", "--probes", "1", "--repeats", "1", "--no-write"]) == 1
+    assert "not the parser-limit 400" in capsys.readouterr().err

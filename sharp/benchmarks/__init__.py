@@ -15,6 +15,7 @@ COMMANDS = {
     "export": ("sharp.benchmarks.export", "onnxruntime latency and memory of exported files vs torch's own SDPA"),
     "serve": ("sharp.benchmarks.serve", "sharp-serve under gRPC load vs its own baselines"),
     "genai": ("sharp.benchmarks.genai", "sharp-serve vs onnxruntime-genai on the same package"),
+    "hostile": ("sharp.benchmarks.hostile", "a bystander's /health and first token while hostile schemas compile"),
     "peers": ("sharp.benchmarks.peers", "long context on CPU vs llama.cpp and onnxruntime-genai (make peers)"),
     "chat": ("sharp.benchmarks.chat", "multi-turn chat over a long document vs llama-server (prefix caches)"),
     "routers": ("sharp.benchmarks.routers", "two replicas behind vllm-router: cache-aware vs round-robin routing"),
