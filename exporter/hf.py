@@ -83,14 +83,20 @@ def load_tokenizer(path: Path, config: PretrainedConfig) -> HFTokenizer:
 
 
 def metadata(model: nn.Module, tokenizer: HFTokenizer, settings: ExportSettings) -> ModelMetadata:
-    config = model.config
+    return config_metadata(model.config, tokenizer, {k: v for k, v in asdict(settings).items() if k != "norm"})
+
+
+def config_metadata(
+    config: PretrainedConfig, tokenizer: HFTokenizer, export: dict, name: str | None = None
+) -> ModelMetadata:
+    """The metadata of a transformers model: its config.json, its sizes, its normalizer per layer, its tokenizer
+    (an export's; the torch backend's, which serves the directory as it is)."""
     shape = hf.shape_of(config)
     attention = hf.AttentionSettings.of(config)
     layer = LayerAttention(attention.norm, attention.head_values(shape.heads))
     config_dict = json.loads(config.to_json_string(use_diff=False))
-    export = {k: v for k, v in asdict(settings).items() if k != "norm"}
     return ModelMetadata(
-        config_dict, [layer] * shape.layers, tokenizer, export, architecture="transformers", hf_shape=shape
+        config_dict, [layer] * shape.layers, tokenizer, export, architecture="transformers", hf_shape=shape, name=name
     )
 
 

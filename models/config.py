@@ -60,28 +60,49 @@ class ModelConfig:
     asentmax_delta: float = 1.0
     asentmax_s_gamma: float = 2.0
     adaptive_poly: tuple[float, ...] = PAPER_POLY
+    # What a Hugging Face decoder (Llama, Mistral, Qwen2/3) adds to the plain SharpLM (models/hf_lm.py reads them):
+    head_size: int | None = None  # None: dim // heads (Qwen3: 128 with any dim)
+    qkv_bias: bool = False  # Qwen2's biased q/k/v projections
+    o_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key before RoPE
+    norm_eps: float | None = None  # None: 1e-6 for rmsnorm, 1e-5 for layernorm
+    rope_inv_freq: tuple[float, ...] | None = None  # the model's own frequencies (scaled RoPE), head_dim / 2 of them
+    rope_attention_factor: float = 1.0  # YaRN's factor on cos and sin
+    llama4_beta: float = 0.0  # queries × 1 + β·log(1 + ⌊pos / llama4_floor⌋) after RoPE (Llama 4, Ministral 3)
+    llama4_floor: int = 8192
 
     def __post_init__(self) -> None:
         _check_types(self)  # first, so the checks below compare numbers with numbers
         self.kv_heads = self.kv_heads or self.heads
         self.adaptive_poly = tuple(float(c) for c in self.adaptive_poly)
         problems = []
-        for name in ("vocab_size", "dim", "layers", "heads", "kv_heads", "context_length"):
+        for name in ("vocab_size", "dim", "layers", "heads", "kv_heads", "context_length", "llama4_floor"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.mlp_hidden is not None and self.mlp_hidden < 1:
-            problems.append(f"mlp_hidden must be >= 1 or null, got {self.mlp_hidden}")
-        for name in ("rope_base", "rope_scaling"):
+        for name in ("mlp_hidden", "head_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1 or null, got {getattr(self, name)}")
+        for name in ("rope_base", "rope_scaling", "rope_attention_factor"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
                 problems.append(f"{name} must be a finite number > 0, got {getattr(self, name)}")
         for name in ("asentmax_delta", "asentmax_s_gamma"):
             if not math.isfinite(getattr(self, name)):
                 problems.append(f"{name} must be finite, got {getattr(self, name)}")
+        if self.norm_eps is not None and not (math.isfinite(self.norm_eps) and self.norm_eps > 0):
+            problems.append(f"norm_eps must be a finite number > 0 or null, got {self.norm_eps}")
+        if not (math.isfinite(self.llama4_beta) and self.llama4_beta >= 0):
+            problems.append(f"llama4_beta must be a finite number >= 0, got {self.llama4_beta}")
         if not self.adaptive_poly or not all(math.isfinite(c) for c in self.adaptive_poly):
             problems.append(f"adaptive_poly must be one or more finite coefficients, got {list(self.adaptive_poly)}")
         if problems:
             raise ValueError("bad model config: " + "; ".join(problems))
-        if self.dim % self.heads:
+        if self.rope_inv_freq is not None:
+            self.rope_inv_freq = tuple(float(f) for f in self.rope_inv_freq)
+            if len(self.rope_inv_freq) * 2 != self.head_dim or not all(
+                math.isfinite(f) and f > 0 for f in self.rope_inv_freq
+            ):
+                problems.append(f"rope_inv_freq must be head_dim / 2 = {self.head_dim / 2:g} finite numbers > 0")
+        if self.head_size is None and self.dim % self.heads:
             problems.append(f"dim {self.dim} is not a multiple of heads {self.heads}")
         if self.heads % self.kv_heads:
             problems.append(f"heads {self.heads} is not a multiple of kv_heads {self.kv_heads}")
@@ -111,16 +132,16 @@ class ModelConfig:
 
     def num_weights(self) -> int:
         """The parameter count this config describes (before building anything)."""
-        d, hd = self.dim, self.dim // self.heads
+        d, hd = self.dim, self.head_dim
         hidden = self.mlp_hidden or (4 * d if self.mlp == "gelu" else 8 * ((8 * d // 3 + 7) // 8))
-        attn = d * (self.heads * hd) * 2 + d * (self.kv_heads * hd) * 2
+        attn = d * (self.heads * hd) * 2 + d * (self.kv_heads * hd) * 2  # biases and q/k norms: negligible
         mlp = d * hidden * (3 if self.mlp == "swiglu" else 2)
         embed = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return embed + self.layers * (attn + mlp)
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.heads
+        return self.head_size or self.dim // self.heads
 
     @property
     def shape(self) -> ModelShape:
@@ -133,6 +154,8 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["adaptive_poly"] = list(self.adaptive_poly)
+        if self.rope_inv_freq is not None:
+            d["rope_inv_freq"] = list(self.rope_inv_freq)
         return d
 
     @classmethod

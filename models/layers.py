@@ -31,8 +31,11 @@ class RMSNorm(nn.Module):
         return (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def make_layer_norm(cfg: ModelConfig) -> nn.Module:
-    return RMSNorm(cfg.dim) if cfg.layer_norm == "rmsnorm" else nn.LayerNorm(cfg.dim)
+def make_layer_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.dim
+    if cfg.layer_norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps or 1e-6)
+    return nn.LayerNorm(dim, cfg.norm_eps or 1e-5)
 
 
 class MLP(nn.Module):
@@ -88,10 +91,13 @@ class SharpAttention(nn.Module):
         self.cfg, self.norm, self.attention = cfg, norm, attention
         self.spec = registry.get(norm)
         h, hkv, d = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, h * d, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, hkv * d, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, hkv * d, bias=False)
-        self.o_proj = nn.Linear(h * d, cfg.dim, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, hkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.dim, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = make_layer_norm(cfg, d), make_layer_norm(cfg, d)
+        self._inv_freq: dict[torch.device, Tensor] = {}  # fp32 always: not a buffer, which .to(bf16) would round
         for p in self.spec.params:
             raw = torch.full((h,), p.to_raw(float(getattr(cfg, p.config_field))))
             if p.learn_flag is None or getattr(cfg, p.learn_flag):
@@ -110,6 +116,20 @@ class SharpAttention(nn.Module):
     def head_params(self) -> dict[str, Tensor]:
         """The per-head normalizer parameters `attend` receives (Hq,)."""
         return {p.name: p.from_raw(getattr(self, p.state_name)) for p in self.spec.params}
+
+    def inv_freq(self, device: torch.device) -> Tensor | None:
+        """The model's own RoPE frequencies in fp32 on `device` (None: RoPE's base^(−2i/D))."""
+        if self.cfg.rope_inv_freq is None:
+            return None
+        if device not in self._inv_freq:
+            self._inv_freq[device] = torch.tensor(self.cfg.rope_inv_freq, dtype=torch.float32, device=device)
+        return self._inv_freq[device]
+
+    def llama4_scale(self, positions: Tensor) -> Tensor:
+        """Llama 4's (and Ministral 3's) query temperature 1 + β·log(1 + ⌊pos / floor⌋), (B, 1, L, 1)."""
+        cfg = self.cfg
+        scale = 1 + cfg.llama4_beta * torch.log(1 + torch.floor(positions.to(torch.float32) / cfg.llama4_floor))
+        return scale[:, None, :, None]
 
     def query_scale(self, x: Tensor, positions: Tensor) -> Tensor:
         """ASEntmax's λ (B, Hq, L) from the hidden states entering the layer and absolute positions (B, L)."""
@@ -137,9 +157,14 @@ class SharpAttention(nn.Module):
         q = self.q_proj(x).view(b, length, cfg.heads, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, length, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, length, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if cfg.pos == "rope":
-            cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base, cfg.rope_scaling)
+            freq, factor = self.inv_freq(x.device), cfg.rope_attention_factor
+            cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_base, cfg.rope_scaling, freq, factor)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cfg.llama4_beta:
+            q = q * self.llama4_scale(positions).to(q.dtype)
         if isinstance(cache, PagedLayer):
             cache.write(k, v)
         elif cache is not None:

@@ -10,14 +10,26 @@ from torch import Tensor
 from sharp.models.config import POSITIONAL
 
 
-def rope_angles(positions: Tensor, head_dim: int, base: float = 10000.0, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
-    """cos/sin (…, L, head_dim) for absolute positions; linear scaling divides positions by `scaling`."""
+def rope_angles(
+    positions: Tensor,
+    head_dim: int,
+    base: float = 10000.0,
+    scaling: float = 1.0,
+    inv_freq: Tensor | None = None,
+    factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """cos/sin (…, L, head_dim) for absolute positions; linear scaling divides positions by `scaling`. A model's own
+    frequencies (`inv_freq`, head_dim / 2 of them: a Hugging Face config's scaled RoPE, computed once by
+    transformers) replace base^(−2i/D); `factor` (YaRN's attention factor) multiplies cos and sin."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head dim, got {head_dim}")
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    if inv_freq is None:
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = (positions.to(torch.float32) / scaling).unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
+    if factor == 1.0:
+        return angles.cos(), angles.sin()
+    return angles.cos() * factor, angles.sin() * factor
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -140,7 +140,12 @@ def serve_parser() -> argparse.ArgumentParser:
         " once, checked,"
         " into $SHARP_CACHE, default ~/.cache/sharp), a model.pt (torch), an engine (tensorrt)",
     )
-    ap.add_argument("--backend", choices=BACKENDS, default="onnxruntime")
+    ap.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="default: torch for a Hugging Face directory or a GGUF with --device cuda (sharp's paged Triton kernels),"
+        " onnxruntime otherwise",
+    )
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     _config_flags(ap, ServerConfig)
     ap.add_argument(
@@ -215,7 +220,7 @@ def build_server(args):
     """The (engine, ServerConfig) for parsed sharp-serve arguments; raises UsageError/BackendError."""
     from sharp.exporter.metadata import NAME, NAME_RULE, source_name
     from sharp.serving.api.server import ServerConfig
-    from sharp.serving.backends.loading import check_model_path, exported, needs_export
+    from sharp.serving.backends.loading import check_model_path, default_backend, exported, is_model_source
     from sharp.serving.config import EngineConfig
     from sharp.serving.engine.core import CoreSpec, EngineProcess, build_engine
 
@@ -242,6 +247,8 @@ def build_server(args):
         tls_key=key,
         warm_up=args.warm_up == "on" or (args.warm_up == "auto" and args.device == "cuda"),
     )
+    if args.backend is None:
+        args.backend = default_backend(args.model, args.device)
     if args.dtype is not None and args.backend != "torch":
         raise UsageError(f"--dtype applies to --backend torch (the {args.backend} file fixes its own precision)")
     kw = {
@@ -252,10 +259,11 @@ def build_server(args):
     server = _yielding_defaults(server, getattr(args, "given", set()), say=lambda line: print(line, flush=True))
     if (busy := server.busy_port()) is not None:  # before an export of minutes, not after it
         raise UsageError(busy)
-    if needs_export(model):  # a Hugging Face directory or a GGUF: served as its export, under its own name (the
+    if is_model_source(model):  # a Hugging Face directory or a GGUF: served under its own name (onnxruntime's export
         if not names and (given := source_name(model)):  # cache is by content: another copy's name is not this one)
             names = (given,)
-        model = exported(model, say=lambda line: print(line, flush=True))
+        if args.backend == "onnxruntime":
+            model = exported(model, say=lambda line: print(line, flush=True))
     spec = CoreSpec(str(model), args.backend, args.device, kw, names, config, args.entropy_metrics,
                     args.metrics_names, args.log_level, args.log_format)  # fmt: skip
     on_gpu = args.backend == "tensorrt" or (args.backend == "onnxruntime" and args.device == "cuda")

@@ -63,7 +63,8 @@ _patch_language_once_per_launch()
 # at the end. (The wheel's demo, as long as the first, runs alone under make test-wheel.)
 FIRST = ("test_real_model.py", "test_export.py", "test_triton_entmax.py", "test_bench_cli.py", "test_hf.py",
          "test_triton.py", "test_precision.py", "test_native_op.py", "test_tensorrt.py", "test_kv_pages.py",
-         "test_kv_prefix_cache.py", "test_api_routers.py", "test_triton_build.py", "test_api_hardening.py")  # fmt: skip
+         "test_kv_prefix_cache.py", "test_hf_torch.py", "test_api_routers.py", "test_triton_build.py",
+         "test_api_hardening.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items) -> None:

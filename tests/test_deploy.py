@@ -262,14 +262,49 @@ def test_the_server_arguments_parse_and_the_drain_fits_the_grace_period(rendered
     plain = behind_an_entry(overlay)
     assert args.host == "0.0.0.0" and bool(args.tls_cert) == bool(args.tls_key) == (not plain)
     assert args.metrics_names == ("vllm" if plain else "sharp")
-    assert (args.backend, args.device, args.model.suffix) == (
-        ("torch", "cuda", ".pt") if overlay.startswith("gpu") else ("onnxruntime", "cpu", ".onnx")
+    gpu = overlay.startswith("gpu")  # a Hugging Face directory on the GPU image, an export on the CPU one
+    assert (args.backend, args.device, str(args.model)) == (
+        ("torch", "cuda", "/models/model") if gpu else ("onnxruntime", "cpu", "/models/model.onnx")
     )
     assert args.threads == int(container["resources"]["requests"]["cpu"]) > 0  # onnxruntime: the CPUs it asked for
     pause = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > pause + args.drain_timeout
     live = container["livenessProbe"]
     assert live["periodSeconds"] * live["failureThreshold"] > args.drain_timeout  # a drain is not a restart
+
+
+def test_the_gpu_overlay_serves_a_hugging_face_directory_up_to_the_gpu(tmp_path_factory, tmp_path):
+    """docs/deploy.md's GPU path as far as this machine goes: a Hugging Face directory in the models volume where the
+    overlay looks for it, the overlay's own arguments (torch backend) parsed and the server built from them — with
+    the device, TLS and ports the only changes (cpu for cuda; no certificate; free loopback ports) — answers."""
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    import torch
+    import transformers
+    from hf_models import SIZES, _train_tokenizer
+
+    from sharp.serving.api.server import BackgroundServer
+    from sharp.serving.cli import build_server
+
+    (container,) = by_kind(render("gpu", tmp_path_factory))["Deployment"]["spec"]["template"]["spec"]["containers"]
+    volume = tmp_path / "models"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SIZES))
+    model.save_pretrained(volume / "model")  # the volume's layout docs/deploy.md gives: the directory as model/
+    _train_tokenizer().save(str(volume / "model" / "tokenizer.json"))
+    local = {"--device": "cpu", "--host": "127.0.0.1", "--port": "0", "--health-port": "0", "--metrics-port": "0"}
+    args = []
+    for arg in server_args(container):
+        flag = arg.partition("=")[0]
+        if flag in ("--tls-cert", "--tls-key"):
+            continue
+        args.append(f"{flag}={local[flag]}" if flag in local else arg.replace("/models", str(volume)))
+    parsed = serve_parser().parse_args(args)
+    assert (parsed.backend, parsed.model) == ("torch", volume / "model")
+    engine, config = build_server(parsed)
+    with BackgroundServer(engine, config) as srv, Client(srv.target) as c:
+        reply = c.generate("The quick brown fox", max_new_tokens=8, temperature=0, attention_stats=True)
+        assert len(reply.token_ids) == 8 and len(reply.attention_stats.heads) == 2 * 4  # every head of each layer
+        assert c.info().name == "sharp"  # the overlay's SHARP_MODEL_NAME
 
 
 def test_the_router_finds_the_replicas_and_its_arguments_parse(tmp_path_factory):

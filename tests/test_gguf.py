@@ -77,7 +77,7 @@ def test_the_gguf_a_directory_holds_is_the_model(tmp_path):
     ("arch", "backend", "says"),
     [
         ("qwen35", "onnxruntime", "sharp reads GGUF files of llama, mistral, qwen2, qwen3"),
-        ("llama", "torch", "a GGUF file; --backend torch serves a model.pt"),
+        ("llama", "tensorrt", "a GGUF file; --backend tensorrt serves an engine"),
     ],
 )
 def test_sharp_serve_refuses_before_exporting(tmp_path, arch, backend, says):

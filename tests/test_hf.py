@@ -18,7 +18,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from hf_models import SIZES, VOCAB, _configs, _train_tokenizer  # noqa: E402
+from tokenizers import Tokenizer, processors  # noqa: E402
 
 from sharp.exporter import cli as export_cli  # noqa: E402
 from sharp.exporter import metadata  # noqa: E402
@@ -31,68 +32,6 @@ from sharp.serving.backends.loading import check_model_path, load_backend  # noq
 from sharp.serving.config import EngineConfig  # noqa: E402
 from sharp.serving.engine.engine import Engine  # noqa: E402
 from sharp.serving.metrics import ServingMetrics  # noqa: E402
-
-VOCAB = 320
-SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    initializer_range=0.15,
-)
-CORPUS = [
-    "def main():\n    return sum(x * x for x in range(10))\n",
-    "The quick brown fox jumps over the lazy dog. Zoë's café serves crème brûlée — naïve! ",
-    "数学 is mathematics; 🎉 celebrations and ✓ checks; Ελληνικά and русский текст. ",
-]
-
-
-def _configs() -> dict[str, transformers.PretrainedConfig]:
-    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 16}
-    llama3 = {
-        "rope_type": "llama3",
-        "rope_theta": 10000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-    }
-    return {
-        "llama": transformers.LlamaConfig(**SIZES, rope_parameters=llama3),
-        "mistral": transformers.MistralConfig(**SIZES, sliding_window=None),
-        "qwen2": transformers.Qwen2Config(**SIZES, tie_word_embeddings=True),  # q/k/v biases, tied embeddings
-        "qwen3": transformers.Qwen3Config(**SIZES),  # q/k norms
-        # Llama-4-style query temperature on every layer: 1 + 0.1·log(1 + floor(pos / 16)), active from position 16.
-        "ministral3": transformers.Ministral3Config(**SIZES, rope_parameters={**yarn, "llama_4_scaling_beta": 0.1}),
-        "gpt2": transformers.GPT2Config(
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=512,
-            vocab_size=VOCAB,
-            bos_token_id=1,
-            eos_token_id=2,
-            initializer_range=0.15,
-        ),
-    }
-
-
-def _train_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return tok
 
 
 @pytest.fixture(scope="module")

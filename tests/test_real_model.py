@@ -56,7 +56,7 @@ def real(tmp_path_factory) -> dict:
             del os.environ["SHARP_CACHE"]
         else:
             os.environ["SHARP_CACHE"] = old
-    return {"onnx": out, "dir": directory}
+    return {"onnx": out, "dir": directory, "cache": root / "cache"}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,10 @@ def _chat_ids(tokenizer, question: str) -> list[int]:
 
 def _sharp_greedy(path: Path, prompts: list[list[int]], native: bool) -> list[list[int]]:
     """Greedy tokens of the exported file through sharp's engine (all prompts in one batch)."""
-    be = load_backend(path, native=native)
+    return _engine_greedy(load_backend(path, native=native), prompts)
+
+
+def _engine_greedy(be, prompts: list[list[int]]) -> list[list[int]]:
     eng = Engine(be, EngineConfig(max_batch=len(prompts)))
     got: list[list[int]] = [[] for _ in prompts]
     for i, ids in enumerate(prompts):
@@ -108,15 +111,33 @@ def test_the_gguf_is_read_with_its_own_config_tokenizer_and_chat_template(real):
     assert meta.shape.context_length == 8192 and meta.norm == "softmax"
 
 
-def test_greedy_tokens_equal_transformers_for_64_tokens(real, transformers_model):
+@pytest.fixture(scope="module")
+def greedy(real, transformers_model) -> tuple[list[list[int]], list[list[int]]]:
+    """The chat prompts' ids and transformers' greedy tokens after them."""
+    tok = metadata.read(real["onnx"]).tokenizer
+    prompts = [_chat_ids(tok, p) for p in PROMPTS]
+    return prompts, [_transformers_greedy(transformers_model, ids) for ids in prompts]
+
+
+def test_greedy_tokens_equal_transformers_for_64_tokens(real, greedy):
     """fp32 export, native op and the file's own fallback bodies: transformers' greedy tokens on three chat
     prompts (a wrong RoPE θ, an untied head, an off-by-one KV head or a lost chat template fails this)."""
     tok = metadata.read(real["onnx"]).tokenizer
-    prompts = [_chat_ids(tok, p) for p in PROMPTS]
-    want = [_transformers_greedy(transformers_model, ids) for ids in prompts]
+    prompts, want = greedy
     assert tok.decode(want[0]).startswith("The capital of France is Paris.")
     assert _sharp_greedy(real["onnx"], prompts, native=True) == want
     assert _sharp_greedy(real["onnx"], prompts[:2], native=False) == want[:2]  # the fallback bodies: slower, two
+
+
+def test_the_torch_backend_serves_the_gguf_with_transformers_greedy_tokens(real, greedy, monkeypatch):
+    """`sharp-serve FILE.gguf --backend torch` (a GPU node's path): the GGUF's directory read into sharp's own
+    modules, on the paged cache, in one batch: transformers' greedy tokens, under the GGUF's name."""
+    monkeypatch.setenv("SHARP_CACHE", str(real["cache"]))  # the directory the fixture read, not read again
+    be = load_backend(smollm2.gguf_path(), "torch")
+    assert be.spec.name == NAME and be.spec.tokenizer.chat_template
+    prompts, want = greedy
+    assert [_chat_ids(be.spec.tokenizer, p) for p in PROMPTS] == prompts  # the same tokenizer and template
+    assert _engine_greedy(be, prompts) == want
 
 
 def test_int8_weights_agree_with_fp32_on_real_text(real, tmp_path):

@@ -1,7 +1,7 @@
 """Which backend serves a model: the path judged by its name before any runtime starts, then the backend's own
 module imported — only the one asked for (a server of ONNX files never imports torch). A Hugging Face model
-directory is exported once, checked, into a cache keyed by its content (`exported`), and its file served — as
-`vllm serve DIR` serves a directory."""
+directory (or a GGUF) is, for onnxruntime, exported once, checked, into a cache keyed by its content (`exported`),
+and its file served — as `vllm serve DIR` serves a directory; the torch backend reads it as it is."""
 
 from __future__ import annotations
 
@@ -14,10 +14,11 @@ from sharp.models.messages import did_you_mean
 from sharp.serving.backends.interface import BACKENDS, Backend, BackendError
 
 GENAI_CONFIG = "genai_config.json"  # what marks a sharp-export --genai package directory
+READS_MODELS = ("onnxruntime", "torch")  # the backends that take a Hugging Face directory or a GGUF
 EXPECTED = {
     "onnxruntime": "an .onnx file from sharp-export (or its --genai package), a GGUF file, or a Hugging Face model"
     " directory",
-    "torch": "a model.pt",
+    "torch": "a model.pt, a Hugging Face model directory or a GGUF file",
     "tensorrt": "an engine from sharp-build-engine",
 }
 
@@ -37,9 +38,9 @@ def check_model_path(path: str | Path, backend: str) -> Path:
     except gguf.GGUFError as e:
         raise BackendError(str(e)) from None
     if found is not None:
-        if backend != "onnxruntime":
+        if backend not in READS_MODELS:
             raise BackendError(f"{path}: a GGUF file; --backend {backend} serves {EXPECTED[backend]} (serve it with"
-                               " --backend onnxruntime)")  # fmt: skip
+                               " --backend onnxruntime or torch)")  # fmt: skip
         return found
     if path.is_dir() and (path / GENAI_CONFIG).is_file() and not (path / "config.json").is_file():
         if backend != "onnxruntime":  # sharp-export --genai's package: its model.onnx is a file sharp-export wrote
@@ -53,9 +54,9 @@ def check_model_path(path: str | Path, backend: str) -> Path:
         if not (path / "config.json").is_file():
             raise BackendError(f"{path}: a directory without config.json, a .gguf or {GENAI_CONFIG} (expected"
                                f" {EXPECTED[backend]})")  # fmt: skip
-        if backend != "onnxruntime":
+        if backend not in READS_MODELS:
             raise BackendError(f"{path}: a Hugging Face model directory; --backend {backend} serves {EXPECTED[backend]}"
-                               " (serve the directory with --backend onnxruntime)")  # fmt: skip
+                               " (serve the directory with --backend onnxruntime or torch)")  # fmt: skip
         return path
     if not path.is_file():
         raise BackendError(f"{path}: no such file or directory (expected {EXPECTED[backend]}){did_you_mean(path)}")
@@ -67,9 +68,27 @@ def check_model_path(path: str | Path, backend: str) -> Path:
     return path
 
 
-def needs_export(path: Path) -> bool:
-    """Whether `path` (as check_model_path returned it) is served as its export: a Hugging Face directory or a GGUF."""
+def is_model_source(path: Path) -> bool:
+    """Whether `path` (as check_model_path returned it) is a Hugging Face directory or a GGUF: onnxruntime serves
+    its export, torch reads it as it is."""
     return path.is_dir() or gguf.is_gguf(path)
+
+
+def needs_export(path: Path, backend: str = "onnxruntime") -> bool:
+    """Whether `path` (as check_model_path returned it) is served as its export."""
+    return backend == "onnxruntime" and is_model_source(path)
+
+
+def default_backend(path: str | Path, device: str) -> str:
+    """The backend `sharp-serve` picks when none is named: torch for a Hugging Face directory or a GGUF on a CUDA
+    device (its paged Triton kernels; onnxruntime's CUDA provider would run the op's dense fallback), onnxruntime
+    otherwise."""
+    path = Path(path)
+    try:
+        source = gguf.find(path) is not None or (path.is_dir() and (path / "config.json").is_file())
+    except (ImportError, gguf.GGUFError):
+        source = False  # check_model_path says why
+    return "torch" if device == "cuda" and source else "onnxruntime"
 
 
 def exported(directory: Path, say=print) -> Path:
@@ -97,7 +116,7 @@ def load_backend(path: str | Path, backend: str = "onnxruntime", device: str = "
     """The backend for `path` (a Hugging Face directory: its exported file); raises BackendError with what was found
     and what was expected."""
     path = check_model_path(path, backend)
-    if needs_export(path):
+    if needs_export(path, backend):
         path = exported(path)
     if backend == "tensorrt":
         from sharp.serving.backends.tensorrt_backend import TensorRTBackend

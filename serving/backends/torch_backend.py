@@ -1,20 +1,25 @@
-"""The torch backend: a sharp model.pt (SharpLM) on a paged KV cache (backends/interface.py: the interface)."""
+"""The torch backend: a sharp model.pt (SharpLM), a Hugging Face directory or a GGUF file (read into a SharpLM by
+models/hf_lm.py) on a paged KV cache (backends/interface.py: the interface)."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from sharp.exporter import metadata
-from sharp.models import torch_sampling
+from sharp.models import gguf, torch_sampling
 from sharp.serving.backends.interface import DTYPES, Backend, BackendError, Hit, Prefix, StepResult
 from sharp.serving.backends.sampler import Sampler
 from sharp.serving.kv.names import PAGE_SIZE
 from sharp.serving.kv.pages import OutOfPages, PagedKVCache
 from sharp.serving.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from sharp.models.lm import SharpLM
 
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
 # reference, whose (queries × keys) logits grow quadratically with the prompt.
@@ -60,10 +65,41 @@ class TorchSampler(Sampler):
         return torch_sampling.token_logprobs(logits[torch.tensor(rows, device=logits.device)], picked, top)
 
 
+def _checkpoint(path: Path, export: dict) -> tuple[SharpLM, metadata.ModelMetadata]:
+    """A sharp checkpoint's SharpLM and metadata."""
+    from sharp.models import CheckpointError, SharpLM, load
+
+    try:
+        model = load(path)
+    except CheckpointError as e:
+        raise BackendError(str(e)) from e
+    if not isinstance(model, SharpLM):
+        raise BackendError(f"{path}: a {type(model).__name__} checkpoint; only SharpLM language models generate")
+    return model, metadata.ModelMetadata.from_model(model, export)
+
+
+def _transformers(path: Path, export: dict) -> tuple[SharpLM, metadata.ModelMetadata]:
+    """A Hugging Face directory's (or a GGUF file's, read once into one in the cache) SharpLM and metadata: the
+    directory's own tokenizer and chat template, its name the directory's (the GGUF file's stem)."""
+    from sharp.exporter.hf import config_metadata, load_tokenizer
+    from sharp.models import hf, hf_lm
+
+    name = metadata.source_name(path)
+    try:
+        directory = gguf.hf_directory(path) if gguf.is_gguf(path) else path
+        model = hf_lm.load(directory)
+        config = hf.load_config(directory)
+        tokenizer = load_tokenizer(directory, config)
+    except (ValueError, OSError) as e:  # UnsupportedModel, GGUFError and a missing tokenizer.json are ValueErrors
+        raise BackendError(str(e)) from None
+    return model, config_metadata(config, tokenizer, export, name)
+
+
 class TorchBackend(Backend):
-    """A sharp `model.pt` (SharpLM) in PyTorch on a paged KV cache. On CUDA the attention runs the Triton kernels
-    (decode steps and short chunks read the pages directly; long prefill chunks run the prefill kernels over the
-    sequence's keys, a view of the pool when its pages are consecutive); on CPU the reference or, from
+    """A SharpLM in PyTorch — a sharp `model.pt`, or a Hugging Face directory or GGUF file read into one — on a
+    paged KV cache. On CUDA the attention runs the Triton kernels (decode steps and short chunks read the pages
+    directly; long prefill chunks run the prefill kernels over the sequence's keys, a view of the pool when its
+    pages are consecutive); on CPU the reference or, from
     STREAMED_FROM_KEYS keys, the streamed attention over the same keys.
     `impl` overrides that choice (e.g. "triton" in the CPU interpreter); `dtype` is the weights' and the cache's
     (default fp32 on CPU, bf16 on CUDA)."""
@@ -71,19 +107,14 @@ class TorchBackend(Backend):
     block_tokens = PAGE_SIZE
 
     def __init__(self, path: Path, device: str = "cpu", impl: str | None = None, dtype: str | None = None):
-        from sharp.models import CheckpointError, SharpLM, load
-
-        try:
-            model = load(path)
-        except CheckpointError as e:
-            raise BackendError(str(e)) from e
-        if not isinstance(model, SharpLM):
-            raise BackendError(f"{path}: a {type(model).__name__} checkpoint; only SharpLM language models generate")
         if device == "cuda" and not torch.cuda.is_available():
             raise BackendError("--device cuda: no CUDA device is visible to torch")
         dtype = dtype or ("bf16" if device == "cuda" else "fp32")
         if dtype not in DTYPES:
             raise BackendError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+        path = Path(path)
+        export = {"dtype": dtype, "kv_dtype": dtype}  # pages in --dtype
+        model, meta = _transformers(path, export) if path.is_dir() or gguf.is_gguf(path) else _checkpoint(path, export)
         self.device, self.dtype = torch.device(device), TORCH_DTYPES[dtype]
         self.sampler = TorchSampler(self.device)
         self.model = model.to(self.device, self.dtype).eval()
@@ -94,8 +125,7 @@ class TorchBackend(Backend):
             self.attention = "attention: sharp's Triton kernels (paged decode, fused prefill)"
         else:
             self.attention = f"attention: torch reference, streamed from {STREAMED_FROM_KEYS} keys"
-        meta = metadata.ModelMetadata.from_model(model, {"dtype": dtype, "kv_dtype": dtype})  # pages in --dtype
-        self.spec = ModelSpec(meta.name or Path(path).stem, "torch", meta)
+        self.spec = ModelSpec(meta.name or path.stem, "torch", meta)
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
         self.cache: PagedKVCache | None = None
         self._named: dict[Hashable, list[int]] = {}  # pages a running sequence named (withdrawn if it fails)

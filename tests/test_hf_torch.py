@@ -1,0 +1,210 @@
+"""Hugging Face models on the torch backend (models/hf_lm.py): the directory's safetensors read into a SharpLM and
+served on the paged KV cache — the path a GPU node takes (Triton kernels there; here the reference and streamed
+attention, so everything but speed is checked).
+
+The models are test_hf's: every family built from a config with random weights (a wide init, so attention is far
+from uniform), the same byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from helpers import api, greedy_request, run_until_idle, sample_value, scrape  # noqa: E402
+from hf_models import VOCAB, _configs, _train_tokenizer  # noqa: E402
+
+from sharp.exporter import cli as export_cli  # noqa: E402
+from sharp.models import hf, hf_lm, registry  # noqa: E402
+from sharp.serving import Engine, EngineConfig, load_backend  # noqa: E402
+from sharp.serving.api.server import BackgroundServer, ServerConfig  # noqa: E402
+from sharp.serving.backends.interface import BackendError  # noqa: E402
+from sharp.serving.backends.loading import check_model_path, default_backend  # noqa: E402
+from sharp.serving.engine.output import Delta, Finished  # noqa: E402
+from sharp.serving.metrics import ServingMetrics  # noqa: E402
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "ministral3"]  # llama3 RoPE; plain; biases, tied; q/k norms; YaRN + β
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_torch")
+    tok = _train_tokenizer()
+    out = {}
+    for name, config in _configs().items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        out[name] = root / name
+        model.save_pretrained(out[name])
+        tok.save(str(out[name] / "tokenizer.json"))
+    return out
+
+
+def _eager(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_transformers_eager(dirs, family):
+    """60 positions: past Ministral 3's query-temperature floor (16) and YaRN's original context (16)."""
+    ours, eager = hf_lm.load(dirs[family]), _eager(dirs[family])
+    ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = eager(ids).logits, ours(ids)
+    assert want.abs().max() > 1.0
+    assert (got - want).abs().max() < 1e-4
+
+
+def test_what_each_family_adds_is_read(dirs):
+    """The config's particulars reach the model: biases (Qwen2), q/k norms (Qwen3), tied embeddings, a head_dim
+    that is not hidden / heads, the scaled RoPE's own frequencies and factor, Llama 4's β."""
+    cfg = {f: hf_lm.load(dirs[f]).cfg for f in FAMILIES}
+    assert cfg["qwen2"].qkv_bias and not cfg["qwen2"].o_bias and cfg["qwen2"].tie_embeddings
+    assert cfg["qwen3"].qk_norm and not cfg["llama"].qk_norm
+    assert all(c.head_dim == 16 for c in cfg.values())
+    base = 10000.0 ** (-torch.arange(0, 16, 2).float() / 16)
+    assert torch.tensor(cfg["llama"].rope_inv_freq)[-1] < base[-1] / 7  # llama3 scaling: low frequencies / 8
+    assert cfg["ministral3"].rope_attention_factor > 1 and cfg["ministral3"].llama4_beta == pytest.approx(0.1)
+    assert cfg["ministral3"].llama4_floor == 16
+
+
+@pytest.mark.parametrize(
+    ("change", "breaks"),
+    [
+        ({"rope_inv_freq": None}, "RoPE scaling ignored"),
+        ({"llama4_beta": 0.0}, "query temperature ignored"),
+    ],
+)
+def test_dropping_a_particular_changes_the_logits(dirs, change, breaks):
+    """What the parity test would catch: each of these, dropped, moves the logits far beyond its tolerance."""
+    model = hf_lm.load(dirs["ministral3"])
+    ids = torch.randint(3, VOCAB, (1, 60), generator=torch.Generator().manual_seed(1))
+    broken = hf_lm.SharpLM(type(model.cfg)(**{**model.cfg.to_dict(), **change}))
+    broken.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        assert (broken(ids) - model(ids)).abs().max() > 1e-2, breaks
+
+
+def test_gpt2_and_other_families_are_refused_with_the_way_out(dirs, tmp_path):
+    with pytest.raises(BackendError, match=r"the torch backend runs llama.*serve gpt2 with --backend onnxruntime"):
+        load_backend(dirs["gpt2"], "torch")
+    bad = tmp_path / "bad"
+    shutil.copytree(dirs["llama"], bad)
+    (bad / "model.safetensors").unlink()
+    with pytest.raises(BackendError, match=r"no model\.safetensors"):
+        load_backend(bad, "torch")
+
+
+def test_a_hugging_face_directory_is_torch_s_on_a_gpu_and_onnxruntime_s_on_the_cpu(dirs, tmp_path):
+    assert default_backend(dirs["llama"], "cuda") == "torch"
+    assert default_backend(dirs["llama"], "cpu") == "onnxruntime"
+    assert check_model_path(dirs["llama"], "torch") == dirs["llama"]
+    onnx_file = tmp_path / "m.onnx"
+    onnx_file.write_bytes(b"")
+    assert default_backend(onnx_file, "cuda") == "onnxruntime"
+
+
+def _generate(eng: Engine, ids: list[int], n: int, **kw) -> tuple[list[int], Delta, Finished]:
+    out: list = []
+    eng.submit(greedy_request(eng, ids, n, **kw), out.append)
+    run_until_idle(eng)
+    deltas = [e for e in out if isinstance(e, Delta)]
+    total = deltas[0]
+    for d in deltas[1:]:
+        total = total + d
+    assert isinstance(out[-1], Finished), out[-1]
+    return total.token_ids, total, out[-1]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "llama"])
+def test_greedy_tokens_equal_transformers_for_64_tokens(dirs, family):
+    be = load_backend(dirs[family], "torch")
+    assert be.spec.name == family and be.spec.metadata.architecture == "transformers"
+    eng = Engine(be, EngineConfig(prefill_chunk=16))  # prefill in chunks, then decode on the pages
+    eager = _eager(dirs[family])
+    eager.generation_config.eos_token_id = None  # 64 tokens on both sides (ignore_eos: EOS is a token like another)
+    for prompt in ("def main():\n", "The quick brown fox jumps over the lazy dog and"):
+        ids = eng.tokenizer.encode(prompt)
+        got, _, _ = _generate(eng, ids, 64, ignore_eos=True)
+        with torch.no_grad():
+            want = eager.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=0)
+        want = want[0, len(ids) :].tolist()
+        assert len(want) == 64 and got == want
+
+
+def _with_norm(source: Path, out: Path, norm: str) -> Path:
+    """A copy of the directory whose config names `norm` (a model fine-tuned with it, as far as serving knows)."""
+    shutil.copytree(source, out)
+    config = json.loads((out / "config.json").read_text())
+    params = {name: 0.9 * registry.head_param(name).default for name in registry.get(norm).param_names}
+    config[hf.CONFIG_KEY] = {"norm": norm, **params}  # not the defaults: the values must reach the model
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+NORMS = [n.name for n in registry.all_norms() if not n.query_scale]
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_every_norm_serves_what_its_onnxruntime_export_serves(dirs, tmp_path, norm):
+    """The same directory on both backends: the prompt's log-probabilities at every position, the greedy tokens and
+    the per-head mean entropies agree within the export check's tolerances."""
+    source = _with_norm(dirs["qwen3"], tmp_path / "qwen3", norm)
+    assert export_cli.main([str(source), "-o", str(tmp_path / "m.onnx")]) == 0
+    ids = [1, *range(10, 70)]
+    runs = {}
+    for backend, path in (("onnxruntime", tmp_path / "m.onnx"), ("torch", source)):
+        be = load_backend(path, backend)
+        eng = Engine(be, EngineConfig(prefill_chunk=24))
+        asked = dict(prompt_logprobs=0, logprobs=0, return_attention_stats=True, ignore_eos=True)
+        runs[backend] = _generate(eng, ids, 12, **asked)
+    (ort_ids, ort, ort_end), (pt_ids, pt, pt_end) = runs["onnxruntime"], runs["torch"]
+    assert pt_ids == ort_ids
+    for a, b in zip(ort.prompt_logprobs + ort.logprobs, pt.prompt_logprobs + pt.logprobs, strict=True):
+        assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-3
+    for a, b in zip(ort_end.attention, pt_end.attention, strict=True):
+        assert (a.layer, a.head) == (b.layer, b.head) and abs(a.mean_entropy - b.mean_entropy) < 1e-3
+
+
+def test_served_over_the_openai_api_with_prefix_cache_n_structured_outputs_and_entropy(dirs, tmp_path):
+    """What agents and the metrics use, on the torch backend serving a Hugging Face directory (with a chat
+    template: the directory's own, read as the exporter reads it)."""
+    source = tmp_path / "llama"
+    shutil.copytree(dirs["llama"], source)
+    template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (source / "chat_template.jinja").write_text(template, encoding="utf-8")
+    be = load_backend(source, "torch")
+    eng = Engine(be, EngineConfig(kv_cache_mb=8), ServingMetrics(be.spec, entropy="head"))
+    with BackgroundServer(eng, ServerConfig(port=0, metrics_port=0, http_port=0)) as srv:
+        client = api(srv)
+        prompt = "The quick brown fox jumps over the lazy dog and " * 4
+        first = client.completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0)
+        again = client.completions.create(model="llama", prompt=prompt, max_tokens=8, temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens >= 16  # whole pages found, not prefilled again
+        many = client.completions.create(model="llama", prompt=prompt, max_tokens=6, n=3, temperature=1.0, seed=3)
+        assert len(many.choices) == 3
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        reply = client.chat.completions.create(
+            model="llama",
+            messages=[{"role": "user", "content": "a number"}],
+            max_tokens=40,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}},
+        )
+        if reply.choices[0].finish_reason == "stop":  # a random model may run out of tokens; what it wrote is a prefix
+            assert isinstance(json.loads(reply.choices[0].message.content)["a"], int)
+        else:
+            assert reply.choices[0].message.content.startswith('{"a"')
+        m = scrape(srv)  # every head of every layer has its entropy histogram, and it counted the positions
+        entropy = "sharp_attention_entropy_nats"
+        assert {(s.labels["layer"], s.labels["head"]) for s in m[entropy].samples} == {
+            (str(layer), str(head)) for layer in range(2) for head in range(4)
+        }
+        assert sample_value(m, entropy, f"{entropy}_count", layer="1", head="3") > 0
