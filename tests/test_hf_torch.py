@@ -17,8 +17,9 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
+from devices import DEVICE  # noqa: E402
 from helpers import api, greedy_request, run_until_idle, sample_value, scrape  # noqa: E402
-from hf_models import VOCAB, _configs, _train_tokenizer  # noqa: E402
+from hf_models import SIZES, VOCAB, _configs, _train_tokenizer  # noqa: E402
 
 from sharp.exporter import cli as export_cli  # noqa: E402
 from sharp.models import hf, hf_lm, registry  # noqa: E402
@@ -136,6 +137,33 @@ def test_greedy_tokens_equal_transformers_for_64_tokens(dirs, family):
             want = eager.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False, pad_token_id=0)
         want = want[0, len(ids) :].tolist()
         assert len(want) == 64 and got == want
+
+
+@pytest.mark.parametrize("norm", ["softmax", "entmax"])
+def test_the_triton_kernels_serve_it_as_the_reference_does(dirs, tmp_path, norm):
+    """A Qwen3 shape with 6 query heads on 2 KV heads (a group of 3, as SmolLM2's 9 on 3) and q/k norms through the
+    Triton prefill and paged-decode kernels (the GPU's path; here Triton's interpreter): two sequences of different
+    lengths, chunked prefill, batched decode — the reference attention's greedy tokens."""
+    pytest.importorskip("triton")
+    source = tmp_path / "qwen3-g3"
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(**{**SIZES, "num_attention_heads": 6, "num_key_value_heads": 2})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
+    _train_tokenizer().save(str(source / "tokenizer.json"))
+    if norm != "softmax":
+        source = _with_norm(source, tmp_path / "qwen3-g3-norm", norm)
+    prompts = [[1, *range(10, 30)], [1, *range(60, 67)]]  # 21 and 8 tokens: a prefill of two chunks and of one
+    runs = {}
+    for impl in (None, "triton"):
+        be = load_backend(source, "torch", DEVICE.type, impl=impl, dtype="fp32")
+        eng = Engine(be, EngineConfig(prefill_chunk=16, max_batch=2))
+        got: list[list[int]] = [[], []]
+        for i, ids in enumerate(prompts):
+            put = lambda ev, out=got[i]: isinstance(ev, Delta) and out.extend(ev.token_ids)
+            eng.submit(greedy_request(eng, ids, 6, ignore_eos=True), put)
+        run_until_idle(eng)
+        runs[impl] = got
+    assert runs["triton"] == runs[None] and all(len(t) == 6 for t in runs[None])
 
 
 def _with_norm(source: Path, out: Path, norm: str) -> Path:
