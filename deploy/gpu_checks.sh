@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks a lent GPU runs first (docs/kernels.md, "Verified and not verified"), as one command that ends inside a
 # lent machine's 10-minute command limit: the GPU test selection, the kernels against SDPA (prefill at 16K keys,
-# split-K and paged decode at 32K and 128K) and long-context serving against transformers. Each step has its own time limit and
+# split-K and paged decode at 32K and 128K), long-context serving against transformers, and a Hugging Face model
+# served by the torch backend against transformers' continuous batching (hf-serve). Each step has its own time limit and
 # writes what it measured as it goes (the benchmarks into $OUT/benchmarks.md, a copy of docs/benchmarks.md: merge
 # its sections back); a step that fails or runs out of time is said, and the script exits 1 after the others ran.
 #
@@ -41,9 +42,11 @@ step() {  # step SECONDS NAME COMMAND...: run it under its limit, its output int
 }
 
 bench=("$py" -P -c "import sys; from sharp.benchmarks import main; sys.exit(main())")
-step 160 "test-gpu" "$py" -P -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gpu.py
+step 130 "test-gpu" "$py" -P -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_gpu.py
 # kernels writes its section at the end: one prefill length (16K, D = 128) keeps it inside its limit
-step 190 "kernels --check" "${bench[@]}" kernels --check --lengths 16384 --head-dims 128 \
+step 160 "kernels --check" "${bench[@]}" kernels --check --lengths 16384 --head-dims 128 \
     --decode-lengths 32768 131072 --write "$out/benchmarks.md"
-step 190 "long-context" "${bench[@]}" long-context --write "$out/benchmarks.md"
+step 120 "long-context" "${bench[@]}" long-context --prompt 32768 --write "$out/benchmarks.md"
+# a Hugging Face model (SmolLM2's shape) on the torch backend against transformers' continuous batching (issue 78)
+step 180 "hf-serve" "${bench[@]}" hf-serve --repeats 1 --write "$out/benchmarks.md"
 exit "$failed"

@@ -506,6 +506,7 @@ def test_gpu_checks_refuse_without_cuda_or_wheels_and_report_each_failed_step(tm
     assert "-m pytest -q -m gpu" in log
     assert "kernels --check --lengths 16384 --head-dims 128 --decode-lengths 32768 131072" in log
     assert "== long-context: exit 3" in log and "== kernels --check: exit" not in log
+    assert "hf-serve --repeats 1" in log and "== hf-serve: exit" not in log  # the step after a failed one still ran
     assert (tmp_path / "out" / "benchmarks.md").read_text() == (ROOT / "docs" / "benchmarks.md").read_text()
 
 

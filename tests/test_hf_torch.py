@@ -236,3 +236,19 @@ def test_served_over_the_openai_api_with_prefix_cache_n_structured_outputs_and_e
             (str(layer), str(head)) for layer in range(2) for head in range(4)
         }
         assert sample_value(m, entropy, f"{entropy}_count", layer="1", head="3") > 0
+
+
+def test_hf_serve_benchmark_smoke_runs_both_sides_and_reports_parity(tmp_path):
+    """`sharp-bench hf-serve --smoke` (the GPU check's serving step, on CPU with a tiny shape): every section is
+    written, fp32 greedy tokens agree with transformers', both sides' throughput and TTFT are reported."""
+    from sharp.benchmarks import hfserve
+
+    page = tmp_path / "bench.md"
+    page.write_text("# Benchmarks\n")
+    assert hfserve.run(["--smoke", "--write", str(page)]) == 0
+    text = page.read_text()
+    assert text.count("greedy tokens equal ✓") == 3 and "✗" not in text
+    for title in ("**Throughput**", "**TTFT**", "**Decode after 128 tokens**"):
+        assert title in text
+    rows = [line for line in text.splitlines() if line.startswith("| 3 |")]  # C = 3: both sides measured
+    assert len(rows) == 1 and all(float(c.strip().rstrip("×").replace(",", "")) > 0 for c in rows[0].split("|")[2:5])
