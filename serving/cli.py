@@ -213,6 +213,12 @@ def serve_parser() -> argparse.ArgumentParser:
         choices=list(DTYPES),
         help="torch backend: weights and KV cache (default: bf16 on cuda, fp32 on cpu)",
     )
+    ap.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="torch backend: decode steps replayed from CUDA graphs, one per batch-size bucket (default: on with"
+        " --device cuda; a step with more sequences than the largest bucket runs eagerly)",
+    )
     return ap
 
 
@@ -249,11 +255,13 @@ def build_server(args):
     )
     if args.backend is None:
         args.backend = default_backend(args.model, args.device)
+    if args.cuda_graphs is not None and args.backend != "torch":
+        raise UsageError(f"--cuda-graphs applies to --backend torch, not {args.backend}")
     if args.dtype is not None and args.backend != "torch":
         raise UsageError(f"--dtype applies to --backend torch (the {args.backend} file fixes its own precision)")
     kw = {
         "onnxruntime": {"op_library": args.ort_op_library, "threads": args.threads, "native": args.native},
-        "torch": {"dtype": args.dtype},
+        "torch": {"dtype": args.dtype, "graphs": args.cuda_graphs},
     }.get(args.backend, {})
     model = check_model_path(args.model, args.backend)  # said before a process starts
     server = _yielding_defaults(server, getattr(args, "given", set()), say=lambda line: print(line, flush=True))

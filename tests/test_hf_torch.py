@@ -252,3 +252,39 @@ def test_hf_serve_benchmark_smoke_runs_both_sides_and_reports_parity(tmp_path):
         assert title in text
     rows = [line for line in text.splitlines() if line.startswith("| 3 |")]  # C = 3: both sides measured
     assert len(rows) == 1 and all(float(c.strip().rstrip("×").replace(",", "")) > 0 for c in rows[0].split("|")[2:5])
+
+
+def test_decode_graphs_pad_to_buckets_and_serve_what_eager_serves(dirs):
+    """The CUDA-graph path (serving/backends/graphs.py) on CPU: the same static buffers, buckets and padding, run
+    eagerly at each replay. Five sequences of different lengths join and leave: steps of 5, 4, … sequences replay
+    the buckets 8, 4, 2, 1, padded rows on the scratch page, and every sequence's greedy tokens equal the eager
+    backend's (a padded row writing into a real page, or a stale block table, changes them)."""
+    prompts = [[1, *range(10, 10 + n)] for n in (40, 3, 17, 25, 9)]
+    lengths = [14, 6, 10, 3, 8]
+    runs = {}
+    for graphs in (False, True):
+        be = load_backend(dirs["qwen3"], "torch", graphs=graphs)
+        eng = Engine(be, EngineConfig(prefill_chunk=16, max_batch=8))
+        got: list[list[int]] = [[] for _ in prompts]
+        ends: list = [None] * len(prompts)
+
+        def sink(i: int, got=got, ends=ends):
+            def put(ev) -> None:
+                if isinstance(ev, Delta):
+                    got[i].extend(ev.token_ids)
+                elif isinstance(ev, Finished):
+                    ends[i] = [round(h.mean_entropy, 4) for h in ev.attention or []]
+
+            return put
+
+        for i, (ids, n) in enumerate(zip(prompts, lengths, strict=True)):  # two ask for entropy: both graph kinds
+            eng.submit(greedy_request(eng, ids, n, ignore_eos=True, return_attention_stats=i in (1, 3)), sink(i))
+        run_until_idle(eng)
+        runs[graphs] = got, ends
+        if graphs:
+            replayed = {key: g.replays for key, g in be.graphs.graphs.items()}
+            assert {size for size, _ in replayed} >= {8, 2, 1} and all(replayed.values())
+            assert {with_entropy for _, with_entropy in replayed} == {True, False}
+            assert be.cache.scratch == be.cache.allocator.num_pages  # the scratch page is no sequence's
+    assert runs[True] == runs[False] and [len(t) for t in runs[True][0]] == lengths
+    assert runs[True][1][1] and runs[True][1][3]  # the entropies (their decode steps') agree too

@@ -12,6 +12,7 @@ import torch
 
 from sharp.exporter import metadata
 from sharp.models import gguf, torch_sampling
+from sharp.serving.backends.graphs import DecodeGraphs
 from sharp.serving.backends.interface import DTYPES, Backend, BackendError, Hit, Prefix, StepResult
 from sharp.serving.backends.sampler import Sampler
 from sharp.serving.kv.names import PAGE_SIZE
@@ -106,7 +107,14 @@ class TorchBackend(Backend):
 
     block_tokens = PAGE_SIZE
 
-    def __init__(self, path: Path, device: str = "cpu", impl: str | None = None, dtype: str | None = None):
+    def __init__(
+        self,
+        path: Path,
+        device: str = "cpu",
+        impl: str | None = None,
+        dtype: str | None = None,
+        graphs: bool | None = None,
+    ):
         if device == "cuda" and not torch.cuda.is_available():
             raise BackendError("--device cuda: no CUDA device is visible to torch")
         dtype = dtype or ("bf16" if device == "cuda" else "fp32")
@@ -128,6 +136,8 @@ class TorchBackend(Backend):
         self.spec = ModelSpec(meta.name or path.stem, "torch", meta)
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
         self.cache: PagedKVCache | None = None
+        self.use_graphs = device == "cuda" if graphs is None else graphs  # decode from CUDA graphs (graphs.py)
+        self.graphs: DecodeGraphs | None = None
         self._named: dict[Hashable, list[int]] = {}  # pages a running sequence named (withdrawn if it fails)
 
     def allocate(self, budget_bytes, prefix_bytes=0):
@@ -140,6 +150,10 @@ class TorchBackend(Backend):
         s = self.spec
         keep = min(pages, prefix_bytes // (PAGE_SIZE * self.kv_bytes_per_token))  # cached pages nobody holds
         self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, pages, PAGE_SIZE, self.device, self.dtype, keep)
+        if self.use_graphs:
+            capture = self.device.type == "cuda"  # elsewhere the same buffers and padding, run eagerly (tests)
+            impl = self.impl or ("triton" if capture else "reference")
+            self.graphs = DecodeGraphs(self.model, self.cache, -(-s.context_length // PAGE_SIZE), impl, capture)
         return pages * PAGE_SIZE * self.kv_bytes_per_token
 
     def admit(self, seq, prompt, tokens, reuse, entropy):
@@ -229,4 +243,11 @@ class TorchBackend(Backend):
 
     def _decode_step(self, seqs, tokens, entropy):
         positions = np.array([[self.cache.lengths[s]] for s in seqs], np.int64)
+        if self.graphs is not None:
+            with torch.inference_mode():
+                ran = self.graphs.run(seqs, torch.from_numpy(tokens), torch.from_numpy(positions), entropy)
+            if ran is not None:  # the graph's outputs are overwritten by its next replay: the step keeps a copy
+                logits, ent = ran
+                ent = ent.float().cpu().numpy() if entropy else None
+                return StepResult(logits.float().clone(), ent)
         return self._run(seqs, tokens, positions, entropy)

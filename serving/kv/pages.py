@@ -149,7 +149,8 @@ class PagedKVCache:
         if page_size < 16 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 16 (a kernel tile), got {page_size}")
         self.page_size = page_size
-        shape = (kv_heads, num_pages, page_size, head_dim)
+        self.scratch = num_pages  # one page beyond the allocator's, owned by no sequence: padded rows of a decode
+        shape = (kv_heads, num_pages + 1, page_size, head_dim)  # graph write and read it (backends/graphs.py)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.allocator = PageAllocator(num_pages, keep)  # keep: cached pages nobody holds, at most
