@@ -276,7 +276,8 @@ def test_the_server_arguments_parse_and_the_drain_fits_the_grace_period(rendered
 def test_the_gpu_overlay_serves_a_hugging_face_directory_up_to_the_gpu(tmp_path_factory, tmp_path):
     """docs/deploy.md's GPU path as far as this machine goes: a Hugging Face directory in the models volume where the
     overlay looks for it, the overlay's own arguments (torch backend) parsed and the server built from them — with
-    the device, TLS and ports the only changes (cpu for cuda; no certificate; free loopback ports) — answers."""
+    the device, TLS, ports and KV budget the only changes (cpu for cuda; no certificate; free loopback ports; 64 MiB
+    of this machine's memory for the GPU's 16 GiB) — answers."""
     pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
     import torch
     import transformers
@@ -291,7 +292,8 @@ def test_the_gpu_overlay_serves_a_hugging_face_directory_up_to_the_gpu(tmp_path_
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SIZES))
     model.save_pretrained(volume / "model")  # the volume's layout docs/deploy.md gives: the directory as model/
     _train_tokenizer().save(str(volume / "model" / "tokenizer.json"))
-    local = {"--device": "cpu", "--host": "127.0.0.1", "--port": "0", "--health-port": "0", "--metrics-port": "0"}
+    local = {"--device": "cpu", "--host": "127.0.0.1", "--port": "0", "--health-port": "0", "--metrics-port": "0",
+             "--kv-cache-mb": "64"}  # fmt: skip
     args = []
     for arg in server_args(container):
         flag = arg.partition("=")[0]

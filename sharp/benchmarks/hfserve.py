@@ -164,7 +164,7 @@ def run(argv: list[str] | None = None) -> int:
         ap.error("--concurrency, --prompt, --new-tokens, --ttft, --decode-length and --repeats must be >= 1")
     gpu = torch.cuda.is_available() and not args.smoke
     if args.smoke:
-        args.concurrency, args.prompt, args.new_tokens, args.ttft = [1, 3], 24, 6, [96]
+        args.concurrency, args.prompt, args.new_tokens, args.ttft = [3], 24, 6, [96]
         args.decode_length, args.repeats, args.dtype = 128, 1, "fp32"
         args.no_write = args.no_write or args.write is None
     elif not gpu:
