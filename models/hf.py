@@ -74,6 +74,8 @@ ROPE_KEYS = frozenset(
         "llama_4_scaling_beta",  # Ministral 3: queries × 1 + β·log(1 + floor(pos / original_max_position_embeddings))
     }
 )
+# The families whose transformers modules apply `llama_4_scaling_beta` to the queries.
+LLAMA4_SCALED = ("ministral3",)
 # Length-dependent attention fields of other implementations: refused when set, never silently dropped.
 FOREIGN_SCALING = ("use_logn_attn", "use_dynamic_ntk", "logn_attn", "attn_temperature_tuning", "attn_logit_softcapping")
 
@@ -184,6 +186,11 @@ def check_config(config: PretrainedConfig) -> None:
         unknown = sorted(set(rope) - ROPE_KEYS)
         if unknown:
             raise UnsupportedModel(f"{kind}: unknown RoPE/scaling fields {unknown}; refusing rather than dropping them")
+        if rope.get("llama_4_scaling_beta") and kind not in LLAMA4_SCALED:
+            raise UnsupportedModel(
+                f"{kind}: llama_4_scaling_beta is set, but transformers' {kind} ignores it (only"
+                f" {', '.join(LLAMA4_SCALED)} apply it); refusing rather than exporting a model that differs"
+            )
     AttentionSettings.of(config)  # a malformed sharp_attention entry is refused here too
 
 

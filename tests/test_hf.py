@@ -114,6 +114,10 @@ def test_adaptive_never_raises_layer0_entropy(hf_dirs):
             "unknown RoPE/scaling fields ['fancy']",
         ),
         (transformers.LlamaConfig(**SIZES, use_logn_attn=True), "use_logn_attn"),
+        (
+            transformers.LlamaConfig(**SIZES, rope_parameters={"rope_theta": 1e4, "llama_4_scaling_beta": 0.1}),
+            "transformers' llama ignores it",
+        ),
         (transformers.Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=32), "sliding-window"),
         (transformers.BertConfig(), "model_type 'bert' is not supported"),
     ],
