@@ -126,13 +126,15 @@ def _name(key: str) -> str | None:
     return None
 
 
-def load(path: str | Path) -> SharpLM:
-    """The SharpLM of the Hugging Face directory `path`, its weights read from safetensors (never unpickled), in
-    fp32 and eval mode on the CPU; UnsupportedModel when it cannot run exactly."""
+def load(path: str | Path, config: PretrainedConfig | None = None) -> SharpLM:
+    """The SharpLM of the Hugging Face directory `path` (under `config`, its config.json changed, if given), its
+    weights read from safetensors (never unpickled), in fp32 and eval mode on the CPU; UnsupportedModel when it
+    cannot run exactly."""
     from safetensors import safe_open
 
     path = Path(path)
-    cfg = config_of(hf.load_config(path))
+    config = config or hf.load_config(path)
+    cfg = config_of(config)
     with torch.device("meta"):
         model = SharpLM(cfg)
     state: dict[str, torch.Tensor] = {}
@@ -155,7 +157,7 @@ def load(path: str | Path) -> SharpLM:
     missing = sorted(expected - set(state))
     if unknown or missing:
         raise UnsupportedModel(
-            f"{path}: weights do not match a {cfg.layers}-layer {hf.load_config(path).model_type}"
+            f"{path}: weights do not match a {cfg.layers}-layer {config.model_type}"
             f" (not read: {unknown[:4]}, missing: {missing[:4]})"
         )
     model.load_state_dict(state, strict=False, assign=True)

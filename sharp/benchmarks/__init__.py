@@ -20,6 +20,11 @@ COMMANDS = {
     "chat": ("sharp.benchmarks.chat", "multi-turn chat over a long document vs llama-server (prefix caches)"),
     "routers": ("sharp.benchmarks.routers", "two replicas behind vllm-router: cache-aware vs round-robin routing"),
     "long-context": ("sharp.benchmarks.longctx", "long-context serving on a GPU vs softmax (--smoke: CPU check)"),
+    "quality": (
+        "sharp.benchmarks.quality",
+        "long-context quality of sharpening settings on a real model: passkey,"
+        " perplexity and attention entropy by position (docs/quality.md)",
+    ),
     "hf-serve": (
         "sharp.benchmarks.hfserve",
         "a Hugging Face model on the torch backend vs transformers' continuous batching, on a GPU (--smoke: CPU check)",

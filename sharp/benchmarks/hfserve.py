@@ -179,7 +179,7 @@ def run(argv: list[str] | None = None) -> int:
     def add(title: str, text: str) -> None:  # written as it goes: a run cut short keeps what it measured
         sections.append(f"**{title}**\n\n{text}")
         body = (
-            f"{today()}, {name}, `{args.command}`; model {args.model or 'SmolLM2-135M shape, random weights'}, "
+            f"{today()}, {name}, {args.command}; model {args.model or 'SmolLM2-135M shape, random weights'}, "
             f"{args.dtype} unless said.\n\n" + "\n\n".join(sections)
         )
         if page is not None:

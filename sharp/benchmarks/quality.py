@@ -1,0 +1,288 @@
+"""`sharp-bench quality [MODEL]`: does a sharpening setting keep a real model's attention sharp as the context grows,
+and what does it cost? Passkey retrieval, perplexity and attention entropy by position, per setting.
+
+MODEL is a GGUF file or a Hugging Face directory (default: SmolLM2-135M-Instruct's GGUF, `sharp.smollm2`). Each
+setting is a change of the model's config.json that `sharp-export` and `sharp-serve` take as they are — the
+normalizer `config.sharp_attention` names and a RoPE scaling as Hugging Face configs state it — so a setting that
+helps is one a user can ship. The model runs through models/hf_lm.py (sharp's own modules, tested equal to the
+export for every normalizer): on a GPU with the Triton kernels, on CPU with the reference and streamed attention.
+
+- **passkey**: a five-digit key hidden at a depth in real prose (the Python documentation's topics, which ship with
+  Python: `pydoc_data.topics`), asked for at the end through the model's chat template; scored by exact match of
+  the first number in the greedy answer; each cell `k/n` with a Wilson 95% interval. Depths spread evenly over the
+  trials, keys and filler differ per trial, the same for every setting.
+- **perplexity by position**: one long text (the same topics, past the passkey filler) scored once; the mean
+  negative log-likelihood per position bin, as perplexity.
+- **attention entropy by position**: every head's normalized entropy (entropy / log(keys)) at the same positions,
+  averaged over heads and layers per bin — the mechanism beside the outcome.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sharp.benchmarks.harness import (
+    BenchParser,
+    add_output,
+    command_line,
+    markdown_table,
+    output_page,
+    today,
+    write_section,
+)
+
+PAGE = Path("docs/quality.md")
+INSTRUCTION = (
+    "Below is some text. Somewhere inside it there is a pass key, a five-digit number. Read the text, find the pass"
+    " key and remember it; you will be asked for it at the end.\n\n{body}\n\nThe text is over. What is the pass key"
+    " mentioned in the text? Answer with the number only."
+)
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+ANSWER = "The pass key is"  # the assistant's reply begins so; the key is the number it writes next
+NEW_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A change of config.json: `attention` becomes config.sharp_attention, `rope` updates rope_parameters (with
+    `context` the new max_position_embeddings)."""
+
+    attention: dict | None = None
+    rope: dict | None = None
+    context_factor: float = 1.0
+
+
+def settings_for(train_length: int) -> dict[str, Setting]:
+    """The settings compared, for a model trained at `train_length` tokens."""
+    s = 1 / math.log(train_length)  # SSMax's s·log n = 1 at the training length: softmax there, sharper beyond
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": train_length}
+    return {
+        "softmax": Setting(),
+        "adaptive": Setting({"norm": "adaptive"}),
+        "ssmax": Setting({"norm": "ssmax", "ssmax_s": s}),
+        "yarn-4x": Setting(rope=yarn, context_factor=4.0),
+        "yarn-4x+ssmax": Setting({"norm": "ssmax", "ssmax_s": s}, rope=yarn, context_factor=4.0),
+        # a setting that destroys attention (logits × ~0.02 at 600 keys: temperature ~50): the harness's own check
+        "flat": Setting({"norm": "ssmax", "ssmax_s": 0.003}),
+    }
+
+
+def _progress(t0: float, message: str) -> None:
+    print(f"quality [{time.perf_counter() - t0:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def prose() -> list[str]:
+    """The words of the Python documentation's topics (pydoc_data.topics ships with every CPython)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)).split()
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of k successes in n trials."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def build(directory: Path, setting: Setting, device: str):
+    """The model of `directory` under `setting` (a SharpLM), and its tokenizer."""
+    from sharp.exporter.hf import load_tokenizer
+    from sharp.models import hf, hf_lm
+
+    config = hf.load_config(directory)
+    if setting.attention is not None:
+        setattr(config, hf.CONFIG_KEY, dict(setting.attention))
+    if setting.rope is not None:
+        config.rope_parameters = {**(config.rope_parameters or {}), **setting.rope}
+        config.max_position_embeddings = int(config.max_position_embeddings * setting.context_factor)
+    hf.check_config(config)
+    model = hf_lm.load(directory, config).to(device)
+    return model, load_tokenizer(directory, config)
+
+
+def passkey_prompts(tok, words: list[str], length: int, trials: int, seed: int = 0) -> list[tuple[list[int], str]]:
+    """`trials` prompts of about `length` tokens, each with its key: depths evenly spread, filler per trial."""
+    from sharp.models.tokenizer import render_chat
+
+    rng = random.Random(seed)
+    out = []
+    for t in range(trials):
+        key = str(rng.randint(10000, 99999))
+        depth = (t + 0.5) / trials
+        start = (t * 7919) % max(1, len(words) // 2)  # a different stretch of prose per trial
+        n = max(16, int(length / 1.6))
+        while True:  # grow or shrink the filler until the prompt is within 3% of `length` tokens
+            filler = words[start : start + n]
+            cut = int(len(filler) * depth)
+            body = " ".join(filler[:cut]) + NEEDLE.format(key=key) + " ".join(filler[cut:])
+            text = render_chat(tok, [{"role": "user", "content": INSTRUCTION.format(body=body)}]) + ANSWER
+            ids = tok.encode(text, bos=False)
+            if abs(len(ids) - length) <= 0.03 * length or n < 16:
+                break
+            n = max(16, int(n * length / len(ids)))
+        out.append((ids, key))
+    return out
+
+
+def _impl(device: str, keys: int) -> str:
+    return "triton" if device == "cuda" else ("streamed" if keys > 1024 else "reference")
+
+
+@torch.inference_mode()
+def greedy(model, ids: list[int], n: int, device: str) -> list[int]:
+    """n greedy tokens after `ids` on a dense cache."""
+    out = model.step(torch.tensor([ids], device=device), impl=_impl(device, len(ids)))
+    tokens = []
+    for _ in range(n):
+        nxt = int(out.logits[0, -1].argmax())
+        tokens.append(nxt)
+        out = model.step(torch.tensor([[nxt]], device=device), cache=out.cache, impl=_impl(device, len(ids)))
+    return tokens
+
+
+@torch.inference_mode()
+def by_position(model, ids: list[int], bins: list[int], device: str) -> tuple[list[float], list[float]]:
+    """Perplexity and mean normalized attention entropy of the text's positions in each bin [bins[i], bins[i+1])."""
+    out = model.step(torch.tensor([ids], device=device), return_entropy=True, impl=_impl(device, len(ids)))
+    logits = out.logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:], device=device), reduction="none")
+    positions = torch.arange(1, len(ids), device=device)  # the position of the predicted token
+    ent = out.entropy[0].float().mean((0, 1))  # (L,) over layers and heads
+    norm = ent[1:] / torch.log(positions.float() + 1)  # entropy / log(keys seen), keys = position + 1
+    ppl, entropy = [], []
+    for lo, hi in itertools.pairwise(bins):
+        inside = (positions >= lo) & (positions < hi)
+        ppl.append(math.exp(float(nll[inside].mean())) if inside.any() else float("nan"))
+        entropy.append(float(norm[inside].mean()) if inside.any() else float("nan"))
+    return ppl, entropy
+
+
+def run(argv: list[str] | None = None) -> int:
+    ap = BenchParser(prog="sharp-bench quality", description=__doc__)
+    ap.add_argument("model", nargs="?", type=Path, help="a GGUF file or a Hugging Face directory (default: SmolLM2)")
+    ap.add_argument("--settings", nargs="+", help="default: every setting but 'flat'")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--text", type=int, default=16384, help="tokens of the perplexity text (bins up to it)")
+    ap.add_argument("--plot", type=Path, help="write the plot (PNG) here too (default beside docs/quality.md)")
+    ap.add_argument("--quick", action="store_true", help="CI size: softmax and 'flat' at ~600 tokens, 5 trials")
+    add_output(ap, PAGE)
+    args = ap.parse_args(argv)
+    args.command = command_line("quality", [] if argv is None else list(argv))
+    if args.quick:
+        args.settings, args.lengths, args.trials, args.text = ["softmax", "flat"], [600], 5, 1024
+        args.no_write = args.no_write or args.write is None  # only to a page named with --write
+    if min(*args.lengths, args.text) < 64 or args.trials < 1:
+        ap.error("--lengths and --text must be >= 64 tokens, --trials >= 1")
+    from sharp.models import gguf
+
+    source = args.model
+    if source is None:
+        from sharp import smollm2
+
+        source = smollm2.gguf_path()
+    try:
+        found = gguf.find(source)
+        directory = gguf.hf_directory(found) if found is not None else source
+    except gguf.GGUFError as e:
+        ap.error(str(e))
+    if not (directory / "config.json").is_file():
+        ap.error(f"{source}: not a GGUF file or a Hugging Face directory")
+    from sharp.models import hf
+
+    train = hf.load_config(directory).max_position_embeddings
+    table = settings_for(train)
+    names = args.settings or [n for n in table if n != "flat"]
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        ap.error(f"unknown setting {unknown[0]!r}; valid: {', '.join(table)}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    machine = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    page = output_page(args, PAGE)
+    words = prose()
+    half = len(words) // 2
+    bins = [0, *[b for b in (512, 1024, 2048, 4096, 8192, 16384, 32768) if b < args.text], args.text]
+    results: dict[str, dict] = {}
+    t0 = time.perf_counter()
+    for name in names:
+        model, tok = build(directory, table[name], device)
+        cells = {}
+        for length in args.lengths:
+            hits = 0
+            for ids, key in passkey_prompts(tok, words[:half], length, args.trials):
+                answer = tok.decode(greedy(model, ids, NEW_TOKENS, device))
+                found_key = re.search(r"\d+", answer)
+                hits += bool(found_key and found_key.group() == key)
+            cells[length] = hits
+            _progress(t0, f"{name} passkey at {length:,}: {hits}/{args.trials}")
+        text_ids = tok.encode(" ".join(words[half:]), bos=False)[: args.text]
+        ppl, ent = by_position(model, text_ids, bins, device)
+        _progress(t0, f"{name} perplexity by position: {', '.join(f'{p:.2f}' for p in ppl)}")
+        results[name] = {"passkey": cells, "ppl": ppl, "entropy": ent}
+        del model
+        if page is not None:
+            write_section("quality", _body(args, results, bins, machine, source), page, title="Long-context quality")
+    print(_body(args, results, bins, machine, source))
+    if page is not None or args.plot is not None:
+        _plot(results, args, bins, args.plot or page.with_suffix(".png"))
+    return 0
+
+
+def _body(args, results: dict, bins: list[int], machine: str, source: Path) -> str:
+    lengths = args.lengths
+    acc = []
+    for name, r in results.items():
+        row = [name]
+        for length in lengths:
+            k = r["passkey"].get(length)
+            if k is None:
+                row.append("")
+                continue
+            lo, hi = wilson(k, args.trials)
+            row.append(f"{k}/{args.trials} ({lo:.0%}–{hi:.0%})")
+        acc.append(row)
+    spans = [f"{lo:,}–{hi:,}" for lo, hi in itertools.pairwise(bins)]
+    ppl = [[name, *(f"{p:.2f}" for p in r["ppl"])] for name, r in results.items()]
+    ent = [[name, *(f"{e:.3f}" for e in r["entropy"])] for name, r in results.items()]
+    return (
+        f"{today()}, {machine}, {args.command} on {source.name}; {args.trials} trials per cell, Wilson 95% intervals."
+        "\n\n**Passkey retrieval** (exact match of the five-digit key), by prompt length in tokens:\n\n"
+        + markdown_table(["setting", *(f"{n:,}" for n in lengths)], acc)
+        + "\n\n**Perplexity by position** (one text of the Python documentation's topics):\n\n"
+        + markdown_table(["setting", *spans], ppl)
+        + "\n\n**Attention entropy by position** (entropy / log keys, mean over layers and heads):\n\n"
+        + markdown_table(["setting", *spans], ent)
+    )
+
+
+def _plot(results: dict, args, bins: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    mids = [(lo + hi) / 2 for lo, hi in itertools.pairwise(bins)]
+    for name, r in results.items():
+        xs = sorted(r["passkey"])
+        a.plot(xs, [r["passkey"][x] / args.trials for x in xs], marker="o", label=name)
+        b.plot(mids, r["ppl"], marker="o", label=name)
+    a.set(xscale="log", xlabel="prompt tokens", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
+    b.set(xscale="log", xlabel="position", ylabel="perplexity")
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
