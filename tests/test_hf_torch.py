@@ -182,7 +182,7 @@ def test_every_norm_serves_what_its_onnxruntime_export_serves(dirs, tmp_path, no
     """The same directory on both backends: the prompt's log-probabilities at every position, the greedy tokens and
     the per-head mean entropies agree within the export check's tolerances."""
     source = _with_norm(dirs["qwen3"], tmp_path / "qwen3", norm)
-    assert export_cli.main([str(source), "-o", str(tmp_path / "m.onnx")]) == 0
+    assert export_cli.main([str(source), "-o", str(tmp_path / "m.onnx"), "--no-check"]) == 0  # held to torch below
     ids = [1, *range(10, 70)]
     runs = {}
     for backend, path in (("onnxruntime", tmp_path / "m.onnx"), ("torch", source)):
