@@ -399,3 +399,18 @@ def test_hostile_measures_a_bystander_beside_compiles_and_fails_when_the_load_is
     assert len(rows) == 4 and all(float(r.split("|")[5].strip().rstrip("×")) > 0 for r in rows), rows
     assert main(["hostile", "--properties", "100", "--probes", "1", "--repeats", "1", "--no-write"]) == 1
     assert "not the parser-limit 400" in capsys.readouterr().err
+
+
+def test_quality_intervals_are_wilson_and_its_settings_are_what_an_export_takes():
+    """docs/quality.md's intervals (Wilson 95%: 5/5 → 57–100%, 0/10 → 0–28%) and its settings: SSMax's s makes
+    s·log n_train = 1, YaRN scales from the training length."""
+    import math
+
+    from sharp.benchmarks import quality
+
+    assert [round(x, 3) for x in quality.wilson(5, 5)] == [0.566, 1.0]
+    assert [round(x, 3) for x in quality.wilson(0, 10)] == [0.0, 0.278]
+    assert [round(x, 3) for x in quality.wilson(8, 10)] == [0.49, 0.943]
+    table = quality.settings_for(8192)
+    assert table["ssmax"].attention["ssmax_s"] * math.log(8192) == pytest.approx(1.0)
+    assert table["yarn-4x"].rope["original_max_position_embeddings"] == 8192 and table["softmax"] == quality.Setting()
