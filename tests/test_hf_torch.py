@@ -286,3 +286,27 @@ def test_decode_graphs_pad_to_buckets_and_serve_what_eager_serves(dirs):
             assert be.cache.scratch == be.cache.allocator.num_pages  # the scratch page is no sequence's
     assert runs[True] == runs[False] and [len(t) for t in runs[True][0]] == lengths
     assert runs[True][1][1] and runs[True][1][3]  # the entropies (their decode steps') agree too
+
+
+def test_a_decode_graph_that_cannot_be_captured_leaves_the_backend_serving_eagerly(dirs, monkeypatch):
+    """A capture the GPU refuses (an op that cannot be captured) turns graphs off with the reason, once; the step
+    that tried it, and every later one, runs eagerly and generates the eager backend's tokens."""
+    from sharp.serving.backends import graphs
+
+    def refuse(self, g, entropy):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    want = _one_greedy(load_backend(dirs["mistral"], "torch", graphs=False))
+    monkeypatch.setattr(graphs.DecodeGraphs, "_capture", refuse)
+    be = load_backend(dirs["mistral"], "torch", graphs=True)
+    assert _one_greedy(be, capture=True) == want
+    assert be.graphs.disabled.startswith("capturing the decode graph of 1 sequences failed: operation not permitted")
+    assert not be.graphs.graphs
+
+
+def _one_greedy(be, capture: bool = False) -> list[int]:
+    eng = Engine(be, EngineConfig(prefill_chunk=16))
+    if capture:
+        be.graphs.capture = True  # as on a GPU: the (refusing) capture runs
+    tokens, _, _ = _generate(eng, [1, *range(10, 30)], 8, ignore_eos=True)
+    return tokens

@@ -14,6 +14,7 @@ runs the model eagerly at each replay — the code path the tests check on machi
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ import torch
 from torch import Tensor
 
 from sharp.models.kvcache import PagedStep
+
+log = logging.getLogger("sharp.serving")
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -51,6 +54,7 @@ class DecodeGraphs:
     max_batch: int = BUCKETS[-1]
     graphs: dict[tuple[int, bool], _Graph] = field(default_factory=dict)
     pool: object | None = None  # the graphs' shared memory pool
+    disabled: str | None = None  # why graphs are off: a capture failed, every later step runs eagerly
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in BUCKETS if b >= batch and b <= self.max_batch), None)
@@ -59,9 +63,17 @@ class DecodeGraphs:
         """The step's last-position logits (B, V) and entropy (B, layers, heads, 1) or None, from the bucket's
         graph; None when no bucket holds `len(seqs)` sequences."""
         size = self.bucket(len(seqs))
-        if size is None:
+        if size is None or self.disabled is not None:
             return None
-        g = self.graphs.get((size, entropy)) or self._build(size, entropy)
+        g = self.graphs.get((size, entropy))
+        if g is None:
+            try:
+                g = self._build(size, entropy)
+            except RuntimeError as e:  # an op the capture refuses: serve eagerly rather than fail the step
+                self.disabled = f"capturing the decode graph of {size} sequences failed: {str(e).splitlines()[0]}"
+                self.graphs.clear()
+                log.warning("%s; decode steps run eagerly from now on", self.disabled)
+                return None
         self._fill(g, seqs, tokens, positions)
         if g.graph is not None:
             g.graph.replay()
