@@ -4,6 +4,9 @@ here with `tokenizers`: tests/test_hf.py, test_hf_torch.py and test_deploy.py us
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -68,3 +71,22 @@ def _train_tokenizer() -> Tokenizer:
     tok.train_from_iterator(CORPUS * 20, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tok
+
+
+def write_model(path: Path, config: transformers.PretrainedConfig, tok: Tokenizer | None = None) -> Path:
+    """A model of `config` with seeded random weights saved at `path`, with the tokenizer's tokenizer.json."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    (tok or _train_tokenizer()).save(str(path / "tokenizer.json"))
+    return path
+
+
+def write_models(root: Path) -> dict[str, Path]:
+    """Every family of `_configs` as a directory under `root`."""
+    tok = _train_tokenizer()
+    return {name: write_model(root / name, config, tok) for name, config in _configs().items()}
+
+
+def load_eager(path: Path):
+    """The directory's model in transformers with its eager attention (the reference)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()

@@ -279,19 +279,15 @@ def test_the_gpu_overlay_serves_a_hugging_face_directory_up_to_the_gpu(tmp_path_
     the device, TLS, ports and KV budget the only changes (cpu for cuda; no certificate; free loopback ports; 64 MiB
     of this machine's memory for the GPU's 16 GiB) — answers."""
     pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
-    import torch
     import transformers
-    from hf_models import SIZES, _train_tokenizer
+    from hf_models import SIZES, write_model
 
     from sharp.serving.api.server import BackgroundServer
     from sharp.serving.cli import build_server
 
     (container,) = by_kind(render("gpu", tmp_path_factory))["Deployment"]["spec"]["template"]["spec"]["containers"]
     volume = tmp_path / "models"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**SIZES))
-    model.save_pretrained(volume / "model")  # the volume's layout docs/deploy.md gives: the directory as model/
-    _train_tokenizer().save(str(volume / "model" / "tokenizer.json"))
+    write_model(volume / "model", transformers.LlamaConfig(**SIZES))  # the layout docs/deploy.md gives: model/
     local = {"--device": "cpu", "--host": "127.0.0.1", "--port": "0", "--health-port": "0", "--metrics-port": "0",
              "--kv-cache-mb": "64"}  # fmt: skip
     args = []

@@ -18,7 +18,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
-from hf_models import SIZES, VOCAB, _configs, _train_tokenizer  # noqa: E402
+from hf_models import SIZES, VOCAB, _configs, _train_tokenizer, load_eager, write_models  # noqa: E402
 from tokenizers import Tokenizer, processors  # noqa: E402
 
 from sharp.exporter import cli as export_cli  # noqa: E402
@@ -36,25 +36,12 @@ from sharp.serving.metrics import ServingMetrics  # noqa: E402
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    tok = _train_tokenizer()
-    dirs = {}
-    for name, config in _configs().items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        dirs[name] = root / name
-        model.save_pretrained(dirs[name])
-        tok.save(str(dirs[name] / "tokenizer.json"))
-    return dirs
-
-
-def _eager(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+    return write_models(tmp_path_factory.mktemp("hf"))
 
 
 @pytest.mark.parametrize("family", list(_configs()))
 def test_sharp_attention_matches_transformers_eager_with_padding_and_a_cache(hf_dirs, family):
-    eager, ours = _eager(hf_dirs[family]), hf.load_model(hf_dirs[family])
+    eager, ours = load_eager(hf_dirs[family]), hf.load_model(hf_dirs[family])
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (2, 40), generator=g)
     mask = torch.ones(2, 40, dtype=torch.long)
@@ -204,7 +191,7 @@ def test_sharp_serve_greedy_equals_transformers_generate(hf_dirs, exported, fami
     backend = load_backend(exported[family])
     assert backend.spec.name == family  # the id is the exported directory's name, whatever -o called the file
     engine = Engine(backend, EngineConfig(), ServingMetrics(backend.spec))
-    eager = _eager(hf_dirs[family])
+    eager = load_eager(hf_dirs[family])
     tok = Tokenizer.from_file(str(hf_dirs[family] / "tokenizer.json"))
     prompts = ["def main():\n", "The quick brown fox jumps over the lazy dog and", "Zoë 🎉"]
     with BackgroundServer(engine, ServerConfig(port=0, metrics_port=0)) as srv, Client(srv.target) as c:

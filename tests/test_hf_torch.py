@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 
 from devices import DEVICE  # noqa: E402
 from helpers import api, greedy_request, run_until_idle, sample_value, scrape  # noqa: E402
-from hf_models import SIZES, VOCAB, _configs, _train_tokenizer  # noqa: E402
+from hf_models import SIZES, VOCAB, load_eager, write_model, write_models  # noqa: E402
 
 from sharp.exporter import cli as export_cli  # noqa: E402
 from sharp.models import hf, hf_lm, registry  # noqa: E402
@@ -35,26 +35,13 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "ministral3"]  # llama3 RoPE; 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf_torch")
-    tok = _train_tokenizer()
-    out = {}
-    for name, config in _configs().items():
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        out[name] = root / name
-        model.save_pretrained(out[name])
-        tok.save(str(out[name] / "tokenizer.json"))
-    return out
-
-
-def _eager(path: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+    return write_models(tmp_path_factory.mktemp("hf_torch"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_equal_transformers_eager(dirs, family):
     """60 positions: past Ministral 3's query-temperature floor (16) and YaRN's original context (16)."""
-    ours, eager = hf_lm.load(dirs[family]), _eager(dirs[family])
+    ours, eager = hf_lm.load(dirs[family]), load_eager(dirs[family])
     ids = torch.randint(3, VOCAB, (2, 60), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want, got = eager(ids).logits, ours(ids)
@@ -128,7 +115,7 @@ def test_greedy_tokens_equal_transformers_for_64_tokens(dirs, family):
     be = load_backend(dirs[family], "torch")
     assert be.spec.name == family and be.spec.metadata.architecture == "transformers"
     eng = Engine(be, EngineConfig(prefill_chunk=16))  # prefill in chunks, then decode on the pages
-    eager = _eager(dirs[family])
+    eager = load_eager(dirs[family])
     eager.generation_config.eos_token_id = None  # 64 tokens on both sides (ignore_eos: EOS is a token like another)
     for prompt in ("def main():\n", "The quick brown fox jumps over the lazy dog and"):
         ids = eng.tokenizer.encode(prompt)
@@ -145,11 +132,8 @@ def test_the_triton_kernels_serve_it_as_the_reference_does(dirs, tmp_path):
     lengths, chunked prefill, batched decode — the reference attention's greedy tokens. (Every norm's kernels on the
     paged cache: tests/test_kv_pages.py; this is the Hugging Face model's way to them.)"""
     pytest.importorskip("triton")
-    source = tmp_path / "qwen3-g3"
-    torch.manual_seed(0)
     config = transformers.Qwen3Config(**{**SIZES, "num_attention_heads": 6, "num_key_value_heads": 2})
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(source)
-    _train_tokenizer().save(str(source / "tokenizer.json"))
+    source = write_model(tmp_path / "qwen3-g3", config)
     prompts = [[1, *range(10, 30)], [1, *range(60, 67)]]  # 21 and 8 tokens: a prefill of two chunks and of one
     runs = {}
     for impl in (None, "triton"):

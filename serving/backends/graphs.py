@@ -17,11 +17,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from sharp.models.kvcache import PagedStep
+
+if TYPE_CHECKING:
+    from sharp.serving.kv.pages import PagedKVCache
 
 log = logging.getLogger("sharp.serving")
 
@@ -47,7 +51,7 @@ class DecodeGraphs:
     fits, or returns None when it fits none."""
 
     model: torch.nn.Module
-    cache: object  # serving.kv.pages.PagedKVCache (not imported: backends sit above kv, this module beside them)
+    cache: PagedKVCache
     context_pages: int
     impl: str
     capture: bool

@@ -88,8 +88,8 @@ def _transformers(path: Path, export: dict) -> tuple[SharpLM, metadata.ModelMeta
     name = metadata.source_name(path)
     try:
         directory = gguf.hf_directory(path) if gguf.is_gguf(path) else path
-        model = hf_lm.load(directory)
         config = hf.load_config(directory)
+        model = hf_lm.load(directory, config)
         tokenizer = load_tokenizer(directory, config)
     except (ValueError, OSError) as e:  # UnsupportedModel, GGUFError and a missing tokenizer.json are ValueErrors
         raise BackendError(str(e)) from None

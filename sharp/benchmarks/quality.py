@@ -138,7 +138,10 @@ def passkey_prompts(tok, words: list[str], length: int, trials: int, seed: int =
 
 
 def _impl(device: str, keys: int) -> str:
-    return "triton" if device == "cuda" else ("streamed" if keys > 1024 else "reference")
+    """The attention the torch backend would run (its kernels on CUDA; on CPU streamed from its threshold)."""
+    from sharp.serving.backends.torch_backend import STREAMED_FROM_KEYS
+
+    return "triton" if device == "cuda" else ("streamed" if keys >= STREAMED_FROM_KEYS else "reference")
 
 
 @torch.inference_mode()
