@@ -7,7 +7,7 @@ CORE_STAMP := $(VENV)/.installed-core
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools triton-oldest peers wheelhouse image test test-wheel test-compile test-fast test-gpu lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest peers wheelhouse image test test-kernels test-bench test-wheel test-compile test-fast test-gpu lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -81,7 +81,19 @@ wheelhouse: $(STAMP)
 # --dist loadfile: a module's tests on one worker, so a module's fixtures (exports, servers) are built once, not on
 # both workers (10:30 against 11:28 for the whole suite on 2 cores).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q -m 'not gpu and not compile and not wheel'
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q -m 'not gpu and not compile and not wheel and not kernels and not bench'
+
+# The Triton kernels' own tests (tests/test_triton.py, tests/test_triton_entmax.py): every norm, tile and threshold
+# path against the reference, in Triton's CPU interpreter here (about 4 minutes of the two cores), on the GPU where
+# torch sees one. CI runs it after make test; make test leaves it out to stay in 12 min. The kernels stay in make
+# test through the paths that call them (paged decode, the torch backend, the TensorRT stand-in).
+test-kernels: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q -m kernels
+
+# sharp-bench's commands end to end at smoke sizes (tests marked bench: servers in their own processes, the peers,
+# the GPU benchmarks' CPU checks; about 3 minutes of one core). CI runs it after make test.
+test-bench: $(STAMP)
+	$(BIN)/python -m pytest -n 2 -q -m bench
 
 # The wheel built, installed outside the tree and its demo run on the real model from a cold cache (a checked
 # export of the GGUF: 3 minutes of one core). CI runs it after make test; make test leaves it out to stay in 12 min.
@@ -93,9 +105,9 @@ test-wheel: $(STAMP)
 test-compile: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q -m compile
 
-# The inner loop: everything but the tests marked slow (the wheel build, real Prometheus, lm-eval) or compile.
+# The inner loop: make test without the tests marked slow (real Prometheus, lm-eval, ...).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile -q -m 'not gpu and not slow and not compile'
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q -m 'not gpu and not slow and not compile and not wheel and not kernels and not bench'
 
 # The CPU image (deploy/docker/Dockerfile.cpu) with docker or podman, whichever exists; IMAGE_ARGS for build arguments
 # (mirrors, a local base: docs/deploy.md). deploy/smoke.sh IMAGE runs it as a user would. Not part of `make test`.

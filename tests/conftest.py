@@ -60,7 +60,8 @@ _patch_language_once_per_launch()
 # The longest modules start first, longest first (seconds of one core, measured on 2 cores: the real model 178,
 # exports 144, entmax kernels 140, end-to-end benchmarks 132, Hugging Face models 120, kernels 118, precisions 79,
 # ...): with `--dist loadfile` a module runs on one worker, and a long one started last would leave the other idle
-# at the end. (The wheel's demo, as long as the first, runs alone under make test-wheel.)
+# at the end. (The wheel's demo, as long as the first, runs alone under make test-wheel; the kernels' own modules
+# under make test-kernels.)
 FIRST = ("test_real_model.py", "test_export.py", "test_triton_entmax.py", "test_bench_cli.py", "test_hf.py",
          "test_triton.py", "test_precision.py", "test_native_op.py", "test_tensorrt.py", "test_kv_pages.py",
          "test_kv_prefix_cache.py", "test_hf_torch.py", "test_api_routers.py", "test_triton_build.py",

@@ -201,6 +201,7 @@ def test_triton_paged_kernels_in_the_engine(model_files, reference, dtype):
         assert tokens[name] == reference(ids, n)[: len(tokens[name])] and len(tokens[name]) > 0
 
 
+@pytest.mark.bench
 def test_long_context_benchmark_runs_end_to_end_in_smoke_mode(capsys, tmp_path):
     """`sharp-bench long-context` serves through the real backend and engine (numbers meaningless on CPU; nothing
     written); softmax joins the norms asked for as the baseline, and without a GPU the full run refuses (exit 2)."""

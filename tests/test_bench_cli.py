@@ -60,6 +60,7 @@ def test_mistakes_are_one_line(argv, says, capsys):
     assert says in err and len(err.splitlines()) == 1 and err.startswith("sharp-bench ")
 
 
+@pytest.mark.bench
 def test_kernels_smoke_turns_the_interpreter_on_itself(tmp_path):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -73,6 +74,7 @@ def test_kernels_smoke_turns_the_interpreter_on_itself(tmp_path):
     assert "| softmax |" in proc.stdout and not (tmp_path / "docs").exists()
 
 
+@pytest.mark.bench
 def test_serve_runs_sharp_serve_in_its_own_process_and_reports_the_engine_host_time(tmp_path, capsys):
     """`sharp-bench serve` on a small model: a fresh sharp-serve process per run, the engine's own counters read
     back (host µs per step, rows per decode step) and the host-time fit across concurrencies."""
@@ -135,6 +137,7 @@ def test_a_serve_row_reports_the_median_and_the_spread_of_its_rounds():
     assert cells[3] == "600" and cells[-1] == "300–900"
 
 
+@pytest.mark.bench
 def test_genai_compares_both_sides_on_one_package_and_reports_each_sides_spread(tmp_path):
     """`sharp-bench genai` end to end on the zoo model (a tiny load): sharp-serve in its own process and
     onnxruntime-genai on the same package, each run twice; a row holds both medians, their ratio and each side's
@@ -228,6 +231,7 @@ def test_peers_exports_again_a_file_older_than_the_exporter(tmp_path, monkeypatc
                                                                         "--kv-cache-dtype", "fp16"]  # fmt: skip
 
 
+@pytest.mark.bench
 def test_peers_runs_sharp_serve_end_to_end_and_names_a_peer_it_cannot_build(tmp_path, monkeypatch):
     """A small `sharp-bench peers` with sharp-serve only, plus a llama.cpp peer whose build is missing: the model is
     built and exported, sharp-serve measured through its OpenAI API, and the missing peer is a row with its reason."""
@@ -388,6 +392,7 @@ def test_routers_refuses_what_it_cannot_run(argv, capsys):
     assert e.value.code == 2 and "must be" in capsys.readouterr().err
 
 
+@pytest.mark.bench
 def test_hostile_measures_a_bystander_beside_compiles_and_fails_when_the_load_is_not_that(tmp_path, capsys):
     """`sharp-bench hostile` end to end (small: 600 properties compile fast and are still refused past the parser's
     row limit): a row per engine placement and probe, ratios of loaded to unloaded medians; hostile schemas that are

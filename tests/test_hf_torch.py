@@ -220,6 +220,7 @@ def test_served_over_the_openai_api_with_prefix_cache_n_structured_outputs_and_e
         assert sample_value(m, entropy, f"{entropy}_count", layer="1", head="3") > 0
 
 
+@pytest.mark.bench
 def test_hf_serve_benchmark_smoke_runs_both_sides_and_reports_parity(tmp_path):
     """`sharp-bench hf-serve --smoke` (the GPU check's serving step, on CPU with a tiny shape): every section is
     written, fp32 greedy tokens agree with transformers', both sides' throughput and TTFT are reported."""

@@ -24,7 +24,10 @@ from sharp.models.streamed import StreamStats
 from sharp.plugins.triton import attention, tiles
 from sharp.plugins.triton.attention import launch_config, run_problem
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy warnings inside the interpreter
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # numpy warnings inside the interpreter
+]
 
 
 CASES = list(itertools.product(NORMS, [False, True], [(4, 4), (4, 1)], ["prefill", "decode"]))

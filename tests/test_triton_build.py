@@ -194,6 +194,7 @@ IN_PROCESS_SMOKE = pytest.mark.skipif(
 
 
 @IN_PROCESS_SMOKE
+@pytest.mark.bench
 def test_kernel_benchmark_runs_end_to_end_in_smoke_mode(capsys):
     """The GPU benchmark's whole pipeline at toy sizes (numbers meaningless; nothing written)."""
     from sharp.benchmarks.kernels import run

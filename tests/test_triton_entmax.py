@@ -30,7 +30,10 @@ from sharp.plugins.triton.threshold import (
     _threshold_step,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy warnings inside the interpreter
+pytestmark = [
+    pytest.mark.kernels,
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),  # numpy warnings inside the interpreter
+]
 
 
 @triton.jit
