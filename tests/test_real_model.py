@@ -279,6 +279,7 @@ def test_cached_tokens_n_streaming_and_logprobs(served):
         assert len(entries) == 8 and all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in entries)
 
 
+@pytest.mark.bench
 def test_quality_quick_scores_softmax_and_a_setting_that_destroys_attention(real, tmp_path):
     """`sharp-bench quality --quick` on the real model (its directory: the GGUF read once by the fixture): softmax
     finds the passkey at ~600 tokens in ≥ 80% of the trials, a setting that flattens attention (SSMax with s =
