@@ -1,9 +1,10 @@
 """`python -m sharp.zoo`: train the committed demo models on the Python standard library's sources.
 
 Every machine with Python has the corpus, so the models are reproducible anywhere with one command
-(`make zoo`). Two byte-level SharpLMs of the same size, data and seed: `ssa.pt` (SSA attention) and its
-softmax twin `softmax.pt` (on which `adaptive` can be shown at export/serve time). Writes
-models/zoo/README.md, the model card, with the measured losses and the learned SSA parameters.
+(`make zoo`). Three byte-level SharpLMs of the same size, data and seed: `ssa.pt` (SSA attention), its
+softmax twin `softmax.pt` (on which `adaptive` can be shown at export/serve time) and its α-entmax twin
+`entmax.pt` (α learned per head from 1.5; exact zeros, which its decode skips). Writes models/zoo/README.md, the
+model card, with the measured losses and the learned SSA and entmax parameters. `--only NAME` retrains one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ from sharp.models.tasks import TextData
 from sharp.models.train import main as train_main
 
 ZOO = zoo_dir()
-ARCH = ["--layers", "4", "--heads", "4", "--dim", "128", "--pos", "rope", "--context", "2048"]
+ARCH = ["--layers", "4", "--heads", "4", "--dim", "128", "--context", "2048"]
+TWINS = ("ssa", "softmax", "entmax")
+# RoPE, but NAPE for entmax (half the heads ALiBi, half no position; the ASEntmax paper's choice): a model that
+# still works far past its 128-byte training sequences, served at 32K tokens to show its decode skipping pages
+POS = {"ssa": "rope", "softmax": "rope", "entmax": "nape"}
 
 
 def build_corpus(out: Path) -> Path:
@@ -29,10 +34,10 @@ def build_corpus(out: Path) -> Path:
     return out
 
 
-def _card(steps: int, corpus: Path) -> str:
+def _card(steps: int, corpus: Path, only: str | None) -> str:
     data = TextData(corpus)
     rows = []
-    for name in ("ssa", "softmax"):
+    for name in TWINS:
         path = ZOO / f"{name}.pt"
         meta = torch.load(path, weights_only=True)["meta"]
         model = load(path)
@@ -48,18 +53,27 @@ def _card(steps: int, corpus: Path) -> str:
         learned.append(
             f"| {i} | {', '.join(f'{x:.3f}' for x in p['ssa_n'])} | {', '.join(f'{x:.3f}' for x in p['ssa_b'])} |"
         )
+    alphas = [
+        f"| {i} | {', '.join(f'{x:.3f}' for x in block.attn.head_params()['alpha'])} |"
+        for i, block in enumerate(load(ZOO / "entmax.pt").blocks)
+    ]
     return "\n".join(
         [
             "# Demo models",
             "",
             "Byte-level SharpLMs trained by `make zoo` (`python -m sharp.zoo`) on "
             f"{len(STDLIB_MODULES)} modules of the Python standard library ({corpus.stat().st_size / 1e6:.1f} MB here;"
-            " first 90% train, last 10% validation). Trained on "
-            f"{today()}, {machine()}.",
+            " first 90% train, last 10% validation). "
+            + (
+                f"`{only}.pt` trained on {today()}, {machine()}; the others earlier by the same command."
+                if only
+                else f"Trained on {today()}, {machine()}."
+            ),
             "",
-            f"Architecture: 4 layers, 4 heads, dim 128, SwiGLU, RMSNorm, RoPE, tied embeddings, context limit 2048;"
-            f" {steps:,} steps of batch 32 × 128 bytes, AdamW lr 1e-3, seed 0. The twins differ only in the attention"
-            " normalizer.",
+            f"Architecture: 4 layers, 4 heads, dim 128, SwiGLU, RMSNorm, tied embeddings, context limit 2048;"
+            f" {steps:,} steps of batch 32 × 128 bytes, AdamW lr 1e-3, seed 0. `ssa.pt` and `softmax.pt` differ only in"
+            " the attention normalizer (RoPE); `entmax.pt` is α-entmax with NAPE (heads 0–1 ALiBi with slopes 1 and"
+            " 1/2, heads 2–3 no position), which carries it far past its training length.",
             "",
             "| file | norm | first loss | final train loss (last 50 steps) | validation loss | size |",
             "|---|---|---|---|---|---|",
@@ -70,6 +84,12 @@ def _card(steps: int, corpus: Path) -> str:
             "| layer | n | b |",
             "|---|---|---|",
             *learned,
+            "",
+            "Learned entmax α per layer (heads 0–3; from 1.5): keys below the threshold get exactly zero weight",
+            "",
+            "| layer | α |",
+            "|---|---|",
+            *alphas,
             "",
             "They are small demo models: they produce Python-looking text, not good code.",
         ]
@@ -90,15 +110,17 @@ def _val_loss(model, data: TextData, batches: int = 8) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sharp.zoo", description=__doc__)
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--only", choices=TWINS, help="retrain this model only (the card is rewritten from all three)")
     args = ap.parse_args(argv)
     ZOO.mkdir(exist_ok=True)
     corpus = build_corpus(ZOO / "corpus.txt")
     try:
-        for norm in ("ssa", "softmax"):
+        for norm in [args.only] if args.only else TWINS:
             out = ZOO / f"{norm}.pt"
             common = ["--data", str(corpus), "--steps", str(args.steps), "--batch", "32", "--size", "128", "128"]
-            train_main(["text", "--norm", norm, *ARCH, *common, "--seed", "0", "--out", str(out), "--save-every", "0"])
-        (ZOO / "README.md").write_text(_card(args.steps, corpus) + "\n")
+            arch = [*ARCH, "--pos", POS[norm]]
+            train_main(["text", "--norm", norm, *arch, *common, "--seed", "0", "--out", str(out), "--save-every", "0"])
+        (ZOO / "README.md").write_text(_card(args.steps, corpus, args.only) + "\n")
     finally:
         corpus.unlink(missing_ok=True)
     return 0
