@@ -12,12 +12,14 @@ failed step can be run again.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from sharp.models import registry
 from sharp.models.attention import PAGED_IMPL_GROUP, attend, registered_impl
+from sharp.models.sparse_decode import SparseStats, sparse_entmax_decode
 
 # Queries (GQA group × new tokens per sequence) up to which a step runs the paged kernel directly; longer chunks
 # (prefill) attend over a dense copy of the sequence's keys with the prefill kernels.
@@ -33,7 +35,10 @@ class PagedStep:
     pages, page_size, head_dim): the longest length after the step (on the host), the block table (B, pages) int32,
     the lengths after the step (B,) int32, where each new token goes (pool page and slot, (B, new)), and for a single
     sequence on consecutive pages the first of them. `lengths` are the sequences' committed lengths, advanced by
-    `commit`."""
+    `commit`. `bounds`, where the cache keeps them, are each layer's page summaries (2, kv_heads, pages, head_dim):
+    the minimum and maximum of every page's keys, which entmax decode reads to skip pages (models/sparse_decode.py)
+    unless `skip_pages` is off (they are still kept up to date); `sparse` collects what each layer's sparse decode
+    read."""
 
     keys: list[Tensor]
     values: list[Tensor]
@@ -46,6 +51,9 @@ class PagedStep:
     write_pages: Tensor
     write_slots: Tensor
     run_start: int | None = None
+    bounds: list[Tensor] | None = None
+    skip_pages: bool = True
+    sparse: dict[int, SparseStats] = field(default_factory=dict)
 
     def layer(self, index: int) -> PagedLayer:
         return PagedLayer(self, index)
@@ -74,6 +82,23 @@ class PagedLayer:
         s = self.step
         kp[:, s.write_pages, s.write_slots] = k.transpose(0, 1).to(kp.dtype)
         vp[:, s.write_pages, s.write_slots] = v.transpose(0, 1).to(vp.dtype)
+        if s.bounds is not None:
+            self._summarise(k.to(kp.dtype))
+
+    def _summarise(self, k: Tensor) -> None:
+        """Fold the keys just written (as stored) into their pages' minima and maxima; a page whose first slot is
+        written starts afresh (it was free, or is being filled from its start)."""
+        s = self.step
+        bounds = s.bounds[self.index]
+        hkv, d = bounds.shape[1], bounds.shape[3]
+        pages = s.write_pages.reshape(-1)
+        keys = k.transpose(0, 1).reshape(hkv, -1, d).float()  # (kv_heads, B·new, D) in the order of `pages`
+        fresh = pages[s.write_slots.reshape(-1) == 0]
+        bounds[0][:, fresh] = float("inf")
+        bounds[1][:, fresh] = float("-inf")
+        index = pages.view(1, -1, 1).expand(hkv, -1, d)
+        bounds[0].scatter_reduce_(1, index, keys, "amin")
+        bounds[1].scatter_reduce_(1, index, keys, "amax")
 
     def dense(self) -> tuple[Tensor, Tensor, Tensor]:
         """Keys and values of every sequence as left-padded (B, kv_heads, longest, head_dim) tensors — each row's keys
@@ -100,6 +125,8 @@ class PagedLayer:
     def attend(self, q: Tensor, impl: str, entropy: bool = True, **norm: object) -> tuple[Tensor, Tensor | None]:
         """Attention of q (B, Hq, new, D) — the step's new tokens, causal — over the sequences' keys (written
         first): output and entropy (B, Hq, new) as `attend` returns them."""
+        if self._sparse(q, impl, norm):
+            return self._sparse_decode(q, norm)
         kp, vp = (pool.transpose(0, 1) for pool in self.pools)  # (pages, kv_heads, page_size, head_dim) views
         group_rows = q.shape[1] // kp.shape[1] * q.shape[2]
         if impl == "triton" and group_rows <= PAGED_KERNEL_ROWS:
@@ -108,6 +135,30 @@ class PagedLayer:
         mask = None if len(self.step.seqs) == 1 else real  # one sequence has no padding
         res = attend(q, k, v, causal=True, key_mask=mask, impl=impl, return_entropy=entropy, **norm)
         return res if entropy else (res, None)
+
+    def _sparse(self, q: Tensor, impl: str, norm: dict) -> bool:
+        """Whether this step's attention is an entmax decode the page summaries can make sparse: one new query per
+        sequence, a norm of the entmax family with every α > 1, summaries kept, the torch implementations (the
+        Triton paged kernel reads every page)."""
+        step = self.step
+        if step.bounds is None or not step.skip_pages or q.shape[2] != 1 or impl == "triton":
+            return False
+        if registry.get(str(norm.get("norm", "softmax"))).family != registry.Family.ENTMAX:
+            return False
+        alpha = norm.get("alpha", registry.ALPHA.default)
+        return bool((torch.as_tensor(alpha) > 1).all())
+
+    def _sparse_decode(self, q: Tensor, norm: dict) -> tuple[Tensor, Tensor]:
+        s = self.step
+        alpha = torch.as_tensor(norm.get("alpha", registry.ALPHA.default), dtype=torch.float32, device=q.device)
+        lam = norm.get("query_scale")
+        out, ent, stats = sparse_entmax_decode(
+            q[:, :, 0], *self.pools, s.bounds[self.index], s.block_table, s.seq_lens, alpha.expand(q.shape[1]),
+            query_scale=None if lam is None else lam[:, :, 0], alibi_slopes=norm.get("alibi_slopes"),
+            scale=norm.get("scale"),
+        )  # fmt: skip
+        s.sparse[self.index] = stats
+        return out[:, :, None], ent[:, :, None]
 
 
 def _paged_impl(name: str) -> Callable[..., tuple[Tensor, Tensor]]:

@@ -158,13 +158,14 @@ def _sort_threshold_sparsemax(u: Tensor, dim: int) -> Tensor:
     return cs.gather(dim, support - 1) / support.to(u.dtype)
 
 
-def _bisect_threshold(u: Tensor, am1: Tensor, dim: int) -> Tensor:
+def _bisect_threshold(u: Tensor, am1: Tensor, dim: int, halvings: int | None = None) -> Tensor:
     """τ with Σ [u − τ]_+^{1/(α−1)} = 1 by bisection on the bracket [max u − 1, max u − n^{1−α}] (max u = 0).
 
     The bracket has width ≤ 1 around values ≤ 1 in magnitude, so a fixed number of halvings reaches the
-    dtype's resolution: 2^-30 in fp32, 2^-56 in fp64.
+    dtype's resolution: 2^-30 in fp32, 2^-56 in fp64. With `halvings` given, that many, and the bracket's lower
+    end is returned: a τ' ≤ τ within 2^-halvings (S(τ') ≥ 1 holds there at every step).
     """
-    iters = 56 if u.dtype == torch.float64 else 30
+    iters = halvings or (56 if u.dtype == torch.float64 else 30)
     inv = 1.0 / am1
     n = torch.as_tensor(float(u.shape[dim]), dtype=u.dtype, device=u.device)
     lo = torch.full_like(u.narrow(dim, 0, 1), -1.0)
@@ -175,7 +176,37 @@ def _bisect_threshold(u: Tensor, am1: Tensor, dim: int) -> Tensor:
         big = s >= 1.0
         lo = torch.where(big, mid, lo)
         hi = torch.where(big, hi, mid)
-    return 0.5 * (lo + hi)
+    return lo if halvings else 0.5 * (lo + hi)
+
+
+def _exact_sort(alpha: Tensor) -> float | None:
+    """1.5 or 2.0 where one α for all rows has a sort-based exact threshold; None: bisection."""
+    return float(alpha) if alpha.numel() == 1 and float(alpha) in (1.5, 2.0) else None
+
+
+def _threshold(u: Tensor, alpha: Tensor, dim: int) -> Tensor:
+    """τ of rows u shifted to max 0 (`_shifted_entmax_input`). The sort-based thresholds run their cumulative sums
+    in fp64: in fp32 a row of thousands of keys loses ~1e-5 of Σp (and of the entropy) to accumulated rounding."""
+    if _exact_sort(alpha) == 1.5:
+        return _sort_threshold_15(u.double(), dim).to(u.dtype)
+    if _exact_sort(alpha) == 2.0:
+        return _sort_threshold_sparsemax(u.double(), dim).to(u.dtype)
+    return _bisect_threshold(u, alpha - 1.0, dim)
+
+
+def entmax_threshold(x: Tensor, alpha: Tensor, dim: int = -1, halvings: int | None = None) -> Tensor:
+    """τ of α-entmax over x along `dim` (kept), on u = (α−1)·x: p = [u − τ]_+^{1/(α−1)}. x finite or −inf (hidden),
+    at least one finite entry per row; alpha (> 1) broadcastable against the rows. A τ computed on a subset of a
+    row's entries is ≤ the row's own (docs/attention.md, "Sparse entmax decode"). `halvings` asks for a cheaper
+    lower bound instead, ≤ τ and within 2^-halvings of it, where τ is searched by bisection (per-head α; the
+    sort-based α = 1.5 and 2 are exact either way)."""
+    dt = compute_dtype(x.dtype)
+    a = alpha.to(dt)
+    u, _ = _shifted_entmax_input(x.to(dt), a - 1.0, dim)
+    shift = (x.to(dt) * (a - 1.0)).amax(dim=dim, keepdim=True)
+    if halvings is not None and _exact_sort(a) is None:
+        return _bisect_threshold(u, a - 1.0, dim, halvings) + shift
+    return _threshold(u, a, dim) + shift
 
 
 def _entmax_forward(x: Tensor, alpha: Tensor, dim: int) -> Tensor:
@@ -184,14 +215,11 @@ def _entmax_forward(x: Tensor, alpha: Tensor, dim: int) -> Tensor:
     x = torch.where(invalid, 0.0, x)
     am1 = alpha - 1.0
     u, all_masked = _shifted_entmax_input(x, am1, dim)
-    # The sort-based thresholds run their cumulative sums in fp64: in fp32 a row of thousands of keys loses
-    # ~1e-5 of Σp (and of the entropy) to accumulated rounding.
-    if alpha.numel() == 1 and float(alpha) == 1.5:
-        p = torch.clamp(u - _sort_threshold_15(u.double(), dim).to(u.dtype), min=0.0) ** 2
-    elif alpha.numel() == 1 and float(alpha) == 2.0:
-        p = torch.clamp(u - _sort_threshold_sparsemax(u.double(), dim).to(u.dtype), min=0.0)
-    else:
-        p = torch.clamp(u - _bisect_threshold(u, am1, dim), min=0.0).pow(1.0 / am1)
+    p = torch.clamp(u - _threshold(u, alpha, dim), min=0.0)
+    if _exact_sort(alpha) == 1.5:
+        p = p**2
+    elif _exact_sort(alpha) is None:
+        p = p.pow(1.0 / am1)
         p = p / p.sum(dim=dim, keepdim=True)
     p = torch.where(all_masked | (x == _NEG_INF), 0.0, p)
     return torch.where(invalid, float("nan"), p)

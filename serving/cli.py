@@ -219,6 +219,13 @@ def serve_parser() -> argparse.ArgumentParser:
         help="torch backend: decode steps replayed from CUDA graphs, one per batch-size bucket (default: on with"
         " --device cuda; a step with more sequences than the largest bucket runs eagerly)",
     )
+    ap.add_argument(
+        "--sparse-decode",
+        action="store_true",
+        help="torch backend, entmax-family model, CPU: decode steps read only the KV pages that can carry weight"
+        " (exact; keeps per-page key bounds, 1/8 of fp32 keys). Off by default: on the zoo model it is slower than"
+        " reading every page up to 16K keys (docs/benchmarks.md)",
+    )
     return ap
 
 
@@ -257,11 +264,13 @@ def build_server(args):
         args.backend = default_backend(args.model, args.device)
     if args.cuda_graphs is not None and args.backend != "torch":
         raise UsageError(f"--cuda-graphs applies to --backend torch, not {args.backend}")
+    if args.sparse_decode and args.backend != "torch":
+        raise UsageError(f"--sparse-decode applies to --backend torch, not {args.backend}")
     if args.dtype is not None and args.backend != "torch":
         raise UsageError(f"--dtype applies to --backend torch (the {args.backend} file fixes its own precision)")
     kw = {
         "onnxruntime": {"op_library": args.ort_op_library, "threads": args.threads, "native": args.native},
-        "torch": {"dtype": args.dtype, "graphs": args.cuda_graphs},
+        "torch": {"dtype": args.dtype, "graphs": args.cuda_graphs, "sparse": args.sparse_decode},
     }.get(args.backend, {})
     model = check_model_path(args.model, args.backend)  # said before a process starts
     server = _yielding_defaults(server, getattr(args, "given", set()), say=lambda line: print(line, flush=True))

@@ -46,6 +46,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 LOW_ENTROPY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0)
 NORMALIZED_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SKIPPED_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99, 1.0)
 ATTENTION_BATCH = 4096  # query positions of entropy that wait for a scrape at most (bounds their memory)
 
 
@@ -247,6 +248,8 @@ class ServingMetrics:
             "Of the engine steps' time, the model's forwards (the rest is host overhead).",
         )
         self.attention: list[AttentionHistogram] = []
+        self._model = model
+        self._skipped: list | None = None  # per layer, once a decode step skipped pages (`observe_skipped`)
         # entropies wait here until a scrape (or ATTENTION_BATCH positions) bins them: one NumPy pass over many
         # steps instead of a dozen small calls per step, which cost an engine step more than its rows' sampling
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
@@ -324,6 +327,24 @@ class ServingMetrics:
             self.log_outcome(outcome)
         for entropy, visible in stats.entropy:
             self.observe_attention(entropy, visible)
+        for skipped in stats.pages_skipped:
+            self.observe_skipped(skipped)
+
+    def observe_skipped(self, skipped: np.ndarray) -> None:
+        """skipped (layers,): the share of the KV pages one decode step did not read in each layer (entmax's exact
+        sparse decode; NaN where a layer read them all). The histogram appears with the first such step: only a
+        model and backend that skip pages have it."""
+        if self._skipped is None:
+            family = Histogram(
+                "sharp_attention_pages_skipped_ratio",
+                "Share of the KV cache pages a decode step did not read (they get exactly zero attention weight), "
+                "per layer: the sequences' (query head, page) pairs skipped over all of them.",
+                ["model", "layer"], registry=self.registry, buckets=SKIPPED_BUCKETS,
+            )  # fmt: skip
+            self._skipped = [family.labels(self._model, str(i)) for i in range(len(skipped))]
+        for hist, value in zip(self._skipped, skipped.tolist(), strict=True):
+            if not math.isnan(value):
+                hist.observe(value)
 
     def observe_attention(self, entropy: np.ndarray, visible: np.ndarray) -> None:
         """entropy (N, layers, heads) nats of N query positions that see `visible` (N,) keys each; binned at the

@@ -56,6 +56,7 @@ class StepStats:
     queue_time: list[tuple[str, float]] = field(default_factory=list)
     outcomes: list[RequestOutcome] = field(default_factory=list)
     entropy: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # (N, layers, heads) nats, (N,) keys
+    pages_skipped: list[np.ndarray] = field(default_factory=list)  # (layers,) share of KV pages a decode step skipped
 
 
 def _printable(text: str) -> str:

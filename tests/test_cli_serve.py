@@ -129,6 +129,7 @@ def test_a_second_signal_stops_the_drain(model_files):
         (["MODEL", "--port", "5000", "--http-port", "5000"], "--http-port 5000 is taken"),
         (["MODEL", "--http-host", "0.0.0.0"], "--http-host needs --http-port"),
         (["MODEL", "--dtype", "bf16"], "--dtype applies to --backend torch"),
+        (["MODEL", "--sparse-decode"], "--sparse-decode applies to --backend torch, not onnxruntime"),
         (["MODEL.pt", "--backend", "torch", "--dtype", "fp8"], "invalid choice"),
         (["MODEL.pt", "--backend", "torch", "--kv-cache-mb", "0.0001"], "holds no page of 16 tokens"),
         (["MODEL", "--backend", "torch"], "an ONNX file; --backend torch serves a model.pt checkpoint"),
@@ -226,3 +227,15 @@ def test_the_onnx_server_never_parses_the_graph_itself(model_files, tmp_path, mo
         with pytest.raises(BackendError) as err:
             load_backend(tmp_path / name)
         assert str(tmp_path / name) in str(err.value)
+
+
+def test_sparse_decode_reaches_the_torch_backend(tmp_path):
+    """--sparse-decode turns on the torch backend's page-skipping decode for an entmax model (off by default)."""
+    from sharp.models import ModelConfig, SharpLM, save
+    from sharp.serving.cli import build_server, serve_parser
+
+    save(SharpLM(ModelConfig(vocab_size=258, dim=32, layers=1, heads=2, norm="entmax")), tmp_path / "e.pt")
+    for flag, on in (([], False), (["--sparse-decode"], True)):
+        args = serve_parser().parse_args([str(tmp_path / "e.pt"), "--backend", "torch", "--port", "0", *flag])
+        engine, _ = build_server(args)
+        assert engine.backend.sparse is on and (engine.backend.cache.bounds is not None) is on

@@ -61,12 +61,15 @@ class StepResult:
     """What the engine receives from a prefill chunk or a decode step: the last position's logits (B, V) and the
     per-head entropy (B, layers, heads, L) of the rows that ran, in order, and the sequences the model failed on
     (left out of both); a prefill chunk that asked for them, its logits at every position (n, V) (`scores`). The
-    logits are of the backend's `sampler`'s kind: a host array, or the torch backend's tensor on its device."""
+    logits are of the backend's `sampler`'s kind: a host array, or the torch backend's tensor on its device. A
+    decode step that skipped KV pages (entmax, models/sparse_decode.py) says which share of them, per layer
+    (`pages_skipped`, NaN for a layer that read them all)."""
 
     logits: Any
     entropy: np.ndarray | None
     failed: list[Hashable] = field(default_factory=list)
     scores: np.ndarray | None = None
+    pages_skipped: np.ndarray | None = None
 
 
 @dataclass

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from sharp.exporter import metadata
-from sharp.models import gguf, torch_sampling
+from sharp.models import gguf, registry, torch_sampling
 from sharp.serving.backends.graphs import DecodeGraphs
 from sharp.serving.backends.interface import DTYPES, Backend, BackendError, Hit, Prefix, StepResult
 from sharp.serving.backends.sampler import Sampler
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 # On CPU, from this many keys on the torch backend runs the streamed attention (O(n) memory) instead of the
 # reference, whose (queries × keys) logits grow quadratically with the prompt.
 STREAMED_FROM_KEYS = 1024
+# ... except a decode step whose logits (sequences × query heads × keys) stay under this many: there the reference's
+# few matrix products beat the streamed blocks (SharpLM zoo shape, 4K keys, 2 cores: softmax 3.9 against 26 ms a
+# step, entmax 16 against 210 ms) and its logits take at most 64 MiB.
+REFERENCE_DECODE_LOGITS = 1 << 24
 TORCH_DTYPES = dict(zip(DTYPES, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 
 
@@ -101,9 +105,12 @@ class TorchBackend(Backend):
     paged KV cache. On CUDA the attention runs the Triton kernels (decode steps and short chunks read the pages
     directly; long prefill chunks run the prefill kernels over the sequence's keys, a view of the pool when its
     pages are consecutive); on CPU the reference or, from
-    STREAMED_FROM_KEYS keys, the streamed attention over the same keys.
+    STREAMED_FROM_KEYS keys, the streamed attention over the same keys (not for a decode step whose logits are small:
+    REFERENCE_DECODE_LOGITS).
     `impl` overrides that choice (e.g. "triton" in the CPU interpreter); `dtype` is the weights' and the cache's
-    (default fp32 on CPU, bf16 on CUDA)."""
+    (default fp32 on CPU, bf16 on CUDA). With `sparse` an entmax-family model's decode on the torch implementations
+    reads only the pages that can carry weight (models/sparse_decode.py), the cache keeping page summaries for it;
+    off by default: in eager torch its extra steps cost more than the pages it skips save (docs/benchmarks.md)."""
 
     block_tokens = PAGE_SIZE
 
@@ -114,6 +121,7 @@ class TorchBackend(Backend):
         impl: str | None = None,
         dtype: str | None = None,
         graphs: bool | None = None,
+        sparse: bool = False,
     ):
         if device == "cuda" and not torch.cuda.is_available():
             raise BackendError("--device cuda: no CUDA device is visible to torch")
@@ -135,8 +143,15 @@ class TorchBackend(Backend):
             self.attention = f"attention: torch reference, streamed from {STREAMED_FROM_KEYS} keys"
         self.spec = ModelSpec(meta.name or path.stem, "torch", meta)
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
+        zeros = any(registry.get(b.attn.norm).family == registry.Family.ENTMAX for b in self.model.blocks)
+        self.sparse = sparse and zeros and (impl or ("triton" if device == "cuda" else "reference")) != "triton"
+        if self.sparse:  # the page summaries: 2 fp32 vectors per page and KV head in every layer
+            s = self.spec
+            self.kv_bytes_per_token += -(-2 * s.head_dim * 4 * s.kv_heads * s.layers // PAGE_SIZE)
+            self.attention += "; entmax decode skips the pages that provably get zero weight"
         self.cache: PagedKVCache | None = None
-        self.use_graphs = device == "cuda" if graphs is None else graphs  # decode from CUDA graphs (graphs.py)
+        # decode from CUDA graphs (graphs.py); not a sparse decode, whose pages read depend on the data
+        self.use_graphs = (device == "cuda" if graphs is None else graphs) and not self.sparse
         self.graphs: DecodeGraphs | None = None
         self._named: dict[Hashable, list[int]] = {}  # pages a running sequence named (withdrawn if it fails)
 
@@ -149,7 +164,9 @@ class TorchBackend(Backend):
             )
         s = self.spec
         keep = min(pages, prefix_bytes // (PAGE_SIZE * self.kv_bytes_per_token))  # cached pages nobody holds
-        self.cache = PagedKVCache(s.layers, s.kv_heads, s.head_dim, pages, PAGE_SIZE, self.device, self.dtype, keep)
+        self.cache = PagedKVCache(
+            s.layers, s.kv_heads, s.head_dim, pages, PAGE_SIZE, self.device, self.dtype, keep, bounds=self.sparse
+        )
         if self.use_graphs:
             capture = self.device.type == "cuda"  # elsewhere the same buffers and padding, run eagerly (tests)
             impl = self.impl or ("triton" if capture else "reference")
@@ -213,12 +230,15 @@ class TorchBackend(Backend):
     def kv_usage(self):
         return self.cache.allocator.usage()
 
-    def _attention(self, keys: int) -> str:
+    def _attention(self, keys: int, decoding: int = 0) -> str:
+        """The attention implementation of a step over `keys` keys; `decoding` the rows of a decode step (0: a
+        prefill chunk)."""
         if self.impl is not None:
             return self.impl
         if self.device.type == "cuda":
             return "triton"
-        return "streamed" if keys >= STREAMED_FROM_KEYS else "reference"
+        small = decoding * self.spec.heads * keys <= REFERENCE_DECODE_LOGITS
+        return "streamed" if keys >= STREAMED_FROM_KEYS and not (decoding and small) else "reference"
 
     @torch.inference_mode()
     def _run(
@@ -230,12 +250,17 @@ class TorchBackend(Backend):
             cache=step,
             positions=torch.from_numpy(positions).to(self.device),
             return_entropy=entropy,
-            impl=self._attention(step.longest),
+            impl=self._attention(step.longest, len(seqs) if ids.shape[1] == 1 else 0),
         )
         step.commit()  # only a step that ran through every layer counts; a failed one can run again
         ent = out.entropy.float().cpu().numpy() if entropy else None
         every = out.logits[0].float().cpu().numpy() if scores else None
-        return StepResult(out.logits[:, -1].float(), ent, scores=every)  # the logits stay on the device
+        skipped = None
+        if step.sparse:
+            skipped = np.full(self.spec.layers, np.nan)
+            for layer, read in step.sparse.items():
+                skipped[layer] = read.skipped
+        return StepResult(out.logits[:, -1].float(), ent, scores=every, pages_skipped=skipped)  # logits on device
 
     def prefill(self, seq, ids, start, entropy, scores=False):
         positions = np.arange(start, start + ids.shape[1], dtype=np.int64)[None]

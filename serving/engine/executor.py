@@ -35,6 +35,8 @@ class Executor:
         out = self.backend.decode(seqs, tokens, entropy)
         stats.forward_seconds += time.perf_counter() - began
         stats.decode_batch = len(seqs)
+        if out.pages_skipped is not None:
+            stats.pages_skipped.append(out.pages_skipped)
         return out
 
     def sample(self, seqs: list[Sequence], logits) -> tuple[list[int | None], list[TokenLogprob | None]]:

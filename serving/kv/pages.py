@@ -145,6 +145,7 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         keep: int = 0,
+        bounds: bool = False,
     ):
         if page_size < 16 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two >= 16 (a kernel tile), got {page_size}")
@@ -153,6 +154,11 @@ class PagedKVCache:
         shape = (kv_heads, num_pages + 1, page_size, head_dim)  # graph write and read it (backends/graphs.py)
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        # Page summaries for exact sparse entmax decode (models/sparse_decode.py): per layer, KV head and page the
+        # minimum and maximum of its keys in each dimension, fp32 — 2·D numbers per page_size·D keys (1/8 of the
+        # keys at 16 keys a page and fp32 keys; 1/4 at fp16). Kept only when a layer's norm can skip pages.
+        summary = (2, kv_heads, num_pages + 1, head_dim)
+        self.bounds = [torch.zeros(summary, device=device) for _ in range(layers)] if bounds else None
         self.allocator = PageAllocator(num_pages, keep)  # keep: cached pages nobody holds, at most
         self.tables: dict[Hashable, list[int]] = {}
         self._table_rows: dict[Hashable, Tensor] = {}  # the same as int32 rows: a step's table is one padded stack
@@ -239,7 +245,7 @@ class PagedKVCache:
                 run_start = int(row[0])
         return PagedStep(
             self.keys, self.values, self.lengths, list(seqs), new, max(past) + new, table.to(dev), lengths.to(dev),
-            pages.to(dev), slots.to(dev), run_start,
+            pages.to(dev), slots.to(dev), run_start, self.bounds,
         )  # fmt: skip
 
     def gather(self, seq: Hashable, layer: int) -> tuple[Tensor, Tensor]:

@@ -25,6 +25,10 @@ COMMANDS = {
         "long-context quality of sharpening settings on a real model: passkey,"
         " perplexity and attention entropy by position (docs/quality.md)",
     ),
+    "sparse-decode": (
+        "sharp.benchmarks.sparse",
+        "entmax decode skipping zero-weight KV pages vs reading them all vs softmax, on CPU (torch backend's cache)",
+    ),
     "hf-serve": (
         "sharp.benchmarks.hfserve",
         "a Hugging Face model on the torch backend vs transformers' continuous batching, on a GPU (--smoke: CPU check)",
