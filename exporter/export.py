@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from sharp.exporter import cache_form, fallback, rotary, siblings, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import FALLBACK, SHARP, translate
-from sharp.exporter.precision import HALF, QUANTIZED, quantize, to_half, weight_bits
+from sharp.exporter.precision import HALF, QUANTIZED, fusion_key, quantize, to_half
 from sharp.exporter.settings import ExportSettings
 from sharp.models import registry
 from sharp.models.config import ModelShape
@@ -143,7 +143,8 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
     meta.export["rotary_embedding"] = rotary.count(proto)
     # a layer's q/k/v and gate/up projections as one MatMul each (what the quantizer treats apart stays apart);
     # the TensorRT form keeps the traced nodes, as it does RoPE's
-    fused = 0 if settings.tensorrt else siblings.fuse(proto, apart=lambda node: weight_bits(node, settings.dtype))
+    apart = fusion_key(proto, settings.dtype, settings.quant_block)
+    fused = 0 if settings.tensorrt else siblings.fuse(proto, apart=apart)
     meta.export["sibling_matmuls_fused"] = fused
     if settings.tensorrt:
         mode = settings.fallback if settings.fallback != "none" else None

@@ -7,12 +7,17 @@ onnxruntime's zero point is an integer and Q4_1's m/d is not — and on SmolLM2 
 0.19, top-1 79%). Here each block's own grid is found instead (its step d from the gaps between its values, checked
 to hold every value within fp32 rounding) and written as it is:
 
-    y = MatMulNBits(x; q, d)  +  BlockSum(x) · C,    C[b, n] = m[n, b] + 2^(bits−1)·d[n, b]
+    y = AddBlockOffsets(MatMulNBits(x; q, d), x, C) = MatMulNBits(x; q, d) + BlockSums(x) · C,
+    C[b, n] = m[n, b] + 2^(bits−1)·d[n, b]
 
 MatMulNBits' default zero point (2^(bits−1): no zero-point tensor, the kernels' fast path — a float zero point, the
 other exact form, runs ~50× slower on onnxruntime's CPU) gives d·(q − 2^(bits−1)); the block's offset comes back as
-the block sums of x times C, a MatMul 32× smaller than the layer's. Blocks whose offset is a whole number of steps
-(Q4_0, Q8_0) need no C: when every block of a weight has one, the correction is left out.
+the block sums of x times C, a product 32× smaller than the layer's, in `sharp::AddBlockOffsets` (docs/op.md): one
+node of sharp's op library, or, without it, its standard-op body (Reshape, ReduceSum, MatMul, Add). An integer zero
+point of 0 would make C the block minimum m itself (fp16 in the GGUF, half the bytes), but the int8 activations of
+accuracy level 4 then multiply uncentred weights: measured on SmolLM2, mean KL to the exact weights 0.016 against
+0.004 this way. Blocks whose offset is a whole number of steps (Q4_0, Q8_0) need no C: when every block of a weight
+has one, the correction is left out.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+DOMAIN, OFFSETS = "sharp", "AddBlockOffsets"  # the correction's op (docs/op.md; sharp's op library runs it)
 REL_TOLERANCE = 4e-6  # a value off its block's grid by more than this × the block's largest |value| is not on it
 
 
@@ -118,8 +124,35 @@ def _packed(grid: Grid) -> np.ndarray:
     return (grid.codes[..., 0::2] | (grid.codes[..., 1::2] << 4)).astype(np.uint8)
 
 
-def rewrite(proto: onnx.ModelProto, node: onnx.NodeProto, grid: Grid, rank: int, accuracy_level: int) -> None:
-    """Replace the MatMul `node` (its A of rank `rank`) by MatMulNBits on `grid`, plus the offsets' correction."""
+def offsets_function(opset: int) -> onnx.FunctionProto:
+    """`sharp::AddBlockOffsets(P, X, C) = P + BlockSums(X) · C` in standard ops of `opset`: the body onnxruntime
+    inlines when sharp's op library is not loaded (docs/op.md). The block length is K / C's rows."""
+    nodes = [
+        helper.make_node("Shape", ["X"], ["lead"], end=-1),
+        helper.make_node("Shape", ["C"], ["blocks"], end=1),
+        helper.make_node("Constant", [], ["last"], value_ints=[-1]),
+        helper.make_node("Concat", ["lead", "blocks", "last"], ["blocked"], axis=0),
+        helper.make_node("Reshape", ["X", "blocked"], ["x_blocks"]),
+        helper.make_node("ReduceSum", ["x_blocks", "last"], ["sums"], keepdims=0),
+        helper.make_node("Cast", ["C"], ["c"], to=onnx.TensorProto.FLOAT),
+        helper.make_node("MatMul", ["sums", "c"], ["offset"]),
+        helper.make_node("Add", ["P", "offset"], ["Y"]),
+    ]
+    return helper.make_function(DOMAIN, OFFSETS, ["P", "X", "C"], ["Y"], nodes, [helper.make_opsetid("", opset)])
+
+
+def _declare_offsets(proto: onnx.ModelProto) -> None:
+    """The file's AddBlockOffsets body and the domains its nodes need, once."""
+    if any((f.domain, f.name) == (DOMAIN, OFFSETS) for f in proto.functions):
+        return
+    imports = {o.domain: o.version for o in proto.opset_import}
+    proto.functions.append(offsets_function(imports.get("", imports.get("ai.onnx", 18))))
+    if DOMAIN not in imports:
+        proto.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+
+
+def rewrite(proto: onnx.ModelProto, node: onnx.NodeProto, grid: Grid, accuracy_level: int) -> None:
+    """Replace the MatMul `node` by MatMulNBits on `grid`, plus the offsets' correction."""
     graph = proto.graph
     x, w = node.input
     y = node.output[0]
@@ -137,25 +170,10 @@ def rewrite(proto: onnx.ModelProto, node: onnx.NodeProto, grid: Grid, rank: int,
         )
     ]  # fmt: skip
     if grid.offsets is not None:
-        inits += [
-            numpy_helper.from_array(np.array([0] * (rank - 1) + [blocks, grid.block], np.int64), f"{name}_blocked"),
-            numpy_helper.from_array(np.array([-1], np.int64), f"{name}_last"),
-            numpy_helper.from_array(grid.offsets, f"{w}_offsets"),
-        ]
-        nodes += [
-            helper.make_node("Reshape", [x, f"{name}_blocked"], [f"{name}_x_blocks"], name=f"{name}_Reshape"),
-            helper.make_node(
-                "ReduceSum",
-                [f"{name}_x_blocks", f"{name}_last"],
-                [f"{name}_x_sums"],
-                keepdims=0,
-                name=f"{name}_ReduceSum",
-            ),
-            helper.make_node(
-                "MatMul", [f"{name}_x_sums", f"{w}_offsets"], [f"{name}_offset"], name=f"{name}_offset_MatMul"
-            ),
-            helper.make_node("Add", [product, f"{name}_offset"], [y], name=f"{name}_Add"),
-        ]
+        inits.append(numpy_helper.from_array(grid.offsets, f"{w}_offsets"))
+        offsets = helper.make_node(OFFSETS, [product, x, f"{w}_offsets"], [y], name=f"{name}_offsets", domain=DOMAIN)
+        nodes.append(offsets)
+        _declare_offsets(proto)
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
         proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     at = list(graph.node).index(node)

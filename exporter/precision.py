@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,24 @@ def weight_bits(node: onnx.NodeProto, precision: str) -> int | None:
     """The bits `quantize` gives a weight MatMul's weight at `precision` (None: not quantized)."""
     bits = QUANTIZED.get(precision)
     return 8 if bits is not None and bits < 8 and _module(node) in KEEP_8BIT else bits
+
+
+def fusion_key(proto: onnx.ModelProto, precision: str, block: int = QUANT_BLOCK) -> Callable[[onnx.NodeProto], object]:
+    """What keeps sibling MatMuls apart (exporter/siblings.py): the bits `quantize` gives their weights — except that
+    a weight int4 would keep at 8 bits but which already sits on a 4-bit grid (a Q4_x GGUF's value projection) is
+    written at 4 bits there, so it fuses with its 4-bit siblings (a few columns decide; `quantize` checks them all)."""
+    from sharp.exporter import grid
+
+    weights = {i.name: i for i in proto.graph.initializer}
+
+    def key(node: onnx.NodeProto) -> int | None:
+        bits = weight_bits(node, precision)
+        if bits != QUANTIZED.get(precision) and node.input[1] in weights:
+            few = numpy_helper.to_array(weights[node.input[1]])[:, :64]
+            return QUANTIZED[precision] if grid.find(few, QUANTIZED[precision], block) is not None else bits
+        return bits
+
+    return key
 
 
 def check_block(block: int) -> None:
@@ -110,7 +129,6 @@ def _on_grids(
 
     graph = proto.graph
     weights = {i.name: i for i in graph.initializer}
-    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in (*graph.value_info, *graph.input)}
     producers = {o: n for n in graph.node for o in n.output}
     tied = [
         (n, producers[n.input[1]])
@@ -127,7 +145,7 @@ def _on_grids(
             if transpose is None:
                 left.append(node)
             continue
-        grid.rewrite(proto, node, found, ranks.get(node.input[0], 3) or 3, accuracy_level)
+        grid.rewrite(proto, node, found, accuracy_level)
         if transpose is not None and not any(transpose.output[0] in n.input for n in graph.node):
             graph.node.remove(transpose)
     used = {i for n in graph.node for i in n.input}

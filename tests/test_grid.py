@@ -1,8 +1,12 @@
 """Weights already on a quantization grid (a quantized GGUF's, dequantized) written as MatMulNBits exactly
-(exporter/grid.py): llama.cpp's Q4_1, Q4_0 and Q8_0 blocks are found and reproduced; anything else is left to the
-quantizer. The real model's Q4_1 file: tests/test_real_model.py."""
+(exporter/grid.py): llama.cpp's Q4_1, Q4_0 and Q8_0 blocks are found and reproduced, Q4_1's offsets by
+sharp::AddBlockOffsets (the native kernel and its standard-op body alike); anything else is left to the quantizer.
+The real model's Q4_1 file: tests/test_real_model.py."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -10,9 +14,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from sharp.exporter import grid
+from sharp.exporter import grid, siblings
 from sharp.exporter.cli import gguf_weights
-from sharp.exporter.precision import quantize
+from sharp.exporter.precision import fusion_key, quantize
+from sharp.plugins.onnxruntime import library_path
 
 K, N, BLOCK = 96, 40, 32
 
@@ -39,9 +44,17 @@ def _dequantized(kind: str, seed: int = 0) -> np.ndarray:
     return np.ascontiguousarray(out.astype(np.float32).reshape(N, K).T)
 
 
-def _run(weight_graph: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    sess = ort.InferenceSession(weight_graph.SerializeToString(), providers=["CPUExecutionProvider"])
-    return sess.run(None, {"x": x})[0]
+def _session(proto: onnx.ModelProto, native: bool = False, profile: bool = False) -> ort.InferenceSession:
+    """A session on `proto`: with sharp's op library (its kernels run sharp's ops) or without (their bodies do)."""
+    options = ort.SessionOptions()
+    if native:
+        options.register_custom_ops_library(library_path())
+    options.enable_profiling = profile
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _run(weight_graph: onnx.ModelProto, x: np.ndarray, native: bool = False) -> np.ndarray:
+    return _session(weight_graph, native).run(None, {"x": x})[0]
 
 
 def _matmul_graph(w: np.ndarray) -> onnx.ModelProto:
@@ -67,9 +80,53 @@ def test_llama_cpp_blocks_are_found_and_written_exactly(kind, bits, corrected):
     exact = quantize(_matmul_graph(w), "int4", accuracy_level=0)  # fp32 dot products: the weights alone
     assert {n.op_type for n in exact.graph.node} >= {"MatMulNBits"}
     onnx.checker.check_model(exact, full_check=True)  # a valid file: the contrib domain imported
-    assert np.abs(_run(exact, x) - x @ w).max() <= 1e-5
+    assert [n.op_type for n in exact.graph.node].count("AddBlockOffsets") == corrected
+    for native in (False, True):  # the offsets' standard-op body, and sharp's kernel
+        assert np.abs(_run(exact, x, native) - x @ w).max() <= 1e-5
     fast = quantize(_matmul_graph(w), "int4")  # level 4, as served: int8 activations in the dot products
     assert np.abs(_run(fast, x) - x @ w).max() <= 2e-2 * np.abs(x @ w).max()
+
+
+def _offsets_graph(p_shape, x_shape, c_shape, c_type=TensorProto.FLOAT) -> onnx.ModelProto:
+    node = helper.make_node(grid.OFFSETS, ["P", "X", "C"], ["Y"], domain=grid.DOMAIN, name="offsets")
+    kinds = (("P", TensorProto.FLOAT, p_shape), ("X", TensorProto.FLOAT, x_shape), ("C", c_type, c_shape))
+    inputs = [helper.make_tensor_value_info(name, t, shape) for name, t, shape in kinds]
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    return helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(grid.DOMAIN, 1)],
+        functions=[grid.offsets_function(18)],
+    )
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize(("lead", "k", "n", "blocks"), [((2, 5), 96, 40, 3), ((7,), 64, 600, 4), ((1, 1), 576, 3, 18)])
+def test_the_offsets_kernel_equals_its_body_and_the_formula(lead, k, n, blocks, half):
+    """P + BlockSums(X) · C by sharp's kernel (several column strips when N > 256, fp16 C widened) and by the body."""
+    rng = np.random.default_rng(3)
+    p = rng.standard_normal((*lead, n)).astype(np.float32)
+    x = rng.standard_normal((*lead, k)).astype(np.float32)
+    c = rng.standard_normal((blocks, n)).astype(np.float16 if half else np.float32)
+    want = p + x.reshape(*lead, blocks, k // blocks).sum(-1).astype(np.float64) @ c.astype(np.float64)
+    proto = _offsets_graph(["a"] * len(lead) + [n], ["a"] * len(lead) + [k], [blocks, n],
+                           TensorProto.FLOAT16 if half else TensorProto.FLOAT)  # fmt: skip
+    native = _session(proto, native=True, profile=True)
+    got = native.run(None, {"P": p, "X": x, "C": c})[0]
+    events = json.loads(Path(native.end_profiling()).read_text())
+    ran = {e["args"].get("op_name") for e in events if e.get("cat") == "Node"}
+    assert "AddBlockOffsets" in ran and "ReduceSum" not in ran  # the kernel ran, not the body
+    body = _session(proto).run(None, {"P": p, "X": x, "C": c})[0]
+    for y in (got, body):
+        assert y.shape == p.shape and np.abs(y - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+
+
+def test_the_offsets_kernel_names_what_is_wrong():
+    session = _session(_offsets_graph(None, None, None), native=True)
+    x, c = np.ones((1, 96), np.float32), np.ones((5, 8), np.float32)  # 96 columns are not 5 blocks
+    with pytest.raises(Exception, match="AddBlockOffsets: X's last dimension 96 is not a multiple of C's 5 blocks"):
+        session.run(None, {"P": np.ones((1, 8), np.float32), "X": x, "C": c})
+    with pytest.raises(Exception, match="AddBlockOffsets: P has shape"):
+        session.run(None, {"P": np.ones((2, 8), np.float32), "X": np.ones((1, 100), np.float32), "C": c})
 
 
 def test_weights_off_every_grid_are_left_to_the_quantizer():
@@ -85,3 +142,25 @@ def test_a_quantized_gguf_exports_at_the_precision_of_its_blocks_by_default():
     assert gguf_weights({"Q4_1": 210, "F32": 61, "Q8_0": 1}) == "int4"
     assert gguf_weights({"Q8_0": 200, "F32": 61}) == "int8"
     assert gguf_weights({"F16": 200, "F32": 61}) == "fp32"
+
+
+@pytest.mark.parametrize("v_on_grid", [True, False])
+def test_int4_fuses_a_value_projection_already_on_a_4_bit_grid_with_its_siblings(v_on_grid):
+    """int4 keeps value projections at 8 bits (precision.KEEP_8BIT) and so apart from q and k; a Q4_x GGUF's value
+    projection is written at its own 4 bits, so q, k and v become one MatMul (one dispatch, one correction)."""
+    rng = np.random.default_rng(4)
+    weights = {m: _dequantized("Q4_1", seed=i) for i, m in enumerate(("q_proj", "k_proj", "v_proj"))}
+    if not v_on_grid:
+        weights["v_proj"] = rng.standard_normal((K, N)).astype(np.float32)
+    nodes = []
+    for module in weights:
+        node = helper.make_node("MatMul", ["x", module], [f"y_{module}"], name=module)
+        scopes = onnx.StringStringEntryProto(key="pkg.torch.onnx.name_scopes", value=str(["", module, "linear"]))
+        node.metadata_props.append(scopes)
+        nodes.append(node)
+    outputs = [helper.make_tensor_value_info(f"y_{m}", TensorProto.FLOAT, None) for m in weights]
+    inits = [numpy_helper.from_array(w, m) for m, w in weights.items()]
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", K])
+    proto = helper.make_model(helper.make_graph(nodes, "g", [x], outputs, inits))
+    removed = siblings.fuse(proto, apart=fusion_key(proto, "int4"))
+    assert removed == (2 if v_on_grid else 1)

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = (HERE / "sharp_attention.cc", HERE / "norm_table.h")
+SOURCES = (HERE / "sharp_attention.cc", HERE / "norm_table.h", HERE / "block_offsets.h")
 LIBRARY = HERE / "libsharp_ort.so"
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 BASELINE = "x86-64-v2" if X86_64 else ""  # "": the compiler's default target (other architectures)

@@ -900,6 +900,8 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   }
 };
 
+#include "block_offsets.h"
+
 }  // namespace sharp
 
 // The instruction set this library was compiled for, readable from the file without loading it (a library built
@@ -915,12 +917,14 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   if (api == nullptr) return nullptr;  // an ORT older than these headers: cannot even report an error
   Ort::InitApi(api);
   static sharp::Op op;
+  static sharp::OffsetsOp offsets;
   static std::once_flag once;
   static OrtCustomOpDomain* domain = nullptr;
   static OrtStatus* failed = nullptr;
   std::call_once(once, [&] {
     failed = api->CreateCustomOpDomain("sharp", &domain);
     if (failed == nullptr) failed = api->CustomOpDomain_Add(domain, &op);
+    if (failed == nullptr) failed = api->CustomOpDomain_Add(domain, &offsets);
   });
   if (failed != nullptr) return api->CreateStatus(api->GetErrorCode(failed), api->GetErrorMessage(failed));
   return api->AddCustomOpDomain(options, domain);
