@@ -60,13 +60,16 @@ def find(weight: np.ndarray, bits: int, block: int) -> Grid | None:
     # largest magnitude (amax / 127, amax / 8); else (computed only for the blocks those leave) the smallest gap
     # between values, or a fraction of it
     candidates = [lambda: (hi - lo) / (levels - 1), lambda: scale / (mid - 1), lambda: scale / mid]
+    if bits == 8:  # Q8_0's first: a Q8_0 tensor (a quantized head) then takes one pass, not two
+        candidates[:2] = candidates[1::-1]
     gap: list[np.ndarray] = []  # computed once, when first asked for
     smallest = lambda: gap[0] if gap else gap.append(_smallest_gap(w, scale)) or gap[0]
     candidates += [lambda j=j: smallest() / j for j in range(1, 9)]
     codes, fits, bases = np.zeros_like(w), np.zeros_like(lo), np.zeros_like(lo)
     todo = np.arange(len(w))
     for candidate in candidates:
-        x, low, step = w[todo], lo[todo], candidate()[todo]
+        every = len(todo) == len(w)  # the first pass reads the arrays as they are (a gather copies all of w)
+        x, low, step = (w, lo, candidate()) if every else (w[todo], lo[todo], candidate()[todo])
         step = np.where(np.isfinite(step) & (step > 0), step, 1.0)  # a constant block: any step
         c = np.rint((x - low) / step)
         mean_c, mean_w = c.mean(-1, keepdims=True), x.mean(-1, keepdims=True)
