@@ -270,7 +270,9 @@ KILLED_CLIENT = """
 import sys
 from sharp.serving import Client
 with Client(sys.argv[1]) as c:
-    for i, _ in enumerate(c.generate_stream("gone " + sys.argv[2], max_new_tokens=4000, temperature=0)):
+    # ignore_eos: a random-weight model's greedy answer can end within a few tokens, before its client is killed
+    stream = c.generate_stream("gone " + sys.argv[2], max_new_tokens=4000, temperature=0, ignore_eos=True)
+    for i, _ in enumerate(stream):
         if i == 1:
             print("two", flush=True)
 """
