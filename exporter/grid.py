@@ -28,7 +28,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-DOMAIN, OFFSETS = "sharp", "AddBlockOffsets"  # the correction's op (docs/op.md; sharp's op library runs it)
+from sharp.exporter.op_schema import SHARP
+
+DOMAIN, OFFSETS = SHARP.domain, "AddBlockOffsets"  # the correction's op (docs/op.md; sharp's op library runs it)
 REL_TOLERANCE = 4e-6  # a value off its block's grid by more than this × the block's largest |value| is not on it
 
 
