@@ -87,21 +87,13 @@ struct OffsetsKernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* ctx) const {
-    try {
-      Compute(ctx);
-      return nullptr;
-    } catch (const Error& e) {
-      return Ort::GetApi().CreateStatus(e.code, e.what());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string("AddBlockOffsets: ") + e.what()).c_str());
-    }
+    return as_status("AddBlockOffsets", [&] { Compute(ctx); });
   }
 };
 
 struct OffsetsOp : Ort::CustomOpBase<OffsetsOp, OffsetsKernel, true> {
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-    *kernel = new OffsetsKernel(info);
-    return nullptr;
+    return as_status("AddBlockOffsets", [&] { *kernel = new OffsetsKernel(info); });
   }
   const char* GetName() const { return "AddBlockOffsets"; }
   size_t GetInputTypeCount() const { return 3; }

@@ -121,6 +121,19 @@ void check(OrtStatus* status) {
   throw Error(code, message);
 }
 
+// `body`, with what it throws returned as a status: an op's errors never cross into ORT as C++ exceptions.
+template <typename F>
+OrtStatusPtr as_status(const char* op, F&& body) {
+  try {
+    body();
+    return nullptr;
+  } catch (const Error& e) {
+    return Ort::GetApi().CreateStatus(e.code, e.what());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string(op) + ": " + e.what()).c_str());
+  }
+}
+
 std::string shape_string(const std::vector<int64_t>& shape) {
   std::string s = "(";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
@@ -859,14 +872,7 @@ struct Kernel {
   }
 
   OrtStatusPtr ComputeV2(OrtKernelContext* ctx) const {
-    try {
-      Compute(ctx);
-      return nullptr;
-    } catch (const Error& e) {
-      return Ort::GetApi().CreateStatus(e.code, e.what());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string("SharpAttention: ") + e.what()).c_str());
-    }
+    return as_status("SharpAttention", [&] { Compute(ctx); });
   }
 };
 
