@@ -46,14 +46,37 @@ class Grid:
     offsets: np.ndarray | None
 
 
+STRIP = 1 << 20  # values of a weight searched at once: the search's float64 temporaries stay in cache (~2× faster)
+
+
 def find(weight: np.ndarray, bits: int, block: int) -> Grid | None:
     """The grid of a MatMul weight (K, N) — blocks of `block` along K with at most 2^bits equally spaced values — or
     None when any block is off every such grid (then it was never quantized so, and is quantized as usual)."""
     k, n = weight.shape
     if k % block:
         return None
-    if n > 64 and find(weight[:, :64], bits, block) is None:  # a few columns first: most weights fail at once
+    if n > 64 and _find_strip(weight[:, :64], bits, block) is None:  # a few columns first: most weights fail at once
         return None
+    width = max(1, STRIP // k)
+    strips = []
+    for start in range(0, n, width):  # columns are independent: a block lies within one column
+        strip = _find_strip(weight[:, start : start + width], bits, block)
+        if strip is None:
+            return None
+        strips.append(strip)
+    if len(strips) == 1:
+        return strips[0]
+    offsets = None
+    if any(s.offsets is not None for s in strips):
+        offsets = np.concatenate(
+            [s.offsets if s.offsets is not None else np.zeros(s.steps.shape[::-1], np.float32) for s in strips], 1
+        )
+    codes, steps = (np.concatenate([getattr(s, f) for s in strips]) for f in ("codes", "steps"))
+    return Grid(bits, block, codes, steps, offsets)
+
+
+def _find_strip(weight: np.ndarray, bits: int, block: int) -> Grid | None:
+    k, n = weight.shape
     levels, mid = 1 << bits, 1 << (bits - 1)
     w = np.ascontiguousarray(weight.T, np.float64).reshape(-1, block)  # (N · blocks, block), row-major in N
     lo, hi = w.min(-1, keepdims=True), w.max(-1, keepdims=True)

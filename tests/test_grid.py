@@ -138,6 +138,20 @@ def test_weights_off_every_grid_are_left_to_the_quantizer():
     assert grid.find(w[:, :], 4, 48) is None  # blocks that straddle two of llama.cpp's own
 
 
+def test_a_weight_searched_in_column_strips_gets_the_grid_of_one_search(monkeypatch):
+    """Strips of 24 columns: Q4_0 columns (no offsets) beside Q4_1 ones, and a value off its grid in the last strip."""
+    w = np.concatenate([_dequantized("Q4_0")[:, :30], _dequantized("Q4_1", seed=3)], 1)  # 70 columns
+    whole = grid.find(w, 4, BLOCK)
+    monkeypatch.setattr(grid, "STRIP", K * 24)
+    strips = grid.find(w, 4, BLOCK)
+    assert whole is not None and strips is not None and whole.offsets is not None
+    for field in ("codes", "steps", "offsets"):
+        assert np.array_equal(getattr(strips, field), getattr(whole, field)), field
+    assert grid.find(np.ascontiguousarray(w[:, :30]), 4, BLOCK).offsets is None  # Q4_0 strips alone: no offsets
+    w[5, 67] += 1e-3 * np.abs(w).max()  # past the 64 columns searched first
+    assert grid.find(w, 4, BLOCK) is None
+
+
 def test_a_quantized_gguf_exports_at_the_precision_of_its_blocks_by_default():
     assert gguf_weights({"Q4_1": 210, "F32": 61, "Q8_0": 1}) == "int4"
     assert gguf_weights({"Q8_0": 200, "F32": 61}) == "int8"

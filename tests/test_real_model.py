@@ -60,6 +60,25 @@ def real(tmp_path_factory) -> dict:
     return {"onnx": out, "dir": directory, "cache": root / "cache"}
 
 
+def test_a_read_gguf_s_header_comes_from_its_directory_without_parsing_the_file_again(real, monkeypatch):
+    """The cached directory keeps the header the file's parse gave; with it there, the file is not parsed (2.7 s)."""
+    import gguf as gguf_package
+
+    path = smollm2.gguf_path()
+    kept = json.loads((real["dir"] / gguf.HEADER_FILE).read_text())
+    parsed = gguf_package.GGUFReader(path)
+    types: dict[str, int] = {}
+    for tensor in parsed.tensors:
+        types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
+    assert kept == {"architecture": "llama", "tensor_types": types} and types["Q4_1"] == 210
+    monkeypatch.setenv("SHARP_CACHE", str(real["cache"]))
+    monkeypatch.setattr(gguf_package, "GGUFReader", lambda *a, **k: pytest.fail("the GGUF was parsed again"))
+    gguf._read_header.cache_clear()
+    assert gguf.read_header(path) == gguf.Header(**kept)
+    assert gguf.hf_directory(path) == real["dir"]
+    gguf._read_header.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def transformers_model(real):
     """The dequantized weights in transformers with its own attention: the reference sharp is held to."""
