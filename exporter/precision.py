@@ -138,6 +138,7 @@ def _on_grids(
         if n.op_type == "MatMul" and n.input[1] in producers and producers[n.input[1]].op_type == "Transpose"
         and producers[n.input[1]].input[0] in weights and len(weights[producers[n.input[1]].input[0]].dims) == 2
     ]  # fmt: skip
+
     def search(candidate: tuple[onnx.NodeProto, onnx.NodeProto | None]) -> grid.Grid | None:
         node, transpose = candidate
         w = numpy_helper.to_array(weights[transpose.input[0] if transpose else node.input[1]])
@@ -304,4 +305,3 @@ class Agreement:
         if not self.entropy_error <= bound.entropy:
             out.append(f"mean |Δ entropy| {self.entropy_error:.2e} > {bound.entropy:.0e}")
         return out
-
