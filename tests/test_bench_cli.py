@@ -419,3 +419,46 @@ def test_quality_intervals_are_wilson_and_its_settings_are_what_an_export_takes(
     table = quality.settings_for(8192)
     assert table["ssmax"].attention["ssmax_s"] * math.log(8192) == pytest.approx(1.0)
     assert table["yarn-4x"].rope["original_max_position_embeddings"] == 8192 and table["softmax"] == quality.Setting()
+
+
+def test_quality_scores_the_first_number_and_says_where_the_peer_disagrees():
+    """A passkey answer counts when its first number is the key; the page names the lengths at which llama-server's
+    interval and sharp softmax's do not overlap (20/20 against 5/20 at 1,024; 18/20 against 16/20 agree)."""
+    from sharp.benchmarks import quality
+
+    assert quality.scored("The pass key is 12345.", "12345") and quality.scored("12345", "12345")
+    assert not quality.scored("It is 1234 or 12345", "12345") and not quality.scored("I do not know", "12345")
+    results = {
+        "softmax": {"passkey": {512: 18, 1024: 20}},
+        quality.PEER: {"passkey": {512: 16, 1024: 5}},
+    }
+    assert quality.disagreements(results, 20) == [1024]
+    assert quality.disagreements({"softmax": results["softmax"]}, 20) == []
+
+
+def test_quality_llama_server_needs_a_gguf_and_a_built_server(tmp_path, monkeypatch, capsys):
+    """`--llama-server` is refused with one line and exit 2 on a directory without a GGUF, and when llama-server is
+    not built — before any of sharp's rows runs."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from sharp.benchmarks import peers, quality
+    from sharp.models import gguf
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        quality.run([str(tmp_path), "--llama-server", "--no-write"])
+    assert e.value.code == 2 and "reads the GGUF file the model came from" in capsys.readouterr().err
+    model = tmp_path / "m.gguf"
+    writer = GGUFWriter(str(model), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 16), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    monkeypatch.setattr(gguf, "hf_directory", lambda path: tmp_path)  # a GGUF read is tested elsewhere
+    monkeypatch.setattr(peers, "LLAMA_CPP", tmp_path / "no-llama")
+    with pytest.raises(SystemExit) as e:
+        quality.run([str(model), "--llama-server", "--no-write"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "llama-server is not built; run `make peers`" in err, err

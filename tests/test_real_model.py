@@ -314,3 +314,23 @@ def test_quality_quick_scores_softmax_and_a_setting_that_destroys_attention(real
     rows = {m[0]: float(m[1]) for m in re.findall(r"^\| (softmax|flat) \| ([\d.]+) ", entropy, re.M)}
     assert rows["flat"] > 0.95 and rows["softmax"] < 0.8, entropy
     assert page.with_suffix(".png").stat().st_size > 1000  # the plot
+
+
+@pytest.mark.bench
+def test_quality_llama_server_answers_the_same_passkeys_as_sharp_softmax(real, tmp_path, monkeypatch):
+    """`sharp-bench quality --llama-server` at ~600 tokens: llama-server, on the same GGUF and the same token ids,
+    finds the passkey as sharp's softmax does (≥ 4/5 each), and the page says the intervals overlap. Needs
+    llama-server (`make peers`; CI does not build it): skipped, not passed, without it."""
+    from sharp.benchmarks import peers, quality
+
+    if not (peers.LLAMA_CPP / "llama-server").exists():
+        pytest.skip("llama-server is not built (make peers)")
+    monkeypatch.setenv("SHARP_CACHE", str(real["cache"]))  # the GGUF's directory the fixture read
+    page = tmp_path / "quality.md"
+    argv = ["--settings", "softmax", "--lengths", "600", "--trials", "5", "--text", "512", "--llama-server"]
+    assert quality.run([*argv, "--write", str(page)]) == 0
+    text = page.read_text()
+    hits = {m[0]: int(m[1]) for m in re.findall(r"^\| (softmax|llama-server \(softmax\)) \| (\d)/5 ", text, re.M)}
+    assert hits["softmax"] >= 4 and hits[quality.PEER] >= 4, text
+    assert "the intervals overlap at every length" in text and "<!-- sharp-bench quality --llama-server -->" in text
+    assert page.with_name("quality-llama-server.png").stat().st_size > 1000

@@ -15,6 +15,9 @@ export for every normalizer): on a GPU with the Triton kernels, on CPU with the 
   negative log-likelihood per position bin, as perplexity.
 - **attention entropy by position**: every head's normalized entropy (entropy / log(keys)) at the same positions,
   averaged over heads and layers per bin — the mechanism beside the outcome.
+- **`--llama-server`**: the same passkey prompts (the same token ids) answered greedily by llama.cpp's
+  `llama-server` on the same GGUF (`make peers`), as a row beside sharp's; where its interval and sharp softmax's
+  do not overlap, the page says so. The check that the harness and sharp's softmax path are right.
 """
 
 from __future__ import annotations
@@ -156,6 +159,59 @@ def greedy(model, ids: list[int], n: int, device: str) -> list[int]:
     return tokens
 
 
+def scored(answer: str, key: str) -> bool:
+    """The answer's first number is the key."""
+    found = re.search(r"\d+", answer)
+    return bool(found and found.group() == key)
+
+
+PEER = "llama-server (softmax)"  # the peer's row
+
+
+def llama_server_hits(gguf: Path, prompts: dict[int, list[tuple[list[int], str]]], t0: float) -> dict[int, int]:
+    """How many of each length's prompts llama-server, on the same GGUF, answers with the key (greedy, the prompts'
+    own token ids: the same tokens sharp saw)."""
+    import json
+    import tempfile
+    import urllib.request
+
+    from sharp.benchmarks.peers import start_llama_server
+
+    context = max(len(ids) for cell in prompts.values() for ids, _ in cell) + NEW_TOKENS + 16
+    with tempfile.TemporaryDirectory() as tmp:
+        peer = start_llama_server(gguf, PEER, context, 1, 0, Path(tmp) / "llama-server.log")
+        try:
+            hits = {}
+            for length, cell in prompts.items():
+                hits[length] = 0
+                for ids, key in cell:
+                    body = {"model": peer.model, "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0}
+                    request = urllib.request.Request(
+                        f"{peer.url}/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+                    )
+                    with urllib.request.urlopen(request, timeout=3600) as r:
+                        hits[length] += scored(json.load(r)["choices"][0]["text"], key)
+                _progress(t0, f"{PEER} passkey at {length:,}: {hits[length]}/{len(cell)}")
+        finally:
+            peer.stop()
+    return hits
+
+
+def disagreements(results: dict, trials: int, reference: str = "softmax") -> list[int]:
+    """The lengths at which the peer's Wilson interval and `reference`'s do not overlap."""
+    if PEER not in results or reference not in results:
+        return []
+    out = []
+    for length, k in results[PEER]["passkey"].items():
+        mine = results[reference]["passkey"].get(length)
+        if mine is None:
+            continue
+        (a_lo, a_hi), (b_lo, b_hi) = wilson(k, trials), wilson(mine, trials)
+        if a_hi < b_lo or b_hi < a_lo:
+            out.append(length)
+    return out
+
+
 @torch.inference_mode()
 def by_position(model, ids: list[int], bins: list[int], device: str) -> tuple[list[float], list[float]]:
     """Perplexity and mean normalized attention entropy of the text's positions in each bin [bins[i], bins[i+1])."""
@@ -182,6 +238,9 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=int, default=16384, help="tokens of the perplexity text (bins up to it)")
     ap.add_argument("--plot", type=Path, help="write the plot (PNG) here too (default beside docs/quality.md)")
     ap.add_argument("--quick", action="store_true", help="CI size: softmax and 'flat' at ~600 tokens, 5 trials")
+    ap.add_argument(
+        "--llama-server", action="store_true", help="also ask llama-server (make peers) the passkeys, on the same GGUF"
+    )
     add_output(ap, PAGE)
     args = ap.parse_args(argv)
     args.command = command_line("quality", [] if argv is None else list(argv))
@@ -204,6 +263,13 @@ def run(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if not (directory / "config.json").is_file():
         ap.error(f"{source}: not a GGUF file or a Hugging Face directory")
+    if args.llama_server and found is None:
+        ap.error(f"--llama-server reads the GGUF file the model came from; {source} is a directory without one")
+    if args.llama_server:
+        from sharp.benchmarks.peers import LLAMA_CPP
+
+        if not (LLAMA_CPP / "llama-server").exists():  # said now, not after the minutes sharp's rows take
+            ap.error(f"--llama-server: {LLAMA_CPP / 'llama-server'} is not built; run `make peers` (~12 min)")
     from sharp.models import hf
 
     train = hf.load_config(directory).max_position_embeddings
@@ -215,6 +281,8 @@ def run(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     machine = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     page = output_page(args, PAGE)
+    # the peer check is its own section (and plot): a run of it leaves the settings' table as it was
+    section = "quality --llama-server" if args.llama_server else "quality"
     words = prose()
     half = len(words) // 2
     bins = [0, *[b for b in (512, 1024, 2048, 4096, 8192, 16384, 32768) if b < args.text], args.text]
@@ -226,9 +294,7 @@ def run(argv: list[str] | None = None) -> int:
         for length in args.lengths:
             hits = 0
             for ids, key in passkey_prompts(tok, words[:half], length, args.trials):
-                answer = tok.decode(greedy(model, ids, NEW_TOKENS, device))
-                found_key = re.search(r"\d+", answer)
-                hits += bool(found_key and found_key.group() == key)
+                hits += scored(tok.decode(greedy(model, ids, NEW_TOKENS, device)), key)
             cells[length] = hits
             _progress(t0, f"{name} passkey at {length:,}: {hits}/{args.trials}")
         text_ids = tok.encode(" ".join(words[half:]), bos=False)[: args.text]
@@ -237,10 +303,24 @@ def run(argv: list[str] | None = None) -> int:
         results[name] = {"passkey": cells, "ppl": ppl, "entropy": ent}
         del model
         if page is not None:
-            write_section("quality", _body(args, results, bins, machine, source), page, title="Long-context quality")
+            write_section(section, _body(args, results, bins, machine, source), page, title="Long-context quality")
+    if args.llama_server:
+        from sharp.benchmarks.peers import PeerUnavailable
+        from sharp.exporter.hf import load_tokenizer
+
+        tok = load_tokenizer(directory, hf.load_config(directory))
+        prompts = {n: passkey_prompts(tok, words[:half], n, args.trials) for n in args.lengths}
+        try:
+            results[PEER] = {"passkey": llama_server_hits(found, prompts, t0)}
+        except PeerUnavailable as e:
+            print(f"sharp-bench quality: llama-server: {e}", file=sys.stderr)
+            return 1
+        if page is not None:
+            write_section(section, _body(args, results, bins, machine, source), page, title="Long-context quality")
     print(_body(args, results, bins, machine, source))
     if page is not None or args.plot is not None:
-        _plot(results, args, bins, args.plot or page.with_suffix(".png"))
+        tail = "-llama-server" if args.llama_server else ""
+        _plot(results, args, bins, args.plot or page.with_name(f"{page.stem}{tail}.png"))
     return 0
 
 
@@ -258,12 +338,22 @@ def _body(args, results: dict, bins: list[int], machine: str, source: Path) -> s
             row.append(f"{k}/{args.trials} ({lo:.0%}–{hi:.0%})")
         acc.append(row)
     spans = [f"{lo:,}–{hi:,}" for lo, hi in itertools.pairwise(bins)]
-    ppl = [[name, *(f"{p:.2f}" for p in r["ppl"])] for name, r in results.items()]
-    ent = [[name, *(f"{e:.3f}" for e in r["entropy"])] for name, r in results.items()]
+    ours = {name: r for name, r in results.items() if "ppl" in r}  # the peer answers passkeys only
+    ppl = [[name, *(f"{p:.2f}" for p in r["ppl"])] for name, r in ours.items()]
+    ent = [[name, *(f"{e:.3f}" for e in r["entropy"])] for name, r in ours.items()]
+    peer = ""
+    if PEER in results and "softmax" in results:
+        apart = disagreements(results, args.trials)
+        peer = "\n\n" + (
+            f"{PEER} and sharp's softmax: the intervals overlap at every length."
+            if not apart
+            else f"{PEER} and sharp's softmax: the intervals do not overlap at {', '.join(f'{n:,}' for n in apart)}."
+        )
     return (
         f"{today()}, {machine}, {args.command} on {source.name}; {args.trials} trials per cell, Wilson 95% intervals."
         "\n\n**Passkey retrieval** (exact match of the five-digit key), by prompt length in tokens:\n\n"
         + markdown_table(["setting", *(f"{n:,}" for n in lengths)], acc)
+        + peer
         + "\n\n**Perplexity by position** (one text of the Python documentation's topics):\n\n"
         + markdown_table(["setting", *spans], ppl)
         + "\n\n**Attention entropy by position** (entropy / log keys, mean over layers and heads):\n\n"
@@ -282,7 +372,8 @@ def _plot(results: dict, args, bins: list[int], path: Path) -> None:
     for name, r in results.items():
         xs = sorted(r["passkey"])
         a.plot(xs, [r["passkey"][x] / args.trials for x in xs], marker="o", label=name)
-        b.plot(mids, r["ppl"], marker="o", label=name)
+        if "ppl" in r:
+            b.plot(mids, r["ppl"], marker="o", label=name)
     a.set(xscale="log", xlabel="prompt tokens", ylabel="passkey accuracy", ylim=(-0.05, 1.05))
     b.set(xscale="log", xlabel="position", ylabel="perplexity")
     a.legend(fontsize=8)
