@@ -311,6 +311,9 @@ def test_ctrl_c_on_a_streamed_generate_ends_with_one_line_and_status_130(model_f
                "--target", srv.target, "generate", "a long answer", "--stream", "--max-new-tokens", "4000",
                "--temperature", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # as from a terminal: a suite started in the background (`make test &`) ignores SIGINT, and a Python
+            # started so keeps ignoring it — the client would never see the Ctrl-C this test sends
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         assert proc.stdout.read(1)  # it is streaming
         proc.send_signal(signal.SIGINT)
