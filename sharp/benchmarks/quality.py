@@ -101,8 +101,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def build(directory: Path, setting: Setting, device: str):
-    """The model of `directory` under `setting` (a SharpLM), and its tokenizer."""
-    from sharp.exporter.hf import load_tokenizer
+    """The model of `directory` under `setting` (a SharpLM)."""
     from sharp.models import hf, hf_lm
 
     config = hf.load_config(directory)
@@ -112,8 +111,7 @@ def build(directory: Path, setting: Setting, device: str):
         config.rope_parameters = {**(config.rope_parameters or {}), **setting.rope}
         config.max_position_embeddings = int(config.max_position_embeddings * setting.context_factor)
     hf.check_config(config)
-    model = hf_lm.load(directory, config).to(device)
-    return model, load_tokenizer(directory, config)
+    return hf_lm.load(directory, config).to(device)
 
 
 def passkey_prompts(tok, words: list[str], length: int, trials: int, seed: int = 0) -> list[tuple[list[int], str]]:
@@ -283,21 +281,25 @@ def run(argv: list[str] | None = None) -> int:
     page = output_page(args, PAGE)
     # the peer check is its own section (and plot): a run of it leaves the settings' table as it was
     section = "quality --llama-server" if args.llama_server else "quality"
+    from sharp.exporter.hf import load_tokenizer
+
+    tok = load_tokenizer(directory, hf.load_config(directory))  # no setting changes the tokenizer
     words = prose()
     half = len(words) // 2
+    prompts = {n: passkey_prompts(tok, words[:half], n, args.trials) for n in args.lengths}  # every row's
+    text_ids = tok.encode(" ".join(words[half:]), bos=False)[: args.text]
     bins = [0, *[b for b in (512, 1024, 2048, 4096, 8192, 16384, 32768) if b < args.text], args.text]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
     for name in names:
-        model, tok = build(directory, table[name], device)
+        model = build(directory, table[name], device)
         cells = {}
         for length in args.lengths:
             hits = 0
-            for ids, key in passkey_prompts(tok, words[:half], length, args.trials):
+            for ids, key in prompts[length]:
                 hits += scored(tok.decode(greedy(model, ids, NEW_TOKENS, device)), key)
             cells[length] = hits
             _progress(t0, f"{name} passkey at {length:,}: {hits}/{args.trials}")
-        text_ids = tok.encode(" ".join(words[half:]), bos=False)[: args.text]
         ppl, ent = by_position(model, text_ids, bins, device)
         _progress(t0, f"{name} perplexity by position: {', '.join(f'{p:.2f}' for p in ppl)}")
         results[name] = {"passkey": cells, "ppl": ppl, "entropy": ent}
@@ -306,10 +308,7 @@ def run(argv: list[str] | None = None) -> int:
             write_section(section, _body(args, results, bins, machine, source), page, title="Long-context quality")
     if args.llama_server:
         from sharp.benchmarks.peers import PeerUnavailable
-        from sharp.exporter.hf import load_tokenizer
 
-        tok = load_tokenizer(directory, hf.load_config(directory))
-        prompts = {n: passkey_prompts(tok, words[:half], n, args.trials) for n in args.lengths}
         try:
             results[PEER] = {"passkey": llama_server_hits(found, prompts, t0)}
         except PeerUnavailable as e:
