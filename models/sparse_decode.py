@@ -27,18 +27,21 @@ from sharp.models.normalizers import entmax, entmax_threshold, entropy
 FIRST_PAGES = 8  # pages read first for τ_S
 GROW = 4  # read GROW× more pages for τ_S while more than GROW× the pages read survive and the last growth paid
 TAU_HALVINGS = 10  # τ_S as bisection's lower end after 10 halvings: ≤ τ_S, within 1e-3 — a third of the work
+NEWTON = 2  # Newton steps that raise the key-level floor of τ* before the exact entmax over the keys above it
 MARGIN = 1e-6  # τ_S is lowered by this (relative): a rounding in τ_S can only cost a skip, never a key with weight
 
 
 @dataclass(frozen=True)
 class SparseStats:
     """What a step did, summed over its (sequence, query head) rows: the pages there were, the pages kept for the
-    exact entmax, and the pages whose keys were read over all passes (a growing τ_S pass reads its first pages again).
-    `skipped`: the fraction not kept (their keys and values never read)."""
+    exact entmax (their keys read), the pages whose keys were read over all passes (a growing τ_S pass reads its
+    first pages again), and the keys whose values were read (the candidates for the support). `skipped`: the
+    fraction of pages not kept (their keys and values never read)."""
 
     pages: int
     kept: int
     reads: int
+    values: int = 0
 
     @property
     def skipped(self) -> float:
@@ -56,21 +59,26 @@ def page_bounds(
     b, hq, d = q.shape
     hkv = bounds.shape[1]
     qg = q.float().view(b, hkv, hq // hkv, d)
-    kmin = bounds[0][:, table.long()]  # (Hkv, B, pages, D)
-    kmax = bounds[1][:, table.long()]
+    flat = table.long().flatten()  # whole rows of D numbers: one contiguous copy each
+    kmin = bounds[0].index_select(1, flat).view(hkv, *table.shape, d)  # (Hkv, B, pages, D)
+    kmax = bounds[1].index_select(1, flat).view(hkv, *table.shape, d)
     pos, neg = qg.clamp(min=0), qg.clamp(max=0)
+    flipped = bool((lam < 0).any())  # only a negative λ needs the lower bound
     upper = torch.einsum("bhgd,hbpd->bhgp", pos, kmax) + torch.einsum("bhgd,hbpd->bhgp", neg, kmin)
-    lower = torch.einsum("bhgd,hbpd->bhgp", pos, kmin) + torch.einsum("bhgd,hbpd->bhgp", neg, kmax)
-    upper, lower = upper.reshape(b, hq, -1) * scale, lower.reshape(b, hq, -1) * scale
+    upper = upper.reshape(b, hq, -1) * scale
+    if flipped:
+        lower = torch.einsum("bhgd,hbpd->bhgp", pos, kmin) + torch.einsum("bhgd,hbpd->bhgp", neg, kmax)
+        lower = lower.reshape(b, hq, -1) * scale
     first = torch.arange(table.shape[1], device=q.device) * page_size  # (pages,) each page's first position
     if alibi_slopes is not None:
         query = (lengths.long() - 1)[:, None, None]
         at_first = alibi_slopes.float().view(1, -1, 1) * (first.view(1, 1, -1) - query)
         at_last = alibi_slopes.float().view(1, -1, 1) * (first.view(1, 1, -1) + page_size - 1 - query)
         upper = upper + torch.maximum(at_first, at_last)  # linear in j: extreme at the page's ends
-        lower = lower + torch.minimum(at_first, at_last)
+        if flipped:
+            lower = lower + torch.minimum(at_first, at_last)
     lam = lam[..., None]
-    z = torch.where(lam >= 0, lam * upper, lam * lower)
+    z = torch.where(lam >= 0, lam * upper, lam * lower) if flipped else lam * upper
     return z.masked_fill(first.view(1, 1, -1) >= lengths.view(-1, 1, 1), float("-inf"))
 
 
@@ -81,19 +89,17 @@ def _logits(
     """Exact logits of the keys on the picked pages, (B, Hq, picks·page_size), −inf past the sequence or where the
     pick is padding (−1): λ·(scale·q·k + slope·(j − i)), in the order the dense logits are formed. pages (B, Hq,
     picks) physical pages; picks the same pages' indices in the sequence; heads (Hq,) each query head's KV head."""
-    page_size = keys.shape[2]
-    k = keys[heads.view(1, -1, 1), pages.clamp(min=0)]  # (B, Hq, picks, page_size, D)
-    z = torch.einsum("bhd,bhpsd->bhps", q.float(), k.float()) * scale
+    hkv, pool, page_size, d = keys.shape
+    row, head, pick = (pages >= 0).nonzero(as_tuple=True)  # the real picks: a row's padding reads nothing
+    k = keys.reshape(hkv * pool, page_size, d).index_select(0, heads[head] * pool + pages[row, head, pick])
+    z = q.new_zeros((*pages.shape, page_size), dtype=torch.float32)  # whole pages, one contiguous copy each
+    z[row, head, pick] = torch.bmm(q.float()[row, head, None], k.float().transpose(1, 2))[:, 0] * scale
     token = picks[..., None] * page_size + torch.arange(page_size, device=q.device)  # (B, Hq, picks, page_size)
     if alibi_slopes is not None:
         z = z + alibi_slopes.float().view(1, -1, 1, 1) * (token - (lengths.long() - 1).view(-1, 1, 1, 1))
     z = z * lam[..., None, None]
     hidden = (picks[..., None] < 0) | (token >= lengths.view(-1, 1, 1, 1))
     return z.masked_fill(hidden, float("-inf")).flatten(2)
-
-
-def _values(values: Tensor, pages: Tensor, heads: Tensor) -> Tensor:
-    return values[heads.view(1, -1, 1), pages.clamp(min=0)].flatten(2, 3)  # (B, Hq, picks·page_size, D)
 
 
 def sparse_entmax_decode(
@@ -155,9 +161,56 @@ def sparse_entmax_decode(
         more, z_more = logits_of(read, width, keep[..., read:width])
         pages, z = torch.cat((pages, more), -1), torch.cat((z, z_more), -1)
         reads += int(keep[..., read:width].sum())
-    mask = keep[..., :width]  # a page read for τ_S whose bound is ≤ τ_S drops out too (its values are not read)
+    mask = keep[..., :width]  # a page read for τ_S whose bound is ≤ τ_S drops out too
     pages = pages[..., :width].masked_fill(~mask, -1)
     z = z[..., : width * page_size].masked_fill(~mask.repeat_interleave(page_size, -1), float("-inf"))
-    p = entmax(z, alpha.float().view(1, -1, 1), dim=-1)
-    out = torch.einsum("bhk,bhkd->bhd", p, _values(values, pages, heads).float())
-    return out.to(q.dtype), entropy(p), SparseStats(int(valid.sum()), int(kept.sum()), reads)
+    p, at, weighed = _support_entmax(z, alpha.float().view(1, -1, 1), tau)
+    slot = at % page_size  # the candidates' values: their pages' slots, nothing else of the kept pages
+    physical = pages.gather(-1, at // page_size).clamp(min=0)
+    v = values[heads.view(1, -1, 1), physical, slot]  # (B, Hq, candidates, D)
+    out = torch.einsum("bhk,bhkd->bhd", p, v.float())
+    return out.to(q.dtype), entropy(p), SparseStats(int(valid.sum()), int(kept.sum()), reads, weighed)
+
+
+def _support_entmax(z: Tensor, alpha: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, int]:
+    """Entmax of the rows of z (−inf hidden) computed on the keys that can hold weight. τ* is at least the lower
+    bound `tau` (on u = (α−1)·z) and at least max(u) − 1 (the largest key's weight is at most 1), so only the keys
+    above both are candidates; Newton steps on the candidates raise that floor, each step's τ kept only where
+    S(τ) ≥ 1 shows it is still ≤ τ*; the exact entmax over the keys above the final floor is the row's (the others
+    are zero at τ*). Returns their weights and their indices in z, (B, Hq, c) each, c the most of any row (a row's
+    extra places hold weight 0), and how many there are (the keys whose values are read)."""
+    u = z * (alpha - 1.0)
+    floor = u.amax(-1, keepdim=True) - 1.0
+    floor = torch.maximum(tau, floor - MARGIN * floor.abs().clamp(min=1.0))
+    zc, at, _ = _pack(z, u > floor)
+    floor = _newton_floor(zc.double() * (alpha.double() - 1.0), floor.double(), 1.0 / (alpha.double() - 1.0))
+    above = zc * (alpha - 1.0) > floor.float()
+    zc2, at2, count = _pack(zc, above)
+    return entmax(zc2, alpha, dim=-1), at.gather(-1, at2), count
+
+
+def _pack(z: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, int]:
+    """The entries of z where `keep` holds, packed to the left of their rows (−inf after them), their indices in z,
+    and how many there are."""
+    counts = keep.sum(-1)
+    row, head, at = keep.nonzero(as_tuple=True)
+    place = keep.cumsum(-1)[row, head, at] - 1
+    width = max(int(counts.max()), 1)
+    packed = z.new_full((*z.shape[:-1], width), float("-inf")).index_put_((row, head, place), z[row, head, at])
+    where = torch.zeros(packed.shape, dtype=torch.long, device=z.device).index_put_((row, head, place), at)
+    return packed, where, int(counts.sum())
+
+
+def _newton_floor(u: Tensor, floor: Tensor, k: Tensor) -> Tensor:
+    """A higher lower bound of τ* from `floor` (≤ τ*) by NEWTON steps on S(τ) = Σ [u − τ]_+^k (fp64): a step's τ is
+    kept only if S(τ) ≥ 1 there, which places it at or below τ* whatever the step did; lowered by MARGIN."""
+    best, t = floor, floor
+    for i in range(NEWTON + 1):
+        d = (u - t).clamp(min=0.0)
+        f = d.pow(k).sum(-1, keepdim=True) - 1.0
+        best = torch.where(f >= 0, t, best)
+        if i == NEWTON:
+            break
+        slope = k * torch.where(d > 0, d.pow(k - 1.0), 0.0).sum(-1, keepdim=True)
+        t = t + f / slope.clamp(min=1e-300)
+    return best - MARGIN * best.abs().clamp(min=1.0)

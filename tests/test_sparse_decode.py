@@ -3,7 +3,7 @@ written by prefill chunks and by single decode tokens, the decode that skips pag
 dense entmax (`attend`, reference) within 1e-6 in outputs and entropies — on the cases a bound can get wrong: a
 dominant key against negative query components, a dominant key written by a decode step, ties exactly at τ, all
 scores equal (nothing skippable), pages straddling τ, GQA, per-head α, ASEntmax's λ of either sign, ALiBi — and
-reads few pages where few carry weight."""
+reads few pages where few carry weight, and the values of few keys where few can."""
 
 from __future__ import annotations
 
@@ -99,13 +99,14 @@ def test_a_dominant_key_is_found_and_the_rest_skipped(decode_written):
     assert stats.kept == 2 * hq and stats.reads == FIRST_PAGES * 2 * hq, stats  # each row reads the pages for
     # τ_S and keeps the dominant key's alone: its u is far above every other page's bound (a reused page's summary,
     # restarted, is tight too)
+    assert stats.values == 2 * hq, stats  # and of its page's 16 keys weighs the dominant one alone
 
 
 def test_all_equal_scores_skip_nothing_and_stay_exact():
     hq, hkv, d, lengths = 2, 2, 16, [100, 37]
     keys = [torch.randn(hkv, n, d, generator=torch.Generator().manual_seed(n)) for n in lengths]
     stats = _compare(torch.zeros(2, hq, d), keys, torch.full((hq,), 1.5))  # q = 0: every logit 0, uniform weights
-    assert stats.kept == stats.pages
+    assert stats.kept == stats.pages and stats.values == hq * sum(lengths)  # every key holds weight: all weighed
 
 
 def test_ties_exactly_at_tau_and_pages_straddling_it():
@@ -131,6 +132,29 @@ def test_ties_exactly_at_tau_and_pages_straddling_it():
     assert stats.kept == 2 * (FIRST_PAGES + 1), stats
     keys[0, [40, 41, 200, 333], 0] = 0.5  # pages holding 0.5 and 0 straddle τ
     _compare(q[:1], [keys], torch.full((hq,), 2.0))
+    keys[0, :, 0] = -0.25
+    keys[0, 5, 0], keys[0, 250, 0] = 1.0, 2e-3  # τ* = 1e-3: the second key, just above max(u) − 1 = 0, weighs 1e-3
+    stats = _compare(q, [keys], torch.full((hq,), 2.0))
+    assert stats.values == 2 * hq, stats  # both keys weighed, nothing else
+
+
+@pytest.mark.parametrize("alpha", [2.0, 3.0, 4.0])
+def test_a_support_wider_than_the_first_pages_is_found_by_the_newton_floor(alpha):
+    """The largest keys spread one a page over more pages than τ_S reads, with keys just below τ* between: the
+    floor that τ_S and max(u) − 1 give admits those, the Newton steps shut them out — and at α > 2, where a step
+    can land past τ*, the steps kept are only those still at or below it."""
+    hq, hkv, d, n = 2, 1, 16, 1200
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(hkv, n, d, generator=g)
+    keys[..., 0] = -1.0
+    top = [16 * i + 7 for i in range(5 * FIRST_PAGES)]  # one key a page on 40 pages
+    keys[0, top, 0] = 1.0 + torch.rand(len(top), generator=g) * 1e-2
+    keys[0, [16 * i + 9 for i in range(45, 70)], 0] = 0.9  # below τ* (0.975 at α = 2), above τ_S (about 7/8)
+    q = torch.zeros(1, hq, d)
+    q[..., 0] = 4.0
+    stats = _compare(q, [keys], torch.full((hq,), alpha))
+    if alpha == 2.0:
+        assert stats.values == hq * len(top), stats
 
 
 def test_gqa_with_per_head_alpha_asentmax_of_either_sign_and_alibi():

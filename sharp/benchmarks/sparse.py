@@ -52,6 +52,7 @@ class Variant:
     sparse: bool
     times: list[float] = field(default_factory=list)
     skipped: list[list[float]] = field(default_factory=list)
+    weighed: list[list[float]] = field(default_factory=list)
 
 
 def _log(message: str) -> None:
@@ -76,7 +77,9 @@ def _prefill(model: SharpLM, cache: PagedKVCache, ids: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def _decode(v: Variant, token: int) -> tuple[float, list[float]]:
+def _decode(v: Variant, token: int) -> tuple[float, list[float], list[float]]:
+    """One decode step: its time, and per layer the share of pages skipped and the share of keys whose values
+    were read (both empty for a dense step)."""
     length = v.cache.lengths["s"]
     v.cache.reserve("s", length + 1)
     step = v.cache.step(["s"], 1)
@@ -86,7 +89,9 @@ def _decode(v: Variant, token: int) -> tuple[float, list[float]]:
     v.model.step(torch.tensor([[token]]), cache=step, positions=torch.tensor([[length]]), impl=impl)
     took = time.perf_counter() - began
     step.commit()
-    return took, [step.sparse[i].skipped for i in sorted(step.sparse)]
+    rows = v.model.cfg.heads * (length + 1)
+    layers = sorted(step.sparse)
+    return took, [step.sparse[i].skipped for i in layers], [step.sparse[i].values / rows for i in layers]
 
 
 def _cache(model: SharpLM, tokens: int, bounds: bool) -> PagedKVCache:
@@ -115,7 +120,7 @@ def run(argv: list[str] | None = None) -> int:
     if entmax.cfg.shape != softmax.cfg.shape:
         ap.error(f"--entmax and --softmax differ in shape: {entmax.cfg.shape} vs {softmax.cfg.shape}")
     corpus = stdlib_corpus()
-    rows, skip_rows = [], []
+    rows, skip_rows, value_rows = [], [], []
     for length in args.lengths:
         ids = torch.tensor(list(corpus[:length]), dtype=torch.long)
         if ids.numel() < length:
@@ -132,10 +137,11 @@ def run(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for v in variants if r % 2 == 0 else variants[::-1]:
                 for _ in range(args.steps):
-                    took, skipped = _decode(v, token)
+                    took, skipped, weighed = _decode(v, token)
                     v.times.append(took)
                     if skipped:
                         v.skipped.append(skipped)
+                        v.weighed.append(weighed)
         med = {v.name: statistics.median(v.times) * 1e3 for v in variants}
         spread = {v.name: (max(v.times) - min(v.times)) * 1e3 for v in variants}
         rows.append([
@@ -145,6 +151,8 @@ def run(argv: list[str] | None = None) -> int:
         ])  # fmt: skip
         per_layer = torch.tensor(variants[0].skipped).mean(0).tolist()
         skip_rows.append([f"{length:,}", *(f"{x:.1%}" for x in per_layer), f"{statistics.fmean(per_layer):.1%}"])
+        per_layer = torch.tensor(variants[0].weighed).mean(0).tolist()
+        value_rows.append([f"{length:,}", *(f"{x:.2%}" for x in per_layer), f"{statistics.fmean(per_layer):.2%}"])
         _log(f"{length} tokens: " + ", ".join(f"{k} {x:.1f} ms" for k, x in med.items()))
     layers = entmax.cfg.layers
     body = "\n\n".join([
@@ -165,6 +173,9 @@ def run(argv: list[str] | None = None) -> int:
         ),
         "Share of (query head, page) pairs the sparse steps did not read, per layer (mean over its steps):",
         markdown_table(["context", *(f"layer {i}" for i in range(layers)), "mean"], skip_rows),
+        "Share of (query head, key) pairs whose values the sparse steps read — the keys above the floor on the "
+        "threshold that the Newton steps raise, the candidates for the support (mean over its steps):",
+        markdown_table(["context", *(f"layer {i}" for i in range(layers)), "mean"], value_rows),
     ])  # fmt: skip
     print(body)
     page = output_page(args)
