@@ -41,7 +41,7 @@ class SparseStats:
     pages: int
     kept: int
     reads: int
-    values: int = 0
+    values: int
 
     @property
     def skipped(self) -> float:
