@@ -421,6 +421,29 @@ def test_quality_intervals_are_wilson_and_its_settings_are_what_an_export_takes(
     assert table["yarn-4x"].rope["original_max_position_embeddings"] == 8192 and table["softmax"] == quality.Setting()
 
 
+def test_quality_sweeps_a_family_by_its_strength_and_refuses_what_it_cannot_build():
+    """`adaptive@C` is the paper's polynomial moved toward 1 by C (C = 1 is the paper's, C = 0.5 halves β − 1 at
+    every entropy); `ssmax@N` is softmax at N keys; a bad member or name exits 2 naming what is allowed."""
+    import math
+
+    import torch
+
+    from sharp.benchmarks import quality
+    from sharp.models.normalizers import polyval
+    from sharp.models.registry import PAPER_POLY
+
+    h = torch.linspace(0.0, 8.0, 33, dtype=torch.float64)
+    paper = polyval(PAPER_POLY, h)
+    assert torch.allclose(polyval(quality.setting("adaptive@1", 8192).attention["poly"], h), paper)
+    half = polyval(quality.setting("adaptive@0.5", 8192).attention["poly"], h)
+    assert torch.allclose(half - 1, (paper - 1) / 2)
+    assert quality.setting("ssmax@512", 8192).attention["ssmax_s"] * math.log(512) == pytest.approx(1.0)
+    assert quality.setting("ssmax", 8192) == quality.settings_for(8192)["ssmax"]
+    for bad in ("adaptive@0", "adaptive@x", "ssmax@1", "softmax@2", "yarn-4x@2", "sharp"):
+        with pytest.raises(ValueError, match="valid: softmax, adaptive"):
+            quality.setting(bad, 8192)
+
+
 def test_quality_scores_the_first_number_and_says_where_the_peer_disagrees():
     """A passkey answer counts when its first number is the key; the page names the lengths at which llama-server's
     interval and sharp softmax's do not overlap (20/20 against 5/20 at 1,024; 18/20 against 16/20 agree)."""
@@ -436,6 +459,24 @@ def test_quality_scores_the_first_number_and_says_where_the_peer_disagrees():
     assert quality.disagreements({"softmax": results["softmax"]}, 20) == []
 
 
+def test_quality_without_lengths_writes_perplexity_and_entropy_only():
+    """`--lengths` with no value: the page has the position tables and no passkey tables (nothing was asked)."""
+    from argparse import Namespace
+    from pathlib import Path
+
+    from sharp.benchmarks import quality
+
+    results = {"softmax": {"passkey": {}, "logp": {}, "ppl": [10.0, 12.0], "entropy": [0.4, 0.3]}}
+    args = Namespace(lengths=[], trials=20, seed=0, command="sharp-bench quality --lengths")
+    body = quality._body(args, results, [0, 512, 1024], "CPU", Path("m.gguf"))
+    assert "No passkey cells" in body and "Passkey retrieval" not in body and "log-probability" not in body
+    assert "| softmax | 10.00 | 12.00 |" in body and "| softmax | 0.400 | 0.300 |" in body
+    args.lengths = [512]
+    results["softmax"].update(passkey={512: 18}, logp={512: -0.25})
+    body = quality._body(args, results, [0, 512, 1024], "CPU", Path("m.gguf"))
+    assert "| softmax | 18/20 (70%–97%) |" in body and "| softmax | -0.25 |" in body
+
+
 def test_quality_llama_server_needs_a_gguf_and_a_built_server(tmp_path, monkeypatch, capsys):
     """`--llama-server` is refused with one line and exit 2 on a directory without a GGUF, and when llama-server is
     not built — before any of sharp's rows runs."""
@@ -449,6 +490,9 @@ def test_quality_llama_server_needs_a_gguf_and_a_built_server(tmp_path, monkeypa
     with pytest.raises(SystemExit) as e:
         quality.run([str(tmp_path), "--llama-server", "--no-write"])
     assert e.value.code == 2 and "reads the GGUF file the model came from" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        quality.run([str(tmp_path), "--llama-server", "--lengths", "--no-write"])
+    assert e.value.code == 2 and "answers passkeys: give --lengths" in capsys.readouterr().err
     model = tmp_path / "m.gguf"
     writer = GGUFWriter(str(model), "llama")
     writer.add_tensor("token_embd.weight", np.zeros((64, 16), np.float32))

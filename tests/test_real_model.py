@@ -313,6 +313,9 @@ def test_quality_quick_scores_softmax_and_a_setting_that_destroys_attention(real
     entropy = text.split("**Attention entropy", 1)[1]
     rows = {m[0]: float(m[1]) for m in re.findall(r"^\| (softmax|flat) \| ([\d.]+) ", entropy, re.M)}
     assert rows["flat"] > 0.95 and rows["softmax"] < 0.8, entropy
+    logp = text.split("**Mean log-probability of the key**", 1)[1].split("**Perplexity", 1)[0]
+    scores = {m[0]: float(m[1]) for m in re.findall(r"^\| (softmax|flat) \| (-?[\d.]+) ", logp, re.M)}
+    assert -1.0 < scores["softmax"] <= 0 and scores["flat"] < scores["softmax"] - 3, logp  # sure of it, or lost
     assert page.with_suffix(".png").stat().st_size > 1000  # the plot
 
 

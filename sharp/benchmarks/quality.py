@@ -10,7 +10,11 @@ export for every normalizer): on a GPU with the Triton kernels, on CPU with the 
 - **passkey**: a five-digit key hidden at a depth in real prose (the Python documentation's topics, which ship with
   Python: `pydoc_data.topics`), asked for at the end through the model's chat template; scored by exact match of
   the first number in the greedy answer; each cell `k/n` with a Wilson 95% interval. Depths spread evenly over the
-  trials, keys and filler differ per trial, the same for every setting.
+  trials, keys and filler differ per trial, the same for every setting (`--seed` draws another set: held-out prompts
+  for choosing a setting's strength). Beside it, the mean log-probability of the key's tokens after the prompt
+  (teacher-forced): a continuous score that tells settings apart at few trials, where counts cannot.
+- **sweeps**: `adaptive@C` and `ssmax@N` are members of a family at a strength (FAMILIES), so a calibration is a
+  list of settings, e.g. `--settings softmax adaptive@0.1 adaptive@0.3 ssmax@512 --seed 1`.
 - **perplexity by position**: one long text (the same topics, past the passkey filler) scored once; the mean
   negative log-likelihood per position bin, as perplexity.
 - **attention entropy by position**: every head's normalized entropy (entropy / log(keys)) at the same positions,
@@ -65,7 +69,7 @@ class Setting:
 
 
 def settings_for(train_length: int) -> dict[str, Setting]:
-    """The settings compared, for a model trained at `train_length` tokens."""
+    """The named settings compared, for a model trained at `train_length` tokens."""
     s = 1 / math.log(train_length)  # SSMax's s·log n = 1 at the training length: softmax there, sharper beyond
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": train_length}
     return {
@@ -77,6 +81,35 @@ def settings_for(train_length: int) -> dict[str, Setting]:
         # a setting that destroys attention (logits × ~0.02 at 600 keys: temperature ~50): the harness's own check
         "flat": Setting({"norm": "ssmax", "ssmax_s": 0.003}),
     }
+
+
+FAMILIES = {
+    "adaptive": "adaptive@C: the paper's polynomial moved toward 1 by C (β = 1 + C·(poly(H) − 1); C = 1 is 'adaptive')",
+    "ssmax": "ssmax@N: SSMax equal to softmax at N keys (s = 1 / log N)",
+}
+"""The settings that take a strength, for a calibration sweep (`--settings adaptive@0.1 adaptive@0.3 ssmax@512`)."""
+
+
+def setting(name: str, train_length: int) -> Setting:
+    """A named setting, or a family's member `FAMILY@VALUE`; ValueError says what is allowed."""
+    table = settings_for(train_length)
+    if name in table:
+        return table[name]
+    family, at, text = name.partition("@")
+    allowed = f"valid: {', '.join(table)}, or {'; '.join(FAMILIES.values())}"
+    try:
+        value = float(text) if at and family in FAMILIES else math.nan
+    except ValueError:
+        value = math.nan
+    if family == "adaptive" and math.isfinite(value) and value > 0:
+        from sharp.models.registry import PAPER_POLY
+
+        poly = [value * c for c in PAPER_POLY]
+        poly[-1] += 1 - value  # 1 + C·(poly − 1): the constant term takes the rest
+        return Setting({"norm": "adaptive", "poly": poly})
+    if family == "ssmax" and math.isfinite(value) and value >= 2:
+        return Setting({"norm": "ssmax", "ssmax_s": 1 / math.log(value)})
+    raise ValueError(f"unknown setting {name!r}; {allowed}")
 
 
 def _progress(t0: float, message: str) -> None:
@@ -146,15 +179,25 @@ def _impl(device: str, keys: int) -> str:
 
 
 @torch.inference_mode()
-def greedy(model, ids: list[int], n: int, device: str) -> list[int]:
-    """n greedy tokens after `ids` on a dense cache."""
-    out = model.step(torch.tensor([ids], device=device), impl=_impl(device, len(ids)))
-    tokens = []
+def answer(model, ids: list[int], key_ids: list[int], n: int, device: str) -> tuple[list[int], float]:
+    """n greedy tokens after `ids` on a dense cache, and the log-probability of `key_ids` following `ids` (the key
+    as the answer writes it, teacher-forced): a continuous score beside the exact match, steadier at few trials."""
+    impl = _impl(device, len(ids))
+    prompt = model.step(torch.tensor([ids], device=device), impl=impl)
+    forced = model.step(torch.tensor([key_ids[:-1]], device=device), cache=prompt.cache, impl=impl)
+    logits = torch.cat([prompt.logits[0, -1:], forced.logits[0]]).float().log_softmax(-1)
+    logp = float(logits[torch.arange(len(key_ids)), torch.tensor(key_ids, device=device)].sum())
+    out, tokens = prompt, []
     for _ in range(n):
         nxt = int(out.logits[0, -1].argmax())
         tokens.append(nxt)
-        out = model.step(torch.tensor([[nxt]], device=device), cache=out.cache, impl=_impl(device, len(ids)))
-    return tokens
+        out = model.step(torch.tensor([[nxt]], device=device), cache=out.cache, impl=impl)
+    return tokens, logp
+
+
+def key_ids(tok, key: str) -> list[int]:
+    """The key's tokens as the answer writes them after ANSWER (a space, then the digits)."""
+    return tok.encode(" " + key, bos=False)
 
 
 def scored(answer: str, key: str) -> bool:
@@ -230,9 +273,23 @@ def by_position(model, ids: list[int], bins: list[int], device: str) -> tuple[li
 def run(argv: list[str] | None = None) -> int:
     ap = BenchParser(prog="sharp-bench quality", description=__doc__)
     ap.add_argument("model", nargs="?", type=Path, help="a GGUF file or a Hugging Face directory (default: SmolLM2)")
-    ap.add_argument("--settings", nargs="+", help="default: every setting but 'flat'")
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384, 32768])
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        help="default: every named setting but 'flat'; a sweep adds a family's members: "
+        + "; ".join(FAMILIES.values()),
+    )
+    ap.add_argument(
+        "--lengths",
+        type=int,
+        nargs="*",
+        default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+        help="the passkey prompts' lengths in tokens; none: perplexity and entropy by position only",
+    )
     ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument(
+        "--seed", type=int, default=0, help="the passkeys' draw: another seed gives held-out prompts for a calibration"
+    )
     ap.add_argument("--text", type=int, default=16384, help="tokens of the perplexity text (bins up to it)")
     ap.add_argument("--plot", type=Path, help="write the plot (PNG) here too (default beside docs/quality.md)")
     ap.add_argument("--quick", action="store_true", help="CI size: softmax and 'flat' at ~600 tokens, 5 trials")
@@ -245,7 +302,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.quick:
         args.settings, args.lengths, args.trials, args.text = ["softmax", "flat"], [600], 5, 1024
         args.no_write = args.no_write or args.write is None  # only to a page named with --write
-    if min(*args.lengths, args.text) < 64 or args.trials < 1:
+    if min([*args.lengths, args.text]) < 64 or args.trials < 1:
         ap.error("--lengths and --text must be >= 64 tokens, --trials >= 1")
     from sharp.models import gguf
 
@@ -261,6 +318,8 @@ def run(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if not (directory / "config.json").is_file():
         ap.error(f"{source}: not a GGUF file or a Hugging Face directory")
+    if args.llama_server and not args.lengths:
+        ap.error("--llama-server answers passkeys: give --lengths")
     if args.llama_server and found is None:
         ap.error(f"--llama-server reads the GGUF file the model came from; {source} is a directory without one")
     if args.llama_server:
@@ -271,11 +330,11 @@ def run(argv: list[str] | None = None) -> int:
     from sharp.models import hf
 
     train = hf.load_config(directory).max_position_embeddings
-    table = settings_for(train)
-    names = args.settings or [n for n in table if n != "flat"]
-    unknown = [n for n in names if n not in table]
-    if unknown:
-        ap.error(f"unknown setting {unknown[0]!r}; valid: {', '.join(table)}")
+    names = args.settings or [n for n in settings_for(train) if n != "flat"]
+    try:
+        table = {name: setting(name, train) for name in names}
+    except ValueError as e:
+        ap.error(str(e))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     machine = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     page = output_page(args, PAGE)
@@ -286,23 +345,25 @@ def run(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(directory, hf.load_config(directory))  # no setting changes the tokenizer
     words = prose()
     half = len(words) // 2
-    prompts = {n: passkey_prompts(tok, words[:half], n, args.trials) for n in args.lengths}  # every row's
+    prompts = {n: passkey_prompts(tok, words[:half], n, args.trials, args.seed) for n in args.lengths}  # every row's
     text_ids = tok.encode(" ".join(words[half:]), bos=False)[: args.text]
     bins = [0, *[b for b in (512, 1024, 2048, 4096, 8192, 16384, 32768) if b < args.text], args.text]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
     for name in names:
         model = build(directory, table[name], device)
-        cells = {}
+        cells, logps = {}, {}
         for length in args.lengths:
-            hits = 0
+            hits, logp = 0, 0.0
             for ids, key in prompts[length]:
-                hits += scored(tok.decode(greedy(model, ids, NEW_TOKENS, device)), key)
-            cells[length] = hits
-            _progress(t0, f"{name} passkey at {length:,}: {hits}/{args.trials}")
+                tokens, lp = answer(model, ids, key_ids(tok, key), NEW_TOKENS, device)
+                hits += scored(tok.decode(tokens), key)
+                logp += lp
+            cells[length], logps[length] = hits, logp / args.trials
+            _progress(t0, f"{name} passkey at {length:,}: {hits}/{args.trials}, mean log p(key) {logps[length]:.2f}")
         ppl, ent = by_position(model, text_ids, bins, device)
         _progress(t0, f"{name} perplexity by position: {', '.join(f'{p:.2f}' for p in ppl)}")
-        results[name] = {"passkey": cells, "ppl": ppl, "entropy": ent}
+        results[name] = {"passkey": cells, "logp": logps, "ppl": ppl, "entropy": ent}
         del model
         if page is not None:
             write_section(section, _body(args, results, bins, machine, source), page, title="Long-context quality")
@@ -338,6 +399,7 @@ def _body(args, results: dict, bins: list[int], machine: str, source: Path) -> s
         acc.append(row)
     spans = [f"{lo:,}–{hi:,}" for lo, hi in itertools.pairwise(bins)]
     ours = {name: r for name, r in results.items() if "ppl" in r}  # the peer answers passkeys only
+    logp = [[name, *(f"{r['logp'][n]:.2f}" for n in lengths)] for name, r in ours.items()]
     ppl = [[name, *(f"{p:.2f}" for p in r["ppl"])] for name, r in ours.items()]
     ent = [[name, *(f"{e:.3f}" for e in r["entropy"])] for name, r in ours.items()]
     peer = ""
@@ -348,11 +410,19 @@ def _body(args, results: dict, bins: list[int], machine: str, source: Path) -> s
             if not apart
             else f"{PEER} and sharp's softmax: the intervals do not overlap at {', '.join(f'{n:,}' for n in apart)}."
         )
-    return (
-        f"{today()}, {machine}, {args.command} on {source.name}; {args.trials} trials per cell, Wilson 95% intervals."
+    passkey = (
+        f" {args.trials} trials per cell (passkey draw {args.seed}), Wilson 95% intervals."
         "\n\n**Passkey retrieval** (exact match of the five-digit key), by prompt length in tokens:\n\n"
         + markdown_table(["setting", *(f"{n:,}" for n in lengths)], acc)
         + peer
+        + "\n\n**Mean log-probability of the key** (its tokens after the prompt, teacher-forced; 0 is certain):\n\n"
+        + markdown_table(["setting", *(f"{n:,}" for n in lengths)], logp)
+        if lengths
+        else " No passkey cells (no --lengths)."
+    )
+    return (
+        f"{today()}, {machine}, {args.command} on {source.name};"
+        + passkey
         + "\n\n**Perplexity by position** (one text of the Python documentation's topics):\n\n"
         + markdown_table(["setting", *spans], ppl)
         + "\n\n**Attention entropy by position** (entropy / log keys, mean over layers and heads):\n\n"
