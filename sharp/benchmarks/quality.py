@@ -186,7 +186,7 @@ def answer(model, ids: list[int], key_ids: list[int], n: int, device: str) -> tu
     prompt = model.step(torch.tensor([ids], device=device), impl=impl)
     forced = model.step(torch.tensor([key_ids[:-1]], device=device), cache=prompt.cache, impl=impl)
     logits = torch.cat([prompt.logits[0, -1:], forced.logits[0]]).float().log_softmax(-1)
-    logp = float(logits[torch.arange(len(key_ids)), torch.tensor(key_ids, device=device)].sum())
+    logp = float(logits[torch.arange(len(key_ids), device=device), torch.tensor(key_ids, device=device)].sum())
     out, tokens = prompt, []
     for _ in range(n):
         nxt = int(out.logits[0, -1].argmax())
@@ -400,6 +400,7 @@ def _body(args, results: dict, bins: list[int], machine: str, source: Path) -> s
     spans = [f"{lo:,}–{hi:,}" for lo, hi in itertools.pairwise(bins)]
     ours = {name: r for name, r in results.items() if "ppl" in r}  # the peer answers passkeys only
     logp = [[name, *(f"{r['logp'][n]:.2f}" for n in lengths)] for name, r in ours.items()]
+    by_length = ["setting", *(f"{n:,}" for n in lengths)]
     ppl = [[name, *(f"{p:.2f}" for p in r["ppl"])] for name, r in ours.items()]
     ent = [[name, *(f"{e:.3f}" for e in r["entropy"])] for name, r in ours.items()]
     peer = ""
@@ -413,10 +414,10 @@ def _body(args, results: dict, bins: list[int], machine: str, source: Path) -> s
     passkey = (
         f" {args.trials} trials per cell (passkey draw {args.seed}), Wilson 95% intervals."
         "\n\n**Passkey retrieval** (exact match of the five-digit key), by prompt length in tokens:\n\n"
-        + markdown_table(["setting", *(f"{n:,}" for n in lengths)], acc)
+        + markdown_table(by_length, acc)
         + peer
         + "\n\n**Mean log-probability of the key** (its tokens after the prompt, teacher-forced; 0 is certain):\n\n"
-        + markdown_table(["setting", *(f"{n:,}" for n in lengths)], logp)
+        + markdown_table(by_length, logp)
         if lengths
         else " No passkey cells (no --lengths)."
     )
