@@ -608,3 +608,100 @@ def test_an_fp16_cache_attends_as_fp32_over_keys_rounded_to_fp16(library, norm, 
         np.testing.assert_array_equal(room[past][:, :, w:lk], new[:, :, w:].astype(np.float16))
         changed = room[past] != before[past]
         assert not changed[:, :, :w].any() and not changed[:, :, lk:].any()
+
+
+# Exact sparse entmax decode: the rows of a decode step (few stacked rows) read the values of their support only.
+SPARSE_KEYS = 1100  # three 512-key passes, 18 64-key blocks
+SPARSE_ALPHAS = np.array([1.2, 1.5, 2.0, 1.7], np.float32)  # per head: the general powers and both fast paths
+
+
+def _sparse_logits(case: str) -> tuple[np.ndarray, np.ndarray]:
+    """Logits z (exact in float32: q is a unit vector, scale 1, so z = K[:, 0]) and the key mask of one row."""
+    rng = np.random.default_rng(11)
+    n = SPARSE_KEYS
+    z = np.full(n, -50.0, np.float32)
+    mask = np.ones(n, bool)
+    if case == "dominant":  # one key far above the rest: support of one, every other key below the floor
+        z = (rng.standard_normal(n) * 0.5).astype(np.float32)
+        z[500] = 10.0
+    elif case == "inside-the-floor":  # a second key just above max − 1/(α−1) for α = 2: a tiny weight, kept
+        z[100], z[900] = 0.0, -0.995
+    elif case == "all-equal":  # nothing can be skipped
+        z[:] = 0.0
+    elif case == "ties-at-tau":  # α = 2: two keys at 0 put τ at −0.5 exactly, where 300 keys sit (weight 0)
+        z[[10, 1000]] = 0.0
+        z[rng.choice(np.arange(20, 990), 300, replace=False)] = -0.5
+    elif case == "just-above-tau":  # α = 2: keys a hair above where τ would be without them (weights ~1e-4)
+        z[[10, 1000]] = 0.0
+        z[rng.choice(np.arange(20, 990), 5, replace=False)] = -0.4996
+        z[rng.choice(np.arange(20, 990), 300, replace=False)] = -0.5
+    elif case == "straddling":  # one support key per 64-key block, the others just below τ of the α = 1.5 head
+        z[:] = -0.49
+        z[7::64] = 0.0
+    elif case == "holes":  # masked keys, the row's largest among them, spread over every block
+        z = (rng.standard_normal(n) * 2).astype(np.float32)
+        mask[::3] = False
+        z[300] = 9.0
+        mask[300] = False
+    return z, mask
+
+
+def _sparse_oracle(norm: str, x: dict[str, np.ndarray], v: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+    """attend() in float64 at scale 1 (`v`: other values, e.g. the identity, whose output is the weights)."""
+    t = {k: torch.from_numpy(a).double() if a.dtype == np.float32 else torch.from_numpy(a) for k, a in x.items()}
+    out, ent = attend(t["Q"], t["K"], t["V"] if v is None else torch.from_numpy(v).double(), norm=norm, causal=True,
+                      key_mask=t["key_mask"], scale=1.0, alibi_slopes=t["alibi_slopes"], alpha=t["alpha"],
+                      query_scale=t["query_scale"] if registry.get(norm).query_scale else None,
+                      return_entropy=True)  # fmt: skip
+    return out.numpy(), ent.numpy()
+
+
+def _sparse_feed(case: str, lq: int, scale: float) -> dict[str, np.ndarray]:
+    """Batch 1, 4 query heads over 2 KV heads (GQA), D = 16; the last query row's logits are `case`'s row on every
+    head (times ASEntmax's λ = `scale`)."""
+    z, mask = _sparse_logits(case)
+    rng = np.random.default_rng(12)
+    k = rng.standard_normal((1, HKV, SPARSE_KEYS, D)).astype(np.float32)
+    k[..., 0] = z
+    v = rng.standard_normal((1, HKV, SPARSE_KEYS, D)).astype(np.float32)
+    q = rng.standard_normal((1, HQ, lq, D)).astype(np.float32)
+    q[:, :, -1] = 0.0
+    q[:, :, -1, 0] = 1.0
+    return {
+        "Q": q, "K": k, "V": v, "key_mask": mask[None], "alibi_slopes": np.zeros(HQ, np.float32),
+        "alpha": SPARSE_ALPHAS, "query_scale": np.full((1, HQ, lq), scale, np.float32),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("norm", ["entmax", "asentmax"])
+@pytest.mark.parametrize(
+    "case", ["dominant", "inside-the-floor", "all-equal", "ties-at-tau", "just-above-tau", "straddling", "holes"]
+)
+def test_sparse_entmax_decode_is_exact_and_reads_only_the_support(library, norm, case):
+    """A decode row (the per-row path) and the same row among a prefill tile's rows (the GEMM path, which scatters
+    the weights) agree within 1e-6, and each with the float64 oracle (outputs within 2e-6, ~1e-6 measured at the
+    ties; entropies within the op's 2e-5: fp32 log-sums over up to 1,100 keys); with every value outside the oracle's support set to NaN the
+    decode row is unchanged: it never read them (0·NaN would show)."""
+    names = ("Q", "K", "V", "key_mask", "alibi_slopes", "alpha", "query_scale")
+    model = one_op_model(norm, True, None, inputs=names, scale=1.0)
+    sess = session(model, library)
+    lam = 1.25 if norm == "asentmax" else 1.0
+    rows = {}
+    for lq in (1, 9):  # 2 stacked rows: per-row decode; 18: a GEMM tile
+        x = _sparse_feed(case, lq, lam)
+        o_ref, h_ref = _sparse_oracle(norm, x)
+        o, h = sess.run(None, x)
+        rows[lq] = o[:, :, -1], h[:, :, -1]
+        np.testing.assert_allclose(o[:, :, -1], o_ref[:, :, -1], atol=2e-6, rtol=0, err_msg=f"lq={lq}")
+        np.testing.assert_allclose(h[:, :, -1], h_ref[:, :, -1], atol=2e-5, rtol=0, err_msg=f"lq={lq}")
+    for got, gemm in zip(rows[1], rows[9], strict=True):  # sparse decode against the dense GEMM path
+        np.testing.assert_allclose(got, gemm, atol=1e-6, rtol=0)
+    x = _sparse_feed(case, 1, lam)
+    eye = np.broadcast_to(np.eye(SPARSE_KEYS, dtype=np.float32), (1, HKV, SPARSE_KEYS, SPARSE_KEYS))
+    weights, _ = _sparse_oracle(norm, x, eye)  # V = I: each head's weights over the keys
+    support = (weights[0, :, -1] > 0).reshape(HKV, HQ // HKV, SPARSE_KEYS).any(axis=1)  # per KV head, any of its heads
+    assert support.any(axis=1).all() and ((~support).any() or case == "all-equal")  # something to poison
+    poisoned = x | {"V": np.where(support[None, :, :, None], x["V"], np.nan).astype(np.float32)}
+    o, h = sess.run(None, poisoned)
+    np.testing.assert_allclose(o[:, :, -1], rows[1][0], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(h[:, :, -1], rows[1][1])

@@ -270,10 +270,15 @@ struct Problem {
 
 struct Workspace {  // one per thread, grown on demand and reused (no allocation per tile once warm)
   AlignedFloats logits, shifted, stack;  // stack: a GQA group's query rows, then its output rows
-  AlignedFloats candidates;
+  AlignedFloats candidates;        // entmax: the u, then the weights, of the keys that may carry weight
+  std::vector<int32_t> cand_keys;  // and their indices in the row
   AlignedFloats kv_block;  // an fp16 cache's keys or values, a block of them widened to fp32
   std::vector<double> row_sum;
   std::vector<char> live_block;
+  // decode (few rows): each entmax row's support as (key, weight) pairs, its values then read for those keys only
+  std::vector<std::vector<int32_t>> support_keys;
+  std::vector<AlignedFloats> support_weights;
+  std::vector<char> sparse_row;
 };
 thread_local Workspace tls_workspace;
 
@@ -419,35 +424,83 @@ struct Threshold {
   }
 };
 
-// α-entmax of row z[0, n) in place, α = 1 + am1: weights p = [u − τ]_+^{1/(α−1)} with u = (α−1) z, unnormalised;
-// returns Z = Σ p and writes the entropy log Z − Σ p log p / Z. τ by `Threshold` inside the bracket
-// [−1, −n^{1−α}] (the row max shifted to 0).
-float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) {
-  Row r(z, n);
-  r *= am1;
-  const float umax = r.maxCoeff();
-  float zsum;
-  if (degenerate_row(r, umax, entropy, &zsum)) return zsum;
-  r -= umax;
-  const double inv = 1.0 / am1;
-  // Only u > −1 can ever be in the support (τ ≥ −1): the threshold passes run over those alone.
-  const Packet zero = ei::pset1<Packet>(0.0f), one = ei::pset1<Packet>(1.0f), minus_one = ei::pset1<Packet>(-1.0f);
-  if (static_cast<int64_t>(ws.candidates.size()) < n) ws.candidates.resize(n);
-  float* cand = ws.candidates.data();
-  int64_t m = 0, j = 0;
-  Packet seen = zero;  // visible keys, per lane
-  for (; j + kLanes <= n; j += kLanes) {
-    const Packet u = ei::pload<Packet>(z + j);
-    seen = ei::padd(seen, ei::pand(visible(u), one));
-    if (ei::predux_any(ei::pcmp_lt(minus_one, u)))
-      for (int64_t l = j; l < j + kLanes; ++l)
-        if (z[l] > -1.0f) cand[m++] = z[l];
+// The keys of row z[0, n) that may carry entmax weight, u = (α−1)(z − max z) > −1: their u to cand and their
+// indices to keys, in key order; returns how many, and counts the visible keys (z > −inf) into *visible.
+// AVX-512 stores a packet's candidates with one compress; elsewhere, key by key where a packet holds any.
+int64_t gather_candidates(const float* z, int64_t n, float zmax, float am1, float* cand, int32_t* keys,
+                          int64_t* visible) {
+  int64_t m = 0, j = 0, seen = 0;
+#if defined(__AVX512F__)
+  const __m512 vmax = _mm512_set1_ps(zmax), va = _mm512_set1_ps(am1), floor = _mm512_set1_ps(-1.0f);
+  const __m512 neg_inf = _mm512_set1_ps(kNegInf);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(z + j);
+    seen += __builtin_popcount(_mm512_cmp_ps_mask(neg_inf, x, _CMP_LT_OQ));
+    const __m512 u = _mm512_mul_ps(va, _mm512_sub_ps(x, vmax));
+    const __mmask16 take = _mm512_cmp_ps_mask(floor, u, _CMP_LT_OQ);
+    if (take == 0) continue;
+    _mm512_mask_compressstoreu_ps(cand + m, take, u);
+    _mm512_mask_compressstoreu_epi32(keys + m, take, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(j))));
+    m += __builtin_popcount(take);
   }
-  int64_t visible_keys = static_cast<int64_t>(ei::predux(seen));
+#endif
   for (; j < n; ++j) {
-    visible_keys += z[j] > kNegInf;
-    if (z[j] > -1.0f) cand[m++] = z[j];
+    seen += z[j] > kNegInf;
+    const float u = am1 * (z[j] - zmax);
+    if (u > -1.0f) {
+      keys[m] = static_cast<int32_t>(j);
+      cand[m++] = u;
+    }
   }
+  *visible = seen;
+  return m;
+}
+
+// Keeps the candidates with u ≥ floor, in order; returns how many (AVX-512: a compress per packet).
+int64_t keep_at_least(float* cand, int32_t* keys, int64_t m, float floor) {
+  int64_t out = 0, j = 0;
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_set1_ps(floor);
+  for (; j + 16 <= m; j += 16) {
+    const __m512 u = _mm512_loadu_ps(cand + j);
+    const __m512i k = _mm512_loadu_si512(keys + j);
+    const __mmask16 keep = _mm512_cmp_ps_mask(u, f, _CMP_GE_OQ);
+    _mm512_mask_compressstoreu_ps(cand + out, keep, u);  // out ≤ j: never ahead of what is still to be read
+    _mm512_mask_compressstoreu_epi32(keys + out, keep, k);
+    out += __builtin_popcount(keep);
+  }
+#endif
+  for (; j < m; ++j)
+    if (cand[j] >= floor) {
+      keys[out] = keys[j];
+      cand[out++] = cand[j];
+    }
+  return out;
+}
+
+// α-entmax of row z[0, n), α = 1 + am1, over u = (α−1)(z − max z): weights p = [u − τ]_+^{1/(α−1)}, unnormalised.
+// The largest key's weight is at most 1, so τ ≥ −1 and only keys with u > −1 can carry weight: their indices go to
+// ws.cand_keys and their u to ws.candidates (m of them, returned in *m), the threshold search runs over those alone
+// (τ by `Threshold` inside the bracket [−1, −n^{1−α}]), and their weights replace their u there. z is only read:
+// what no candidate holds is zero, so a caller reads the values of the candidates only (exactly: every other key's
+// weight is 0). A row whose max is not finite is filled as degenerate_row says and has no candidates. Returns
+// Z = Σ p and writes the entropy log Z − Σ p log p / Z.
+float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws, int64_t* m_out) {
+  *m_out = 0;
+  const float zmax = row_max(z, n);
+  float zsum;
+  if (degenerate_row(Row(z, n), zmax, entropy, &zsum)) return zsum;
+  const double inv = 1.0 / am1;
+  const Packet zero = ei::pset1<Packet>(0.0f), one = ei::pset1<Packet>(1.0f);
+  if (static_cast<int64_t>(ws.candidates.size()) < n) {
+    ws.candidates.resize(n);
+    ws.cand_keys.resize(n);
+  }
+  float* cand = ws.candidates.data();
+  int32_t* keys = ws.cand_keys.data();
+  int64_t visible_keys = 0;
+  int64_t m = gather_candidates(z, n, zmax, am1, cand, keys, &visible_keys);
   const Packet e0 = ei::pset1<Packet>(static_cast<float>(inv));
   // The general power's one exp: b = d^e, e = k − 2 where Halley reads S'' (k ≥ 2), else k − 1 (S'' unused); the
   // sums are b·d², b·d, b (as the Triton kernels' `_powers`).
@@ -483,15 +536,19 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
       std::swap(s, s1);
       std::swap(s1, s2);
     }
+    const double lo = th.lo;
     if (th.step(s, s1, s2)) break;
+    // The bracket's low end only rises, and every τ from here on lies at or above it: a candidate below it has
+    // d = 0 in every later sum and in the weights, so it leaves the candidates (which changes no result).
+    if (th.lo > lo) m = keep_at_least(cand, keys, m, static_cast<float>(th.lo));
   }
   const double tau = th.tau;
-  // p = [u − τ]_+^inv (masked: −inf − τ clamps to 0), Z = Σ p and Σ p log p in one pass.
+  // p = [u − τ]_+^inv (masked: −inf − τ clamps to 0), Z = Σ p and Σ p log p over the candidates.
   const Packet vt = ei::pset1<Packet>(static_cast<float>(tau));
   Packet pz = zero, pl = zero;
-  map_row(z, z, n, [&](Packet u) {
+  map_row(cand, cand, m, [&](Packet u) {
     const Packet d = ei::pmax(ei::psub(u, vt), zero), live = ei::pcmp_lt(zero, d);
-    if (!ei::predux_any(live)) return zero;  // most of a sparse row: no transcendentals
+    if (!ei::predux_any(live)) return zero;  // candidates below τ: no transcendentals
     Packet w = d;
     if (inv != 2.0 && inv != 1.0) {  // log w = k·log d: one log and one exp per packet
       const Packet lw = ei::pmul(ei::plog(d), e0);
@@ -508,6 +565,7 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws) 
   zsum = ei::predux(pz);
   const float plogp = ei::predux(pl);
   *entropy = std::log(zsum) - plogp / zsum;
+  *m_out = m;
   return zsum;
 }
 
@@ -579,7 +637,16 @@ void run_tile(const Problem& p, int64_t task) {
   }
 
   const bool* mask = p.key_mask ? p.key_mask + b * p.lk : nullptr;
-  bool any_entmax = false;
+  bool any_entmax = false, any_dense = false;  // rows with a sparse support / rows normalised over every key
+  if (skinny) {
+    ws.sparse_row.assign(stacked, 0);
+    if (static_cast<int64_t>(ws.support_keys.size()) < stacked) {
+      ws.support_keys.resize(stacked);
+      ws.support_weights.resize(stacked);
+    }
+  }
+  const int64_t blocks = (kend + kKeyBlock - 1) / kKeyBlock;
+  ws.live_block.assign(blocks, 0);
   for (int64_t i = 0; i < stacked; ++i) {
     const int64_t g = i / rows, h = h0 + g, r = r0 + i % rows;
     // Per-head parameters; entmax with α = 1 is softmax.
@@ -587,6 +654,7 @@ void run_tile(const Problem& p, int64_t task) {
     const float p1 = a.norm->num_params > 1 ? p.param[1][h] : 0.0f;
     const bool entmax = a.norm->family == Family::kEntmax && p0 != 1.0f;
     any_entmax |= entmax;
+    any_dense |= !entmax;
     const float slope = p.alibi ? p.alibi[h] : 0.0f;
     float* ent = p.entropy + head_rows(g) + i % rows;
     const int64_t pos = offset + r;
@@ -609,9 +677,31 @@ void run_tile(const Problem& p, int64_t task) {
       }
     }
     float* h_out = ent;
-    if (entmax) {
-      std::fill(z + n, z + kend, kNegInf);
-      ws.row_sum[i] = entmax_row(z, kend, p0 - 1.0f, h_out, ws);
+    if (entmax) {  // weight only on the candidates (entmax_row): decode keeps them, a GEMM row gets them scattered
+      int64_t m;
+      ws.row_sum[i] = entmax_row(z, n, p0 - 1.0f, h_out, ws, &m);
+      const float* w = ws.candidates.data();
+      const int32_t* key = ws.cand_keys.data();
+      if (skinny) {
+        ws.sparse_row[i] = 1;
+        std::vector<int32_t>& keys = ws.support_keys[i];
+        AlignedFloats& weights = ws.support_weights[i];
+        keys.clear();
+        weights.clear();
+        for (int64_t c = 0; c < m; ++c)
+          if (w[c] != 0.0f) {
+            keys.push_back(key[c]);
+            weights.push_back(w[c]);
+          }
+      } else {
+        if (m > 0) std::fill(z, z + kend, 0.0f);  // (a degenerate row was filled with its zeros or NaNs)
+        else std::fill(z + n, z + kend, 0.0f);
+        for (int64_t c = 0; c < m; ++c)
+          if (w[c] != 0.0f) {
+            z[key[c]] = w[c];
+            ws.live_block[key[c] / kKeyBlock] = 1;
+          }
+      }
       continue;
     }
     switch (a.norm->transform) {
@@ -657,14 +747,25 @@ void run_tile(const Problem& p, int64_t task) {
     std::fill(z + n, z + kend, 0.0f);
   }
 
-  // O = W V / Z over the key blocks that carry weight (softmax: all of them), into the stack, then each head's rows.
+  // O = W V / Z, into the stack, then each head's rows. Decode: a block of values at a time for the rows weighted
+  // over every key, and for an entmax row the values of its support only. A GEMM tile: over the key blocks that
+  // carry weight (all of them when a row is not entmax's).
   Matrix o(ws.stack.data(), stacked, p.dv);
-  if (!any_entmax && skinny) {  // as for the logits: a block of values at a time for every row
+  if (skinny) {
     o.setZero();
-    for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
-      const int64_t len = std::min(kKeysPerPass, kend - j0);
-      const ConstMatrix vb = values(j0, len, ws.kv_block);
-      for (int64_t i = 0; i < stacked; ++i) o.row(i).noalias() += s.row(i).segment(j0, len) * vb;
+    if (any_dense) {
+      for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
+        const int64_t len = std::min(kKeysPerPass, kend - j0);
+        const ConstMatrix vb = values(j0, len, ws.kv_block);
+        for (int64_t i = 0; i < stacked; ++i)
+          if (!ws.sparse_row[i]) o.row(i).noalias() += s.row(i).segment(j0, len) * vb;
+      }
+    }
+    for (int64_t i = 0; i < stacked; ++i) {
+      if (!ws.sparse_row[i]) continue;
+      const std::vector<int32_t>& keys = ws.support_keys[i];
+      const float* w = ws.support_weights[i].data();
+      for (size_t c = 0; c < keys.size(); ++c) o.row(i).noalias() += w[c] * values(keys[c], 1, ws.kv_block).row(0);
     }
   } else if (!any_entmax && p.v16 == nullptr) {
     o.noalias() = s * values(0, kend, ws.kv_block);
@@ -676,20 +777,7 @@ void run_tile(const Problem& p, int64_t task) {
     }
   } else {
     o.setZero();
-    const int64_t blocks = (kend + kKeyBlock - 1) / kKeyBlock;
-    ws.live_block.assign(blocks, 0);
-    for (int64_t i = 0; i < stacked; ++i) {
-      const float* w = ws.logits.data() + i * stride;
-      for (int64_t blk = 0; blk < blocks; ++blk) {
-        if (ws.live_block[blk]) continue;
-        const int64_t e = std::min(kend, (blk + 1) * kKeyBlock);
-        for (int64_t j = blk * kKeyBlock; j < e; ++j)
-          if (w[j] != 0.0f) {
-            ws.live_block[blk] = 1;
-            break;
-          }
-      }
-    }
+    if (any_dense) std::fill(ws.live_block.begin(), ws.live_block.end(), 1);
     for (int64_t blk = 0; blk < blocks;) {  // one GEMM per run of live blocks
       if (!ws.live_block[blk]) {
         ++blk;
