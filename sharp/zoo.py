@@ -21,11 +21,13 @@ from sharp.models.tasks import TextData
 from sharp.models.train import main as train_main
 
 ZOO = zoo_dir()
-ARCH = ["--layers", "4", "--heads", "4", "--dim", "128", "--context", "2048"]
+ARCH = ["--layers", "4", "--heads", "4", "--dim", "128"]
 TWINS = ("ssa", "softmax", "entmax")
 # RoPE, but NAPE for entmax (half the heads ALiBi, half no position; the ASEntmax paper's choice): a model that
 # still works far past its 128-byte training sequences, served at 32K tokens to show its decode skipping pages
 POS = {"ssa": "rope", "softmax": "rope", "entmax": "nape"}
+# The context each declares (metadata only: training never reads it): NAPE has no position table to outgrow
+CONTEXT = {"rope": 2048, "nape": 65536}
 
 
 def build_corpus(out: Path) -> Path:
@@ -70,7 +72,8 @@ def _card(steps: int, corpus: Path, only: str | None) -> str:
                 else f"Trained on {today()}, {machine()}."
             ),
             "",
-            f"Architecture: 4 layers, 4 heads, dim 128, SwiGLU, RMSNorm, tied embeddings, context limit 2048;"
+            "Architecture: 4 layers, 4 heads, dim 128, SwiGLU, RMSNorm, tied embeddings, context limit 2048 (entmax:"
+            f" 65,536, which NAPE allows);"
             f" {steps:,} steps of batch 32 × 128 bytes, AdamW lr 1e-3, seed 0. `ssa.pt` and `softmax.pt` differ only in"
             " the attention normalizer (RoPE); `entmax.pt` is α-entmax with NAPE (heads 0–1 ALiBi with slopes 1 and"
             " 1/2, heads 2–3 no position), which carries it far past its training length.",
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         for norm in [args.only] if args.only else TWINS:
             out = ZOO / f"{norm}.pt"
             common = ["--data", str(corpus), "--steps", str(args.steps), "--batch", "32", "--size", "128", "128"]
-            arch = [*ARCH, "--pos", POS[norm]]
+            arch = [*ARCH, "--pos", POS[norm], "--context", str(CONTEXT[POS[norm]])]
             train_main(["text", "--norm", norm, *arch, *common, "--seed", "0", "--out", str(out), "--save-every", "0"])
         (ZOO / "README.md").write_text(_card(args.steps, corpus, args.only) + "\n")
     finally:

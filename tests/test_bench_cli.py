@@ -50,6 +50,9 @@ def test_results_are_written_only_in_a_checkout_or_where_asked(tmp_path, monkeyp
         (["repro", "copy", "--sizes", "8"], "--sizes applies to max-retrieval"),
         (["normalizers", "--lengths", "x"], "invalid int value"),
         (["kernels", "--norms", "sparsemax"], "invalid choice"),
+        (["sparse-serve", "--lengths", "0"], "must be ≥ 1"),
+        (["sparse-serve", "--lengths", "--prompt", "0"], "--prompt 0 needs --lengths"),
+        (["sparse-serve", "--entmax", "/nonexistent.pt"], "is not a file"),
     ],
 )
 def test_mistakes_are_one_line(argv, says, capsys):
@@ -72,6 +75,28 @@ def test_kernels_smoke_turns_the_interpreter_on_itself(tmp_path):
         pytest.skip(proc.stderr.strip())  # e.g. a CUDA image's Triton 3.6 with numpy 2.5: the refusal is one line
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| softmax |" in proc.stdout and not (tmp_path / "docs").exists()
+
+
+@pytest.mark.bench
+def test_sparse_serve_times_both_models_in_process_and_through_sharp_serve(tmp_path):
+    """`sharp-bench sparse-serve` at a small size: both zoo models exported (the softmax twin from a copy whose
+    context covers the prompt), decode steps timed in process and requests streamed through two sharp-serves."""
+    from sharp.benchmarks.sparse_serve import run as sparse_serve
+
+    page = tmp_path / "results.md"
+    argv = ["--lengths", "600", "--rounds", "2", "--steps", "3", "--prompt", "2500", "--new-tokens", "8",
+            "--serve-rounds", "1", "--workdir", str(tmp_path / "work"), "--write", str(page)]  # fmt: skip
+    assert sparse_serve(argv) == 0
+    text = page.read_text()
+    import re
+
+    raised = re.search(r"`softmax.pt` from a copy with its recorded context raised to ([\d,]+)", text)
+    assert raised and int(raised[1].replace(",", "")) >= 2500 + 8 and "`entmax.pt` from" not in text
+    rows = {c[0]: c for c in ([x.strip() for x in line.strip("|").split("|")] for line in text.splitlines()) if c}
+    assert float(rows["600"][1].split()[0]) > 0 and float(rows["600"][2].split()[0]) > 0, rows["600"]
+    for name in ("entmax", "softmax"):  # every request streamed its tokens
+        assert rows[name][1] == "2,500" and float(rows[name][3].split()[0]) > 0, rows[name]
+    assert rows["softmax"][4] == "1.00×"
 
 
 @pytest.mark.bench

@@ -680,8 +680,8 @@ def _sparse_feed(case: str, lq: int, scale: float) -> dict[str, np.ndarray]:
 def test_sparse_entmax_decode_is_exact_and_reads_only_the_support(library, norm, case):
     """A decode row (the per-row path) and the same row among a prefill tile's rows (the GEMM path, which scatters
     the weights) agree within 1e-6, and each with the float64 oracle (outputs within 2e-6, ~1e-6 measured at the
-    ties; entropies within the op's 2e-5: fp32 log-sums over up to 1,100 keys); with every value outside the oracle's support set to NaN the
-    decode row is unchanged: it never read them (0·NaN would show)."""
+    ties; entropies within the op's 2e-5: fp32 log-sums over up to 1,100 keys); with every value outside the
+    oracle's support set to NaN the decode row is unchanged: it never read them (0·NaN would show)."""
     names = ("Q", "K", "V", "key_mask", "alibi_slopes", "alpha", "query_scale")
     model = one_op_model(norm, True, None, inputs=names, scale=1.0)
     sess = session(model, library)

@@ -29,6 +29,10 @@ COMMANDS = {
         "sharp.benchmarks.sparse",
         "entmax decode skipping zero-weight KV pages vs reading them all vs softmax, on CPU (torch backend's cache)",
     ),
+    "sparse-serve": (
+        "sharp.benchmarks.sparse_serve",
+        "entmax decode vs softmax decode in onnxruntime (native op) and through sharp-serve after a long prompt, CPU",
+    ),
     "hf-serve": (
         "sharp.benchmarks.hfserve",
         "a Hugging Face model on the torch backend vs transformers' continuous batching, on a GPU (--smoke: CPU check)",
