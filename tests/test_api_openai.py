@@ -402,7 +402,9 @@ def _wait_until_cancelled(srv, cancelled: int) -> dict:
 
 
 def test_a_client_that_disconnects_mid_stream_or_mid_wait_frees_its_slot_and_cache(model_files):
-    with server(model_files, SlowEndless, **HTTP) as srv:
+    # SlowSteps: 3,000 tokens take 15 s or more, so the 1 s client deadline expires however fast the machine
+    # (with SlowEndless alone a quick machine finished the whole answer inside it)
+    with server(model_files, SlowSteps, **HTTP) as srv:
         stream = api(srv).completions.create(model="tiny", prompt="endless", max_tokens=3000, stream=True)
         chunks = iter(stream)
         next(chunks), next(chunks)
