@@ -635,6 +635,11 @@ def _sparse_logits(case: str) -> tuple[np.ndarray, np.ndarray]:
         z[[10, 1000]] = 0.0
         z[rng.choice(np.arange(20, 990), 5, replace=False)] = -0.4996
         z[rng.choice(np.arange(20, 990), 300, replace=False)] = -0.5
+    elif case == "counted-band":  # α = 2: keys in the floor's counted packets (16 of every 64) a hair above a
+        # level, −1/8, where τ* ≈ −0.267 lies below the next level down, −1/4: an estimate that weighed them at
+        # their band's upper edge would put the floor at −1/4, above τ*
+        z[192] = 0.0
+        z[[325, 389, 453, 517, 581]] = -0.12
     elif case == "straddling":  # one support key per 64-key block, the others just below τ of the α = 1.5 head
         z[:] = -0.49
         z[7::64] = 0.0
@@ -675,7 +680,17 @@ def _sparse_feed(case: str, lq: int, scale: float) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("norm", ["entmax", "asentmax"])
 @pytest.mark.parametrize(
-    "case", ["dominant", "inside-the-floor", "all-equal", "ties-at-tau", "just-above-tau", "straddling", "holes"]
+    "case",
+    [
+        "dominant",
+        "inside-the-floor",
+        "all-equal",
+        "ties-at-tau",
+        "just-above-tau",
+        "counted-band",
+        "straddling",
+        "holes",
+    ],
 )
 def test_sparse_entmax_decode_is_exact_and_reads_only_the_support(library, norm, case):
     """A decode row (the per-row path) and the same row among a prefill tile's rows (the GEMM path, which scatters

@@ -424,14 +424,49 @@ struct Threshold {
   }
 };
 
-// The keys of row z[0, n) that may carry entmax weight, u = (α−1)(z − max z) > −1: their u to cand and their
-// indices to keys, in key order; returns how many, and counts the visible keys (z > −inf) into *visible.
+// A floor c ≥ −1 on entmax's threshold τ* of row z[0, n), from how many keys lie above the levels −2^{−i}
+// (i = 1…10) in u = (α−1)(z − max z), counted on every 4th packet: any subset's S(c) = Σ [u − c]_+^k is at most
+// the row's, and a key above a level weighs at least (level − c)^k, so where that lower estimate of S(c) is ≥ 1,
+// S(τ*) = 1 puts τ* ≥ c and no key with u ≤ c has weight. The highest such level, else −1. (AVX-512 only;
+// elsewhere −1, the bound every row has.) For a flat row this leaves the threshold search the keys near the top
+// instead of nearly all of them.
+float entmax_floor(const float* z, int64_t n, float zmax, float am1, double k) {
+#if defined(__AVX512F__)
+  constexpr int kLevels = 10;
+  int64_t above[kLevels + 1] = {0};  // above[i]: sampled keys with u > −2^{−i}
+  int64_t tops = 0;                   // sampled keys at u = 0
+  const __m512 vmax = _mm512_set1_ps(zmax), va = _mm512_set1_ps(am1), zero = _mm512_setzero_ps();
+  for (int64_t j = 0; j + 16 <= n; j += 64) {
+    const __m512 u = _mm512_mul_ps(va, _mm512_sub_ps(_mm512_loadu_ps(z + j), vmax));
+    if (_mm512_cmp_ps_mask(_mm512_set1_ps(-0.5f), u, _CMP_LT_OQ) == 0) continue;
+    tops += __builtin_popcount(_mm512_cmp_ps_mask(u, zero, _CMP_GE_OQ));
+    for (int i = 1; i <= kLevels; ++i)
+      above[i] += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_set1_ps(-std::ldexp(1.0f, -i)), u, _CMP_LT_OQ));
+  }
+  for (int j = kLevels; j >= 1; --j) {  // the highest level c = −2^{−j} whose estimate reaches 1
+    const double c = -std::ldexp(1.0, -j);
+    // the row's maximum (u = 0) weighs (−c)^k: added unless a key at u = 0 was sampled (it may be that one)
+    double est = tops == 0 ? std::pow(-c, k) : 0.0;
+    for (int i = kLevels; i > j; --i) {
+      const int64_t band = above[i] - (i < kLevels ? above[i + 1] : 0);
+      est += static_cast<double>(band) * std::pow(-std::ldexp(1.0, -i) - c, k);
+    }
+    if (est >= 1.0 + 1e-6) return static_cast<float>(c);
+  }
+#else
+  (void)z, (void)n, (void)zmax, (void)am1, (void)k;
+#endif
+  return -1.0f;
+}
+
+// The keys of row z[0, n) that may carry entmax weight, u = (α−1)(z − max z) > floor (≥ −1): their u to cand and
+// their indices to keys, in key order; returns how many, and counts the visible keys (z > −inf) into *visible.
 // AVX-512 stores a packet's candidates with one compress; elsewhere, key by key where a packet holds any.
-int64_t gather_candidates(const float* z, int64_t n, float zmax, float am1, float* cand, int32_t* keys,
-                          int64_t* visible) {
+int64_t gather_candidates(const float* z, int64_t n, float zmax, float am1, float lowest, float* cand,
+                          int32_t* keys, int64_t* visible) {
   int64_t m = 0, j = 0, seen = 0;
 #if defined(__AVX512F__)
-  const __m512 vmax = _mm512_set1_ps(zmax), va = _mm512_set1_ps(am1), floor = _mm512_set1_ps(-1.0f);
+  const __m512 vmax = _mm512_set1_ps(zmax), va = _mm512_set1_ps(am1), floor = _mm512_set1_ps(lowest);
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (; j + 16 <= n; j += 16) {
@@ -448,7 +483,7 @@ int64_t gather_candidates(const float* z, int64_t n, float zmax, float am1, floa
   for (; j < n; ++j) {
     seen += z[j] > kNegInf;
     const float u = am1 * (z[j] - zmax);
-    if (u > -1.0f) {
+    if (u > lowest) {
       keys[m] = static_cast<int32_t>(j);
       cand[m++] = u;
     }
@@ -500,14 +535,15 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws, 
   float* cand = ws.candidates.data();
   int32_t* keys = ws.cand_keys.data();
   int64_t visible_keys = 0;
-  int64_t m = gather_candidates(z, n, zmax, am1, cand, keys, &visible_keys);
+  const float lowest = entmax_floor(z, n, zmax, am1, inv);
+  int64_t m = gather_candidates(z, n, zmax, am1, lowest, cand, keys, &visible_keys);
   const Packet e0 = ei::pset1<Packet>(static_cast<float>(inv));
   // The general power's one exp: b = d^e, e = k − 2 where Halley reads S'' (k ≥ 2), else k − 1 (S'' unused); the
   // sums are b·d², b·d, b (as the Triton kernels' `_powers`).
   const bool halley = inv >= 2.0;
   const Packet ep = ei::pset1<Packet>(static_cast<float>(halley ? inv - 2.0 : inv - 1.0));
   const double hi0 = -std::pow(static_cast<double>(visible_keys), -static_cast<double>(am1));
-  Threshold th{inv, -1.0, hi0, -1.0, -1.0};
+  Threshold th{inv, lowest, hi0, lowest, lowest};
   for (int pass = 0; pass < kMaxThresholdPasses; ++pass) {
     const Packet vt = ei::pset1<Packet>(static_cast<float>(th.tau));
     Packet ps = zero, ps1 = zero, ps2 = zero;  // S + 1 and the sums of its derivatives (padding: d = 0)
