@@ -1,9 +1,10 @@
 """`python -m sharp.zoo`: train the committed demo models on the Python standard library's sources.
 
 Every machine with Python has the corpus, so the models are reproducible anywhere with one command
-(`make zoo`). Three byte-level SharpLMs of the same size, data and seed: `ssa.pt` (SSA attention), its
-softmax twin `softmax.pt` (on which `adaptive` can be shown at export/serve time) and its α-entmax twin
-`entmax.pt` (α learned per head from 1.5; exact zeros, which its decode skips). Writes models/zoo/README.md, the
+(`make zoo`). Four byte-level SharpLMs of the same size, data and seed: `ssa.pt` (SSA attention), its
+softmax twin `softmax.pt` (on which `adaptive` can be shown at export/serve time), its α-entmax twin
+`entmax.pt` (α learned per head from 1.5; exact zeros, which its decode skips) and `asentmax.pt` (ASEntmax: the
+same, its logits scaled per query with the position). Writes models/zoo/README.md, the
 model card, with the measured losses and the learned SSA and entmax parameters. `--only NAME` retrains one.
 """
 
@@ -22,10 +23,10 @@ from sharp.models.train import main as train_main
 
 ZOO = zoo_dir()
 ARCH = ["--layers", "4", "--heads", "4", "--dim", "128"]
-TWINS = ("ssa", "softmax", "entmax")
+TWINS = ("ssa", "softmax", "entmax", "asentmax")
 # RoPE, but NAPE for entmax (half the heads ALiBi, half no position; the ASEntmax paper's choice): a model that
 # still works far past its 128-byte training sequences, served at 32K tokens to show its decode skipping pages
-POS = {"ssa": "rope", "softmax": "rope", "entmax": "nape"}
+POS = {"ssa": "rope", "softmax": "rope", "entmax": "nape", "asentmax": "nape"}
 # The context each declares (metadata only: training never reads it): NAPE has no position table to outgrow
 CONTEXT = {"rope": 2048, "nape": 65536}
 
@@ -56,8 +57,9 @@ def _card(steps: int, corpus: Path, only: str | None) -> str:
             f"| {i} | {', '.join(f'{x:.3f}' for x in p['ssa_n'])} | {', '.join(f'{x:.3f}' for x in p['ssa_b'])} |"
         )
     alphas = [
-        f"| {i} | {', '.join(f'{x:.3f}' for x in block.attn.head_params()['alpha'])} |"
-        for i, block in enumerate(load(ZOO / "entmax.pt").blocks)
+        f"| {i} | {', '.join(f'{x:.3f}' for x in a.attn.head_params()['alpha'])} |"
+        f" {', '.join(f'{x:.3f}' for x in b.attn.head_params()['alpha'])} |"
+        for i, (a, b) in enumerate(zip(load(ZOO / "entmax.pt").blocks, load(ZOO / "asentmax.pt").blocks, strict=True))
     ]
     return "\n".join(
         [
@@ -76,7 +78,9 @@ def _card(steps: int, corpus: Path, only: str | None) -> str:
             f" 65,536, which NAPE allows);"
             f" {steps:,} steps of batch 32 × 128 bytes, AdamW lr 1e-3, seed 0. `ssa.pt` and `softmax.pt` differ only in"
             " the attention normalizer (RoPE); `entmax.pt` is α-entmax with NAPE (heads 0–1 ALiBi with slopes 1 and"
-            " 1/2, heads 2–3 no position), which carries it far past its training length.",
+            " 1/2, heads 2–3 no position), which carries it far past its training length; `asentmax.pt` is ASEntmax"
+            " with the same NAPE: α-entmax whose logits are scaled per query by λ = δ + β·log(pos + 2)^γ (β, γ"
+            " learned from the hidden state), sharper as the context grows.",
             "",
             "| file | norm | first loss | final train loss (last 50 steps) | validation loss | size |",
             "|---|---|---|---|---|---|",
@@ -90,8 +94,8 @@ def _card(steps: int, corpus: Path, only: str | None) -> str:
             "",
             "Learned entmax α per layer (heads 0–3; from 1.5): keys below the threshold get exactly zero weight",
             "",
-            "| layer | α |",
-            "|---|---|",
+            "| layer | entmax α | asentmax α |",
+            "|---|---|---|",
             *alphas,
             "",
             "They are small demo models: they produce Python-looking text, not good code.",
@@ -113,7 +117,7 @@ def _val_loss(model, data: TextData, batches: int = 8) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sharp.zoo", description=__doc__)
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--only", choices=TWINS, help="retrain this model only (the card is rewritten from all three)")
+    ap.add_argument("--only", choices=TWINS, help="retrain this model only (the card is rewritten from all of them)")
     args = ap.parse_args(argv)
     ZOO.mkdir(exist_ok=True)
     corpus = build_corpus(ZOO / "corpus.txt")

@@ -436,12 +436,13 @@ float entmax_floor(const float* z, int64_t n, float zmax, float am1, double k) {
   int64_t above[kLevels + 1] = {0};  // above[i]: sampled keys with u > −2^{−i}
   int64_t tops = 0;                   // sampled keys at u = 0
   const __m512 vmax = _mm512_set1_ps(zmax), va = _mm512_set1_ps(am1), zero = _mm512_setzero_ps();
+  __m512 level[kLevels + 1];
+  for (int i = 1; i <= kLevels; ++i) level[i] = _mm512_set1_ps(-std::ldexp(1.0f, -i));
   for (int64_t j = 0; j + 16 <= n; j += 64) {
     const __m512 u = _mm512_mul_ps(va, _mm512_sub_ps(_mm512_loadu_ps(z + j), vmax));
-    if (_mm512_cmp_ps_mask(_mm512_set1_ps(-0.5f), u, _CMP_LT_OQ) == 0) continue;
+    if (_mm512_cmp_ps_mask(level[1], u, _CMP_LT_OQ) == 0) continue;
     tops += __builtin_popcount(_mm512_cmp_ps_mask(u, zero, _CMP_GE_OQ));
-    for (int i = 1; i <= kLevels; ++i)
-      above[i] += __builtin_popcount(_mm512_cmp_ps_mask(_mm512_set1_ps(-std::ldexp(1.0f, -i)), u, _CMP_LT_OQ));
+    for (int i = 1; i <= kLevels; ++i) above[i] += __builtin_popcount(_mm512_cmp_ps_mask(level[i], u, _CMP_LT_OQ));
   }
   for (int j = kLevels; j >= 1; --j) {  // the highest level c = −2^{−j} whose estimate reaches 1
     const double c = -std::ldexp(1.0, -j);
