@@ -74,8 +74,8 @@ def _card(steps: int, corpus: Path, only: str | None) -> str:
                 else f"Trained on {today()}, {machine()}."
             ),
             "",
-            "Architecture: 4 layers, 4 heads, dim 128, SwiGLU, RMSNorm, tied embeddings, context limit 2048 (entmax:"
-            f" 65,536, which NAPE allows);"
+            "Architecture: 4 layers, 4 heads, dim 128, SwiGLU, RMSNorm, tied embeddings, context limit 2048 (entmax and"
+            f" asentmax: 65,536, which NAPE allows);"
             f" {steps:,} steps of batch 32 × 128 bytes, AdamW lr 1e-3, seed 0. `ssa.pt` and `softmax.pt` differ only in"
             " the attention normalizer (RoPE); `entmax.pt` is α-entmax with NAPE (heads 0–1 ALiBi with slopes 1 and"
             " 1/2, heads 2–3 no position), which carries it far past its training length; `asentmax.pt` is ASEntmax"

@@ -53,6 +53,7 @@ def test_results_are_written_only_in_a_checkout_or_where_asked(tmp_path, monkeyp
         (["sparse-serve", "--lengths", "0"], "must be ≥ 1"),
         (["sparse-serve", "--lengths", "--prompt", "0"], "--prompt 0 needs --lengths"),
         (["sparse-serve", "--entmax", "/nonexistent.pt"], "is not a file"),
+        (["sparse-serve", "--entmax", str(ROOT / "models/zoo/ssa.pt")], "not of the entmax family"),
     ],
 )
 def test_mistakes_are_one_line(argv, says, capsys):
@@ -90,7 +91,7 @@ def test_sparse_serve_times_both_models_in_process_and_through_sharp_serve(tmp_p
     text = page.read_text()
     import re
 
-    raised = re.search(r"`softmax.pt` from a copy with its recorded context raised to ([\d,]+)", text)
+    raised = re.search(r"; `softmax.pt` from a copy with the recorded context raised to ([\d,]+)", text)
     assert raised and int(raised[1].replace(",", "")) >= 2500 + 8 and "`entmax.pt` from" not in text
     rows = {c[0]: c for c in ([x.strip() for x in line.strip("|").split("|")] for line in text.splitlines()) if c}
     assert float(rows["600"][1].split()[0]) > 0 and float(rows["600"][2].split()[0]) > 0, rows["600"]

@@ -2,14 +2,14 @@
 file in onnxruntime with sharp's native op, whose entmax decode reads the values of each row's support only
 (docs/op.md) — at growing context, and through sharp-serve itself after a long prompt.
 
-The zoo's entmax model (α-entmax, NAPE) and its softmax twin (RoPE) of the same shape are exported with
-`sharp-export` into the workdir. A model whose recorded context is shorter than the longest prompt is exported from a
-copy with that context raised (the softmax twin: RoPE past its training length, so its text is poor — it is the
-speed reference, not a quality one; NAPE's entmax model records 65,536 and needs no copy).
+The zoo's entmax model (α-entmax, NAPE; --entmax takes others too, e.g. the zoo's ASEntmax model) and its softmax
+twin (RoPE) of the same shape are exported with `sharp-export` into the workdir. A model whose recorded context is
+shorter than the longest prompt is exported from a copy with that context raised (the softmax twin: RoPE past its
+training length, so its text is poor — it is the speed reference, not a quality one; the NAPE models record 65,536).
 
 Decode steps: each file is loaded as sharp-serve loads it (`load_backend`, the onnxruntime backend with the native
 op), prefills the same stdlib text to each length in the server's chunks, then rounds of decode steps take turns
-between the two (greedy, per-head entropies asked for, as the metrics do). Served: sharp-serve on each file in its
+between the models (greedy, per-head entropies asked for, as the metrics do). Served: sharp-serve on each file in its
 own process (prefix cache off), rounds taking turns, each request a fresh window of stdlib text of --prompt tokens
 at its own offset and --new-tokens greedy tokens streamed over the OpenAI API; decode tokens/s at the client after
 the first token. Medians and ranges; ratios of medians.
@@ -42,7 +42,6 @@ from sharp.models.checkpoint import zoo_dir
 from sharp.models.corpus import stdlib_corpus
 
 CHUNK = 256  # sharp-serve's default --prefill-chunk
-NAMES = ("entmax", "softmax")
 
 
 def _log(message: str) -> None:
@@ -126,11 +125,12 @@ def _med(xs: list[float], spec: str = ".2f") -> str:
 def run(argv: list[str] | None = None) -> int:
     ap = BenchParser(prog="sharp-bench sparse-serve", description=__doc__)
     zoo = zoo_dir()
-    ap.add_argument("--entmax", type=Path, default=zoo / "entmax.pt", help="an entmax-family SharpLM checkpoint")
+    ap.add_argument("--entmax", type=Path, nargs="+", default=[zoo / "entmax.pt"],
+                    help="entmax-family SharpLM checkpoints (e.g. models/zoo/asentmax.pt too)")  # fmt: skip
     ap.add_argument("--softmax", type=Path, default=zoo / "softmax.pt", help="a softmax SharpLM of the same shape")
     ap.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384, 32768],
                     help="contexts of the in-process decode steps (none: skip them)")  # fmt: skip
-    ap.add_argument("--rounds", type=int, default=5, help="rounds, the two taking turns")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, the models taking turns")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per model per round")
     ap.add_argument("--prompt", type=int, default=30000, help="prompt tokens of the served requests (0: skip them)")
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per served request")
@@ -139,9 +139,13 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/sharp-sparse-serve"), help="exports go here")
     add_output(ap)
     args = ap.parse_args(argv)
-    for name in NAMES:
-        if not getattr(args, name).is_file():
-            ap.error(f"--{name} {getattr(args, name)} is not a file")
+    checkpoints = {p.stem: p for p in args.entmax}
+    if len(checkpoints) < len(args.entmax) or "softmax" in checkpoints:
+        ap.error("--entmax files need distinct names, none of them `softmax`")
+    checkpoints["softmax"] = args.softmax
+    for name, path in checkpoints.items():
+        if not path.is_file():
+            ap.error(f"--{'softmax' if name == 'softmax' else 'entmax'} {path} is not a file")
     if any(n < 1 for n in args.lengths) or min(args.rounds, args.steps, args.serve_rounds, args.new_tokens) < 1:
         ap.error("--lengths, --rounds, --steps, --serve-rounds and --new-tokens must be ≥ 1")
     if args.prompt < 0 or (args.prompt == 0 and not args.lengths):
@@ -150,43 +154,52 @@ def run(argv: list[str] | None = None) -> int:
     longest = max([*args.lengths, args.prompt + 1000 + args.serve_rounds * 7919])
     if longest > len(corpus):
         ap.error(f"the corpus holds {len(corpus):,} bytes, fewer than the {longest:,} asked for")
-    shapes = {name: load(getattr(args, name)).cfg for name in NAMES}
+    shapes = {name: load(path).cfg for name, path in checkpoints.items()}
     same = ("layers", "heads", "kv_heads", "head_dim", "vocab_size")
-    if any(getattr(shapes["entmax"], k) != getattr(shapes["softmax"], k) for k in same):
-        ap.error("--entmax and --softmax differ in shape (layers, heads, KV heads, head dim or vocabulary)")
+    for name, cfg in shapes.items():
+        if cfg.norm not in ("entmax", "asentmax") and name != "softmax":
+            ap.error(f"--entmax {checkpoints[name]} is a {cfg.norm} model, not of the entmax family")
+        if any(getattr(cfg, k) != getattr(shapes["softmax"], k) for k in same):
+            ap.error(
+                f"{checkpoints[name]} and --softmax differ in shape (layers, heads, KV heads, head dim or vocabulary)"
+            )
+    names = list(checkpoints)
+    entmaxes = names[:-1]
     args.workdir.mkdir(parents=True, exist_ok=True)
     context = max([*args.lengths, args.prompt]) + max(args.rounds * args.steps, args.new_tokens) + 64
     files, raised = {}, []
-    for name in NAMES:
-        files[name], copied = export(getattr(args, name), context, args.workdir)
+    for name, path in checkpoints.items():
+        files[name], copied = export(path, context, args.workdir)
         if copied:
-            raised.append(f"`{getattr(args, name).name}`")
+            raised.append(f"`{path.name}`")
 
     step_rows = []
     for length in args.lengths:
         ids = np.frombuffer(corpus[:length], np.uint8).astype(np.int64)
         times = decode_steps(files, ids, args.rounds, args.steps)
         med = {n: statistics.median(t) for n, t in times.items()}
-        step_rows.append([f"{length:,}", *(_med(times[n]) for n in NAMES), f"{med['entmax'] / med['softmax']:.2f}×"])
+        step_rows.append([f"{length:,}", *(_med(times[n]) for n in names),
+                          *(f"{med[n] / med['softmax']:.2f}×" for n in entmaxes)])  # fmt: skip
         _log(f"{length} tokens: " + ", ".join(f"{n} {m:.2f} ms" for n, m in med.items()))
     serve_rows = []
     if args.prompt:
         readings = served(files, corpus, args.prompt, args.new_tokens, args.serve_rounds, args.workdir, args.threads)
         rate = {n: [r.decode for r in rs] for n, rs in readings.items()}
         ttft = {n: [r.ttft for r in rs] for n, rs in readings.items()}
-        for n in NAMES:
+        for n in names:
             ratio = statistics.median(rate[n]) / statistics.median(rate["softmax"])
             serve_rows.append([n, f"{args.prompt:,}", _med(ttft[n], ".1f"), _med(rate[n], ".0f"), f"{ratio:.2f}×"])
 
-    cfg = shapes["entmax"]
+    cfg = shapes["softmax"]
     parts = [
         "## Entmax decode against softmax decode in onnxruntime and through sharp-serve (`sharp-bench sparse-serve`)",
         f"Measured {today()} on {machine()}. Command: {command_line('sparse-serve', argv or [])}. Models: "
-        f"`{args.entmax.name}` and `{args.softmax.name}`, {cfg.layers} layers × {cfg.heads} heads, head dim "
+        + ", ".join(f"`{p.name}` ({shapes[n].norm})" for n, p in checkpoints.items())
+        + f", {cfg.layers} layers × {cfg.heads} heads, head dim "
         f"{cfg.head_dim}, exported with `sharp-export` (fp32; onnxruntime with sharp's native op, whose entmax "
         "decode reads every key but the values of each row's support only)"
-        + (f"; {', '.join(raised)} from a copy with its recorded context raised to {context:,} (RoPE past its "
-           "training length: the speed reference, not a quality one)" if raised else "")
+        + (f"; {', '.join(raised)} from a copy with the recorded context raised to {context:,} (for `softmax.pt`, "
+           "RoPE past its training length: the speed reference, not a quality one)" if raised else "")
         + ". Prompts are the standard library's sources (the zoo's corpus), one byte a token.",
     ]  # fmt: skip
     if step_rows:
@@ -194,14 +207,16 @@ def run(argv: list[str] | None = None) -> int:
             f"Decode steps in process, as sharp-serve runs them (`load_backend`; prefill in {CHUNK}-token chunks, "
             f"then {args.rounds} rounds of {args.steps} greedy steps per model, taking turns; per-head entropies "
             "asked for). ms per step: median (lowest–highest).",
-            markdown_table(["context", "entmax ms/step", "softmax ms/step", "entmax / softmax"], step_rows),
+            markdown_table(
+                ["context", *(f"{n} ms/step" for n in names), *(f"{n} / softmax" for n in entmaxes)], step_rows
+            ),
         ]
     if serve_rows:
         parts += [
             f"Through sharp-serve (its own process per model, prefix cache off, OpenAI API streamed): after one "
             f"warm-up request each, {args.serve_rounds} round(s) taking turns, each request a fresh window of "
             f"{args.prompt:,} tokens and {args.new_tokens} greedy tokens. Median (lowest–highest); decode rate "
-            "ratio against softmax's (above 1: entmax faster).",
+            "ratio against softmax's (above 1: faster).",
             markdown_table(["model", "prompt", "TTFT s", "decode tok/s", "decode ÷ softmax's"], serve_rows),
         ]
     body = "\n\n".join(parts)
