@@ -516,9 +516,9 @@ int64_t keep_at_least(float* cand, int32_t* keys, int64_t m, float floor) {
 }
 
 // α-entmax of row z[0, n), α = 1 + am1, over u = (α−1)(z − max z): weights p = [u − τ]_+^{1/(α−1)}, unnormalised.
-// The largest key's weight is at most 1, so τ ≥ −1 and only keys with u > −1 can carry weight: their indices go to
+// τ ≥ c (−1, or entmax_floor's higher level) and only keys with u > c can carry weight: their indices go to
 // ws.cand_keys and their u to ws.candidates (m of them, returned in *m), the threshold search runs over those alone
-// (τ by `Threshold` inside the bracket [−1, −n^{1−α}]), and their weights replace their u there. z is only read:
+// (τ by `Threshold` inside the bracket [c, −n^{1−α}]), and their weights replace their u there. z is only read:
 // what no candidate holds is zero, so a caller reads the values of the candidates only (exactly: every other key's
 // weight is 0). A row whose max is not finite is filled as degenerate_row says and has no candidates. Returns
 // Z = Σ p and writes the entropy log Z − Σ p log p / Z.
