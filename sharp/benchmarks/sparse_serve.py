@@ -40,6 +40,7 @@ from sharp.benchmarks.peers import Reading, start_sharp
 from sharp.models import load, save
 from sharp.models.checkpoint import zoo_dir
 from sharp.models.corpus import stdlib_corpus
+from sharp.models.lm import SharpLM
 
 CHUNK = 256  # sharp-serve's default --prefill-chunk
 
@@ -48,10 +49,14 @@ def _log(message: str) -> None:
     print(f"sparse-serve: {message}", file=sys.stderr, flush=True)
 
 
-def export(checkpoint: Path, context: int, workdir: Path) -> tuple[Path, bool]:
-    """`sharp-export` of the checkpoint, or of a copy whose recorded context is raised to `context` when it is
-    shorter; returns the file and whether a copy was made."""
-    model = load(checkpoint)
+def _offset(r: int) -> int:
+    """Where served round r's prompt starts in the corpus: a fresh window each round."""
+    return 1000 + r * 7919
+
+
+def export(checkpoint: Path, model: SharpLM, context: int, workdir: Path) -> tuple[Path, bool]:
+    """`sharp-export` of the checkpoint (`model`, loaded), or of a copy whose recorded context is raised to `context`
+    when it is shorter; returns the file and whether a copy was made."""
     raised = model.cfg.context_length < context
     source = checkpoint
     if raised:
@@ -105,8 +110,7 @@ def served(files: dict[str, Path], corpus: bytes, prompt: int, new: int, rounds:
     try:
         order = list(files)
         for r in range(rounds + 1):  # round 0 warms each server up and is not counted
-            offset = 1000 + r * 7919
-            ids = list(corpus[offset : offset + prompt])
+            ids = list(corpus[_offset(r) : _offset(r) + prompt])
             for name in order if r % 2 == 0 else order[::-1]:
                 reading = peers[name].generate([ids], new)[0]
                 _log(f"round {r}: {name} TTFT {reading.ttft:.1f} s, decode {reading.decode:.0f} tok/s")
@@ -151,10 +155,11 @@ def run(argv: list[str] | None = None) -> int:
     if args.prompt < 0 or (args.prompt == 0 and not args.lengths):
         ap.error("--prompt must be ≥ 0, and --prompt 0 needs --lengths")
     corpus = stdlib_corpus()
-    longest = max([*args.lengths, args.prompt + 1000 + args.serve_rounds * 7919])
+    longest = max([*args.lengths, _offset(args.serve_rounds) + args.prompt])
     if longest > len(corpus):
         ap.error(f"the corpus holds {len(corpus):,} bytes, fewer than the {longest:,} asked for")
-    shapes = {name: load(path).cfg for name, path in checkpoints.items()}
+    models = {name: load(path) for name, path in checkpoints.items()}
+    shapes = {name: model.cfg for name, model in models.items()}
     same = ("layers", "heads", "kv_heads", "head_dim", "vocab_size")
     for name, cfg in shapes.items():
         if cfg.norm not in ("entmax", "asentmax") and name != "softmax":
@@ -169,7 +174,7 @@ def run(argv: list[str] | None = None) -> int:
     context = max([*args.lengths, args.prompt]) + max(args.rounds * args.steps, args.new_tokens) + 64
     files, raised = {}, []
     for name, path in checkpoints.items():
-        files[name], copied = export(path, context, args.workdir)
+        files[name], copied = export(path, models[name], context, args.workdir)
         if copied:
             raised.append(f"`{path.name}`")
 
