@@ -675,15 +675,16 @@ void run_tile(const Problem& p, int64_t task) {
 
   const bool* mask = p.key_mask ? p.key_mask + b * p.lk : nullptr;
   bool any_entmax = false, any_dense = false;  // rows with a sparse support / rows normalised over every key
+  const int64_t blocks = (kend + kKeyBlock - 1) / kKeyBlock;
   if (skinny) {
     ws.sparse_row.assign(stacked, 0);
     if (static_cast<int64_t>(ws.support_keys.size()) < stacked) {
       ws.support_keys.resize(stacked);
       ws.support_weights.resize(stacked);
     }
+  } else {
+    ws.live_block.assign(blocks, 0);
   }
-  const int64_t blocks = (kend + kKeyBlock - 1) / kKeyBlock;
-  ws.live_block.assign(blocks, 0);
   for (int64_t i = 0; i < stacked; ++i) {
     const int64_t g = i / rows, h = h0 + g, r = r0 + i % rows;
     // Per-head parameters; entmax with α = 1 is softmax.
