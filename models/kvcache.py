@@ -29,6 +29,22 @@ PAGED_KERNEL_ROWS = 64
 VIEW_MAX_ELEMENTS = 2**31
 
 
+@dataclass(frozen=True)
+class PagesRead:
+    """What the Triton paged kernel's sparse decode read in one layer: the pages each sequence's KV head read
+    (B, Hkv) and the sequences' lengths, left on the device until `skipped` is asked for (the step's metrics)."""
+
+    read: Tensor
+    lengths: Tensor
+    page_size: int
+
+    @property
+    def skipped(self) -> float:
+        """The fraction of the sequences' (KV head, page) pairs not read."""
+        pages = int((-(-self.lengths.long() // self.page_size)).sum()) * self.read.shape[1]
+        return 1.0 - int(self.read.sum()) / pages if pages else 0.0
+
+
 @dataclass
 class PagedStep:
     """One forward over `seqs`, each appending `new` tokens, on per-layer pools of keys and values stored (kv_heads,
@@ -53,7 +69,7 @@ class PagedStep:
     run_start: int | None = None
     bounds: list[Tensor] | None = None
     skip_pages: bool = True
-    sparse: dict[int, SparseStats] = field(default_factory=dict)
+    sparse: dict[int, SparseStats | PagesRead] = field(default_factory=dict)
 
     def layer(self, index: int) -> PagedLayer:
         return PagedLayer(self, index)
@@ -125,23 +141,31 @@ class PagedLayer:
     def attend(self, q: Tensor, impl: str, entropy: bool = True, **norm: object) -> tuple[Tensor, Tensor | None]:
         """Attention of q (B, Hq, new, D) — the step's new tokens, causal — over the sequences' keys (written
         first): output and entropy (B, Hq, new) as `attend` returns them."""
-        if self._sparse(q, impl, norm):
+        skips = self._skips(norm)
+        if skips and q.shape[2] == 1 and impl != "triton":
             return self._sparse_decode(q, norm)
         kp, vp = (pool.transpose(0, 1) for pool in self.pools)  # (pages, kv_heads, page_size, head_dim) views
         group_rows = q.shape[1] // kp.shape[1] * q.shape[2]
         if impl == "triton" and group_rows <= PAGED_KERNEL_ROWS:
-            return _paged_impl("triton")(q, kp, vp, self.step.block_table, self.step.seq_lens, causal=True, **norm)
+            s = self.step
+            if not skips:
+                return _paged_impl("triton")(q, kp, vp, s.block_table, s.seq_lens, causal=True, **norm)
+            read = torch.zeros(q.shape[0], kp.shape[1], dtype=torch.int32, device=q.device)
+            res = _paged_impl("triton")(q, kp, vp, s.block_table, s.seq_lens, causal=True,
+                                        page_bounds=s.bounds[self.index], pages_read=read, **norm)  # fmt: skip
+            s.sparse[self.index] = PagesRead(read, s.seq_lens, kp.shape[2])
+            return res
         k, v, real = self.dense()
         mask = None if len(self.step.seqs) == 1 else real  # one sequence has no padding
         res = attend(q, k, v, causal=True, key_mask=mask, impl=impl, return_entropy=entropy, **norm)
         return res if entropy else (res, None)
 
-    def _sparse(self, q: Tensor, impl: str, norm: dict) -> bool:
-        """Whether this step's attention is an entmax decode the page summaries can make sparse: one new query per
-        sequence, a norm of the entmax family with every α > 1, summaries kept, the torch implementations (the
-        Triton paged kernel reads every page)."""
+    def _skips(self, norm: dict) -> bool:
+        """Whether this step's attention may skip pages by their summaries: summaries kept and used, a norm of the
+        entmax family with every α > 1. The torch implementations do it for a decode step (one new query per
+        sequence, `_sparse_decode`), the Triton paged kernel for every step it runs."""
         step = self.step
-        if step.bounds is None or not step.skip_pages or q.shape[2] != 1 or impl == "triton":
+        if step.bounds is None or not step.skip_pages:
             return False
         if registry.get(str(norm.get("norm", "softmax"))).family != registry.Family.ENTMAX:
             return False

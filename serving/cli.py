@@ -222,9 +222,10 @@ def serve_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--sparse-decode",
         action="store_true",
-        help="torch backend, entmax-family model, CPU: decode steps read only the KV pages that can carry weight"
-        " (exact; keeps per-page key bounds, 1/8 of fp32 keys). Off by default: on the zoo model it is slower than"
-        " reading every page up to 16K keys (docs/benchmarks.md)",
+        help="torch backend, entmax-family model: decode steps read only the KV pages that can carry weight, in"
+        " torch on CPU and in the Triton paged kernel on a GPU (exact; keeps per-page key bounds, 1/8 of fp32 keys;"
+        " no CUDA graphs). Off by default: on CPU it is slower than reading every page up to 16K keys"
+        " (docs/benchmarks.md); on a GPU it is not measured yet",
     )
     return ap
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import ATOL
 
 from sharp.models import attend
 from sharp.models.sparse_decode import FIRST_PAGES, sparse_entmax_decode
@@ -51,16 +52,36 @@ def _fill(hkv: int, d: int, keys: list[torch.Tensor], decode_tokens: int, seed: 
     return cache, seqs
 
 
-def _compare(q, keys, alpha, *, decode_tokens=3, query_scale=None, alibi=None, seed=0):
-    """Sparse decode of q (B, Hq, D) against dense entmax of each sequence; returns the sparse stats."""
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.kernels)]
+
+
+def _compare(q, keys, alpha, *, impl="torch", decode_tokens=3, query_scale=None, alibi=None, seed=0):
+    """Sparse decode of q (B, Hq, D) against dense entmax of each sequence: the torch path's (returns its stats) or
+    the Triton paged kernel's with the page summaries (Triton's interpreter; returns the pages each sequence's KV
+    head read, (B, Hkv), the pages read for τ_S apart)."""
     hkv, d = keys[0].shape[0], keys[0].shape[2]
     cache, seqs = _fill(hkv, d, keys, decode_tokens, seed)
     step = cache.step(seqs, 0)
     kp, vp = step.layer(0).pools
-    out, ent, stats = sparse_entmax_decode(
-        q, kp, vp, cache.bounds[0], step.block_table, step.seq_lens, alpha, query_scale=query_scale,
-        alibi_slopes=alibi,
-    )  # fmt: skip
+    if impl == "torch":
+        out, ent, stats = sparse_entmax_decode(
+            q, kp, vp, cache.bounds[0], step.block_table, step.seq_lens, alpha, query_scale=query_scale,
+            alibi_slopes=alibi,
+        )  # fmt: skip
+    else:
+        from sharp.plugins.triton.paged import paged_decode
+
+        stats = torch.full((len(seqs), hkv), -1, dtype=torch.int32)
+        lam = None if query_scale is None else query_scale[:, :, None]
+        norm = "entmax" if lam is None else "asentmax"
+        args = (q[:, :, None], kp.transpose(0, 1), vp.transpose(0, 1), step.block_table, step.seq_lens)
+        kw = dict(norm=norm, alpha=alpha, alibi_slopes=alibi, query_scale=lam)
+        out, ent = paged_decode(*args, **kw, page_bounds=cache.bounds[0], pages_read=stats)
+        dense, dense_ent = paged_decode(*args, **kw)  # the same kernels reading every page: equal within 1e-6
+        torch.testing.assert_close(out, dense, atol=TOL, rtol=0)
+        torch.testing.assert_close(ent, dense_ent, atol=TOL, rtol=0)
+        out, ent = out[:, :, 0], ent[:, :, 0]
+    tol = TOL if impl == "torch" else ATOL  # the kernels' own rounding against the reference: the suite's bound
     for b, s in enumerate(seqs):
         k, v = cache.gather(s, 0)
         lam = None if query_scale is None else query_scale[b : b + 1, :, None]
@@ -68,8 +89,8 @@ def _compare(q, keys, alpha, *, decode_tokens=3, query_scale=None, alibi=None, s
             q[b : b + 1, :, None], k, v, norm="asentmax" if lam is not None else "entmax", alpha=alpha,
             query_scale=lam, alibi_slopes=alibi, return_entropy=True,
         )  # fmt: skip
-        torch.testing.assert_close(out[b], want[0, :, 0], atol=TOL, rtol=0)
-        torch.testing.assert_close(ent[b], want_ent[0, :, 0], atol=TOL, rtol=0)
+        torch.testing.assert_close(out[b], want[0, :, 0], atol=tol, rtol=0)
+        torch.testing.assert_close(ent[b], want_ent[0, :, 0], atol=tol, rtol=0)
     return stats
 
 
@@ -87,14 +108,18 @@ def _dominant(hkv: int, d: int, lengths: list[int], q: torch.Tensor, where: list
     return keys
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("decode_written", [False, True], ids=["prefill-written", "decode-written"])
-def test_a_dominant_key_is_found_and_the_rest_skipped(decode_written):
+def test_a_dominant_key_is_found_and_the_rest_skipped(decode_written, impl):
     g = torch.Generator().manual_seed(1)
     hq, hkv, d, lengths = 4, 2, 32, [700, 1000]
     q = torch.randn(2, hq, d, generator=g)
     where = [n - 2 if decode_written else 300 for n in lengths]  # the last 3 keys are written by decode steps
     keys = _dominant(hkv, d, lengths, q, where, g)
-    stats = _compare(q, keys, torch.full((hq,), 1.5))
+    stats = _compare(q, keys, torch.full((hq,), 1.5), impl=impl)
+    if impl == "triton":  # each KV head's two query heads weigh keys on one page (where, where − 1): read alone
+        assert stats.tolist() == [[1, 1], [1, 1]], stats
+        return
     assert stats.pages == hq * sum(-(-n // PAGE) for n in lengths)
     assert stats.kept == 2 * hq and stats.reads == FIRST_PAGES * 2 * hq, stats  # each row reads the pages for
     # τ_S and keeps the dominant key's alone: its u is far above every other page's bound (a reused page's summary,
@@ -102,14 +127,19 @@ def test_a_dominant_key_is_found_and_the_rest_skipped(decode_written):
     assert stats.values == 2 * hq, stats  # and of its page's 16 keys weighs the dominant one alone
 
 
-def test_all_equal_scores_skip_nothing_and_stay_exact():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_equal_scores_skip_nothing_and_stay_exact(impl):
     hq, hkv, d, lengths = 2, 2, 16, [100, 37]
     keys = [torch.randn(hkv, n, d, generator=torch.Generator().manual_seed(n)) for n in lengths]
-    stats = _compare(torch.zeros(2, hq, d), keys, torch.full((hq,), 1.5))  # q = 0: every logit 0, uniform weights
+    stats = _compare(torch.zeros(2, hq, d), keys, torch.full((hq,), 1.5), impl=impl)  # q = 0: uniform weights
+    if impl == "triton":
+        assert stats.tolist() == [[7, 7], [3, 3]], stats  # every page of both sequences
+        return
     assert stats.kept == stats.pages and stats.values == hq * sum(lengths)  # every key holds weight: all weighed
 
 
-def test_ties_exactly_at_tau_and_pages_straddling_it():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ties_exactly_at_tau_and_pages_straddling_it(impl):
     """Sparsemax (α = 2), q = 4·e₀ and scale 1/4: z = k₀ exactly. One key at z = 1 and the rest below 0 but for
     two pages of keys at exactly 0 = τ (weight zero, kept: a page is skipped only strictly below τ_S's margin);
     then keys at 0.5 on pages that also hold lower keys — τ lies between, the pages straddle it."""
@@ -121,25 +151,29 @@ def test_ties_exactly_at_tau_and_pages_straddling_it():
     keys[0, 64:96, 0] = 0.0  # two whole pages at τ
     q = torch.zeros(1, hq, d)
     q[..., 0] = 4.0
-    stats = _compare(q, [keys.clone()], torch.full((hq,), 2.0))  # τ = 0
-    assert stats.kept < stats.pages / 2, stats
+    stats = _compare(q, [keys.clone()], torch.full((hq,), 2.0), impl=impl)  # τ = 0
+    if impl == "triton":
+        assert 3 <= int(stats) < 25 / 2, stats  # the key's page and the two at τ, of 25
+    else:
+        assert stats.kept < stats.pages / 2, stats
     keys[0, [40, 41, 200, 333], 0] = 0.5
-    _compare(q, [keys], torch.full((hq,), 2.0))
+    _compare(q, [keys], torch.full((hq,), 2.0), impl=impl)
     keys[0, :, 0] = -0.25
     keys[0, [16 * i + 3 for i in range(FIRST_PAGES)], 0] = 1.0  # the support of the pages read first: τ_S = 7/8
     keys[0, 300, 0] = 0.8755  # just above τ_S on a page not read first: weight 4.4e-4 (τ* = 0.87506)
-    stats = _compare(q, [keys], torch.full((hq,), 2.0))
-    assert stats.kept == 2 * (FIRST_PAGES + 1), stats
+    stats = _compare(q, [keys], torch.full((hq,), 2.0), impl=impl)
+    assert (int(stats) if impl == "triton" else stats.kept / hq) == FIRST_PAGES + 1, stats
     keys[0, [40, 41, 200, 333], 0] = 0.5  # pages holding 0.5 and 0 straddle τ
-    _compare(q[:1], [keys], torch.full((hq,), 2.0))
+    _compare(q[:1], [keys], torch.full((hq,), 2.0), impl=impl)
     keys[0, :, 0] = -0.25
     keys[0, 5, 0], keys[0, 250, 0] = 1.0, 2e-3  # τ* = 1e-3: the second key, just above max(u) − 1 = 0, weighs 1e-3
-    stats = _compare(q, [keys], torch.full((hq,), 2.0))
-    assert stats.values == 2 * hq, stats  # both keys weighed, nothing else
+    stats = _compare(q, [keys], torch.full((hq,), 2.0), impl=impl)
+    assert (int(stats) == 2) if impl == "triton" else (stats.values == 2 * hq), stats  # both keys weighed, nothing else
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("alpha", [2.0, 3.0, 4.0])
-def test_a_support_wider_than_the_first_pages_is_found_by_the_newton_floor(alpha):
+def test_a_support_wider_than_the_first_pages_is_found_by_the_newton_floor(alpha, impl):
     """The largest keys spread one a page over more pages than τ_S reads, with keys just below τ* between: the
     floor that τ_S and max(u) − 1 give admits those, the Newton steps shut them out — and at α > 2, where a step
     can land past τ*, the steps kept are only those still at or below it."""
@@ -152,22 +186,75 @@ def test_a_support_wider_than_the_first_pages_is_found_by_the_newton_floor(alpha
     keys[0, [16 * i + 9 for i in range(45, 70)], 0] = 0.9  # below τ* (0.975 at α = 2), above τ_S (about 7/8)
     q = torch.zeros(1, hq, d)
     q[..., 0] = 4.0
-    stats = _compare(q, [keys], torch.full((hq,), alpha))
-    if alpha == 2.0:
+    stats = _compare(q, [keys], torch.full((hq,), alpha), impl=impl)
+    if impl == "torch" and alpha == 2.0:
         assert stats.values == hq * len(top), stats
 
 
-def test_gqa_with_per_head_alpha_asentmax_of_either_sign_and_alibi():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gqa_with_per_head_alpha_asentmax_of_either_sign_and_alibi(impl):
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, lengths = 4, 2, 32, [513, 64, 250]
     q = torch.randn(3, hq, d, generator=g)
     keys = _dominant(hkv, d, lengths, q, [17, 60, 249], g)
     alpha = torch.tensor([1.25, 1.5, 2.0, 3.0])
-    _compare(q, keys, alpha)
+    _compare(q, keys, alpha, impl=impl)
     lam = torch.rand(3, hq, generator=g) * 2.5 + 0.5
     lam[0, 2] = -1.3  # a negative scale flips the order of the logits: the lower bound is the one that counts
-    _compare(q, keys, alpha, query_scale=lam)
-    _compare(q, keys, alpha, alibi=torch.tensor([0.05, -0.02, 0.3, 0.0]))
+    _compare(q, keys, alpha, query_scale=lam, impl=impl)
+    _compare(q, keys, alpha, alibi=torch.tensor([0.05, -0.02, 0.3, 0.0]), impl=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_alibi_alone_puts_the_support_at_the_far_end_of_a_page(impl):
+    """q = 0: the logits are ALiBi's term alone, slope·(j − i). A positive slope puts the support on the newest keys
+    — the last page's last ones, 4 positions after its first — a negative one on the oldest, at the first page's
+    start: a bound that took the term at one end of every page would skip the page that holds the weight."""
+    hq, hkv, d, n = 2, 1, 16, 213  # the last page holds positions 208..212
+    keys = [torch.randn(hkv, n, d, generator=torch.Generator().manual_seed(9))]
+    stats = _compare(torch.zeros(1, hq, d), keys, torch.full((hq,), 2.0), alibi=torch.tensor([0.3, -0.3]), impl=impl)
+    pages = -(-n // PAGE)
+    assert (int(stats) if impl == "triton" else stats.kept) < pages, stats
+
+
+@pytest.mark.kernels
+def test_the_triton_kernel_never_loads_a_skipped_page():
+    """The pages the Triton decode may skip hold keys that would outweigh every other and NaN values (their
+    summaries as written before): the output is what it was — a skipped page's keys are never loaded, not loaded
+    and then ignored. Kept clean: each row's FIRST_PAGES pages with the highest bounds (read for τ_S) and the
+    dominant keys' page."""
+    from sharp.models.sparse_decode import page_bounds
+    from sharp.plugins.triton.paged import paged_decode
+
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, lengths = 4, 2, 32, [900, 450]
+    q = torch.randn(2, hq, d, generator=g)
+    where = [500, 200]
+    keys = _dominant(hkv, d, lengths, q, where, g)
+    cache, seqs = _fill(hkv, d, keys, 3, 0)
+    step = cache.step(seqs, 0)
+    kp, vp = step.layer(0).pools
+    args = (q[:, :, None], kp.transpose(0, 1), vp.transpose(0, 1), step.block_table, step.seq_lens)
+    # one split: a program walks all of its sequence's pages, 4 a turn, and skips pages inside a turn it reads
+    kw = dict(norm="entmax", alpha=torch.full((hq,), 1.5), page_bounds=cache.bounds[0], splits=1)
+    clean, clean_ent = paged_decode(*args, **kw)
+    bound = page_bounds(q, cache.bounds[0], step.block_table, step.seq_lens, PAGE, d**-0.5, torch.ones(2, hq), None)
+    first = bound.topk(FIRST_PAGES, dim=-1).indices  # (B, Hq, FIRST_PAGES) pages of the sequence
+    poisoned = 0
+    for b, n in enumerate(lengths):
+        for h in range(hkv):
+            keep = set(first[b, 2 * h : 2 * h + 2].flatten().tolist()) | {where[b] // PAGE}
+            for page in set(range(-(-n // PAGE))) - keep:
+                slot = int(step.block_table[b, page])
+                kp[h, slot] = 1e3 * q[b, 2 * h : 2 * h + 2].sum(0)  # loaded, it would outweigh every key
+                vp[h, slot] = float("nan")
+                poisoned += 1
+    assert poisoned > 70
+    read = torch.zeros(2, hkv, dtype=torch.int32)
+    out, ent = paged_decode(*args, **kw, pages_read=read)
+    assert read.tolist() == [[1, 1], [1, 1]], read
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+    torch.testing.assert_close(ent, clean_ent, atol=0, rtol=0)
 
 
 def test_alpha_one_is_refused():
@@ -224,6 +311,41 @@ def test_the_torch_backend_decodes_sparsely_with_the_models_own_tokens_and_repor
                 "sharp_attention_pages_skipped_ratio_sum", {"model": be.spec.name, "layer": "1"}
             )
             assert 0 < share / steps < 1
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("norm", ["entmax", "asentmax"])
+def test_the_triton_kernels_serve_the_zoo_models_sparsely_with_their_own_tokens(norm):
+    """The zoo's trained entmax and ASEntmax models on the torch backend through the Triton kernels (the GPU's
+    path; here the interpreter): after a 200-byte prompt of their held-out text the engine's greedy tokens are the
+    model's own (dense cache), and most KV pages go unread — their trained heads put their weight on a few keys."""
+    from helpers import greedy_request, run_until_idle
+
+    from sharp.models.checkpoint import load, zoo_dir
+    from sharp.models.corpus import validation_text
+    from sharp.models.sampling import GREEDY
+    from sharp.serving import Engine, EngineConfig
+    from sharp.serving.backends.torch_backend import TorchBackend
+    from sharp.serving.engine.output import Delta
+    from sharp.serving.metrics import ServingMetrics
+
+    path = zoo_dir() / f"{norm}.pt"
+    prompt = [256, *validation_text().encode()[:200]]
+    want = load(path).eval().generate(prompt, 4, GREEDY)
+    be = TorchBackend(path, impl="triton", sparse=True)
+    metrics = ServingMetrics(be.spec, entropy="off")
+    eng = Engine(be, EngineConfig(), metrics)
+    got: list[int] = []
+    eng.submit(greedy_request(eng, prompt, 4), lambda ev: isinstance(ev, Delta) and got.extend(ev.token_ids))
+    run_until_idle(eng)
+    assert got == want
+    shares = []
+    for layer in range(be.spec.layers):
+        labels = {"model": be.spec.name, "layer": str(layer)}
+        steps = metrics.registry.get_sample_value("sharp_attention_pages_skipped_ratio_count", labels)
+        assert steps == 3  # the decode steps after the prompt's prefill
+        shares.append(metrics.registry.get_sample_value("sharp_attention_pages_skipped_ratio_sum", labels) / steps)
+    assert all(0 <= x < 1 for x in shares) and sum(shares) / len(shares) > 0.3, shares
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -229,13 +229,16 @@ def _torch_launches(dtype: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     ]
     pages = {"HAS_ALIBI": False, "CAUSAL": True, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16,
              "BLOCK_N": paged.PAGED_KEYS}  # fmt: skip
+    bounds = {"HAS_ALIBI": False, "BLOCK_M": 16, "PAGE": 16, "BLOCK_P": paged.BOUND_PAGES}
     out += [("paged_softmax", {**pages, **t, "HAS_ROWF": False, "WITH_V": True}, dec) for t in (plain, logn, ssa)]
     out += [
         ("paged_softmax", {**pages, **plain, "HAS_ROWF": False, "WITH_V": False}, dec),
         ("paged_softmax", {**pages, **plain, "HAS_ROWF": True, "WITH_V": True}, dec),
         ("merge_softmax", {"WITH_V": True, "BLOCK_R": MERGE_ROWS}, ("SPLITS",)),
         ("merge_softmax", {"WITH_V": False, "BLOCK_R": MERGE_ROWS}, ("SPLITS",)),
-        ("paged_entmax_logits", {**pages, "HAS_LAMBDA": True}, dec),
+        ("paged_entmax_logits", {**pages, "HAS_LAMBDA": True, "SKIP": False}, dec),
+        ("paged_entmax_logits", {**pages, "HAS_LAMBDA": True, "SKIP": True}, dec),  # sparse decode: pages skipped
+        ("paged_entmax_bounds", {**bounds, "HAS_LAMBDA": True, "CAUSAL": True}, dec),
         ("paged_entmax_output", {"FAST": 0, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}, dec),
         ("paged_entmax_output", {"FAST": 2, "DOT_F32": dtype == "fp32", "BLOCK_M": 16, "PAGE": 16}, dec),
     ]
@@ -249,8 +252,8 @@ _JIT_FLOATS = {"scale", "beta_threshold", "tol"}
 # the element dtype; other pointers as the host allocates them
 _JIT_ELEMENTS = {"Q", "K", "V", "OUT", "K_PAGES", "V_PAGES"}
 _JIT_POINTERS = {"KMASK": torch.int8, "BT": torch.int32, "SEQ": torch.int32, "COUNTS": torch.int32,
-                 "SKIPPED_OUT": torch.int32}  # fmt: skip
-_UNIT_STRIDES = {"sqd", "skd", "svd", "spd"}  # contiguous last dimensions
+                 "SKIPPED_OUT": torch.int32, "KEPT_OUT": torch.int32}  # fmt: skip
+_UNIT_STRIDES = {"sqd", "skd", "svd", "spd", "sbd"}  # contiguous last dimensions
 # The torch path's tuple arguments by name, element by element (the host packs them in this order): each element is
 # specialised as a flat argument of its name would be.
 TUPLES: dict[str, tuple[str, ...]] = {
@@ -258,6 +261,8 @@ TUPLES: dict[str, tuple[str, ...]] = {
     "k_strides": ("skb", "skh", "skn", "skd"),
     "v_strides": ("svb", "svh", "svn", "svd"),
     "p_strides": ("spp", "sph", "spn", "spd"),
+    "b_strides": ("sb0", "sbh", "sbp", "sbd"),
+    "SPARSE": ("PB", "TAU_S", "KEPT_OUT"),
     "sizes": ("H", "GROUP", "LQ", "LK", "D"),
     "split": ("BH", "keys_per_split"),
     "stop": ("max_passes", "tol"),

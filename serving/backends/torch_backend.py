@@ -108,9 +108,10 @@ class TorchBackend(Backend):
     STREAMED_FROM_KEYS keys, the streamed attention over the same keys (not for a decode step whose logits are small:
     REFERENCE_DECODE_LOGITS).
     `impl` overrides that choice (e.g. "triton" in the CPU interpreter); `dtype` is the weights' and the cache's
-    (default fp32 on CPU, bf16 on CUDA). With `sparse` an entmax-family model's decode on the torch implementations
-    reads only the pages that can carry weight (models/sparse_decode.py), the cache keeping page summaries for it;
-    off by default: in eager torch its extra steps cost more than the pages it skips save (docs/benchmarks.md)."""
+    (default fp32 on CPU, bf16 on CUDA). With `sparse` an entmax-family model's decode reads only the pages that can
+    carry weight — the torch implementations (models/sparse_decode.py) and the Triton paged kernel alike — the cache
+    keeping page summaries for it; off by default: in eager torch its extra steps cost more than the pages it skips
+    save (docs/benchmarks.md), and on a GPU it is not measured yet."""
 
     block_tokens = PAGE_SIZE
 
@@ -144,7 +145,7 @@ class TorchBackend(Backend):
         self.spec = ModelSpec(meta.name or path.stem, "torch", meta)
         self.kv_bytes_per_token = self.spec.kv_bytes_per_token(self.dtype.itemsize)
         zeros = any(registry.get(b.attn.norm).family == registry.Family.ENTMAX for b in self.model.blocks)
-        self.sparse = sparse and zeros and (impl or ("triton" if device == "cuda" else "reference")) != "triton"
+        self.sparse = sparse and zeros
         if self.sparse:  # the page summaries: 2 fp32 vectors per page and KV head in every layer
             s = self.spec
             self.kv_bytes_per_token += -(-2 * s.head_dim * 4 * s.kv_heads * s.layers // PAGE_SIZE)

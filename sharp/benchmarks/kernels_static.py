@@ -149,9 +149,11 @@ def entries() -> list[Entry]:
     pages = {"HAS_ALIBI": False, "CAUSAL": True, "DOT_F32": False, "BLOCK_M": 16, "PAGE": 16, "BLOCK_N": PAGED_KEYS}
     fam = {**pages, "SSA": False, "LOGN": False, "HAS_ROWF": False, "WITH_V": True}
     page = {"rows": 16, "keys": PAGED_KEYS}
+    logits = {**pages, "HAS_LAMBDA": False}
     out += [
         *(Entry(norm, "paged", "paged_softmax", {**fam, **f}, DECODE, **page) for norm, f in FAMILY_DECODES),
-        Entry("entmax (logits)", "paged", "paged_entmax_logits", {**pages, "HAS_LAMBDA": False}, DECODE, **page),
+        Entry("entmax (logits)", "paged", "paged_entmax_logits", {**logits, "SKIP": False}, DECODE, **page),
+        Entry("entmax sparse (logits)", "paged", "paged_entmax_logits", {**logits, "SKIP": True}, DECODE, **page),
         Entry("entmax (output)", "paged", "paged_entmax_output", {**pages, "FAST": 0}, DECODE, rows=16, keys=16),
     ]
     trt = {"CAUSAL": True, "DOT_F32": False, "SSA": False, "LOGN": False, "ADAPTIVE": False,
