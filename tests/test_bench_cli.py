@@ -69,13 +69,14 @@ def test_kernels_smoke_turns_the_interpreter_on_itself(tmp_path):
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-c", "from sharp.benchmarks import main; raise SystemExit(main())"]
-    proc = subprocess.run([*cmd, "kernels", "--smoke", "--norms", "softmax"], capture_output=True, text=True, env=env,
-                          cwd=tmp_path, timeout=900, check=False)  # fmt: skip
+    proc = subprocess.run([*cmd, "kernels", "--smoke", "--norms", "softmax", "entmax"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=900, check=False)  # fmt: skip
     refused = proc.returncode == 2 and "CPU interpreter does not run with numpy" in proc.stderr
     if refused and os.environ.get("CI") != "true":
         pytest.skip(proc.stderr.strip())  # e.g. a CUDA image's Triton 3.6 with numpy 2.5: the refusal is one line
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| softmax |" in proc.stdout and not (tmp_path / "docs").exists()
+    assert "| entmax (paged, 16-key pages, sparse: 16 planted keys, " in proc.stdout  # the skipping kernel's row
 
 
 @pytest.mark.bench

@@ -266,12 +266,31 @@ def _decode_rows(args, device, dtype, gpu: bool) -> tuple[list[list[str]], float
             gbs = kv_bytes / ms / 1e6
             rows.append([f"{lk:,}", norm, str(splits), f"{ms:.3f}", f"{host:.3f}", f"{gbs:,.0f}",
                          f"{gbs / copy_gbs:.0%}"])  # fmt: skip
-            rows.append(_paged_row(q, k, v, norm, args.page_size, copy_gbs, kv_bytes, gpu))
+            rows += _paged_rows(q, k, v, norm, args.page_size, copy_gbs, kv_bytes, gpu)
     return rows, copy_gbs
 
 
-def _paged_row(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gpu: bool) -> list[str]:
-    """The same decode through the paged kernel: the keys scattered over a shuffled page pool."""
+PLANTED_KEYS = 16  # the sparse paged row's keys that hold the weight, spread over the sequence
+
+
+def _paged_rows(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gpu: bool) -> list[list[str]]:
+    """The same decode through the paged kernel: the keys scattered over a shuffled page pool. For the entmax
+    family also its sparse decode (page bounds) on the same keys with PLANTED_KEYS keys per KV head along the
+    group's mean query, which take the weight: the pages skipped and the time it takes (N(0, 1) keys alone give
+    no page a bound below τ, so they would time the bounds' overhead only)."""
+    rows = [_paged_row(q, k, v, norm, page, copy_gbs, kv_bytes, gpu, False)]
+    if registry.get(norm).family is registry.Family.ENTMAX:
+        hkv, lk, d = k.shape[1:]
+        planted = k.clone()
+        mean = q[0, :, 0].float().view(hkv, -1, d).mean(1)  # (Hkv, D)
+        at = torch.linspace(0, lk - 1, PLANTED_KEYS, device=k.device).long()
+        planted[0, :, at] = (mean / mean.norm(dim=-1, keepdim=True) * 8 * d**0.5)[:, None].to(k.dtype)
+        rows.append(_paged_row(q, planted, v, norm, page, copy_gbs, kv_bytes, gpu, True))
+    return rows
+
+
+def _paged_row(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gpu: bool, sparse: bool) -> list[str]:
+    """One paged decode's row; `sparse`: with the pool's page bounds, the share of pages skipped in its name."""
     from sharp.plugins.triton.paged import paged_decode
 
     hkv, lk, d = k.shape[1:]
@@ -289,12 +308,18 @@ def _paged_row(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gp
     kw["poly"] = PAPER_POLY
     if registry.get(norm).query_scale:
         kw["query_scale"] = torch.ones(q.shape[:3], device=q.device)
+    name = f"{norm} (paged, {page}-key pages)"
+    if sparse:
+        kw["page_bounds"] = torch.stack((pool_k.float().amin(2), pool_k.float().amax(2))).transpose(1, 2).contiguous()
+        kw["pages_read"] = read = torch.zeros(1, hkv, dtype=torch.int32, device=q.device)
     paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw)
+    if sparse:
+        name = f"{norm} (paged, {page}-key pages, sparse: {PLANTED_KEYS} planted keys, "
+        name += f"{1 - int(read.sum()) / (pages * hkv):.0%} of pages skipped)"
     ms = _median_ms(lambda: paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw), gpu)
     host = _host_ms(lambda: paged_decode(q, pool_k, pool_v, table, lengths, norm=norm, **kw), gpu)
     gbs = kv_bytes / ms / 1e6
-    return [f"{lk:,}", f"{norm} (paged, {page}-key pages)", "auto", f"{ms:.3f}", f"{host:.3f}", f"{gbs:,.0f}",
-            f"{gbs / copy_gbs:.0%}"]  # fmt: skip
+    return [f"{lk:,}", name, "auto", f"{ms:.3f}", f"{host:.3f}", f"{gbs:,.0f}", f"{gbs / copy_gbs:.0%}"]
 
 
 def run(argv: list[str] | None = None) -> int:
