@@ -235,7 +235,10 @@ def _paged_entmax_logits_kernel(
                 q, K_PAGES, BT, b, hkv, start, last, sbt, p_strides, offs_n, offs_d, lk, qpos, keep, slope, scale, D,
                 live, HAS_ALIBI, CAUSAL, DOT_F32, PAGE, BLOCK_N, SKIP,
             )  # fmt: skip
-            u = tl.where(z > float("-inf"), (am1 * lam)[:, None] * z, float("-inf"))  # λ of either sign
+            if HAS_LAMBDA:  # λ of either sign: a masked key's −inf must stay −inf
+                u = tl.where(z > float("-inf"), (am1 * lam)[:, None] * z, float("-inf"))
+            else:
+                u = am1[:, None] * z  # α − 1 > 0
             cols = start * PAGE + offs_n
             mask = keep[:, None] & (start + offs_n // PAGE < last)[None, :]  # the split's pages only
             tl.store(U_OUT + row[:, None].to(tl.int64) * WIDTH + cols[None, :], u, mask=mask)
