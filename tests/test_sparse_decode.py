@@ -257,6 +257,22 @@ def test_the_triton_kernel_never_loads_a_skipped_page():
     torch.testing.assert_close(ent, clean_ent, atol=0, rtol=0)
 
 
+@pytest.mark.kernels
+def test_the_triton_kernel_refuses_bounds_it_cannot_use():
+    """Summaries of another shape, and summaries for a norm whose weights are never exactly zero: one line each."""
+    from sharp.plugins.triton.paged import paged_decode
+
+    hkv, d = 1, 16
+    cache, seqs = _fill(hkv, d, [torch.randn(hkv, 40, d)], 1, 0)
+    step = cache.step(seqs, 0)
+    kp, vp = (pool.transpose(0, 1) for pool in step.layer(0).pools)
+    args = (torch.randn(1, 2, 1, d), kp, vp, step.block_table, step.seq_lens)
+    with pytest.raises(ValueError, match=r"page bounds must be \(2, 1, "):
+        paged_decode(*args, norm="entmax", page_bounds=cache.bounds[0][:, :, :-1])
+    with pytest.raises(ValueError, match="entmax family only, not softmax"):
+        paged_decode(*args, norm="softmax", page_bounds=cache.bounds[0])
+
+
 def test_alpha_one_is_refused():
     hkv, d = 1, 8
     cache, seqs = _fill(hkv, d, [torch.randn(hkv, 20, d)], 1, 0)

@@ -414,6 +414,8 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     lam = query_scale.float().contiguous() if query_scale is not None else dummy
     sparse = (dummy, dummy, torch.zeros(1, dtype=torch.int32, device=dev))
     if page_bounds is not None:
+        if page_bounds.shape != (2, hkv, k_pages.shape[0], d):
+            raise ValueError(f"page bounds must be (2, {hkv}, {k_pages.shape[0]}, {d}), got {tuple(page_bounds.shape)}")
         if not scale > 0:
             raise ValueError(f"sparse entmax decode needs a scale > 0, got {scale}")
         pb = torch.empty(rows, width // page, dtype=torch.float32, device=dev)
