@@ -150,7 +150,7 @@ class PagedLayer:
             s = self.step
             if not skips:
                 return _paged_impl("triton")(q, kp, vp, s.block_table, s.seq_lens, causal=True, **norm)
-            read = torch.zeros(q.shape[0], kp.shape[1], dtype=torch.int32, device=q.device)
+            read = torch.empty(q.shape[0], kp.shape[1], dtype=torch.int32, device=q.device)  # the kernel fills it
             res = _paged_impl("triton")(q, kp, vp, s.block_table, s.seq_lens, causal=True,
                                         page_bounds=s.bounds[self.index], pages_read=read, **norm)  # fmt: skip
             s.sparse[self.index] = PagesRead(read, s.seq_lens, kp.shape[2])

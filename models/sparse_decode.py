@@ -31,6 +31,12 @@ NEWTON = 2  # Newton steps that raise the key-level floor of τ* before the exac
 MARGIN = 1e-6  # τ_S is lowered by this (relative): a rounding in τ_S can only cost a skip, never a key with weight
 
 
+def lowered(tau: Tensor) -> Tensor:
+    """A lower bound of τ* lowered by MARGIN (relative, at least absolute): a rounding in it can then only keep a
+    page or a key more, never drop one with weight."""
+    return tau - MARGIN * tau.abs().clamp(min=1.0)
+
+
 @dataclass(frozen=True)
 class SparseStats:
     """What a step did, summed over its (sequence, query head) rows: the pages there were, the pages kept for the
@@ -148,7 +154,7 @@ def sparse_entmax_decode(
     while True:
         pages, z = logits_of(0, read, ranked[..., :read] > float("-inf"))
         tau = entmax_threshold(z, alpha.float().view(1, -1, 1), -1, TAU_HALVINGS)  # (B, Hq, 1) on u, ≤ τ_S
-        tau = tau - MARGIN * tau.abs().clamp(min=1.0)
+        tau = lowered(tau)
         keep = ranked > tau  # a page whose bound is ≤ τ_S holds no key with weight: a prefix of `order` stays
         kept = keep.sum(-1)
         reads += int((ranked[..., :read] > float("-inf")).sum())
@@ -181,7 +187,7 @@ def _support_entmax(z: Tensor, alpha: Tensor, tau: Tensor) -> tuple[Tensor, Tens
     extra places hold weight 0), and how many there are (the keys whose values are read)."""
     u = z * (alpha - 1.0)
     floor = u.amax(-1, keepdim=True) - 1.0
-    floor = torch.maximum(tau, floor - MARGIN * floor.abs().clamp(min=1.0))
+    floor = torch.maximum(tau, lowered(floor))
     zc, at, _ = _pack(z, u > floor)
     floor = _newton_floor(zc.double() * (alpha.double() - 1.0), floor.double(), 1.0 / (alpha.double() - 1.0))
     above = zc * (alpha - 1.0) > floor.float()
@@ -213,4 +219,4 @@ def _newton_floor(u: Tensor, floor: Tensor, k: Tensor) -> Tensor:
             break
         slope = k * torch.where(d > 0, d.pow(k - 1.0), 0.0).sum(-1, keepdim=True)
         t = t + f / slope.clamp(min=1e-300)
-    return best - MARGIN * best.abs().clamp(min=1.0)
+    return lowered(best)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from sharp.models.normalizers import PAPER_POLY, Param, adaptive_beta, entmax_threshold
 from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S, Family, Transform, get
-from sharp.models.sparse_decode import FIRST_PAGES, MARGIN, TAU_HALVINGS
+from sharp.models.sparse_decode import FIRST_PAGES, TAU_HALVINGS, lowered
 from sharp.models.streamed import finish_entmax_state
 from sharp.plugins.triton.attention import (
     TARGET_PROGRAMS,
@@ -412,7 +412,7 @@ def _paged_entmax(q, k_pages, v_pages, block_table, seq_lens, alpha, alibi_slope
     scale = scale if scale is not None else d**-0.5
     slopes = alibi_slopes.float().contiguous() if alibi_slopes is not None else dummy
     lam = query_scale.float().contiguous() if query_scale is not None else dummy
-    sparse = (dummy, dummy, torch.zeros(1, dtype=torch.int32, device=dev))
+    sparse = (dummy, dummy, torch.empty(1, dtype=torch.int32, device=dev))  # not read without SKIP
     if page_bounds is not None:
         if page_bounds.shape != (2, hkv, k_pages.shape[0], d):
             raise ValueError(f"page bounds must be (2, {hkv}, {k_pages.shape[0]}, {d}), got {tuple(page_bounds.shape)}")
@@ -477,4 +477,4 @@ def _sparse_threshold(q, k_pages, block_table, seq_lens, pb, alpha, slopes, quer
         hidden = hidden | (cols > qpos)
     z = z.masked_fill(hidden, float("-inf")).flatten(1)
     tau = entmax_threshold(z, alpha[head][:, None], -1, TAU_HALVINGS)[:, 0]
-    return (tau - MARGIN * tau.abs().clamp(min=1.0)).contiguous()
+    return lowered(tau).contiguous()
