@@ -71,6 +71,20 @@ def _tls(cert_path: Path | None, key_path: Path | None) -> tuple[bytes | None, b
     return cert, key
 
 
+def _tls_ca(path: Path | None) -> bytes | None:
+    """The client's PEM root certificates, parsed here: gRPC would only fail the connection, later and vaguely."""
+    pem = _read(path, "--tls-ca")
+    if pem is None:
+        return None
+    try:
+        ssl.create_default_context(cadata=pem.decode("ascii"))
+    except (UnicodeDecodeError, ssl.SSLError):
+        raise UsageError(
+            f"--tls-ca {path}: holds no PEM root certificate that parses (-----BEGIN CERTIFICATE-----)"
+        ) from None
+    return pem
+
+
 class _Given(argparse.Action):
     """Store the value and note that the flag was given (`args.given`): a port left at its default is a preference,
     a port given is a requirement (`_yielding_defaults`)."""
@@ -435,6 +449,9 @@ def format_stats(stats) -> str:
 
 
 def client_main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs to fd 2 from its own threads (a Ctrl-C can make its poller report a closed descriptor);
+    # the client says what went wrong in its own one line, so the core stays quiet unless the user asks for it
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     import grpc
     from google.protobuf import json_format
 
@@ -442,12 +459,12 @@ def client_main(argv: list[str] | None = None) -> int:
 
     args = client_parser().parse_args(argv)
     try:
-        token = _read(args.auth_token_file, "--auth-token-file")
-        root = _read(args.tls_ca, "--tls-ca")
+        token = _token(args.auth_token_file)
+        root = _tls_ca(args.tls_ca)
     except UsageError as e:
         print(f"sharp-client: {e}", file=sys.stderr)
         return 2
-    client = Client(args.target, token.decode().strip() if token else None, root, args.timeout)
+    client = Client(args.target, token, root, args.timeout)
     try:
         if args.command == "health":
             status = client.health()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import math
+import os
 import re
 import signal
 import subprocess
@@ -266,11 +267,11 @@ def test_a_drain_deadline_ends_calls_with_a_status_that_says_so(model_files):
         assert sample_value(families, "sharp_requests", "sharp_requests_total", status="unavailable") == 1
 
 
-def test_sharp_client_commands(model_files, capsys):
+def test_sharp_client_commands(model_files, capsys, tmp_path):
     from sharp.serving.cli import client_main
 
     with serving(model_files) as srv:
-        run = lambda *a: subprocess.run(
+        run = lambda *a, env=None: subprocess.run(
             [
                 sys.executable,
                 "-c",
@@ -283,6 +284,7 @@ def test_sharp_client_commands(model_files, capsys):
             capture_output=True,
             text=True,
             timeout=120,
+            env=env,
         )
         health = run("health")
         assert health.stdout.strip() == "SERVING" and health.returncode == 0
@@ -300,6 +302,25 @@ def test_sharp_client_commands(model_files, capsys):
         assert r.returncode == 0 and "attention (ssa)" in r.stdout and "[finish: " in r.stderr
         bad = run("generate", "hello", "--top-p", "2")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
+        # gRPC's C core logs only when asked: a tracer alone (as a shell may export) does not turn it on
+        quiet = {k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"} | {"GRPC_TRACE": "api"}
+        traced = run("health", env=quiet)
+        assert traced.returncode == 0 and traced.stderr.strip() == "False", traced.stderr
+        asked = run("health", env=quiet | {"GRPC_VERBOSITY": "INFO"})
+        assert asked.returncode == 0 and "grpc_init" in asked.stderr
+    # files the client cannot use: one line, exit 2, before any connection
+    (tmp_path / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    (tmp_path / "token").write_text("two words\n")
+    for flag, path, says in [
+        ("--tls-ca", tmp_path / "ca.pem", "holds no PEM root certificate"),
+        ("--auth-token-file", tmp_path / "token", "one word of printable ASCII"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-c", "from sharp.serving.cli import client_main; raise SystemExit(client_main())",
+             "--target", "localhost:1", flag, str(path), "health"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
 
 
 def test_ctrl_c_on_a_streamed_generate_ends_with_one_line_and_status_130(model_files, reference):
