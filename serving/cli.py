@@ -1,4 +1,4 @@
-"""`sharp-serve MODEL` and `sharp-client generate|info|health`.
+"""`sharp-serve MODEL` (`sharp-client` is serving/client_cli.py).
 
 Mistakes exit 2 with one line saying what was wrong and what is allowed; SIGTERM (or Ctrl-C) drains the server:
 health goes NOT_SERVING, new calls get UNAVAILABLE, in-flight calls finish within --drain-timeout, exit 0.
@@ -9,16 +9,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import re
 import signal
-import ssl
 import sys
 from pathlib import Path
 
 from sharp.models.messages import Parser, UsageError
 from sharp.serving import logs
+from sharp.serving.credentials import auth_token, tls_pair
 from sharp.serving.logs import FORMATS, LEVELS
 
 
@@ -29,60 +28,6 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         if action.default is None or isinstance(action.default, bool):
             return action.help  # "(default: None)" and flags' False say nothing
         return super()._get_help_string(action)
-
-
-def _read(path: Path | None, what: str) -> bytes | None:
-    if path is None:
-        return None
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise UsageError(f"cannot read {what} {path}: {e.strerror}") from None
-
-
-def _token(path: Path | None) -> str | None:
-    """The bearer token in `path`: printable ASCII without spaces, surrounding whitespace ignored."""
-    raw = _read(path, "--auth-token-file")
-    if raw is None:
-        return None
-    try:
-        token = raw.decode("ascii").strip()
-    except UnicodeDecodeError:
-        raise UsageError(f"--auth-token-file {path}: the token must be ASCII") from None
-    if not token:
-        raise UsageError(f"--auth-token-file {path} is empty")
-    if not token.isprintable() or " " in token:
-        raise UsageError(f"--auth-token-file {path}: the token must be one word of printable ASCII")
-    return token
-
-
-def _tls(cert_path: Path | None, key_path: Path | None) -> tuple[bytes | None, bytes | None]:
-    """The PEM certificate chain and key, parsed and checked to belong together before the server starts."""
-    if cert_path is None:
-        return None, None
-    cert, key = _read(cert_path, "--tls-cert"), _read(key_path, "--tls-key")
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert_path, key_path)
-    except ssl.SSLError as e:
-        raise UsageError(
-            f"--tls-cert {cert_path} / --tls-key {key_path}: not a PEM certificate chain and its own private key"
-            f" ({e.reason})"
-        ) from None
-    return cert, key
-
-
-def _tls_ca(path: Path | None) -> bytes | None:
-    """The client's PEM root certificates, parsed here: gRPC would only fail the connection, later and vaguely."""
-    pem = _read(path, "--tls-ca")
-    if pem is None:
-        return None
-    try:
-        ssl.create_default_context(cadata=pem.decode("ascii"))
-    except (UnicodeDecodeError, ssl.SSLError):
-        raise UsageError(
-            f"--tls-ca {path}: holds no PEM root certificate that parses (-----BEGIN CERTIFICATE-----)"
-        ) from None
-    return pem
 
 
 class _Given(argparse.Action):
@@ -265,12 +210,12 @@ def build_server(args):
     if args.threads < 0:
         raise UsageError(f"--threads must be >= 0 (0: all cores), got {args.threads}")
     config = _configured(EngineConfig, args)
-    cert, key = _tls(args.tls_cert, args.tls_key)
+    cert, key = tls_pair(args.tls_cert, args.tls_key)
     server = _configured(
         ServerConfig,
         args,
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        auth_token=_token(args.auth_token_file),
+        auth_token=auth_token(args.auth_token_file),
         tls_cert=cert,
         tls_key=key,
         warm_up=args.warm_up == "on" or (args.warm_up == "auto" and args.device == "cuda"),
@@ -400,117 +345,6 @@ def serve_main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         restore()
-
-
-def _connection_flags(ap: argparse.ArgumentParser, defaults: bool) -> None:
-    """The flags of the connection, before the command or after it (`sharp-client generate --target H:P`); only the
-    top level sets defaults, so a flag given after the command is never overwritten by one."""
-    default = (lambda value: value) if defaults else (lambda value: argparse.SUPPRESS)
-    ap.add_argument("--target", default=default("127.0.0.1:50051"), help="host:port of the server")
-    ap.add_argument("--timeout", type=float, default=default(None), help="deadline of each call in seconds")
-    ap.add_argument("--auth-token-file", type=Path, default=default(None))
-    ap.add_argument("--tls-ca", type=Path, default=default(None), help="PEM root certificate: connect with TLS")
-
-
-def client_parser() -> argparse.ArgumentParser:
-    ap = Parser(prog="sharp-client", description="Talk to a sharp-serve server.")
-    _connection_flags(ap, defaults=True)
-    connection = argparse.ArgumentParser(add_help=False)
-    _connection_flags(connection, defaults=False)
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=Parser)
-    gen = sub.add_parser("generate", help="generate from a prompt", parents=[connection])
-    gen.add_argument("prompt")
-    gen.add_argument("--stream", action="store_true", help="print text as it is produced")
-    gen.add_argument("--max-new-tokens", type=int)
-    gen.add_argument("--temperature", type=float)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--stats", action="store_true", help="print the request's per-head attention entropy")
-    sub.add_parser("info", help="the served model", parents=[connection])
-    sub.add_parser("health", help="the server's health status", parents=[connection])
-    return ap
-
-
-def format_stats(stats) -> str:
-    """A layer × head table of mean entropy (normalized entropy)."""
-    heads = max((h.head for h in stats.heads), default=-1) + 1
-    lines = [
-        f"attention ({stats.norm}), mean over {stats.positions} positions: entropy nats (normalized entropy)",
-        f"{'layer':<7}" + "".join(f"{'head ' + str(h):>16}" for h in range(heads)),
-    ]
-    for layer in sorted({h.layer for h in stats.heads}):
-        cells = [h for h in stats.heads if h.layer == layer]
-        lines.append(
-            f"{layer:<7}" + "".join(f"{h.mean_entropy:>9.3f} ({h.mean_normalized_entropy:.2f})" for h in cells)
-        )
-    return "\n".join(lines)
-
-
-def client_main(argv: list[str] | None = None) -> int:
-    # gRPC's C core logs to fd 2 from its own threads (a Ctrl-C can make its poller report a closed descriptor);
-    # the client says what went wrong in its own one line, so the core stays quiet unless the user asks for it
-    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    import grpc
-    from google.protobuf import json_format
-
-    from sharp.serving.api.client import Client
-
-    args = client_parser().parse_args(argv)
-    try:
-        token = _token(args.auth_token_file)
-        root = _tls_ca(args.tls_ca)
-    except UsageError as e:
-        print(f"sharp-client: {e}", file=sys.stderr)
-        return 2
-    client = Client(args.target, token, root, args.timeout)
-    try:
-        if args.command == "health":
-            status = client.health()
-            print(status)
-            if status != "SERVING":  # as grpc_health_probe: a probe or script can rely on the exit status
-                return 1
-        elif args.command == "info":
-            print(json.dumps(json_format.MessageToDict(client.info()), indent=2))
-        else:
-            kw = dict(
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                seed=args.seed,
-                stop=args.stop,
-                attention_stats=args.stats,
-            )
-            if args.stream:
-                last = None
-                for chunk in client.generate_stream(args.prompt, **kw):
-                    print(chunk.text, end="", flush=True)
-                    last = chunk
-                print()
-            else:
-                last = client.generate(args.prompt, **kw)
-                print(last.text)
-            from sharp.v1 import generator_pb2 as pb
-
-            reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-            print(
-                f"[finish: {reason}; prompt {last.usage.prompt_tokens} tokens, "
-                f"completion {last.usage.completion_tokens} tokens]",
-                file=sys.stderr,
-            )
-            if args.stats and last.HasField("attention_stats"):
-                print(format_stats(last.attention_stats))
-    except grpc.RpcError as e:
-        print(f"sharp-client: {e.code().name}: {e.details()}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C: the call is cancelled as the channel closes; one line, the shell's status
-        print("\nsharp-client: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        client.close()
-    return 0
 
 
 if __name__ == "__main__":

@@ -268,7 +268,7 @@ def test_a_drain_deadline_ends_calls_with_a_status_that_says_so(model_files):
 
 
 def test_sharp_client_commands(model_files, capsys, tmp_path):
-    from sharp.serving.cli import client_main
+    from sharp.serving.client_cli import client_main
 
     with serving(model_files) as srv:
         run = lambda *a, env=None: subprocess.run(
@@ -276,7 +276,7 @@ def test_sharp_client_commands(model_files, capsys, tmp_path):
                 sys.executable,
                 "-c",
                 "import atexit, sys; atexit.register(lambda: print('torch' in sys.modules, file=sys.stderr));"
-                "from sharp.serving.cli import client_main; raise SystemExit(client_main())",
+                "from sharp.serving.client_cli import client_main; raise SystemExit(client_main())",
                 "--target",
                 srv.target,
                 *a,
@@ -316,7 +316,7 @@ def test_sharp_client_commands(model_files, capsys, tmp_path):
         ("--auth-token-file", tmp_path / "token", "one word of printable ASCII"),
     ]:
         r = subprocess.run(
-            [sys.executable, "-c", "from sharp.serving.cli import client_main; raise SystemExit(client_main())",
+            [sys.executable, "-c", "from sharp.serving.client_cli import client_main; raise SystemExit(client_main())",
              "--target", "localhost:1", flag, str(path), "health"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
@@ -328,7 +328,7 @@ def test_ctrl_c_on_a_streamed_generate_ends_with_one_line_and_status_130(model_f
     assert BYTES.eos not in reference([BYTES.bos, *b"a long answer"], 1000)
     with serving(model_files, max_new_tokens_limit=4000) as srv:
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from sharp.serving.cli import client_main; raise SystemExit(client_main())",
+            [sys.executable, "-c", "from sharp.serving.client_cli import client_main; raise SystemExit(client_main())",
                "--target", srv.target, "generate", "a long answer", "--stream", "--max-new-tokens", "4000",
                "--temperature", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -393,7 +393,7 @@ def test_grpc_stays_at_the_grpc_edge():
     only the gRPC edge imports grpc or the proto's messages."""
     import ast
 
-    edge = {"server.py", "client.py", "calls.py", "auth.py", "cli.py", "__init__.py"}
+    edge = {"server.py", "client.py", "calls.py", "auth.py", "client_cli.py", "__init__.py"}
     root = Path(__file__).resolve().parents[1] / "serving"
     for path in sorted(root.glob("*.py")):
         if path.name in edge:

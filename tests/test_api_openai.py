@@ -41,7 +41,7 @@ from helpers import (
 from sharp.exporter.genai import tokenizer_files
 from sharp.models.tokenizer import BYTES, ChatTemplateError, HFTokenizer, render_chat
 from sharp.serving import Client
-from sharp.serving.cli import client_main
+from sharp.serving.client_cli import client_main
 from sharp.v1 import generator_pb2 as pb
 
 TEMPLATE = CHAT_TEMPLATE

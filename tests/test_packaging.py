@@ -121,7 +121,8 @@ def test_layers_import_one_way():
 # serving/'s rooms (docs/design.md), in import order: a module may import its own room and the rooms after it, never
 # one before it. "" is serving/'s own top level: what every room uses (settings, validation, status, statistics).
 SERVING_ROOMS = ("cli", "api", "engine", "backends", "", "kv")
-GRPC_MODULES = {"api.server", "api.grpc_service", "api.client", "cli"}  # the only importers of grpc and its stubs
+CLI_MODULES = {"cli", "client_cli"}  # sharp-serve, sharp-client: the room that imports every other
+GRPC_MODULES = {"api.server", "api.grpc_service", "api.client", "client_cli"}  # the only importers of grpc, its stubs
 MAX_SERVING_LINES = 500
 
 
@@ -136,8 +137,8 @@ def _serving_modules() -> dict[str, Path]:
 
 
 def _room(module: str) -> str:
-    """A module's room: its folder, or "cli" / "" at serving/'s top level."""
-    return module.split(".")[0] if "." in module else ("cli" if module == "cli" else "")
+    """A module's room: its folder, or "cli" (the two commands) / "" at serving/'s top level."""
+    return module.split(".")[0] if "." in module else ("cli" if module in CLI_MODULES else "")
 
 
 def _imports(path: Path) -> list[str]:
