@@ -1,4 +1,4 @@
-"""`sharp-serve MODEL` (`sharp-client` is serving/client_cli.py).
+"""`sharp-serve MODEL`: serve a model over gRPC (and the OpenAI-compatible HTTP API with --http-port).
 
 Mistakes exit 2 with one line saying what was wrong and what is allowed; SIGTERM (or Ctrl-C) drains the server:
 health goes NOT_SERVING, new calls get UNAVAILABLE, in-flight calls finish within --drain-timeout, exit 0.
