@@ -138,6 +138,17 @@ def parser() -> argparse.ArgumentParser:
         help="check with the file's fallback bodies, not sharp's native onnxruntime kernel",
     )
     ap.add_argument("--poly", type=float, nargs="+", help="adaptive polynomial, highest power first")
+    ap.add_argument(
+        "--scaled-heads",
+        nargs="+",
+        metavar="LAYER.HEAD",
+        help="length-scale these heads (e.g. 21.8 18.6, counted from 0): their queries × max(1, log n / log"
+        " --scaled-from) at n keys, every other head unchanged; `sharp-bench quality --find-heads` names the heads"
+        " of a model that retrieve",
+    )
+    ap.add_argument(
+        "--scaled-from", type=int, metavar="KEYS", help="the keys from which --scaled-heads sharpen (default: 512)"
+    )
     for param in CHANGE_PARAMS:
         users = ", ".join(n.name for n in registry.all_norms() if param in n.change_requires)
         ap.add_argument(_flag(param), type=float, help=f"{param} for an inference-time change to {users}")
@@ -169,6 +180,26 @@ def _settings(args) -> ExportSettings:
         return ExportSettings(**given)
     except ValueError as e:
         raise UsageError(re.sub(r"`(\w+)`", lambda m: flag_names(SETTINGS[m[1]])[0], str(e))) from None
+
+
+def _scaled(args) -> tuple[tuple[tuple[int, int], ...], int] | None:
+    """--scaled-heads and --scaled-from as (pairs, from); None when not given."""
+    if args.scaled_heads is None:
+        if args.scaled_from is not None:
+            raise UsageError("--scaled-from says where --scaled-heads start sharpening; give --scaled-heads too")
+        return None
+    pairs = []
+    for text in args.scaled_heads:
+        layer, dot, head = text.partition(".")
+        if not (dot and layer.isdigit() and head.isdigit()):
+            raise UsageError(f"--scaled-heads {text!r}: each head is LAYER.HEAD, counted from 0 (e.g. 21.8)")
+        pairs.append((int(layer), int(head)))
+    start = 512 if args.scaled_from is None else args.scaled_from
+    if start < 2:
+        raise UsageError(f"--scaled-from {start}: it must be >= 2 keys")
+    if len(set(pairs)) != len(pairs):
+        raise UsageError("--scaled-heads names a head twice")
+    return tuple(pairs), start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +244,7 @@ def _load_sharplm(
     values = {param: getattr(args, param) for param in CHANGE_PARAMS}
     check_norm_change(model, norm, values)
     try:
-        model = with_norm(model, norm, tuple(args.poly) if args.poly else None, **values)
+        model = with_norm(model, norm, tuple(args.poly) if args.poly else None, _scaled(args), **values)
     except ValueError as e:  # the changed config's own validation (e.g. --poly nan, --ssmax-s inf)
         raise UsageError(str(e)) from None
     return ModelMetadata.from_model(model), lambda s: export_model(model, s), sharplm_reference(model)
@@ -242,7 +273,7 @@ def _load_transformers(
         config = hf.load_config(source)
         norm = settings.norm or hf.AttentionSettings.of(config).norm
         values = {param: getattr(args, param) for param in CHANGE_PARAMS}
-        hf.sharpen(config, norm, tuple(args.poly) if args.poly else None, **values)
+        hf.sharpen(config, norm, tuple(args.poly) if args.poly else None, _scaled(args), **values)
         tokenizer = hf_export.load_tokenizer(source, config)
     except (ValueError, OSError) as e:  # UnsupportedModel, a bad config.json, a refused norm change
         raise UsageError(f"{args.model}: {e}") from None

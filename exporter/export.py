@@ -209,22 +209,37 @@ def name_dimensions(proto: onnx.ModelProto) -> None:
                 dim.dim_param = pattern.sub(lambda m: rename[m.group(1)], dim.dim_param)
 
 
-def with_norm(model: SharpLM, norm: str, poly: tuple[float, ...] | None = None, **values: float | None) -> SharpLM:
+def with_norm(
+    model: SharpLM,
+    norm: str,
+    poly: tuple[float, ...] | None = None,
+    scaled: tuple[tuple[tuple[int, int], ...], int] | None = None,
+    **values: float | None,
+) -> SharpLM:
     """`model` with the normalizer `norm`: its own, or an inference-time change the registry allows
-    (`values` give the parameters the model never learned, e.g. ssmax_s; the rule: registry.norm_change_problem)."""
+    (`values` give the parameters the model never learned, e.g. ssmax_s; the rule: registry.norm_change_problem).
+    `scaled` ((layer, head) pairs, from) sets the length-scaled heads (ModelConfig.scaled_heads)."""
     target = registry.get(norm)
     cfg = model.cfg
     changes = {registry.head_param(k).config_field: v for k, v in values.items() if v is not None}
     if poly is not None:
         changes["adaptive_poly"] = list(poly)
-    if norm == cfg.norm:
+    if scaled is not None:
+        heads, changes["scaled_from"] = scaled
+        outside = [f"{lay}.{h}" for lay, h in heads if lay >= cfg.layers or h >= cfg.heads]
+        if outside:
+            last = f"layers 0–{cfg.layers - 1} and heads 0–{cfg.heads - 1}"
+            raise ValueError(f"scaled_heads {', '.join(outside)}: the model has {last}")
+        changes["scaled_heads"] = [lay * cfg.heads + h for lay, h in heads]
+    if norm == cfg.norm and scaled is None:
         checked = type(cfg).from_dict({**cfg.to_dict(), **changes})  # ModelConfig validates the new values
         cfg.adaptive_poly = checked.adaptive_poly  # the layers share this config object
         return model
     given = [name for name, value in values.items() if value is not None]
-    if (why := registry.norm_change_problem(cfg.norm, norm, given)) is not None:
+    if norm != cfg.norm and (why := registry.norm_change_problem(cfg.norm, norm, given)) is not None:
         raise ValueError(why)
-    new_cfg = type(cfg).from_dict({**cfg.to_dict(), "norm": norm, "layer_norms_override": None, **changes})
+    overrides = {"norm": norm, "layer_norms_override": None} if norm != cfg.norm else {}
+    new_cfg = type(cfg).from_dict({**cfg.to_dict(), **overrides, **changes})
     twin = SharpLM(new_cfg)
     missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
     new_params = tuple(p.state_name for p in target.params)

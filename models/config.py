@@ -70,11 +70,17 @@ class ModelConfig:
     rope_attention_factor: float = 1.0  # YaRN's factor on cos and sin
     llama4_beta: float = 0.0  # queries × 1 + β·log(1 + ⌊pos / llama4_floor⌋) after RoPE (Llama 4, Ministral 3)
     llama4_floor: int = 8192
+    # Length scaling of chosen heads: the queries of head `layer·heads + head` for each index here are multiplied by
+    # max(1, log n / log scaled_from) with n the keys the query sees (SSMax's factor floored at 1): the heads that
+    # retrieve stay as sharp past scaled_from keys as they were at it; every other head is unchanged.
+    scaled_heads: tuple[int, ...] = ()
+    scaled_from: int = 512
 
     def __post_init__(self) -> None:
         _check_types(self)  # first, so the checks below compare numbers with numbers
         self.kv_heads = self.kv_heads or self.heads
         self.adaptive_poly = tuple(float(c) for c in self.adaptive_poly)
+        self.scaled_heads = tuple(self.scaled_heads)
         problems = []
         for name in ("vocab_size", "dim", "layers", "heads", "kv_heads", "context_length", "llama4_floor"):
             if getattr(self, name) < 1:
@@ -92,6 +98,12 @@ class ModelConfig:
             problems.append(f"norm_eps must be a finite number > 0 or null, got {self.norm_eps}")
         if not (math.isfinite(self.llama4_beta) and self.llama4_beta >= 0):
             problems.append(f"llama4_beta must be a finite number >= 0, got {self.llama4_beta}")
+        if self.scaled_from < 2:
+            problems.append(f"scaled_from must be >= 2 keys, got {self.scaled_from}")
+        if not all(0 <= i < self.layers * self.heads for i in self.scaled_heads):
+            problems.append(f"scaled_heads must be layer·heads + head in [0, {self.layers * self.heads})")
+        if len(set(self.scaled_heads)) != len(self.scaled_heads):
+            problems.append("scaled_heads names a head twice")
         if not self.adaptive_poly or not all(math.isfinite(c) for c in self.adaptive_poly):
             problems.append(f"adaptive_poly must be one or more finite coefficients, got {list(self.adaptive_poly)}")
         if problems:
@@ -154,6 +166,7 @@ class ModelConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["adaptive_poly"] = list(self.adaptive_poly)
+        d["scaled_heads"] = list(self.scaled_heads)
         if self.rope_inv_freq is not None:
             d["rope_inv_freq"] = list(self.rope_inv_freq)
         return d
@@ -186,6 +199,8 @@ def _check_types(cfg: ModelConfig) -> None:
             ok = isinstance(value, bool)
         elif base == "str":
             ok = isinstance(value, str)
+        elif base == "tuple[int, ...]":
+            ok = isinstance(value, list | tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
         elif base == "list[str]":
             ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
         else:  # tuple[float, ...]

@@ -19,6 +19,7 @@ scaling fields) is refused by `check_config` with the reason, never silently dro
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +34,11 @@ from sharp.models import normalizers as nz
 from sharp.models import registry
 from sharp.models.config import ModelShape
 from sharp.models.op import attend_op
+from sharp.models.positional import head_length_scale
 
 IMPLEMENTATION = "sharp"
-CONFIG_KEY = "sharp_attention"  # {"norm": ..., "poly": [...], <per-head parameter>: value}
+CONFIG_KEY = "sharp_attention"  # {"norm": ..., "poly": [...], <per-head parameter>: value, "scaled_heads": ...}
+SCALED_KEYS = ("scaled_heads", "scaled_from")  # length-scaled heads: [[layer, head], ...] and the keys it starts at
 # How a transformers model learns a norm's parameters: sharp-train trains SharpLM checkpoints only.
 FINE_TUNE = (
     'fine-tune the model in transformers with attn_implementation="sharp" and config.sharp_attention = {{"norm":'
@@ -91,8 +94,20 @@ class AttentionSettings:
     norm: str = "softmax"
     poly: tuple[float, ...] = nz.PAPER_POLY
     params: tuple[tuple[str, float], ...] = ()  # per-head parameters given as one value for all heads
+    # the (layer, head) pairs whose queries × max(1, log n / log scaled_from) (ModelConfig.scaled_heads)
+    scaled_heads: tuple[tuple[int, int], ...] = ()
+    scaled_from: int = 512
 
     def __post_init__(self) -> None:
+        if not all(
+            isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) and x >= 0 for x in pair)
+            for pair in self.scaled_heads
+        ):
+            raise ValueError("scaled_heads must be [layer, head] pairs of integers >= 0")
+        if len(set(self.scaled_heads)) != len(self.scaled_heads):
+            raise ValueError("scaled_heads names a head twice")
+        if not (isinstance(self.scaled_from, int) and self.scaled_from >= 2):
+            raise ValueError(f"scaled_from must be an integer >= 2 keys, got {self.scaled_from!r:.40}")
         entry = registry.get(self.norm)
         for name, value in self.params:
             if name not in entry.param_names:
@@ -113,34 +128,61 @@ class AttentionSettings:
         if not isinstance(d, dict):
             raise ValueError(f"config.{CONFIG_KEY} must be an object, got {d!r:.60}")
         norm = d.get("norm", "softmax")
-        params = tuple((k, float(v)) for k, v in d.items() if k not in ("norm", "poly"))
-        return cls(norm, tuple(float(c) for c in d.get("poly", nz.PAPER_POLY)), params)
+        params = tuple((k, float(v)) for k, v in d.items() if k not in ("norm", "poly", *SCALED_KEYS))
+        heads = d.get("scaled_heads", [])
+        if not isinstance(heads, list | tuple) or not all(isinstance(p, list | tuple) for p in heads):
+            raise ValueError(f"scaled_heads must be a list of [layer, head] pairs, got {heads!r:.60}")
+        poly = tuple(float(c) for c in d.get("poly", nz.PAPER_POLY))
+        return cls(norm, poly, params, tuple(tuple(p) for p in heads), d.get("scaled_from", 512))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"norm": self.norm, **dict(self.params)}
         if registry.get(self.norm).uses_poly:
             d["poly"] = list(self.poly)
+        if self.scaled_heads:
+            d["scaled_heads"], d["scaled_from"] = [list(p) for p in self.scaled_heads], self.scaled_from
         return d
+
+    def layer_scaled(self, layer: int, heads: int) -> Tensor | None:
+        """The (heads,) mask of layer `layer`'s length-scaled heads (None: the layer has none)."""
+        chosen = [h for lay, h in self.scaled_heads if lay == layer]
+        if not chosen:
+            return None
+        mask = torch.zeros(heads, dtype=torch.bool)
+        mask[chosen] = True
+        return mask
 
     def head_values(self, heads: int) -> dict[str, list[float]]:
         """Per-head parameter values, as the file's metadata records them."""
         return {name: [value] * heads for name, value in self.params}
 
 
-def sharpen(config: PretrainedConfig, norm: str, poly: tuple[float, ...] | None = None, **values: float) -> None:
+def sharpen(
+    config: PretrainedConfig,
+    norm: str,
+    poly: tuple[float, ...] | None = None,
+    scaled: tuple[tuple[tuple[int, int], ...], int] | None = None,
+    **values: float,
+) -> None:
     """Set the normalizer of the model to `norm`: the one its config already names (kept with its stored values when
     nothing new is given), or an inference-time change the registry allows from what the weights were trained
-    with — softmax, unless the config names a learned norm (entmax, SSA, …), which admits only itself."""
+    with — softmax, unless the config names a learned norm (entmax, SSA, …), which admits only itself. `scaled`
+    (heads, from) sets the length-scaled heads (any norm takes them); None keeps the config's."""
     current = AttentionSettings.of(config)
     given = [name for name, value in values.items() if value is not None]
+    heads, start = scaled if scaled is not None else (current.scaled_heads, current.scaled_from)
     if norm == current.norm and not given and poly is None:
-        return
-    trained = "softmax" if registry.can_export_as("softmax", current.norm) else current.norm
-    if (why := registry.norm_change_problem(trained, norm, given, train=FINE_TUNE)) is not None:
-        raise UnsupportedModel(why)
-    params = tuple((k, float(v)) for k, v in values.items() if v is not None)
-    settings = AttentionSettings(norm, tuple(poly) if poly else nz.PAPER_POLY, params)
+        if scaled is None:
+            return
+        settings = dataclasses.replace(current, scaled_heads=tuple(heads), scaled_from=start)
+    else:
+        trained = "softmax" if registry.can_export_as("softmax", current.norm) else current.norm
+        if (why := registry.norm_change_problem(trained, norm, given, train=FINE_TUNE)) is not None:
+            raise UnsupportedModel(why)
+        params = tuple((k, float(v)) for k, v in values.items() if v is not None)
+        settings = AttentionSettings(norm, tuple(poly) if poly else nz.PAPER_POLY, params, tuple(heads), start)
     setattr(config, CONFIG_KEY, settings.to_dict())
+    check_config(config)  # the heads within the model's layers and heads
 
 
 def shape_of(config: PretrainedConfig) -> ModelShape:
@@ -191,7 +233,12 @@ def check_config(config: PretrainedConfig) -> None:
                 f"{kind}: llama_4_scaling_beta is set, but transformers' {kind} ignores it (only"
                 f" {', '.join(LLAMA4_SCALED)} apply it); refusing rather than exporting a model that differs"
             )
-    AttentionSettings.of(config)  # a malformed sharp_attention entry is refused here too
+    settings = AttentionSettings.of(config)  # a malformed sharp_attention entry is refused here too
+    shape = shape_of(config)
+    outside = [f"{lay}.{h}" for lay, h in settings.scaled_heads if lay >= shape.layers or h >= shape.heads]
+    if outside:
+        last = f"layers 0–{shape.layers - 1} and heads 0–{shape.heads - 1}"
+        raise UnsupportedModel(f"scaled_heads {', '.join(outside)}: the model has {last}")
 
 
 def load_config(path: str | Path) -> PretrainedConfig:
@@ -252,6 +299,10 @@ def sharp_attention_forward(
     settings = AttentionSettings.of(module.config)
     heads = query.shape[1]
     values = {name: torch.full((heads,), v, device=query.device) for name, v in settings.params}
+    scaled = settings.layer_scaled(getattr(module, "layer_idx", 0), heads)
+    if scaled is not None:  # the keys each query sees: the last positions of the mask's running count
+        keys = attention_mask.to(torch.int64).cumsum(-1)[:, -query.shape[2] :]
+        query = query * head_length_scale(keys, scaled.to(query.device), settings.scaled_from).to(query.dtype)
     out, entropy = attend_op(
         query,
         key,

@@ -74,6 +74,8 @@ def config_of(config: PretrainedConfig) -> ModelConfig:
         rope_attention_factor=factor,
         llama4_beta=float(beta or 0.0),
         llama4_floor=int(rope.get("original_max_position_embeddings") or 8192) if beta else 8192,
+        scaled_heads=tuple(layer * shape.heads + head for layer, head in settings.scaled_heads),
+        scaled_from=settings.scaled_from,
         **values,
     )
 

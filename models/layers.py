@@ -13,7 +13,7 @@ from sharp.models.attention import attend
 from sharp.models.config import ModelConfig
 from sharp.models.kvcache import PagedLayer
 from sharp.models.op import attend_op
-from sharp.models.positional import apply_rope, rope_angles, slopes_for
+from sharp.models.positional import apply_rope, head_length_scale, rope_angles, slopes_for
 
 KVCache = tuple[Tensor, Tensor]  # (k, v), each (B, Hkv, L_past, head_dim), keys already rotated
 
@@ -86,7 +86,7 @@ class SharpAttention(nn.Module):
     attends over a dense cache: `library_attention` (default) or `op_attention` (for export; `use_custom_op`).
     """
 
-    def __init__(self, cfg: ModelConfig, norm: str, attention: AttentionFn = library_attention):
+    def __init__(self, cfg: ModelConfig, norm: str, attention: AttentionFn = library_attention, layer: int = 0):
         super().__init__()
         self.cfg, self.norm, self.attention = cfg, norm, attention
         self.spec = registry.get(norm)
@@ -112,6 +112,10 @@ class SharpAttention(nn.Module):
                 nn.init.zeros_(lin.bias)
         slopes = slopes_for(cfg.pos, h)
         self.register_buffer("alibi_slopes", slopes, persistent=False)
+        scaled = [i - layer * h for i in cfg.scaled_heads if layer * h <= i < (layer + 1) * h]
+        mask = torch.zeros(h, dtype=torch.bool, device="cpu")  # on the CPU even when the model is built on "meta"
+        mask[scaled] = True
+        self.register_buffer("scaled_heads", mask if scaled else None, persistent=False)  # this layer's length-scaled
 
     def head_params(self) -> dict[str, Tensor]:
         """The per-head normalizer parameters `attend` receives (Hq,)."""
@@ -165,6 +169,8 @@ class SharpAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cfg.llama4_beta:
             q = q * self.llama4_scale(positions).to(q.dtype)
+        if self.scaled_heads is not None:
+            q = q * head_length_scale(positions + 1, self.scaled_heads, cfg.scaled_from).to(q.dtype)
         if isinstance(cache, PagedLayer):
             cache.write(k, v)
         elif cache is not None:

@@ -24,10 +24,10 @@ class LMOutput:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, norm: str):
+    def __init__(self, cfg: ModelConfig, norm: str, layer: int = 0):
         super().__init__()
         self.ln1, self.ln2 = make_layer_norm(cfg), make_layer_norm(cfg)
-        self.attn = SharpAttention(cfg, norm)
+        self.attn = SharpAttention(cfg, norm, layer=layer)
         self.mlp = MLP(cfg)
 
     def forward(self, x, positions, cache, key_mask, impl, entropy=True):
@@ -41,7 +41,7 @@ class SharpLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, n) for n in cfg.layer_norms())
+        self.blocks = nn.ModuleList(Block(cfg, n, i) for i, n in enumerate(cfg.layer_norms()))
         self.ln_f = make_layer_norm(cfg)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:

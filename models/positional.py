@@ -62,3 +62,12 @@ def slopes_for(pos: str, heads: int) -> Tensor | None:
     if pos not in POSITIONAL:
         raise ValueError(f"unknown positional encoding {pos!r}; valid: {', '.join(POSITIONAL)}")
     return {"alibi": alibi_slopes, "nape": nape_slopes}.get(pos, lambda _: None)(heads)
+
+
+def head_length_scale(keys: Tensor, scaled: Tensor, scaled_from: int) -> Tensor:
+    """The factor on the queries of length-scaled heads (ModelConfig.scaled_heads), (B, Hq, L, 1): SSMax's
+    log n / log scaled_from floored at 1 on the heads `scaled` (Hq,) marks, 1 on the others. `keys` (B, L) is how
+    many keys each query sees (its position + 1 without padding). The floor keeps every head exactly as trained up to
+    scaled_from keys; past it a scaled head's logits grow with log n, as SSMax's do, so its weights stop dispersing."""
+    factor = torch.clamp(torch.log(keys.to(torch.float32)) / math.log(scaled_from), min=1.0)
+    return torch.where(scaled[None, :, None, None], factor[:, None, :, None], torch.ones((), device=keys.device))

@@ -15,6 +15,9 @@ export for every normalizer): on a GPU with the Triton kernels, on CPU with the 
   (teacher-forced): a continuous score that tells settings apart at few trials, where counts cannot.
 - **sweeps**: `adaptive@C` and `ssmax@N` are members of a family at a strength (FAMILIES), so a calibration is a
   list of settings, e.g. `--settings softmax adaptive@0.1 adaptive@0.3 ssmax@512 --seed 1`.
+- **retrieval heads**: `--find-heads K` names the K heads that put the most weight on the key while the model writes
+  it (retrieval_heads.py) and the `sharp-export --scaled-heads` flags that length-scale only them; the setting
+  `heads@K` finds them on the next draw (`--seed` + 1) and scores them on this one.
 - **perplexity by position**: one long text (the same topics, past the passkey filler) scored once; the mean
   negative log-likelihood per position bin, as perplexity.
 - **attention entropy by position**: every head's normalized entropy (entropy / log(keys)) at the same positions,
@@ -26,6 +29,7 @@ export for every normalizer): on a GPU with the Triton kernels, on CPU with the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -56,6 +60,8 @@ INSTRUCTION = (
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 ANSWER = "The pass key is"  # the assistant's reply begins so; the key is the number it writes next
 NEW_TOKENS = 8
+FIND_LENGTH, FIND_TRIALS = 1024, 8  # the prompts the retrieval heads are found on (`--find-heads`, heads@K)
+SCALED_FROM = 512  # where heads@K's heads start sharpening: well inside SmolLM2's comfortable range
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class Setting:
     attention: dict | None = None
     rope: dict | None = None
     context_factor: float = 1.0
+    find_heads: int = 0  # length-scale this many heads, found on the model (retrieval_heads) before it runs
 
 
 def settings_for(train_length: int) -> dict[str, Setting]:
@@ -86,6 +93,8 @@ def settings_for(train_length: int) -> dict[str, Setting]:
 FAMILIES = {
     "adaptive": "adaptive@C: the paper's polynomial moved toward 1 by C (β = 1 + C·(poly(H) − 1); C = 1 is 'adaptive')",
     "ssmax": "ssmax@N: SSMax equal to softmax at N keys (s = 1 / log N)",
+    "heads": f"heads@K: the K heads with the most weight on the key (found on passkey draw seed + 1 at"
+    f" {FIND_LENGTH:,} tokens) length-scaled from {SCALED_FROM} keys, as --scaled-heads exports them",
 }
 """The settings that take a strength, for a calibration sweep (`--settings adaptive@0.1 adaptive@0.3 ssmax@512`)."""
 
@@ -109,6 +118,8 @@ def setting(name: str, train_length: int) -> Setting:
         return Setting({"norm": "adaptive", "poly": poly})
     if family == "ssmax" and math.isfinite(value) and value >= 2:
         return Setting({"norm": "ssmax", "ssmax_s": 1 / math.log(value)})
+    if family == "heads" and value.is_integer() and value >= 1:
+        return Setting({"norm": "softmax"}, find_heads=int(value))
     raise ValueError(f"unknown setting {name!r}; {allowed}")
 
 
@@ -147,6 +158,23 @@ def build(directory: Path, setting: Setting, device: str):
     return hf_lm.load(directory, config).to(device)
 
 
+def retrieval_heads(directory: Path, tok, words: list[str], seed: int, device: str) -> list[tuple[int, int, float]]:
+    """Every head of the model as trained, the most weight on the key first (FIND_TRIALS prompts of draw `seed`)."""
+    from sharp.benchmarks.retrieval_heads import key_attention, top_heads
+
+    model = build(directory, Setting(), device)
+    prompts = passkey_prompts(tok, words, FIND_LENGTH, FIND_TRIALS, seed)
+    mass = key_attention(model, prompts, lambda key: key_ids(tok, key))
+    return top_heads(mass, mass.numel())
+
+
+def with_heads(setting: Setting, heads: list[tuple[int, int, float]]) -> Setting:
+    """`setting` with its first `find_heads` of `heads` length-scaled from SCALED_FROM keys."""
+    chosen = [[layer, head] for layer, head, _ in heads[: setting.find_heads]]
+    attention = {**(setting.attention or {}), "scaled_heads": chosen, "scaled_from": SCALED_FROM}
+    return dataclasses.replace(setting, attention=attention)
+
+
 def passkey_prompts(tok, words: list[str], length: int, trials: int, seed: int = 0) -> list[tuple[list[int], str]]:
     """`trials` prompts of about `length` tokens, each with its key: depths evenly spread, filler per trial."""
     from sharp.models.tokenizer import render_chat
@@ -159,7 +187,7 @@ def passkey_prompts(tok, words: list[str], length: int, trials: int, seed: int =
         start = (t * 7919) % max(1, len(words) // 2)  # a different stretch of prose per trial
         n = max(16, int(length / 1.6))
         while True:  # grow or shrink the filler until the prompt is within 3% of `length` tokens
-            filler = words[start : start + n]
+            filler = [words[(start + i) % len(words)] for i in range(n)]  # the prose again past its end
             cut = int(len(filler) * depth)
             body = " ".join(filler[:cut]) + NEEDLE.format(key=key) + " ".join(filler[cut:])
             text = render_chat(tok, [{"role": "user", "content": INSTRUCTION.format(body=body)}]) + ANSWER
@@ -291,6 +319,13 @@ def run(argv: list[str] | None = None) -> int:
         "--seed", type=int, default=0, help="the passkeys' draw: another seed gives held-out prompts for a calibration"
     )
     ap.add_argument("--text", type=int, default=16384, help="tokens of the perplexity text (bins up to it)")
+    ap.add_argument(
+        "--find-heads",
+        type=int,
+        metavar="K",
+        help=f"only name the K heads of the model that put the most weight on the key ({FIND_TRIALS} passkey prompts"
+        f" of draw --seed at {FIND_LENGTH:,} tokens) and the sharp-export flags that length-scale them",
+    )
     ap.add_argument("--plot", type=Path, help="write the plot (PNG) here too (default beside docs/quality.md)")
     ap.add_argument("--quick", action="store_true", help="CI size: softmax and 'flat' at ~600 tokens, 5 trials")
     ap.add_argument(
@@ -304,6 +339,8 @@ def run(argv: list[str] | None = None) -> int:
         args.no_write = args.no_write or args.write is None  # only to a page named with --write
     if min([*args.lengths, args.text]) < 64 or args.trials < 1:
         ap.error("--lengths and --text must be >= 64 tokens, --trials >= 1")
+    if args.find_heads is not None and args.find_heads < 1:
+        ap.error(f"--find-heads {args.find_heads}: name at least 1 head")
     from sharp.models import gguf
 
     source = args.model
@@ -345,12 +382,23 @@ def run(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(directory, hf.load_config(directory))  # no setting changes the tokenizer
     words = prose()
     half = len(words) // 2
+    if args.find_heads is not None:
+        heads = retrieval_heads(directory, tok, words[:half], args.seed, device)[: args.find_heads]
+        print(markdown_table(["layer.head", "weight on the key"], [[f"{la}.{h}", f"{w:.3f}"] for la, h, w in heads]))
+        flags = " ".join(f"{la}.{h}" for la, h, _ in heads)
+        print(f"\nsharp-export {source} --scaled-heads {flags} --scaled-from {SCALED_FROM}")
+        return 0
     prompts = {n: passkey_prompts(tok, words[:half], n, args.trials, args.seed) for n in args.lengths}  # every row's
     text_ids = tok.encode(" ".join(words[half:]), bos=False)[: args.text]
     bins = [0, *[b for b in (512, 1024, 2048, 4096, 8192, 16384, 32768) if b < args.text], args.text]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
+    found: list[tuple[int, int, float]] = []
     for name in names:
+        if table[name].find_heads:  # found on another draw than the one scored: the choice is held out
+            found = found or retrieval_heads(directory, tok, words[:half], args.seed + 1, device)
+            table[name] = with_heads(table[name], found)
+            _progress(t0, f"{name}: heads {', '.join(f'{la}.{h}' for la, h in table[name].attention['scaled_heads'])}")
         model = build(directory, table[name], device)
         cells, logps = {}, {}
         for length in args.lengths:
