@@ -87,6 +87,11 @@ class UnsupportedModel(ValueError):
     """The model cannot run with sharp's attention exactly; the message says why."""
 
 
+def _count(x: object) -> bool:
+    """An integer, as JSON gives one (a bool is not)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class AttentionSettings:
     """The normalizer a transformers model runs, as stored in `config.sharp_attention`."""
@@ -100,13 +105,13 @@ class AttentionSettings:
 
     def __post_init__(self) -> None:
         if not all(
-            isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, int) and x >= 0 for x in pair)
+            isinstance(pair, tuple) and len(pair) == 2 and all(_count(x) and x >= 0 for x in pair)
             for pair in self.scaled_heads
         ):
             raise ValueError("scaled_heads must be [layer, head] pairs of integers >= 0")
         if len(set(self.scaled_heads)) != len(self.scaled_heads):
             raise ValueError("scaled_heads names a head twice")
-        if not (isinstance(self.scaled_from, int) and self.scaled_from >= 2):
+        if not (_count(self.scaled_from) and self.scaled_from >= 2):
             raise ValueError(f"scaled_from must be an integer >= 2 keys, got {self.scaled_from!r:.40}")
         entry = registry.get(self.norm)
         for name, value in self.params:

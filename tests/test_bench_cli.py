@@ -467,14 +467,15 @@ def test_quality_sweeps_a_family_by_its_strength_and_refuses_what_it_cannot_buil
     assert quality.setting("ssmax@512", 8192).attention["ssmax_s"] * math.log(512) == pytest.approx(1.0)
     assert quality.setting("ssmax", 8192) == quality.settings_for(8192)["ssmax"]
     eight = quality.setting("heads@8", 8192)
-    assert eight.find_heads == 8 and eight.attention == {"norm": "softmax"}
+    assert eight.find_heads == 8 and eight.attention == {"norm": "softmax", "scaled_from": quality.SCALED_FROM}
     found = [(21, 8, 0.9), (18, 6, 0.8), (3, 1, 0.1)]
-    assert quality.with_heads(quality.setting("heads@2", 8192), found).attention == {
+    assert quality.with_heads(quality.setting("heads@2:256", 8192), found).attention == {
         "norm": "softmax",
         "scaled_heads": [[21, 8], [18, 6]],
-        "scaled_from": quality.SCALED_FROM,
+        "scaled_from": 256,
     }
-    for bad in ("adaptive@0", "adaptive@x", "ssmax@1", "softmax@2", "yarn-4x@2", "sharp", "heads@0", "heads@1.5"):
+    bad_heads = ("heads@0", "heads@1.5", "heads@8:1", "heads@8:x", "heads")
+    for bad in ("adaptive@0", "adaptive@x", "ssmax@1", "softmax@2", "yarn-4x@2", "sharp", *bad_heads):
         with pytest.raises(ValueError, match="valid: softmax, adaptive"):
             quality.setting(bad, 8192)
 

@@ -320,6 +320,20 @@ def test_quality_quick_scores_softmax_and_a_setting_that_destroys_attention(real
 
 
 @pytest.mark.bench
+def test_find_heads_names_the_heads_that_retrieve_and_the_export_flags(real, capsys):
+    """`sharp-bench quality --find-heads 3` on the real model: its retrieval heads (layer 21 head 8 and layer 18 head
+    6 put over 0.7 of their weight on the key while the model writes it, docs/quality.md) and the flags that export
+    them length-scaled."""
+    from sharp.benchmarks import quality
+
+    assert quality.run([str(real["dir"]), "--find-heads", "3"]) == 0
+    said = capsys.readouterr().out
+    weights = {m[0]: float(m[1]) for m in re.findall(r"^\| (\d+\.\d+) \| ([\d.]+) \|", said, re.M)}
+    assert len(weights) == 3 and weights["21.8"] > 0.7 and weights["18.6"] > 0.7, said
+    assert f"--scaled-heads {' '.join(weights)} --scaled-from {quality.SCALED_FROM}" in said
+
+
+@pytest.mark.bench
 def test_quality_llama_server_answers_the_same_passkeys_as_sharp_softmax(real, tmp_path, monkeypatch):
     """`sharp-bench quality --llama-server` at ~600 tokens: llama-server, on the same GGUF and the same token ids,
     finds the passkey as sharp's softmax does (≥ 4/5 each), and the page says the intervals overlap. Needs

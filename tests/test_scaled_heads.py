@@ -124,6 +124,12 @@ def test_model_config_refuses_heads_outside_the_model_and_a_start_below_two():
         ModelConfig(scaled_heads=(1.5,))
     with pytest.raises(ValueError, match="scaled_heads must be"):
         hf.AttentionSettings.of(transformers.LlamaConfig(sharp_attention={"scaled_heads": [1, 2]}))
+    for entry in ({"scaled_heads": [[True, 1]]}, {"scaled_heads": [[0, 1, 2]]}, {"scaled_heads": [[0, -1]]}):
+        with pytest.raises(ValueError, match=r"\[layer, head\] pairs of integers >= 0"):
+            hf.AttentionSettings.of(transformers.LlamaConfig(sharp_attention=entry))
+    with pytest.raises(ValueError, match="scaled_from must be an integer >= 2"):
+        entry = {"scaled_heads": [[0, 1]], "scaled_from": 1.5}
+        hf.AttentionSettings.of(transformers.LlamaConfig(sharp_attention=entry))
 
 
 def test_key_attention_is_each_heads_softmax_weight_on_the_key_while_the_key_is_written():

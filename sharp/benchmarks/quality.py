@@ -93,8 +93,8 @@ def settings_for(train_length: int) -> dict[str, Setting]:
 FAMILIES = {
     "adaptive": "adaptive@C: the paper's polynomial moved toward 1 by C (β = 1 + C·(poly(H) − 1); C = 1 is 'adaptive')",
     "ssmax": "ssmax@N: SSMax equal to softmax at N keys (s = 1 / log N)",
-    "heads": f"heads@K: the K heads with the most weight on the key (found on passkey draw seed + 1 at"
-    f" {FIND_LENGTH:,} tokens) length-scaled from {SCALED_FROM} keys, as --scaled-heads exports them",
+    "heads": f"heads@K (or heads@K:N): the K heads with the most weight on the key (found on passkey draw seed + 1"
+    f" at {FIND_LENGTH:,} tokens) length-scaled from {SCALED_FROM} keys (or N), as --scaled-heads exports them",
 }
 """The settings that take a strength, for a calibration sweep (`--settings adaptive@0.1 adaptive@0.3 ssmax@512`)."""
 
@@ -118,8 +118,10 @@ def setting(name: str, train_length: int) -> Setting:
         return Setting({"norm": "adaptive", "poly": poly})
     if family == "ssmax" and math.isfinite(value) and value >= 2:
         return Setting({"norm": "ssmax", "ssmax_s": 1 / math.log(value)})
-    if family == "heads" and value.is_integer() and value >= 1:
-        return Setting({"norm": "softmax"}, find_heads=int(value))
+    count, colon, start = text.partition(":")  # heads@K or heads@K:N
+    good_start = not colon or (start.isdigit() and int(start) >= 2)
+    if family == "heads" and count.isdigit() and int(count) >= 1 and good_start:
+        return Setting({"norm": "softmax", "scaled_from": int(start or SCALED_FROM)}, find_heads=int(count))
     raise ValueError(f"unknown setting {name!r}; {allowed}")
 
 
@@ -169,9 +171,9 @@ def retrieval_heads(directory: Path, tok, words: list[str], seed: int, device: s
 
 
 def with_heads(setting: Setting, heads: list[tuple[int, int, float]]) -> Setting:
-    """`setting` with its first `find_heads` of `heads` length-scaled from SCALED_FROM keys."""
+    """`setting` with its first `find_heads` of `heads` length-scaled (from the keys the setting names)."""
     chosen = [[layer, head] for layer, head, _ in heads[: setting.find_heads]]
-    attention = {**(setting.attention or {}), "scaled_heads": chosen, "scaled_from": SCALED_FROM}
+    attention = {"scaled_from": SCALED_FROM, **(setting.attention or {}), "scaled_heads": chosen}
     return dataclasses.replace(setting, attention=attention)
 
 
