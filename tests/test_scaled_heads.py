@@ -172,3 +172,42 @@ def test_key_attention_is_each_heads_softmax_weight_on_the_key_while_the_key_is_
     assert got[best[0][0], best[0][1]] == best[0][2]
     with pytest.raises(ValueError, match="no prompt holds its key"):
         key_attention(model, [([11] * 30, "absent")], lambda key: [7])
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_a_scaled_model_serves_the_greedy_tokens_of_sharp_modules_in_a_left_padded_batch(llama, tmp_path, backend):
+    """Served from config.json's entry — exported for onnxruntime (its in-place cache, prompts of different lengths
+    batched together), read as it is by the torch backend (its paged cache) — a length-scaled model writes the
+    greedy tokens sharp's modules write alone, past the keys the scaling starts at."""
+    from sharp.models.sampling import GREEDY
+    from sharp.serving import Client
+    from sharp.serving.api.client import make_request
+    from sharp.serving.api.server import BackgroundServer, ServerConfig
+    from sharp.serving.backends.loading import load_backend
+    from sharp.serving.config import EngineConfig
+    from sharp.serving.engine.engine import Engine
+    from sharp.serving.metrics import ServingMetrics
+
+    model = tmp_path / "scaled"
+    shutil.copytree(llama, model)
+    config = json.loads((model / "config.json").read_text())
+    entry = {"norm": "softmax", "scaled_heads": [[1, 2], [0, 0], [1, 0]], "scaled_from": 4}
+    (model / "config.json").write_text(json.dumps({**config, "sharp_attention": entry}))
+    path = model
+    if backend == "onnxruntime":
+        path = tmp_path / "scaled.onnx"
+        assert export_cli.main([str(model), "-o", str(path)]) == 0
+    served = load_backend(path, backend)
+    engine = Engine(served, EngineConfig(), ServingMetrics(served.spec))
+    ours = hf_lm.load(model)
+    plain = hf_lm.load(llama)
+    prompts = ["def main():\n", "The quick brown fox jumps over the lazy dog and", "Zoë 🎉"]
+    differs = 0
+    with BackgroundServer(engine, ServerConfig(port=0, metrics_port=0)) as srv, Client(srv.target) as c:
+        futures = {p: c.stub.Generate.future(make_request(p, max_new_tokens=24, temperature=0)) for p in prompts}
+        for prompt, future in futures.items():
+            ids = c.tokenize(prompt, add_bos=True)
+            want = ours.generate(ids, 24, GREEDY, eos=None)
+            assert list(future.result().token_ids) == want[: len(future.result().token_ids)], prompt
+            differs += want != plain.generate(ids, 24, GREEDY, eos=None)
+    assert differs  # the scaling changed what the model writes: the comparison above could fail
