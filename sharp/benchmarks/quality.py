@@ -306,7 +306,7 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--settings",
         nargs="+",
-        help="default: every named setting but 'flat'; a sweep adds a family's members: "
+        help="default: every named setting but 'flat', and heads@8; a sweep adds a family's members: "
         + "; ".join(FAMILIES.values()),
     )
     ap.add_argument(
@@ -369,7 +369,7 @@ def run(argv: list[str] | None = None) -> int:
     from sharp.models import hf
 
     train = hf.load_config(directory).max_position_embeddings
-    names = args.settings or [n for n in settings_for(train) if n != "flat"]
+    names = args.settings or [*(n for n in settings_for(train) if n != "flat"), "heads@8"]
     try:
         table = {name: setting(name, train) for name in names}
     except ValueError as e:
