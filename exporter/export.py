@@ -23,7 +23,7 @@ from sharp.exporter.op_schema import FALLBACK, SHARP, translate
 from sharp.exporter.precision import HALF, QUANTIZED, fusion_key, quantize, to_half
 from sharp.exporter.settings import ExportSettings
 from sharp.models import registry
-from sharp.models.config import ModelShape
+from sharp.models.config import ModelShape, scaled_heads_problem
 from sharp.models.layers import use_custom_op
 from sharp.models.lm import SharpLM
 
@@ -226,10 +226,8 @@ def with_norm(
         changes["adaptive_poly"] = list(poly)
     if scaled is not None:
         heads, changes["scaled_from"] = scaled
-        outside = [f"{lay}.{h}" for lay, h in heads if lay >= cfg.layers or h >= cfg.heads]
-        if outside:
-            last = f"layers 0–{cfg.layers - 1} and heads 0–{cfg.heads - 1}"
-            raise ValueError(f"scaled_heads {', '.join(outside)}: the model has {last}")
+        if (why := scaled_heads_problem(heads, cfg.layers, cfg.heads)) is not None:
+            raise ValueError(why)
         changes["scaled_heads"] = [lay * cfg.heads + h for lay, h in heads]
     if norm == cfg.norm and scaled is None:
         checked = type(cfg).from_dict({**cfg.to_dict(), **changes})  # ModelConfig validates the new values

@@ -16,6 +16,14 @@ MAX_WEIGHTS = 1 << 36  # a config beyond this is a typo or an attack, not a mode
 LAYER_NORMS = ("rmsnorm", "layernorm")
 
 
+def scaled_heads_problem(pairs, layers: int, heads: int) -> str | None:
+    """Why (layer, head) pairs of length-scaled heads do not fit a model of `layers` × `heads` (None: they do)."""
+    outside = [f"{lay}.{h}" for lay, h in pairs if lay >= layers or h >= heads]
+    if not outside:
+        return None
+    return f"scaled_heads {', '.join(outside)}: the model has layers 0–{layers - 1} and heads 0–{heads - 1}"
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes serving and the exporter's checks need, whatever the architecture (SharpLM or transformers)."""

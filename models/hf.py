@@ -32,7 +32,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from sharp.models import normalizers as nz
 from sharp.models import registry
-from sharp.models.config import ModelShape
+from sharp.models.config import ModelShape, scaled_heads_problem
 from sharp.models.op import attend_op
 from sharp.models.positional import head_length_scale
 
@@ -240,10 +240,8 @@ def check_config(config: PretrainedConfig) -> None:
             )
     settings = AttentionSettings.of(config)  # a malformed sharp_attention entry is refused here too
     shape = shape_of(config)
-    outside = [f"{lay}.{h}" for lay, h in settings.scaled_heads if lay >= shape.layers or h >= shape.heads]
-    if outside:
-        last = f"layers 0–{shape.layers - 1} and heads 0–{shape.heads - 1}"
-        raise UnsupportedModel(f"scaled_heads {', '.join(outside)}: the model has {last}")
+    if (why := scaled_heads_problem(settings.scaled_heads, shape.layers, shape.heads)) is not None:
+        raise UnsupportedModel(why)
 
 
 def load_config(path: str | Path) -> PretrainedConfig:
