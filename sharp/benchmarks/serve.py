@@ -280,13 +280,26 @@ def _row(name: str, runs: list[Run]) -> list[str]:
     ]
 
 
+async def warm_up(send) -> None:
+    """One untimed request, so that a cold engine's first forwards do not stagger the measured load."""
+    warm = Run()
+    await _one(send, "A warm-up request.", 4, warm)
+    if warm.failed:
+        raise RuntimeError("the engine did not answer the warm-up request")
+
+
 def _in_process(model: Path, max_batch: int, scenario) -> Run:
     """The engine alone, driven from this process's event loop (no gRPC, no second process)."""
     backend = load_backend(model)
     engine = Engine(backend, EngineConfig(max_batch=max_batch, max_queue=4096), ServingMetrics(backend.spec, "head"))
     engine.start()
     try:
-        return asyncio.run(scenario(engine_sender(engine)))
+
+        async def go() -> Run:
+            await warm_up(engine_sender(engine))
+            return await scenario(engine_sender(engine))
+
+        return asyncio.run(go())
     finally:
         engine.stop()
 
@@ -308,22 +321,30 @@ class Scenario:
 
 
 def _served(model: Path, sc: Scenario) -> Run:
-    """One run against a fresh sharp-serve process, with the engine's counters read back at its end."""
+    """One run against a fresh sharp-serve process: one untimed warm-up request first (a cold server's first
+    forwards would stagger the load's requests), then the load, with the engine's counters read back as the
+    difference across it."""
     scenario, http = sc.load, sc.http
     with sharp_serve(model, sc.max_batch, sc.entropy, sc.native, sc.engine_process) as srv:
+
+        async def measured(send) -> tuple[Run, dict[str, float]]:
+            await warm_up(send)
+            before = srv.engine_stats()  # the warm-up's steps are not the load's
+            return await scenario(send), before
 
         async def go():
             if http:
                 import openai
 
                 async with openai.AsyncOpenAI(base_url=srv.openai_url, api_key="none", max_retries=0) as client:
-                    return await scenario(http_sender(client, model.stem))  # sharp_serve names it so
+                    return await measured(http_sender(client, model.stem))  # sharp_serve names it so
             async with AsyncClient(srv.target) as client:
                 fields = {"json_schema": json.dumps(LONG_JSON)} if sc.structured else {}
-                return await scenario(grpc_sender(client, **fields))
+                return await measured(grpc_sender(client, **fields))
 
-        run = asyncio.run(go())
-        run.engine = srv.engine_stats()
+        run, before = asyncio.run(go())
+        after = srv.engine_stats()
+        run.engine = {key: after[key] - before[key] for key in after}
         return run
 
 
@@ -395,7 +416,8 @@ def bench(model: Path, args, half_kv: Path | None = None) -> str:
         "",
         f"Measured {today()} on {where}. Command: {args.command}. Model: {args.model_source},"
         " onnxruntime CPU backend with sharp's native kernel unless stated. sharp-serve runs in its own process"
-        " (a fresh one per run), its engine in the same process unless a row says --engine-process on; the load"
+        " (a fresh one per run, warmed up by one untimed request whose engine counters are left out), its engine"
+        " in the same process unless a row says --engine-process on; the load"
         " generator streams from this one over loopback gRPC, or over its"
         " OpenAI-compatible HTTP API with the official openai SDK in the HTTP rows."
         f" {args.requests} requests of {args.prompt_chars}-character prompts, {n} greedy new"
