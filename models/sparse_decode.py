@@ -41,13 +41,17 @@ def lowered(tau: Tensor) -> Tensor:
 class SparseStats:
     """What a step did, summed over its (sequence, query head) rows: the pages there were, the pages kept for the
     exact entmax (their keys read), the pages whose keys were read over all passes (a growing τ_S pass reads its
-    first pages again), and the keys whose values were read (the candidates for the support). `skipped`: the
-    fraction of pages not kept (their keys and values never read)."""
+    first pages again), the keys whose values were read (the candidates for the support), and the pages holding a
+    key with weight — the fewest any bound on a page's keys could keep, so `kept` against `weighted` tells a loose
+    bound from a support spread over many pages. `skipped`: the fraction of pages not kept (their keys and values
+    never read). The `by_head` tuples split pages, kept and weighted by query head (summed over sequences)."""
 
     pages: int
     kept: int
     reads: int
     values: int
+    weighted: int
+    by_head: tuple[tuple[int, int, int], ...] = ()  # (pages, kept, weighted) of each query head
 
     @property
     def skipped(self) -> float:
@@ -175,7 +179,12 @@ def sparse_entmax_decode(
     physical = pages.gather(-1, at // page_size).clamp(min=0)
     v = values[heads.view(1, -1, 1), physical, slot]  # (B, Hq, candidates, D)
     out = torch.einsum("bhk,bhkd->bhd", p, v.float())
-    return out.to(q.dtype), entropy(p), SparseStats(int(valid.sum()), int(kept.sum()), reads, weighed)
+    holds = (
+        torch.zeros(pages.shape, device=p.device).scatter_add_(-1, at // page_size, (p > 0).float()) > 0
+    )  # pages with weight
+    by_head = torch.stack((valid.sum(0), kept.sum(0), holds.sum((0, 2))), -1).tolist()
+    stats = SparseStats(int(valid.sum()), int(kept.sum()), reads, weighed, int(holds.sum()), tuple(map(tuple, by_head)))
+    return out.to(q.dtype), entropy(p), stats
 
 
 def _support_entmax(z: Tensor, alpha: Tensor, tau: Tensor) -> tuple[Tensor, Tensor, int]:

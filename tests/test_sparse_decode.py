@@ -7,6 +7,8 @@ reads few pages where few carry weight, and the values of few keys where few can
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from devices import ATOL
@@ -82,6 +84,7 @@ def _compare(q, keys, alpha, *, impl="torch", decode_tokens=3, query_scale=None,
         torch.testing.assert_close(ent, dense_ent, atol=TOL, rtol=0)
         out, ent = out[:, :, 0], ent[:, :, 0]
     tol = TOL if impl == "torch" else ATOL  # the kernels' own rounding against the reference: the suite's bound
+    held_by = []
     for b, s in enumerate(seqs):
         k, v = cache.gather(s, 0)
         lam = None if query_scale is None else query_scale[b : b + 1, :, None]
@@ -91,6 +94,21 @@ def _compare(q, keys, alpha, *, impl="torch", decode_tokens=3, query_scale=None,
         )  # fmt: skip
         torch.testing.assert_close(out[b], want[0, :, 0], atol=tol, rtol=0)
         torch.testing.assert_close(ent[b], want_ent[0, :, 0], atol=tol, rtol=0)
+        if impl == "torch":  # the pages holding weight: dense's weights, read out through one-hot values
+            n = k.shape[2]
+            eye = torch.eye(n).expand(1, hkv, n, n)
+            w = attend(
+                q[b : b + 1, :, None], k, eye, norm="asentmax" if lam is not None else "entmax", alpha=alpha,
+                query_scale=lam, alibi_slopes=alibi,
+            )[0, :, 0]  # fmt: skip
+            paged = torch.nn.functional.pad(w, (0, -n % PAGE)).view(w.shape[0], -1, PAGE)
+            clear, held = (paged > 1e-6).any(-1).sum(-1), (paged > 0).any(-1).sum(-1)  # per query head
+            weighted = [h[2] for h in stats.by_head]
+            held_by.append((clear, held))
+    if impl == "torch":  # every page with clear weight counted, none beyond those with any; kept ⊇ weighted
+        clear, held = (sum(x) for x in zip(*held_by, strict=True))
+        assert all(int(c) <= h_ <= int(a) for c, h_, a in zip(clear, weighted, held, strict=True)), (weighted, held)
+        assert all(pages >= kept >= w for pages, kept, w in stats.by_head) and stats.weighted == sum(weighted)
     return stats
 
 
@@ -125,6 +143,7 @@ def test_a_dominant_key_is_found_and_the_rest_skipped(decode_written, impl):
     # τ_S and keeps the dominant key's alone: its u is far above every other page's bound (a reused page's summary,
     # restarted, is tight too)
     assert stats.values == 2 * hq, stats  # and of its page's 16 keys weighs the dominant one alone
+    assert stats.weighted == 2 * hq and [h[1:] for h in stats.by_head] == [(2, 2)] * hq, stats  # per head: 2 rows
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -136,6 +155,7 @@ def test_all_equal_scores_skip_nothing_and_stay_exact(impl):
         assert stats.tolist() == [[7, 7], [3, 3]], stats  # every page of both sequences
         return
     assert stats.kept == stats.pages and stats.values == hq * sum(lengths)  # every key holds weight: all weighed
+    assert stats.weighted == stats.pages and [h[2] for h in stats.by_head] == [10, 10]  # 7 + 3 pages a head
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -418,6 +438,11 @@ def test_the_benchmark_times_the_three_sides_and_reports_the_skipped_share(tmp_p
     assert len(row.split("|")) == 9  # context, three sides, three ratios
     share = next(line for line in text.splitlines() if line.startswith("| 200 |") and "%" in line)
     assert all(0 <= float(c.strip(" %")) <= 100 for c in share.split("|")[2:-1])
+    heads = [line.split("|")[3:-1] for line in text.splitlines() if line.startswith("| 200 | ") and "(" in line]
+    assert len(heads) == 2 and all(len(h) == 2 for h in heads), heads  # a row per layer, a cell per head
+    for cell in (c for h in heads for c in h):  # read ≥ holding weight > 0: every head weighs its own page at least
+        read, held = (float(x) for x in re.fullmatch(r" ([\d.]+)% \(([\d.]+)%\) ", cell).groups())
+        assert 100 >= read >= held > 0, cell
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         bench.run([*models[:2], "--softmax", str(tmp_path / "nope.pt")])

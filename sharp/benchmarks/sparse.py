@@ -53,6 +53,7 @@ class Variant:
     times: list[float] = field(default_factory=list)
     skipped: list[list[float]] = field(default_factory=list)
     weighed: list[list[float]] = field(default_factory=list)
+    by_head: list[list[tuple]] = field(default_factory=list)  # per step and layer: (pages, kept, weighted) a head
 
 
 def _log(message: str) -> None:
@@ -77,9 +78,9 @@ def _prefill(model: SharpLM, cache: PagedKVCache, ids: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def _decode(v: Variant, token: int) -> tuple[float, list[float], list[float]]:
-    """One decode step: its time, and per layer the share of pages skipped and the share of keys whose values
-    were read (both empty for a dense step)."""
+def _decode(v: Variant, token: int) -> tuple[float, list[float], list[float], list[tuple]]:
+    """One decode step: its time, and per layer the share of pages skipped, the share of keys whose values were
+    read and each query head's (pages, kept, weighted) counts (all empty for a dense step)."""
     length = v.cache.lengths["s"]
     v.cache.reserve("s", length + 1)
     step = v.cache.step(["s"], 1)
@@ -91,7 +92,8 @@ def _decode(v: Variant, token: int) -> tuple[float, list[float], list[float]]:
     step.commit()
     rows = v.model.cfg.heads * (length + 1)
     layers = sorted(step.sparse)
-    return took, [step.sparse[i].skipped for i in layers], [step.sparse[i].values / rows for i in layers]
+    stats = [step.sparse[i] for i in layers]
+    return took, [s.skipped for s in stats], [s.values / rows for s in stats], [s.by_head for s in stats]
 
 
 def _cache(model: SharpLM, tokens: int, bounds: bool) -> PagedKVCache:
@@ -120,7 +122,7 @@ def run(argv: list[str] | None = None) -> int:
     if entmax.cfg.shape != softmax.cfg.shape:
         ap.error(f"--entmax and --softmax differ in shape: {entmax.cfg.shape} vs {softmax.cfg.shape}")
     corpus = stdlib_corpus()
-    rows, skip_rows, value_rows = [], [], []
+    rows, skip_rows, value_rows, head_rows = [], [], [], []
     for length in args.lengths:
         ids = torch.tensor(list(corpus[:length]), dtype=torch.long)
         if ids.numel() < length:
@@ -137,11 +139,12 @@ def run(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for v in variants if r % 2 == 0 else variants[::-1]:
                 for _ in range(args.steps):
-                    took, skipped, weighed = _decode(v, token)
+                    took, skipped, weighed, by_head = _decode(v, token)
                     v.times.append(took)
                     if skipped:
                         v.skipped.append(skipped)
                         v.weighed.append(weighed)
+                        v.by_head.append(by_head)
         med = {v.name: statistics.median(v.times) * 1e3 for v in variants}
         spread = {v.name: (max(v.times) - min(v.times)) * 1e3 for v in variants}
         rows.append([
@@ -153,6 +156,9 @@ def run(argv: list[str] | None = None) -> int:
         skip_rows.append([f"{length:,}", *(f"{x:.1%}" for x in per_layer), f"{statistics.fmean(per_layer):.1%}"])
         per_layer = torch.tensor(variants[0].weighed).mean(0).tolist()
         value_rows.append([f"{length:,}", *(f"{x:.2%}" for x in per_layer), f"{statistics.fmean(per_layer):.2%}"])
+        counts = torch.tensor(variants[0].by_head, dtype=torch.float64).sum(0)  # (layers, heads, 3) over the steps
+        for layer, heads in enumerate(counts):
+            head_rows.append([f"{length:,}", str(layer), *(f"{k / n:.1%} ({w / n:.1%})" for n, k, w in heads.tolist())])
         _log(f"{length} tokens: " + ", ".join(f"{k} {x:.1f} ms" for k, x in med.items()))
     layers = entmax.cfg.layers
     body = "\n\n".join([
@@ -176,6 +182,10 @@ def run(argv: list[str] | None = None) -> int:
         "Share of (query head, key) pairs whose values the sparse steps read — the keys above the floor on the "
         "threshold that the Newton steps raise, the candidates for the support (mean over its steps):",
         markdown_table(["context", *(f"layer {i}" for i in range(layers)), "mean"], value_rows),
+        "Per query head: the share of its pages the sparse steps read, and in brackets the share holding a key with "
+        "weight — the fewest pages any bound on a page's keys could read. Far apart, the bound is loose; close "
+        "together, the support itself is spread over the pages:",
+        markdown_table(["context", "layer", *(f"head {h}" for h in range(entmax.cfg.heads))], head_rows),
     ])  # fmt: skip
     print(body)
     page = output_page(args)
