@@ -425,15 +425,18 @@ def test_the_benchmark_times_the_three_sides_and_reports_the_skipped_share(tmp_p
     from sharp.benchmarks import sparse as bench
     from sharp.models import ModelConfig, SharpLM, save
 
-    for norm, pos in (("entmax", "nape"), ("softmax", "rope")):
+    for norm, pos, context in (("entmax", "nape", 1024), ("softmax", "rope", 128)):  # the zoo's differ so too
         torch.manual_seed(0)
         save(
-            SharpLM(ModelConfig(vocab_size=258, dim=32, layers=2, heads=2, norm=norm, pos=pos)), tmp_path / f"{norm}.pt"
+            SharpLM(ModelConfig(vocab_size=258, dim=32, layers=2, heads=2, norm=norm, pos=pos, context_length=context)),
+            tmp_path / f"{norm}.pt",
         )
     models = ["--entmax", str(tmp_path / "entmax.pt"), "--softmax", str(tmp_path / "softmax.pt")]
     page = tmp_path / "bench.md"
     assert bench.run([*models, "--lengths", "200", "--rounds", "2", "--steps", "1", "--write", str(page)]) == 0
     text = page.read_text()
+    assert "The softmax model decodes past its recorded context of 128 at 200 keys" in text
+    assert "The entmax model decodes past" not in text
     row = next(line for line in text.splitlines() if line.startswith("| 200 |") and "×" in line)
     assert len(row.split("|")) == 9  # context, three sides, three ratios
     share = next(line for line in text.splitlines() if line.startswith("| 200 |") and "%" in line)
