@@ -28,6 +28,8 @@ FIRST_PAGES = 8  # pages read first for τ_S
 GROW = 4  # read GROW× more pages for τ_S while more than GROW× the pages read survive and the last growth paid
 TAU_HALVINGS = 10  # τ_S as bisection's lower end after 10 halvings: ≤ τ_S, within 1e-3 — a third of the work
 NEWTON = 2  # Newton steps that raise the key-level floor of τ* before the exact entmax over the keys above it
+SOLVE = 30  # at most this many Newton steps for τ* over the candidates; then entmax's own search
+SOLVED = 1e-12  # a Newton step (relative to |τ|) or an overshoot of S(τ) = 1 this small: τ* to fp64's resolution
 MARGIN = 1e-6  # τ_S is lowered by this (relative): a rounding in τ_S can only cost a skip, never a key with weight
 
 
@@ -201,7 +203,30 @@ def _support_entmax(z: Tensor, alpha: Tensor, tau: Tensor) -> tuple[Tensor, Tens
     floor = _newton_floor(zc.double() * (alpha.double() - 1.0), floor.double(), 1.0 / (alpha.double() - 1.0))
     above = zc * (alpha - 1.0) > floor.float()
     zc2, at2, count = _pack(zc, above)
-    return entmax(zc2, alpha, dim=-1), at.gather(-1, at2), count
+    tau_star = _solve(zc2.double() * (alpha.double() - 1.0), floor.double(), 1.0 / (alpha.double() - 1.0))
+    if tau_star is None:
+        return entmax(zc2, alpha, dim=-1), at.gather(-1, at2), count  # entmax's own search
+    tau_star = tau_star + SOLVED * tau_star.abs().clamp(min=1.0)  # Newton stops below τ*: a key at τ* weighs 0
+    p = (zc2.double() * (alpha.double() - 1.0) - tau_star).clamp(min=0.0).pow(1.0 / (alpha.double() - 1.0))
+    return p.float(), at.gather(-1, at2), count  # the weights at τ*, in closed form (they sum to 1 within 1e-12)
+
+
+def _solve(u: Tensor, floor: Tensor, k: Tensor) -> Tensor | None:
+    """τ* of the rows u (fp64, −inf hidden; every key with weight among them) by Newton's method from `floor` ≤ τ*,
+    in a few steps where entmax's bisection takes thirty. For α ≤ 2 (k ≥ 1) S(τ) = Σ [u − τ]_+^k is convex and
+    falling, so the steps rise to τ* without passing it (a rounding past it stops there), quadratically near it.
+    None for α > 2 (S is not convex there: a step can pass τ*), or where the rows did not settle in SOLVE steps."""
+    if bool((k < 1).any()):
+        return None
+    t = floor
+    for _ in range(SOLVE):
+        d = (u - t).clamp(min=0.0)
+        f = d.pow(k).sum(-1, keepdim=True) - 1.0
+        step = f.clamp(min=0.0) / (k * torch.where(d > 0, d.pow(k - 1.0), 0.0).sum(-1, keepdim=True)).clamp(min=1e-300)
+        if bool((step <= SOLVED * t.abs().clamp(min=1.0)).all()):
+            return t
+        t = t + step
+    return None
 
 
 def _pack(z: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, int]:

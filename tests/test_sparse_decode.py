@@ -211,6 +211,23 @@ def test_a_support_wider_than_the_first_pages_is_found_by_the_newton_floor(alpha
         assert stats.values == hq * len(top), stats
 
 
+@pytest.mark.parametrize(("alphas", "searched"), [([1.25, 1.5, 2.0, 1.75], False), ([1.5, 1.5, 3.0, 1.5], True)])
+def test_newton_finds_tau_where_alpha_is_at_most_2_and_the_search_runs_past_it(alphas, searched, monkeypatch):
+    """The final weights come from τ* by Newton's method for α ≤ 2, with no search; one head with α > 2 sends its
+    rows to entmax's own search (and the result is exact either way)."""
+    from sharp.models import sparse_decode
+
+    calls = []
+    search = sparse_decode.entmax
+    monkeypatch.setattr(sparse_decode, "entmax", lambda *a, **k: calls.append(1) or search(*a, **k))
+    monkeypatch.setattr(sparse_decode, "SOLVE", 8)  # quadratic from the Newton floor: a handful of steps settle it
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 32, generator=g)
+    keys = [torch.randn(2, n, 32, generator=g) * 2 for n in (300, 517)]
+    _compare(q, keys, torch.tensor(alphas))
+    assert bool(calls) == searched, calls
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gqa_with_per_head_alpha_asentmax_of_either_sign_and_alibi(impl):
     g = torch.Generator().manual_seed(3)
