@@ -29,7 +29,7 @@ GROW = 4  # read GROW× more pages for τ_S while more than GROW× the pages rea
 TAU_HALVINGS = 10  # τ_S as bisection's lower end after 10 halvings: ≤ τ_S, within 1e-3 — a third of the work
 NEWTON = 2  # Newton steps that raise the key-level floor of τ* before the exact entmax over the keys above it
 SOLVE = 30  # at most this many Newton steps for τ* over the candidates; then entmax's own search
-SOLVED = 1e-12  # a Newton step (relative to |τ|) or an overshoot of S(τ) = 1 this small: τ* to fp64's resolution
+SOLVED = 1e-12  # a Newton step this small (relative to |τ|): τ* to fp64's resolution
 MARGIN = 1e-6  # τ_S is lowered by this (relative): a rounding in τ_S can only cost a skip, never a key with weight
 
 
@@ -200,14 +200,17 @@ def _support_entmax(z: Tensor, alpha: Tensor, tau: Tensor) -> tuple[Tensor, Tens
     floor = u.amax(-1, keepdim=True) - 1.0
     floor = torch.maximum(tau, lowered(floor))
     zc, at, _ = _pack(z, u > floor)
-    floor = _newton_floor(zc.double() * (alpha.double() - 1.0), floor.double(), 1.0 / (alpha.double() - 1.0))
+    am1 = alpha.double() - 1.0
+    k = 1.0 / am1
+    floor = _newton_floor(zc.double() * am1, floor.double(), k)
     above = zc * (alpha - 1.0) > floor.float()
     zc2, at2, count = _pack(zc, above)
-    tau_star = _solve(zc2.double() * (alpha.double() - 1.0), floor.double(), 1.0 / (alpha.double() - 1.0))
+    u = zc2.double() * am1
+    tau_star = _solve(u, floor, k)
     if tau_star is None:
         return entmax(zc2, alpha, dim=-1), at.gather(-1, at2), count  # entmax's own search
     tau_star = tau_star + SOLVED * tau_star.abs().clamp(min=1.0)  # Newton stops below τ*: a key at τ* weighs 0
-    p = (zc2.double() * (alpha.double() - 1.0) - tau_star).clamp(min=0.0).pow(1.0 / (alpha.double() - 1.0))
+    p = (u - tau_star).clamp(min=0.0).pow(k)
     return p.float(), at.gather(-1, at2), count  # the weights at τ*, in closed form (they sum to 1 within 1e-12)
 
 

@@ -296,8 +296,9 @@ def _in_process(model: Path, max_batch: int, scenario) -> Run:
     try:
 
         async def go() -> Run:
-            await warm_up(engine_sender(engine))
-            return await scenario(engine_sender(engine))
+            send = engine_sender(engine)
+            await warm_up(send)
+            return await scenario(send)
 
         return asyncio.run(go())
     finally:
