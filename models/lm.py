@@ -65,12 +65,14 @@ class SharpLM(nn.Module):
         key_mask: Tensor | None = None,
         return_entropy: bool = False,
         impl: str = "reference",
+        last_logits: bool = False,
     ) -> LMOutput:
         """One forward over new tokens after an optional cache (prefill when cache is None, else decode).
 
         positions (B, L) default to past_length + arange(L); key_mask (B, past + L) marks real keys. With a
         `PagedStep` (a paged KV cache; positions required) each layer writes its new keys into the sequences' pages;
-        the caller commits the step once it succeeded.
+        the caller commits the step once it succeeded. `last_logits`: the logits of the last token only (B, 1, V) —
+        a long prompt's head over every position is a fifth of its matmuls and L·V numbers nobody reads.
         """
         b, length = input_ids.shape
         paged = isinstance(cache, PagedStep)
@@ -86,7 +88,7 @@ class SharpLM(nn.Module):
             x, c, ent = block(x, positions, layer_cache, key_mask, impl, return_entropy)
             new_cache.append(c)
             entropies.append(ent)
-        logits = self.head(self.ln_f(x))
+        logits = self.head(self.ln_f(x[:, -1:] if last_logits else x))
         return LMOutput(logits, new_cache, torch.stack(entropies, dim=1) if return_entropy else None)
 
     @torch.no_grad()

@@ -176,7 +176,7 @@ def test_empty_key_set_gives_zeros():
     ("kwargs", "message"),
     [
         ({"norm": "sparsemax"}, "unknown norm 'sparsemax'; valid: softmax"),
-        ({"impl": "cuda"}, "unknown impl 'cuda'; valid: reference, streamed, triton"),
+        ({"impl": "cuda"}, "unknown impl 'cuda'; valid: reference, streamed, sdpa, triton"),
         ({"norm": "asentmax"}, "needs query_scale"),
         ({"alpha": torch.ones(3)}, r"alpha must be a float, a scalar tensor or shape \(4,\)"),
         ({"alibi_slopes": torch.ones(2)}, r"alibi_slopes must be \(4,\)"),
@@ -283,3 +283,58 @@ def test_sharp_attention_takes_its_attention_function():
     assert use_custom_op(plain) is plain and plain.attention is op_attention
     use_custom_op(plain, on=False)
     assert plain.attention is library_attention
+
+
+@pytest.mark.parametrize("norm", ["softmax", "ssmax"])
+@pytest.mark.parametrize(
+    "case", ["causal-square", "causal-cache", "alibi", "key-mask", "query-scale", "half", "not-causal", "hq-groups"]
+)
+def test_sdpa_equals_the_reference_for_the_row_scaled_norms(norm, case):
+    """impl="sdpa" folds the row's factor (SSMax's s·log n, λ, the scale) into the queries and ALiBi into an additive
+    mask: the reference's numbers for every feature a row-scaled softmax takes, one fused call or query chunks."""
+    lq, lk = {"causal-square": (37, 37), "not-causal": (19, 37)}.get(case, (19, 37))
+    dtype = torch.bfloat16 if case == "half" else torch.float32
+    q, k, v, qs = _qkv(lq=lq, lk=lk, hkv=1 if case == "hq-groups" else 2, dtype=dtype, spread=2.0)
+    kw: dict = {"norm": norm, "causal": case != "not-causal"}
+    if norm == "ssmax":
+        kw["ssmax_s"] = torch.tensor([0.3, 0.5, 0.9, 1.4])
+    if case == "alibi":
+        kw["alibi_slopes"] = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    if case == "query-scale":
+        kw["query_scale"] = qs
+    if case == "key-mask":
+        mask = torch.ones(2, lk, dtype=torch.bool)
+        mask[0, :25] = False  # sequence 0's first 6 queries see no key at all: zeros, as the reference gives
+        mask[1, 3:9] = False
+        kw["key_mask"] = mask
+    ref = attend(q, k, v, impl="reference", **kw)
+    out = attend(q, k, v, impl="sdpa", **kw)
+    assert out.dtype == q.dtype and not out.isnan().any()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # as streamed against the reference: fp32 sums reordered
+    torch.testing.assert_close(out, ref, atol=tol, rtol=0)
+    if case == "key-mask":
+        assert (out[0, :, :6] == 0).all() and (ref[0, :, :6] == 0).all()
+
+
+def test_sdpa_chunks_its_queries_when_a_mask_is_needed(monkeypatch):
+    """With a mask (here ALiBi), queries go QUERY_CHUNK rows at a time; a chunk's positions are its own."""
+    import sharp.models.attention as attention_mod
+
+    monkeypatch.setattr(attention_mod, "QUERY_CHUNK", 5)
+    q, k, v, _ = _qkv(lq=23, lk=23)
+    kw = dict(norm="ssmax", causal=True, alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]), ssmax_s=0.7)
+    torch.testing.assert_close(attend(q, k, v, impl="sdpa", **kw), attend(q, k, v, **kw), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("norm", [n for n in NORMS if n not in ("softmax", "ssmax")])
+def test_sdpa_refuses_what_it_cannot_compute(norm):
+    """A norm whose transform is not one factor per row (entmax's threshold, SSA's log, adaptive's β of the entropy),
+    and the entropy, which SDPA does not give, are refused with what to use instead."""
+    from sharp.models.attention import sdpa_runs
+
+    q, k, v, qs = _qkv()
+    assert not sdpa_runs(norm) and sdpa_runs("softmax") and sdpa_runs("ssmax")
+    with pytest.raises(ValueError, match=r"impl='sdpa' runs softmax, ssmax; .* needs impl='reference' or 'streamed'"):
+        attend(q, k, v, norm=norm, query_scale=qs, impl="sdpa")
+    with pytest.raises(ValueError, match="gives no entropy"):
+        attend(q, k, v, impl="sdpa", return_entropy=True)

@@ -474,10 +474,25 @@ def test_quality_sweeps_a_family_by_its_strength_and_refuses_what_it_cannot_buil
         "scaled_heads": [[21, 8], [18, 6]],
         "scaled_from": 256,
     }
+    two = quality.setting("yarn@2", 8192)
+    assert two.rope == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8192}
+    assert two.context_factor == 2.0 and two.attention is None
+    assert quality.setting("yarn@4", 8192).rope == quality.settings_for(8192)["yarn-4x"].rope
+    joined = quality.setting("yarn@2+heads@8:256", 8192)
+    assert (joined.rope, joined.context_factor, joined.find_heads) == (two.rope, 2.0, 8)
+    assert joined.attention == {"norm": "softmax", "scaled_from": 256}
+    # the normalizer besides softmax keeps its name whichever side it is joined on
+    for name in ("heads@8+ssmax@512", "ssmax@512+heads@8"):
+        assert quality.setting(name, 8192).attention == {"norm": "ssmax", "ssmax_s": 1 / math.log(512),
+                                                         "scaled_from": quality.SCALED_FROM}  # fmt: skip
+    for twice in ("yarn@2+yarn-4x", "ssmax+adaptive", "heads@8+heads@4"):
+        with pytest.raises(ValueError, match="joins two RoPE scalings"):
+            quality.setting(twice, 8192)
     bad_heads = ("heads@0", "heads@1.5", "heads@8:1", "heads@8:x", "heads")
-    for bad in ("adaptive@0", "adaptive@x", "ssmax@1", "softmax@2", "yarn-4x@2", "sharp", *bad_heads):
+    bad = ("adaptive@0", "adaptive@x", "ssmax@1", "softmax@2", "yarn-4x@2", "yarn@1", "yarn@2+", "sharp")
+    for name in (*bad, *bad_heads):
         with pytest.raises(ValueError, match="valid: softmax, adaptive"):
-            quality.setting(bad, 8192)
+            quality.setting(name, 8192)
 
 
 def test_quality_scores_the_first_number_and_says_where_the_peer_disagrees():

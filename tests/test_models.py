@@ -41,6 +41,21 @@ def test_kv_cache_decoding_equals_full_recomputation(norm, pos):
     torch.testing.assert_close(torch.cat(ents, -1), full.entropy, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("norm", ["softmax", "ssmax"])
+def test_a_row_scaled_model_runs_on_sdpa_with_the_last_logits_only(norm):
+    """impl="sdpa" through a whole model (RoPE, GQA, a dense cache) gives the reference's logits, and
+    `last_logits` the last position's alone: what the quality harness's passkeys run on."""
+    model = _lm(norm)
+    ids = torch.randint(0, 258, (2, 11))
+    with torch.no_grad():
+        full = model.step(ids)
+        last = model.step(ids[:, :7], impl="sdpa", last_logits=True)
+        nxt = model.step(ids[:, 7:], cache=last.cache, impl="sdpa")  # 4 queries after 7 cached keys: a masked chunk
+    assert last.logits.shape == (2, 1, 258)
+    torch.testing.assert_close(last.logits[:, 0], full.logits[:, 6], atol=1e-5, rtol=0)
+    torch.testing.assert_close(nxt.logits, full.logits[:, 7:], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_gradients_reach_every_normalizer_parameter(norm):
     model = _lm(norm, "nape").train()

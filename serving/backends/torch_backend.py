@@ -252,6 +252,7 @@ class TorchBackend(Backend):
             positions=torch.from_numpy(positions).to(self.device),
             return_entropy=entropy,
             impl=self._attention(step.longest, len(seqs) if ids.shape[1] == 1 else 0),
+            last_logits=not scores,  # a prompt's head over its every position only when its scores are asked
         )
         step.commit()  # only a step that ran through every layer counts; a failed one can run again
         ent = out.entropy.float().cpu().numpy() if entropy else None
