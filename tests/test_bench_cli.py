@@ -448,6 +448,19 @@ def test_quality_intervals_are_wilson_and_its_settings_are_what_an_export_takes(
     assert table["yarn-4x"].rope["original_max_position_embeddings"] == 8192 and table["softmax"] == quality.Setting()
 
 
+@pytest.mark.parametrize(("norms", "impl"), [(("softmax", "ssmax"), "sdpa"), (("ssmax", "adaptive"), "streamed")])
+def test_quality_answers_passkeys_on_sdpa_only_where_every_layer_is_row_scaled(norms, impl):
+    """The passkeys run on torch's fused attention when every layer's norm is softmax or SSMax; one adaptive layer (β
+    from the row's entropy) keeps the streamed path; perplexity and entropy by position never ask for SDPA."""
+    from sharp.benchmarks import quality
+    from sharp.models import ModelConfig, SharpLM
+
+    cfg = ModelConfig(dim=32, layers=2, heads=4, kv_heads=2, layer_norms_override=norms, context_length=64)
+    model = SharpLM(cfg)
+    assert quality._impl("cpu", 4096, model) == impl
+    assert quality._impl("cpu", 4096) == "streamed" and quality._impl("cpu", 512) == "reference"
+
+
 def test_quality_sweeps_a_family_by_its_strength_and_refuses_what_it_cannot_build():
     """`adaptive@C` is the paper's polynomial moved toward 1 by C (C = 1 is the paper's, C = 0.5 halves β − 1 at
     every entropy); `ssmax@N` is softmax at N keys; a bad member or name exits 2 naming what is allowed."""
