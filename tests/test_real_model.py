@@ -334,6 +334,27 @@ def test_find_heads_names_the_heads_that_retrieve_and_the_export_flags(real, cap
 
 
 @pytest.mark.bench
+def test_quality_scores_a_later_stretch_of_the_text_from_its_own_start(real, tmp_path, capsys):
+    """`--text-from N` scores the text's tokens N… as a text of their own (the later stretch within a short context):
+    its first bin differs from the text's own start, and a stretch past the text's end exits 2 saying its size."""
+    from sharp.benchmarks import quality
+
+    pages = {}
+    for start in (0, 2000):
+        page = tmp_path / f"q{start}.md"
+        argv = ["--settings", "softmax", "--lengths", "--text", "128", "--text-from", str(start), "--write", str(page)]
+        assert quality.run([str(real["dir"]), *argv]) == 0
+        pages[start] = page.read_text()
+    assert "from its token 2,000):" in pages[2000] and "from its token" not in pages[0]
+    first = r"^\| softmax \| ([\d.]+) \|"  # the first bin's perplexity
+    ppl = {k: re.search(first, t.split("**Perplexity", 1)[1], re.M)[1] for k, t in pages.items()}
+    assert ppl[0] != ppl[2000], ppl
+    with pytest.raises(SystemExit) as e:
+        quality.run([str(real["dir"]), "--lengths", "--text", "128", "--text-from", "10000000", "--no-write"])
+    assert e.value.code == 2 and "the text has" in capsys.readouterr().err
+
+
+@pytest.mark.bench
 def test_quality_llama_server_answers_the_same_passkeys_as_sharp_softmax(real, tmp_path, monkeypatch):
     """`sharp-bench quality --llama-server` at ~600 tokens: llama-server, on the same GGUF and the same token ids,
     finds the passkey as sharp's softmax does (≥ 4/5 each), and the page says the intervals overlap. Needs

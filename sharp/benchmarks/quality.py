@@ -356,6 +356,13 @@ def run(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--text", type=int, default=16384, help="tokens of the perplexity text (bins up to it)")
     ap.add_argument(
+        "--text-from",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the perplexity text starts at its token N: a later stretch scored within a shorter context",
+    )
+    ap.add_argument(
         "--find-heads",
         type=int,
         metavar="K",
@@ -373,8 +380,8 @@ def run(argv: list[str] | None = None) -> int:
     if args.quick:
         args.settings, args.lengths, args.trials, args.text = ["softmax", "flat"], [600], 5, 1024
         args.no_write = args.no_write or args.write is None  # only to a page named with --write
-    if min([*args.lengths, args.text]) < 64 or args.trials < 1:
-        ap.error("--lengths and --text must be >= 64 tokens, --trials >= 1")
+    if min([*args.lengths, args.text]) < 64 or args.trials < 1 or args.text_from < 0:
+        ap.error("--lengths and --text must be >= 64 tokens, --trials >= 1, --text-from >= 0")
     if args.find_heads is not None and args.find_heads < 1:
         ap.error(f"--find-heads {args.find_heads}: name at least 1 head")
     from sharp.models import gguf
@@ -425,7 +432,10 @@ def run(argv: list[str] | None = None) -> int:
         print(f"\nsharp-export {source} --scaled-heads {flags} --scaled-from {SCALED_FROM}")
         return 0
     prompts = {n: passkey_prompts(tok, words[:half], n, args.trials, args.seed) for n in args.lengths}  # every row's
-    text_ids = tok.encode(" ".join(words[half:]), bos=False)[: args.text]
+    text_ids = tok.encode(" ".join(words[half:]), bos=False)
+    if len(text_ids) < args.text_from + args.text:
+        ap.error(f"--text-from {args.text_from} --text {args.text}: the text has {len(text_ids):,} tokens")
+    text_ids = text_ids[args.text_from : args.text_from + args.text]
     bins = [0, *[b for b in (512, 1024, 2048, 4096, 8192, 16384, 32768) if b < args.text], args.text]
     results: dict[str, dict] = {}
     t0 = time.perf_counter()
@@ -508,7 +518,9 @@ def _body(args, results: dict, bins: list[int], machine: str, source: Path) -> s
     return (
         f"{today()}, {machine}, {args.command} on {source.name};"
         + passkey
-        + "\n\n**Perplexity by position** (one text of the Python documentation's topics):\n\n"
+        + "\n\n**Perplexity by position** (one text of the Python documentation's topics"
+        + (f", from its token {args.text_from:,}" if args.text_from else "")
+        + "):\n\n"
         + markdown_table(["setting", *spans], ppl)
         + "\n\n**Attention entropy by position** (entropy / log keys, mean over layers and heads):\n\n"
         + markdown_table(["setting", *spans], ent)
