@@ -531,9 +531,12 @@ def test_quality_without_lengths_writes_perplexity_and_entropy_only():
     from sharp.benchmarks import quality
 
     results = {"softmax": {"passkey": {}, "logp": {}, "ppl": [10.0, 12.0], "entropy": [0.4, 0.3]}}
-    args = Namespace(lengths=[], trials=20, seed=0, command="sharp-bench quality --lengths")
+    args = Namespace(lengths=[], trials=20, seed=0, text_from=0, command="sharp-bench quality --lengths")
     body = quality._body(args, results, [0, 512, 1024], "CPU", Path("m.gguf"))
     assert "No passkey cells" in body and "Passkey retrieval" not in body and "log-probability" not in body
+    assert "topics):" in body and "from its token" not in body
+    args.text_from = 4096  # the text's stretch from its token 4,096: the page says so
+    assert "topics, from its token 4,096):" in quality._body(args, results, [0, 512, 1024], "CPU", Path("m.gguf"))
     assert "| softmax | 10.00 | 12.00 |" in body and "| softmax | 0.400 | 0.300 |" in body
     args.lengths = [512]
     results["softmax"].update(passkey={512: 18}, logp={512: -0.25})
