@@ -3,7 +3,7 @@
 impl="reference" materialises the (B, Hq, Lq, Lk) logits and is differentiable (the training path);
 impl="streamed" runs the blockwise algorithms of docs/attention.md with O(Lq·block) extra memory (forward only);
 impl="sdpa" hands the norms whose transform is a per-row scale of the logits (softmax, SSMax) to torch's fused
-scaled_dot_product_attention, the scale folded into the queries — 3-4× the streamed speed on CPU, no entropy;
+scaled_dot_product_attention, the scale folded into the queries (forward, no entropy);
 further implementations (GPU kernels) plug in through the `sharp.attention_impls` entry-point group, so
 this layer never imports the layers above it.
 """
@@ -45,7 +45,8 @@ def _streamed(problem: AttentionProblem, block_size: int | None, with_entropy: b
 
 def sdpa_runs(norm: str) -> bool:
     """Whether impl="sdpa" computes `norm`: a softmax whose transform scales each row's logits by one number."""
-    return get(norm).family is Family.SOFTMAX and get(norm).transform in ROW_SCALED
+    spec = get(norm)
+    return spec.family is Family.SOFTMAX and spec.transform in ROW_SCALED
 
 
 def _sdpa(problem: AttentionProblem, block_size: int | None, with_entropy: bool) -> tuple[Tensor, None]:
@@ -55,7 +56,7 @@ def _sdpa(problem: AttentionProblem, block_size: int | None, with_entropy: bool)
     p = problem
     if with_entropy:
         raise ValueError("impl='sdpa' gives no entropy; ask impl='streamed' or 'reference' for it")
-    if p.mixed_family is not Family.SOFTMAX or p.norm.transform not in ROW_SCALED:
+    if not sdpa_runs(p.norm.name):
         allowed = ", ".join(n.name for n in all_norms() if sdpa_runs(n.name))
         raise ValueError(f"impl='sdpa' runs {allowed}; {p.norm.name} needs impl='reference' or 'streamed'")
     dt = p.dtype
@@ -67,7 +68,7 @@ def _sdpa(problem: AttentionProblem, block_size: int | None, with_entropy: bool)
     for start in range(0, p.lq, rows):
         stop = min(p.lq, start + rows)
         qpos = p.query_positions(start, stop)
-        factor = torch.ones(1, 1, stop - start, 1, dtype=dt, device=p.q.device)
+        factor: Tensor | float = 1.0
         if p.norm.transform is Transform.LOG_N_SCALE:
             factor = p.ssmax_s * torch.log(p.visible_keys(qpos))
         if p.query_scale is not None:

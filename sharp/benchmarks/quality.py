@@ -231,7 +231,7 @@ def passkey_prompts(tok, words: list[str], length: int, trials: int, seed: int =
 def _impl(device: str, keys: int, model=None) -> str:
     """The attention the torch backend would run (its kernels on CUDA; on CPU streamed from its threshold). With
     `model` (no entropy wanted) and every layer a row-scaled softmax, CPU runs torch's fused SDPA: the same numbers
-    (tests/test_attention.py), 3-4× faster at 4-16K keys than the streamed path."""
+    (tests/test_attention.py), faster than the streamed path (docs/quality.md: the trial times)."""
     from sharp.models.attention import sdpa_runs
     from sharp.serving.backends.torch_backend import STREAMED_FROM_KEYS
 
