@@ -720,3 +720,33 @@ def test_sparse_entmax_decode_is_exact_and_reads_only_the_support(library, norm,
     o, h = sess.run(None, poisoned)
     np.testing.assert_allclose(o[:, :, -1], rows[1][0], atol=1e-6, rtol=0)
     np.testing.assert_array_equal(h[:, :, -1], rows[1][1])
+
+
+@pytest.mark.parametrize("norm", registry.all_norms(), ids=lambda n: n.name)
+def test_a_decode_step_split_over_key_chunks_keeps_each_rows_edge_cases(library, norm):
+    """A decode step over 1,100 keys: the softmax family's runs a task per 512-key chunk (the chunks' sums rescaled
+    to the row's max), every other norm a task per KV head. Row by row, as one pass over the whole row gives: a
+    sequence whose only visible keys lie in the last chunk (the first two see nothing); a +inf logit in the middle
+    chunk (NaN row) beside a −inf one (that key hidden); a NaN key. One and four threads give the same bits."""
+    x = inputs(seed=40, lq=1, lk=1100)
+    x["key_mask"][0, :1030] = False  # sequence 0 sees its last 70 keys only, all in chunk 3
+    x["K"][1, 1, 700] = 0.0
+    x["K"][1, 1, 700, 3] = np.inf  # KV head 1 of sequence 1: query head 2 reads +inf there, head 3 −inf
+    x["Q"][1, 2, 0, 3], x["Q"][1, 3, 0, 3] = 1.0, -1.0
+    x["K"][1, 0, 900, 5] = np.nan  # KV head 0 of sequence 1: query heads 0 and 1 read NaN there
+    o_ref, h_ref = torch_reference(norm, x, True)
+    model = one_op_model(norm.name, True, None)
+    one = session(model, library, threads=1).run(None, x)
+    many = session(model, library, threads=4).run(None, x)
+    for a, b in zip(one, many, strict=True):
+        np.testing.assert_array_equal(a, b)
+    o, h = many
+    assert np.isnan(o[1, :3]).all() and np.isnan(h[1, :3]).all()  # +inf and NaN rows are NaN, as the oracle's
+    assert np.isnan(o_ref[1, :3]).all()
+    np.testing.assert_allclose(o[0], o_ref[0], atol=2e-5, rtol=0)
+    np.testing.assert_allclose(h[0], h_ref[0], atol=2e-5, rtol=0)
+    if norm.transform != registry.Transform.LOG_N_SCALE:  # SSMax's n: the kernel counts the mask's keys (whole
+        # rows too), the oracle the finite logits, so a key at −inf by its own logit counts for one, not the other
+        np.testing.assert_allclose(o[1, 3], o_ref[1, 3], atol=2e-5, rtol=0)
+        np.testing.assert_allclose(h[1, 3], h_ref[1, 3], atol=2e-5, rtol=0)
+    assert np.isfinite(o[1, 3]).all() and np.isfinite(h[1, 3])

@@ -5,7 +5,9 @@
 // see with one GEMM (Eigen; a few rows — decode — with matrix-vector products a block of keys at a time),
 // normalises each row in place (softmax family: max-relative softmax and entropy; entmax family: safeguarded
 // Halley/Newton threshold, as in docs/attention.md; exp and log on Eigen's packets), then multiplies by V with
-// GEMMs over the key blocks that carry weight. Extra memory is one (stacked rows × visible keys) buffer per thread:
+// GEMMs over the key blocks that carry weight. A decode step of the softmax family splits each row's keys into
+// 512-key chunks instead (one task each, combined by rescaling to the row's max: "decode split over the keys").
+// Extra memory is one (stacked rows × visible keys) buffer per thread:
 // O(L · tile), never O(Lq · Lk). Tasks run on ORT's intra-op thread pool and write disjoint outputs, so results
 // do not depend on the thread count.
 #define ORT_API_MANUAL_INIT
@@ -858,6 +860,158 @@ void write_cache(C* present, const C* past, const float* fresh, int64_t rows, in
 
 void run_task(void* problem, size_t task) { run_tile(*static_cast<const Problem*>(problem), static_cast<int64_t>(task)); }
 
+// ---- decode split over the keys ----------------------------------------------------------------------------
+// A decode step has one task per (batch, KV head): SmolLM2's 3 KV heads on 2 threads leave one idle for a third
+// of the step, 8 KV heads on 16 threads half of them. For rows whose normaliser is local to each key once the
+// row's max is known (the softmax family but the adaptive β, which needs the whole row's entropy first), the keys
+// split into 512-key chunks, one task each, as flash-decoding does on GPUs: a chunk's rows keep their max m, their
+// sums Λ = Σ e^{z−m} and K' = Σ e^{z−m}(z − m), and Σ e^{z−m} v; the step then rescales each chunk by e^{m − M} to
+// the row's max M. The chunks are fixed by the keys, not the threads, so results still do not depend on them.
+struct ChunkSums {
+  float m, lam, kp;
+};
+
+struct Split {
+  const Problem* p;
+  int64_t chunks, kend;
+  const int64_t* visible;  // per (batch, query row): its visible keys (SSMax's n), when the norm reads it
+  ChunkSums* sums;         // (batch·KV heads, chunks, stacked rows)
+  float* acc;              // (batch·KV heads, chunks, stacked rows, Dv)
+};
+
+bool splits_keys(const Attributes& a, int64_t tiles, int64_t stacked, int64_t kend) {
+  return a.norm->family == Family::kSoftmax && a.norm->transform != Transform::kEntropyBeta && tiles == 1 &&
+         stacked <= kSkinnyRows && kend > kKeysPerPass;
+}
+
+// One chunk of keys for every stacked row of a (batch, KV head): logits, transform, max, exp pass, Σ e^{z−m} v.
+void run_chunk(const Split& sp, int64_t task) {
+  const Problem& p = *sp.p;
+  const Attributes& a = *p.a;
+  const int64_t c = task % sp.chunks, bk = task / sp.chunks, kvh = bk % p.hkv, b = bk / p.hkv;
+  const int64_t group = p.hq / p.hkv, stacked = group * p.lq, offset = p.lk - p.lq;
+  const int64_t j0 = c * kKeysPerPass, len = std::min(kKeysPerPass, sp.kend - j0);
+  Workspace& ws = tls_workspace;
+  const int64_t stride = (len + kAlign - 1) / kAlign * kAlign;
+  ws.logits.resize(static_cast<size_t>(stacked * stride));
+  const int64_t first = (b * p.hkv + kvh) * p.kstride + j0;
+  const auto rows_of = [&](const float* f32, const Half* f16, int64_t dim, AlignedFloats& buf) -> const float* {
+    if (f16 == nullptr) return f32 + first * dim;
+    buf.resize(static_cast<size_t>(len * dim));
+    widen(f16 + first * dim, buf.data(), len * dim);
+    return buf.data();
+  };
+  const ConstMatrix kb(rows_of(p.k, p.k16, p.d, ws.kv_block), len, p.d);
+  const bool* mask = p.key_mask && !p.mask_full[b] ? p.key_mask + b * p.lk + j0 : nullptr;
+  ChunkSums* sums = sp.sums + (bk * sp.chunks + c) * stacked;
+  float* acc = sp.acc + (bk * sp.chunks + c) * stacked * p.dv;
+  std::fill(acc, acc + stacked * p.dv, 0.0f);
+  int64_t widest = 0;  // the most keys a row with weight sees here: the values read, once for all rows
+  for (int64_t i = 0; i < stacked; ++i) {
+    float* z = ws.logits.data() + i * stride;
+    const int64_t h = kvh * group + i / p.lq, r = i % p.lq, row = (b * p.hq + h) * p.lq + r;
+    const int64_t pos = offset + r, n = a.causal ? pos + 1 : p.lk;
+    const int64_t seen = std::min(len, n - j0);  // this chunk's keys the row may see
+    sums[i] = {kNegInf, 0.0f, 0.0f};
+    if (seen <= 0) continue;
+    Eigen::Map<Eigen::RowVectorXf> zr(z, seen);
+    zr.noalias() = Eigen::Map<const Eigen::RowVectorXf>(p.q + row * p.d, p.d) * kb.topRows(seen).transpose();
+    const float lambda = p.query_scale ? p.query_scale[row] : 1.0f, slope = p.alibi ? p.alibi[h] : 0.0f;
+    if (slope != 0.0f) {
+      zr.array() = lambda * (p.scale * zr.array() +
+                             slope * (Eigen::ArrayXf::LinSpaced(seen, float(j0), float(j0 + seen - 1)) - float(pos)).transpose());
+    } else {
+      zr *= p.scale * lambda;
+    }
+    if (mask != nullptr)
+      for (int64_t j = 0; j < seen; ++j)
+        if (!mask[j]) z[j] = kNegInf;
+    const float p0 = a.norm->num_params > 0 ? p.param[0][h] : 0.0f;
+    const float p1 = a.norm->num_params > 1 ? p.param[1][h] : 0.0f;
+    switch (a.norm->transform) {
+      case Transform::kLogNScale: {
+        const float keys = static_cast<float>(std::max<int64_t>(sp.visible[b * p.lq + r], 1));
+        const Packet factor = ei::pset1<Packet>(p0 * std::log(keys));
+        map_row(z, z, seen, [&](Packet x) { return ei::pselect(visible(x), ei::pmul(x, factor), x); });
+        break;
+      }
+      case Transform::kSignedLog: {  // sign(t) p0 log(1 + p1 |t|)
+        const Packet vp0 = ei::pset1<Packet>(p0), vp1 = ei::pset1<Packet>(p1), one = ei::pset1<Packet>(1.0f);
+        const Packet sign_bit = ei::pset1<Packet>(-0.0f);
+        map_row(z, z, seen, [&](Packet x) {
+          const Packet y = ei::pmul(vp0, ei::plog(ei::padd(ei::pmul(ei::pabs(x), vp1), one)));
+          return ei::pselect(visible(x), ei::pxor(y, ei::pand(x, sign_bit)), x);
+        });
+        break;
+      }
+      case Transform::kEntropyBeta:
+      case Transform::kIdentity:
+      case Transform::kNone:
+        break;
+    }
+    const float m = row_max(z, seen);
+    sums[i].m = m;
+    if (!std::isfinite(m)) continue;  // nothing visible here (−inf), or a degenerate row (the step tells)
+    float kp;
+    sums[i].lam = exp_pass(z, z, seen, m, 1.0f, &kp);
+    sums[i].kp = kp;
+    widest = std::max(widest, seen);
+  }
+  if (widest == 0) return;
+  const ConstMatrix vb(rows_of(p.v, p.v16, p.dv, ws.kv_block), widest, p.dv);  // (an fp16 cache: K is done)
+  for (int64_t i = 0; i < stacked; ++i) {
+    if (!std::isfinite(sums[i].m)) continue;
+    const int64_t pos = offset + i % p.lq, n = a.causal ? pos + 1 : p.lk;
+    const int64_t seen = std::min(len, n - j0);
+    Eigen::Map<Eigen::RowVectorXf>(acc + i * p.dv, p.dv).noalias() =
+        Eigen::Map<const Eigen::RowVectorXf>(ws.logits.data() + i * stride, seen) * vb.topRows(seen);
+  }
+}
+
+void run_chunk_task(void* split, size_t task) { run_chunk(*static_cast<const Split*>(split), static_cast<int64_t>(task)); }
+
+// The step's rows from their chunks: M = the largest chunk max, Λ = Σ e^{m−M} Λ_c, K' = Σ e^{m−M} (K'_c + (m − M) Λ_c),
+// O = Σ e^{m−M} (Σ e^{z−m} v)_c / Λ and entropy log Λ − K'/Λ. A NaN or +inf max in any chunk makes the row NaN and
+// a row that sees nothing gives zeros, as a whole row does (degenerate_row).
+void combine_chunks(const Split& sp) {
+  const Problem& p = *sp.p;
+  const int64_t group = p.hq / p.hkv, stacked = group * p.lq;
+  Eigen::RowVectorXd o(p.dv);
+  AlignedFloats shift(static_cast<size_t>(sp.chunks)), scale(static_cast<size_t>(sp.chunks));  // m − M, e^{m − M}
+  for (int64_t bk = 0; bk < p.batch * p.hkv; ++bk) {
+    const int64_t b = bk / p.hkv, kvh = bk % p.hkv;
+    for (int64_t i = 0; i < stacked; ++i) {
+      const int64_t row = (b * p.hq + kvh * group + i / p.lq) * p.lq + i % p.lq;
+      float* out = p.out + row * p.dv;
+      float top = kNegInf;
+      for (int64_t c = 0; c < sp.chunks; ++c) {
+        const float m = sp.sums[(bk * sp.chunks + c) * stacked + i].m;
+        top = std::isnan(m) || std::isnan(top) ? kNaN : std::max(top, m);
+      }
+      if (!std::isfinite(top)) {
+        const float fill = top == kNegInf ? 0.0f : kNaN;
+        std::fill(out, out + p.dv, fill);
+        p.entropy[row] = fill;
+        continue;
+      }
+      for (int64_t c = 0; c < sp.chunks; ++c) shift[c] = sp.sums[(bk * sp.chunks + c) * stacked + i].m - top;
+      map_row(shift.data(), scale.data(), sp.chunks, [](Packet x) { return ei::pexp(x); });  // −inf → 0
+      double lam = 0.0, kp = 0.0;
+      o.setZero();
+      for (int64_t c = 0; c < sp.chunks; ++c) {
+        const ChunkSums& s = sp.sums[(bk * sp.chunks + c) * stacked + i];
+        if (s.m == kNegInf) continue;
+        const double w = scale[c];
+        lam += w * s.lam;
+        kp += w * (s.kp + static_cast<double>(shift[c]) * s.lam);
+        o += w * Eigen::Map<const Eigen::RowVectorXf>(sp.acc + ((bk * sp.chunks + c) * stacked + i) * p.dv, p.dv).cast<double>();
+      }
+      p.entropy[row] = static_cast<float>(std::log(lam) - kp / lam);
+      Eigen::Map<Eigen::RowVectorXf>(out, p.dv) = (o / lam).cast<float>();
+    }
+  }
+}
+
 // ---- the kernel ----------------------------------------------------------------------------------------------
 
 struct Kernel {
@@ -987,6 +1141,29 @@ struct Kernel {
     if (p.entropy == nullptr) {
       discard.resize(static_cast<size_t>(batch * hq * lq));
       p.entropy = discard.data();
+    }
+    if (batch > 0 && splits_keys(a, p.tiles, (hq / hkv) * lq, lk)) {  // decode: a task per chunk of keys (one tile: kend = Lk)
+      thread_local std::vector<ChunkSums> sums;
+      thread_local AlignedFloats acc;
+      thread_local std::vector<int64_t> visible;
+      Split sp{&p, (lk + kKeysPerPass - 1) / kKeysPerPass, lk, nullptr, nullptr, nullptr};
+      const size_t rows = static_cast<size_t>(batch * hkv * sp.chunks * (hq / hkv) * lq);
+      sums.resize(rows);
+      acc.resize(rows * static_cast<size_t>(dv));
+      if (a.norm->transform == Transform::kLogNScale) {  // each row's visible keys, as the whole-row path counts them
+        visible.assign(static_cast<size_t>(batch * lq), 0);
+        for (int64_t bi = 0; bi < batch; ++bi)
+          for (int64_t r = 0; r < lq; ++r) {
+            const int64_t n = a.causal ? lk - lq + r + 1 : lk;
+            visible[bi * lq + r] = p.key_mask == nullptr || p.mask_full[bi] ? n : std::count(p.key_mask + bi * lk, p.key_mask + bi * lk + n, true);
+          }
+        sp.visible = visible.data();
+      }
+      sp.sums = sums.data();
+      sp.acc = acc.data();
+      check(api.KernelContext_ParallelFor(ctx, run_chunk_task, static_cast<size_t>(batch * hkv * sp.chunks), 0, &sp));
+      combine_chunks(sp);
+      return;
     }
     const size_t tasks = static_cast<size_t>(batch * hkv * p.tiles);
     if (tasks == 0) return;
