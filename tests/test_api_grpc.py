@@ -327,14 +327,17 @@ def test_ctrl_c_on_a_streamed_generate_ends_with_one_line_and_status_130(model_f
     # greedy, on a prompt whose answer does not reach eos soon: a sampled answer may end before the signal arrives
     assert BYTES.eos not in reference([BYTES.bos, *b"a long answer"], 1000)
     with serving(model_files, max_new_tokens_limit=4000) as srv:
+        main = "from sharp.serving.client_cli import client_main; raise SystemExit(client_main())"
+        # As from a terminal: a suite started in the background (`make test &`) ignores SIGINT, and a Python started
+        # so keeps ignoring it, so the client would never see the Ctrl-C this test sends; the client puts Python's
+        # own handler back first. (Not a preexec_fn: it makes subprocess fork rather than vfork, so gRPC's fork
+        # handlers run in the child; one suite run here saw that child abort, status −6, "epoll_wait error".)
+        code = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); " + main
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from sharp.serving.client_cli import client_main; raise SystemExit(client_main())",
+            [sys.executable, "-c", code,
                "--target", srv.target, "generate", "a long answer", "--stream", "--max-new-tokens", "4000",
                "--temperature", "0"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            # as from a terminal: a suite started in the background (`make test &`) ignores SIGINT, and a Python
-            # started so keeps ignoring it — the client would never see the Ctrl-C this test sends
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         if not proc.stdout.read(1):  # it is streaming; if not, say what the client said before it ended
             _, err = proc.communicate(timeout=60)
