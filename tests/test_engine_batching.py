@@ -25,6 +25,7 @@ from sharp.serving.backends.interface import Chunk, _prefill_batches
 from sharp.serving.engine.output import Delta, Finished
 from sharp.serving.engine.text import StopText
 from sharp.serving.kv.cache import BatchCache
+from sharp.serving.kv.names import PageNames
 from sharp.serving.status import Status
 from sharp.v1 import generator_pb2 as pb
 
@@ -136,6 +137,46 @@ def test_an_in_place_step_hands_out_its_own_arrays_and_the_binding_leaves_with_t
     assert be._binding is not None and be._binding.holds(be._batch.tensors)
     be.release("a")
     assert be._batch.tensors is None and be._binding is None
+
+
+def test_a_prefill_in_place_writes_the_sequences_own_buffers_and_the_batch_takes_them(model_files):
+    """In the op's cache form a prefill chunk writes its keys into the sequence's own buffers, as wide as its
+    reservation: no chunk copies the keys before it, and the sequence, settling into an empty batch, brings those
+    buffers along (no copy before its first decode step). Logits and entropies equal the copying path's (a present
+    per chunk, then the batch's copy); the prefix store keeps a copy of its own, not a view of a buffer the batch
+    goes on writing."""
+    prompt = np.array([[256, *range(30, 130)]])  # 101 tokens, prefilled 40 at a time
+
+    def run(in_place: bool):
+        be = load_backend(model_files["onnxruntime"])
+        be.in_place, be._batch = in_place, None
+        be._batch = be._new_batch()
+        be.allocate(2**26, prefix_bytes=2**22 if in_place else 0)
+        assert be.reserve("a", 300)
+        steps, bases = [], []
+        for start in range(0, prompt.shape[1], 40):
+            r = be.prefill("a", prompt[:, start : start + 40], start, entropy=True)
+            steps.append((r.logits, r.entropy))
+            bases.append(be._own["a"][0].base)
+        own = be._own["a"]
+        assert all(c.shape[2] == prompt.shape[1] for c in own)
+        keep = SimpleNamespace(pages=PageNames(prompt[0]), entropy=None) if in_place else None
+        be.join("a", keep)
+        for token in (5, 6, 7):
+            out = be.decode(["a"], np.array([[token]]), entropy=True)
+            steps.append((out.logits, out.entropy))
+        return be, steps, bases
+
+    be, steps, bases = run(True)
+    _, reference_steps, _ = run(False)
+    for (logits, ent), (ref_logits, ref_ent) in zip(steps, reference_steps, strict=True):
+        np.testing.assert_allclose(logits, ref_logits, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(ent, ref_ent, atol=1e-6, rtol=0)
+    buffer = bases[0]
+    assert buffer is not None and all(b is buffer for b in bases) and buffer.shape[2] == 300  # one buffer, no copy
+    assert be._batch.tensors[0] is buffer and be._batch.width == prompt.shape[1] + 3  # the batch took it as it is
+    (entry,) = be.prefixes._entries.values()
+    assert not any(np.shares_memory(t, buffer) for t in entry.cache)
 
 
 def test_a_buffer_that_fills_beside_a_free_slot_moves_before_the_step_is_laid_out(model_files, reference, caplog):

@@ -30,7 +30,7 @@ import numpy as np
 
 from sharp.serving.backends.sampler import Sampler
 from sharp.serving.kv import cache as arrays
-from sharp.serving.kv.cache import BatchCache
+from sharp.serving.kv.cache import BatchCache, roomy
 from sharp.serving.kv.names import PageNames
 from sharp.serving.kv.prefix import PrefixStore
 from sharp.serving.spec import ModelSpec
@@ -269,11 +269,29 @@ class GraphBackend(Backend):
 
     def prefill(self, seq, ids, start, entropy, scores=False):
         n = ids.shape[1]
-        past = self._own.get(seq) or self.empty_past(1)
         positions = np.arange(start, start + n, dtype=np.int64)[None]
-        out = self.forward(ids, np.ones((1, start + n), np.int64), positions, past, entropy, every=scores)
-        self._own[seq] = out.presents
+        mask = np.ones((1, start + n), np.int64)
+        if self.in_place:  # the chunk's keys go into the sequence's own buffers: no chunk copies the keys before it
+            past = self._room(seq, start + n)
+            out = self.forward(ids, mask, positions, past, entropy, in_place=True, every=scores)
+            self._own[seq] = [b[:, :, : start + n] for b in past]  # views: the batch adopts their buffers (cache.py)
+        else:
+            past = self._own.get(seq) or self.empty_past(1)
+            out = self.forward(ids, mask, positions, past, entropy, every=scores)
+            self._own[seq] = out.presents
         return StepResult(out.logits, out.entropy, scores=out.every[0] if scores else None)
+
+    def _room(self, seq: Hashable, keys: int) -> list[Cache]:
+        """In place: the sequence's own cache as buffers with room for `keys` keys — those it has, or new zeroed ones
+        as wide as its reservation (calloc'd: untouched columns take no memory) holding its keys so far."""
+        own = self._own.get(seq)
+        if own and all(roomy(c, keys) for c in own):
+            return [c.base for c in own]
+        s, capacity = self.spec, max(keys, self._reserved.get(seq, 0))
+        buffers = [np.zeros((1, s.kv_heads, capacity, s.head_dim), self._kv_array_type) for _ in range(2 * s.layers)]
+        for b, c in zip(buffers, own or [], strict=False):
+            b[:, :, : c.shape[2]] = c
+        return buffers
 
     def prefill_many(self, chunks, entropy):
         """Chunks that start at the same position run as one batch, right-padded to the longest: a padding token

@@ -67,8 +67,10 @@ class OnnxRuntimeBackend(GraphBackend):
         self._binding = None
 
     def forward(self, input_ids, attention_mask, position_ids, past, entropy, last=None, in_place=False, every=False):
-        if in_place:
+        if in_place and input_ids.shape[1] == 1 and last is None and not every:
             return self._forward_in_place(input_ids, attention_mask, position_ids, past, entropy)
+        if in_place:
+            return self._forward_into(input_ids, attention_mask, position_ids, past, entropy, last, every)
         feed = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -81,6 +83,27 @@ class OnnxRuntimeBackend(GraphBackend):
         picked = logits[:, -1] if last is None else logits[np.arange(len(logits)), last]
         ent = rest[-1] if entropy else None
         return StepOutput(np.ascontiguousarray(picked), presents, ent, logits if every else None)
+
+    def _forward_into(self, input_ids, attention_mask, position_ids, past, entropy, last, every):
+        """A step of several tokens (a prefill chunk) whose attention writes its keys into `past` itself, each present
+        bound to its past's memory; the logits and entropies are left to onnxruntime (their shapes vary by chunk)."""
+        binding = self.session.io_binding()
+        names = ["logits", *(["attention_entropy"] if entropy else [])]
+        for name in names:  # bound first: get_outputs() keeps this order
+            binding.bind_output(name)
+        for name, present, buffer in zip(self.past_names, self.present_names, past, strict=True):
+            shared = ort.OrtValue.ortvalue_from_numpy(buffer)
+            binding.bind_ortvalue_input(name, shared)
+            binding.bind_ortvalue_output(present, shared)
+        small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        for name, array in small.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        logits = outputs[0].numpy()
+        picked = logits[:, -1] if last is None else logits[np.arange(len(logits)), last]
+        ent = outputs[1].numpy() if entropy else None
+        return StepOutput(np.ascontiguousarray(picked), past, ent, logits if every else None)
 
     def _forward_in_place(self, input_ids, attention_mask, position_ids, past, entropy):
         """A decode step whose attention writes its keys into `past` itself: each present is bound to its past's

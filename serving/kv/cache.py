@@ -11,8 +11,10 @@ at position 0 that sees only itself; nobody reads its output) until it is reused
 
 In place (a file in the op's cache form, docs/op.md): the tensors are buffers with room beyond the batch's width
 (`capacity` keys); a decode step's attention writes each slot's new key into column `width` of the same buffers,
-and `advance` only moves the width — no step copies the cache. When the width reaches the capacity, `reserve`
-moves the batch into buffers with a quarter more room (at least 64 keys): amortised, a copy per width/4 steps.
+and `advance` only moves the width — no step copies the cache. A prefill writes in place too, into the sequence's
+own buffers as wide as its reservation, so a sequence that settles into an empty batch brings its buffers along:
+the batch takes them as they are, with no copy before its first decode step. When the width reaches the capacity,
+`reserve` moves the batch into buffers with a quarter more room (at least 64 keys): amortised, a copy per width/4 steps.
 """
 
 from __future__ import annotations
@@ -64,6 +66,21 @@ def _into(sources: tuple[np.ndarray, ...], width: int, room: int) -> np.ndarray:
         out[row : row + s.shape[0], :, width - s.shape[2] : width] = s
         row += s.shape[0]
     return out
+
+
+def roomy(t: Tensor, keys: int) -> bool:
+    """Whether `t` is a sequence's own cache as a view of the first columns of a buffer (batch 1) with room for
+    `keys` keys: an in-place prefill's (GraphBackend.prefill), whose buffer the batch can take as it is."""
+    base = getattr(t, "base", None)
+    return (
+        isinstance(t, np.ndarray)
+        and isinstance(base, np.ndarray)
+        and base.ndim == 4
+        and base.shape[0] == 1
+        and base.shape[1::2] == t.shape[1::2]
+        and base.shape[2] >= keys
+        and t.ctypes.data == base.ctypes.data
+    )
 
 
 class BatchCache:
@@ -157,7 +174,10 @@ class BatchCache:
             caches.insert(0, [t if len(keep) == len(self.owners) else t[keep] for t in self.tensors])
         if keep and self.in_place:  # live keys end at the width (not the buffers' end), within its last `width`
             caches[0] = [t[:, :, max(0, self.width - width) : self.width] for t in caches[0]]
-        if self.in_place:
+        if self.in_place and not keep and len(caches) == 1 and all(roomy(c, width + 1) for c in caches[0]):
+            self.tensors = [c.base for c in caches[0]]  # one sequence prefilled in place: its buffers, no copy
+            self._width = width
+        elif self.in_place:
             room = width + max(MIN_ROOM, width // GROWTH)
             if self.limit:  # never past the KV budget for the room (one more column always)
                 room = max(width + 1, min(room, self.limit // len(owners)))
