@@ -573,3 +573,30 @@ def test_quality_llama_server_needs_a_gguf_and_a_built_server(tmp_path, monkeypa
         quality.run([str(model), "--llama-server", "--no-write"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "llama-server is not built; run `make peers`" in err, err
+
+
+def test_peers_report_sets_a_quantized_file_against_sharp_at_its_precision():
+    """llama-server on the Q4_1 file is held to sharp's int4 export too (the goal compares those two), and a peer
+    at fp32 gets no such ratio; without a quantized pair the column is not there."""
+    from types import SimpleNamespace
+
+    from sharp.benchmarks.peers import Peer, Reading, report
+
+    args = SimpleNamespace(model="smollm2", lengths=[1024], new_tokens=64, repeats=1, concurrent=1, command="`x`",
+                           shape="llama-11m", kv_cache_dtype=["fp32"])  # fmt: skip
+    names = ["sharp-serve softmax", "sharp-serve softmax int4", "llama-server f32", "llama-server q4_1"]
+    peers = [Peer(n, ready_s=1.0, disk_mib=1.0) for n in names]
+    for p in peers:
+        p.rss = {1024: 1.0}
+    single = {
+        ("sharp-serve softmax", 1024): [Reading(1.0, 60.0, 64)],
+        ("sharp-serve softmax int4", 1024): [Reading(0.8, 120.0, 64)],
+        ("llama-server f32", 1024): [Reading(2.0, 60.0, 64)],
+        ("llama-server q4_1", 1024): [Reading(2.0, 100.0, 64)],
+    }
+    text = report(args, "a model", peers, single, {})
+    assert "sharp at the file's precision ÷ peer: TTFT / decode" in text
+    assert "| llama-server q4_1 | 1,024 | 2.00 (2.00–2.00) | 100 (100–100) | 0.50× / 0.60× | 0.40× / 1.20× |" in text
+    assert "| llama-server f32 | 1,024 | 2.00 (2.00–2.00) | 60 (60–60) | 0.50× / 1.00× |  |" in text
+    alone = report(args, "a model", peers[:1] + peers[2:3], single, {})
+    assert "file's precision" not in alone

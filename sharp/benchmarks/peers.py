@@ -18,7 +18,8 @@ tokens; the head's EOS row is zero so greedy decoding never ends early on any pe
 streamed tokens: time to first token (TTFT) and decode tokens/s after the first; for 8 concurrent requests, their
 mean TTFT and the output tokens/s of all of them together. Per server: time from start to ready and peak resident
 memory after each length (VmHWM). Each peer first serves one untimed request; then peers take turns within each
-round; medians of --repeats with the lowest and highest reading.
+round; medians of --repeats with the lowest and highest reading. Each peer's medians are divided into sharp softmax
+fp32's, and a llama-server file below fp32 (f16, q8_0, q4_1) into sharp's export at that precision too, where it ran.
 """
 
 from __future__ import annotations
@@ -569,27 +570,43 @@ def bench(args) -> str:
     return report(args, about, peers, single, many)
 
 
+# llama.cpp's file types and the sharp-export --weights of the same precision, as sharp-serve's rows name them
+SAME_PRECISION = {
+    "f16": "sharp-serve softmax fp16",
+    "q8_0": "sharp-serve softmax int8",
+    "q4_1": "sharp-serve softmax int4",
+}
+
+
 def report(args, about, peers, single, many) -> str:
-    base = next((p.name for p in peers if p.name == "sharp-serve softmax" and p.error is None), None)
+    ran = {p.name for p in peers if p.error is None}
+    base = "sharp-serve softmax" if "sharp-serve softmax" in ran else None
+
+    def ratio(mine: str, length: int, ttft: list[float], dec: list[float]) -> str:
+        ours = single[mine, length]
+        return (f"{statistics.median(r.ttft for r in ours) / statistics.median(ttft):.2f}× /"
+                f" {statistics.median(r.decode for r in ours) / statistics.median(dec):.2f}×")  # fmt: skip
+
+    # a llama-server file below fp32 also against sharp at that precision (its Q4_1 against sharp's int4)
+    same = {p.name: SAME_PRECISION.get(p.name.removeprefix("llama-server ")) for p in peers}
+    same = {name: mine for name, mine in same.items() if name in ran and mine in ran}
     rows = []
     for length in args.lengths:
         for p in peers:
             if p.error is not None:
                 if length == args.lengths[0]:
-                    rows.append([p.name, "—", "not run", p.error, "", "", "", ""])
+                    rows.append([p.name, "—", "not run", p.error, "", *([""] if same else []), "", "", ""])
                 continue
             rs = single[p.name, length]
             ttft, dec = [r.ttft for r in rs], [r.decode for r in rs]
-            ratio = ""
-            if base and p.name != base:
-                mine = single[base, length]
-                ratio = (f"{statistics.median(r.ttft for r in mine) / statistics.median(ttft):.2f}× /"
-                         f" {statistics.median(r.decode for r in mine) / statistics.median(dec):.2f}×")  # fmt: skip
-            rows.append([p.name, f"{length:,}", _fmt(ttft, ".2f"), _fmt(dec, ".0f"), ratio,
+            vs_base = ratio(base, length, ttft, dec) if base and p.name != base else ""
+            vs_same = [ratio(same[p.name], length, ttft, dec) if p.name in same else ""] if same else []
+            rows.append([p.name, f"{length:,}", _fmt(ttft, ".2f"), _fmt(dec, ".0f"), vs_base, *vs_same,
                          f"{p.rss[length]:.0f}", f"{p.disk_mib:.0f}", f"{p.ready_s:.1f}"])  # fmt: skip
     header = ["peer", "prompt", "TTFT s (lowest–highest)", "decode tok/s (lowest–highest)",
-              "sharp softmax ÷ peer: TTFT / decode", "peak RSS MiB (up to this length)", "model MiB on disk",
-              "ready s"]  # fmt: skip
+              "sharp softmax ÷ peer: TTFT / decode",
+              *(["sharp at the file's precision ÷ peer: TTFT / decode"] if same else []),
+              "peak RSS MiB (up to this length)", "model MiB on disk", "ready s"]  # fmt: skip
     parts = [
         (
             "## A real model, SmolLM2-135M-Instruct,"
