@@ -333,6 +333,31 @@ void scan_row(const float* src, int64_t n, F&& f) {
 
 Packet visible(Packet x) { return ei::pcmp_lt(ei::pset1<Packet>(kNegInf), x); }  // all ones where x > −inf
 
+// The softmax family's per-key transform of z[0, n) in place (−inf stays −inf): SSMax's p0·log(visible keys)
+// factor, or sign(t)·p0·log(1 + p1·|t|); the other transforms leave z as it is.
+void transform_row(Transform transform, float* z, int64_t n, float p0, float p1, int64_t visible_keys) {
+  switch (transform) {
+    case Transform::kLogNScale: {
+      const Packet factor = ei::pset1<Packet>(p0 * std::log(static_cast<float>(std::max<int64_t>(visible_keys, 1))));
+      map_row(z, z, n, [&](Packet x) { return ei::pselect(visible(x), ei::pmul(x, factor), x); });
+      break;
+    }
+    case Transform::kSignedLog: {
+      const Packet vp0 = ei::pset1<Packet>(p0), vp1 = ei::pset1<Packet>(p1), one = ei::pset1<Packet>(1.0f);
+      const Packet sign_bit = ei::pset1<Packet>(-0.0f);
+      map_row(z, z, n, [&](Packet x) {
+        const Packet y = ei::pmul(vp0, ei::plog(ei::padd(ei::pmul(ei::pabs(x), vp1), one)));
+        return ei::pselect(visible(x), ei::pxor(y, ei::pand(x, sign_bit)), x);
+      });
+      break;
+    }
+    case Transform::kEntropyBeta:
+    case Transform::kIdentity:
+    case Transform::kNone:
+      break;
+  }
+}
+
 // max of z[0, n): NaN if any entry is NaN (the row is then degenerate).
 float row_max(const float* z, int64_t n) {
   Packet m = ei::pset1<Packet>(kNegInf);
@@ -744,26 +769,7 @@ void run_tile(const Problem& p, int64_t task) {
       }
       continue;
     }
-    switch (a.norm->transform) {
-      case Transform::kLogNScale: {
-        const Packet factor = ei::pset1<Packet>(p0 * std::log(static_cast<float>(std::max<int64_t>(visible_keys, 1))));
-        map_row(z, z, n, [&](Packet x) { return ei::pselect(visible(x), ei::pmul(x, factor), x); });
-        break;
-      }
-      case Transform::kSignedLog: {  // sign(t) p0 log(1 + p1 |t|)
-        const Packet vp0 = ei::pset1<Packet>(p0), vp1 = ei::pset1<Packet>(p1), one = ei::pset1<Packet>(1.0f);
-        const Packet sign_bit = ei::pset1<Packet>(-0.0f);
-        map_row(z, z, n, [&](Packet x) {
-          const Packet y = ei::pmul(vp0, ei::plog(ei::padd(ei::pmul(ei::pabs(x), vp1), one)));
-          return ei::pselect(visible(x), ei::pxor(y, ei::pand(x, sign_bit)), x);
-        });
-        break;
-      }
-      case Transform::kEntropyBeta:
-      case Transform::kIdentity:
-      case Transform::kNone:
-        break;
-    }
+    transform_row(a.norm->transform, z, n, p0, p1, visible_keys);
     const float max = row_max(z, n);
     float lam, kp;
     if (degenerate_row(Row(z, kend), max, h_out, &lam)) {
@@ -928,27 +934,7 @@ void run_chunk(const Split& sp, int64_t task) {
         if (!mask[j]) z[j] = kNegInf;
     const float p0 = a.norm->num_params > 0 ? p.param[0][h] : 0.0f;
     const float p1 = a.norm->num_params > 1 ? p.param[1][h] : 0.0f;
-    switch (a.norm->transform) {
-      case Transform::kLogNScale: {
-        const float keys = static_cast<float>(std::max<int64_t>(sp.visible[b * p.lq + r], 1));
-        const Packet factor = ei::pset1<Packet>(p0 * std::log(keys));
-        map_row(z, z, seen, [&](Packet x) { return ei::pselect(visible(x), ei::pmul(x, factor), x); });
-        break;
-      }
-      case Transform::kSignedLog: {  // sign(t) p0 log(1 + p1 |t|)
-        const Packet vp0 = ei::pset1<Packet>(p0), vp1 = ei::pset1<Packet>(p1), one = ei::pset1<Packet>(1.0f);
-        const Packet sign_bit = ei::pset1<Packet>(-0.0f);
-        map_row(z, z, seen, [&](Packet x) {
-          const Packet y = ei::pmul(vp0, ei::plog(ei::padd(ei::pmul(ei::pabs(x), vp1), one)));
-          return ei::pselect(visible(x), ei::pxor(y, ei::pand(x, sign_bit)), x);
-        });
-        break;
-      }
-      case Transform::kEntropyBeta:
-      case Transform::kIdentity:
-      case Transform::kNone:
-        break;
-    }
+    transform_row(a.norm->transform, z, seen, p0, p1, sp.visible ? sp.visible[b * p.lq + r] : 0);
     const float m = row_max(z, seen);
     sums[i].m = m;
     if (!std::isfinite(m)) continue;  // nothing visible here (−inf), or a degenerate row (the step tells)
