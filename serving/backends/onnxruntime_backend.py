@@ -91,10 +91,7 @@ class OnnxRuntimeBackend(GraphBackend):
         names = ["logits", *(["attention_entropy"] if entropy else [])]
         for name in names:  # bound first: get_outputs() keeps this order
             binding.bind_output(name)
-        for name, present, buffer in zip(self.past_names, self.present_names, past, strict=True):
-            shared = ort.OrtValue.ortvalue_from_numpy(buffer)
-            binding.bind_ortvalue_input(name, shared)
-            binding.bind_ortvalue_output(present, shared)
+        _bind_cache(self, binding, past)
         small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         for name, array in small.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
@@ -123,6 +120,14 @@ class OnnxRuntimeBackend(GraphBackend):
         return StepOutput(bound.logits[:, -1].copy(), past, ent)
 
 
+def _bind_cache(backend: OnnxRuntimeBackend, binding: ort.IOBinding, past: list[np.ndarray]) -> None:
+    """Each past buffer bound as its layer's input and as its present: the kernel writes into the same memory."""
+    for name, present, buffer in zip(backend.past_names, backend.present_names, past, strict=True):
+        shared = ort.OrtValue.ortvalue_from_numpy(buffer)  # the array's own memory, in and out
+        binding.bind_ortvalue_input(name, shared)
+        binding.bind_ortvalue_output(present, shared)
+
+
 class _Binding:
     """The I/O binding of one set of decode buffers: each present bound to its past's memory, the logits (and
     entropies) to arrays of the binding's own. It keeps the buffers alive while onnxruntime points into them."""
@@ -138,10 +143,7 @@ class _Binding:
             self.entropy_out = outputs["attention_entropy"] = np.empty((rows, s.layers, s.heads, 1), np.float32)
         for name, array in outputs.items():
             self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
-        for name, present, buffer in zip(backend.past_names, backend.present_names, past, strict=True):
-            shared = ort.OrtValue.ortvalue_from_numpy(buffer)  # the array's own memory, in and out
-            self.binding.bind_ortvalue_input(name, shared)
-            self.binding.bind_ortvalue_output(present, shared)
+        _bind_cache(backend, self.binding, past)
 
     def holds(self, past: list[np.ndarray]) -> bool:
         return len(past) == len(self.past) and all(a is b for a, b in zip(past, self.past, strict=True))
