@@ -523,6 +523,41 @@ def test_quality_scores_the_first_number_and_says_where_the_peer_disagrees():
     assert quality.disagreements({"softmax": results["softmax"]}, 20) == []
 
 
+def test_quality_asks_llama_server_the_settings_it_runs_as_they_are_and_compares_each_with_its_own():
+    """llama-server runs softmax (no flags) and a RoPE scaling through its own flags — YaRN with the factor and the
+    training length the setting names, linear with its factor — and nothing that changes the normalizer or scales
+    heads; each peer row is compared with the setting it ran, and the page says so per setting."""
+    from argparse import Namespace
+    from pathlib import Path
+
+    from sharp.benchmarks import quality
+
+    flags = {n: quality.peer_flags(quality.setting(n, 8192)) for n in ("softmax", "yarn@2", "yarn-4x", "yarn@2.5")}
+    assert flags == {
+        "softmax": [],
+        "yarn@2": ["--rope-scaling", "yarn", "--rope-scale", "2", "--yarn-orig-ctx", "8192"],
+        "yarn-4x": ["--rope-scaling", "yarn", "--rope-scale", "4", "--yarn-orig-ctx", "8192"],
+        "yarn@2.5": ["--rope-scaling", "yarn", "--rope-scale", "2.5", "--yarn-orig-ctx", "8192"],
+    }
+    linear = quality.Setting(rope={"rope_type": "linear", "factor": 2.0}, context_factor=2.0)
+    assert quality.peer_flags(linear) == ["--rope-scaling", "linear", "--rope-scale", "2"]
+    for name in ("heads@8", "ssmax", "adaptive", "yarn-4x+ssmax", "yarn@2+heads@8", "flat"):
+        assert quality.peer_flags(quality.setting(name, 8192)) is None, name
+    assert quality.peer_flags(quality.Setting(rope={"rope_type": "dynamic", "factor": 2.0})) is None
+    results = {
+        "softmax": {"passkey": {512: 18}, "logp": {512: -0.2}, "ppl": [10.0], "entropy": [0.4]},
+        "yarn@2": {"passkey": {512: 19}, "logp": {512: -0.1}, "ppl": [11.0], "entropy": [0.4]},
+        quality.peer_name("softmax"): {"passkey": {512: 17}},
+        quality.peer_name("yarn@2"): {"passkey": {512: 4}},
+    }
+    assert quality.disagreements(results, 20, "softmax") == [] and quality.disagreements(results, 20, "yarn@2") == [512]
+    args = Namespace(lengths=[512], trials=20, seed=0, text_from=0, command="sharp-bench quality")
+    body = quality._body(args, results, [0, 512], "CPU", Path("m.gguf"))
+    assert "llama-server (softmax) and sharp's softmax: the intervals overlap at every length." in body
+    assert "llama-server (yarn@2) and sharp's yarn@2: the intervals do not overlap at 512." in body
+    assert "| llama-server (yarn@2) | 4/20 (" in body
+
+
 def test_quality_without_lengths_writes_perplexity_and_entropy_only():
     """`--lengths` with no value: the page has the position tables and no passkey tables (nothing was asked)."""
     from argparse import Namespace

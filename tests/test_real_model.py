@@ -357,18 +357,22 @@ def test_quality_scores_a_later_stretch_of_the_text_from_its_own_start(real, tmp
 @pytest.mark.bench
 def test_quality_llama_server_answers_the_same_passkeys_as_sharp_softmax(real, tmp_path, monkeypatch):
     """`sharp-bench quality --llama-server` at ~600 tokens: llama-server, on the same GGUF and the same token ids,
-    finds the passkey as sharp's softmax does (≥ 4/5 each), and the page says the intervals overlap. Needs
-    llama-server (`make peers`; CI does not build it): skipped, not passed, without it."""
+    finds the passkey as sharp's softmax does (≥ 4/5 each), and so with YaRN 2× (its own --rope-scaling flags, which
+    it takes); the page says the intervals overlap for both. Needs llama-server (`make peers`; CI does not build it):
+    skipped, not passed, without it."""
     from sharp.benchmarks import peers, quality
 
     if not (peers.LLAMA_CPP / "llama-server").exists():
         pytest.skip("llama-server is not built (make peers)")
     monkeypatch.setenv("SHARP_CACHE", str(real["cache"]))  # the GGUF's directory the fixture read
     page = tmp_path / "quality.md"
-    argv = ["--settings", "softmax", "--lengths", "600", "--trials", "5", "--text", "512", "--llama-server"]
+    argv = ["--settings", "softmax", "yarn@2", "--lengths", "600", "--trials", "5", "--text", "512", "--llama-server"]
     assert quality.run([*argv, "--write", str(page)]) == 0
     text = page.read_text()
-    hits = {m[0]: int(m[1]) for m in re.findall(r"^\| (softmax|llama-server \(softmax\)) \| (\d)/5 ", text, re.M)}
-    assert hits["softmax"] >= 4 and hits[quality.PEER] >= 4, text
-    assert "the intervals overlap at every length" in text and "<!-- sharp-bench quality --llama-server -->" in text
+    rows = r"^\| (softmax|yarn@2|llama-server \((?:softmax|yarn@2)\)) \| (\d)/5 "
+    hits = {m[0]: int(m[1]) for m in re.findall(rows, text, re.M)}
+    assert len(hits) == 4 and min(hits.values()) >= 4, text
+    for name in ("softmax", "yarn@2"):
+        assert f"{quality.peer_name(name)} and sharp's {name}: the intervals overlap at every length" in text
+    assert "<!-- sharp-bench quality --llama-server -->" in text
     assert page.with_name("quality-llama-server.png").stat().st_size > 1000

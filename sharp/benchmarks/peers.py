@@ -39,7 +39,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -294,19 +294,27 @@ def start_sharp(
 
 
 def start_llama_server(
-    gguf: Path, name: str, context: int, parallel: int, threads: int, log: Path, cache_prompt: bool = False
+    gguf: Path,
+    name: str,
+    context: int,
+    parallel: int,
+    threads: int,
+    log: Path,
+    cache_prompt: bool = False,
+    extra: Sequence[str] = (),
 ) -> Peer:
     """`llama-server` with `parallel` slots over one unified KV cache of `context` tokens (any slot may use it all);
-    its prompt cache off unless `cache_prompt` (on: llama-server's default)."""
+    its prompt cache off unless `cache_prompt` (on: llama-server's default); `extra`: more of its flags (a RoPE
+    scaling)."""
     binary = LLAMA_CPP / "llama-server"
     if not binary.exists():
         raise PeerUnavailable(f"{binary} not built: run `make peers` (~12 min on 2 cores)")
     port = _free_port()
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(context),
            "-np", str(parallel), "--kv-unified", "-fa", "on", "-t", str(threads or os.cpu_count()),
-           "--no-webui"]  # fmt: skip
-    extra = {"ignore_eos": True} | ({} if cache_prompt else {"cache_prompt": False})
-    peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}", "/health", "/v1", "model", extra, log,
+           "--no-webui", *extra]  # fmt: skip
+    body = {"ignore_eos": True} | ({} if cache_prompt else {"cache_prompt": False})
+    peer = _start_openai_server(name, cmd, f"http://127.0.0.1:{port}", "/health", "/v1", "model", body, log,
                                 output_to_log=True)  # fmt: skip
     peer.disk_mib = _mib(gguf)
     return peer

@@ -24,8 +24,10 @@ export for every normalizer): on a GPU with the Triton kernels, on CPU with the 
 - **attention entropy by position**: every head's normalized entropy (entropy / log(keys)) at the same positions,
   averaged over heads and layers per bin — the mechanism beside the outcome.
 - **`--llama-server`**: the same passkey prompts (the same token ids) answered greedily by llama.cpp's
-  `llama-server` on the same GGUF (`make peers`), as a row beside sharp's; where its interval and sharp softmax's
-  do not overlap, the page says so. The check that the harness and sharp's softmax path are right.
+  `llama-server` on the same GGUF (`make peers`), a row beside each setting llama.cpp can run as it is — softmax,
+  and softmax with a RoPE scaling (`yarn@F`: its `--rope-scaling yarn`); where a peer row's interval and its
+  setting's do not overlap, the page says so. The check that the harness, sharp's softmax path and its RoPE scaling
+  are right.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import random
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,12 +273,40 @@ def scored(answer: str, key: str) -> bool:
     return bool(found and found.group() == key)
 
 
-PEER = "llama-server (softmax)"  # the peer's row
+def peer_name(setting_name: str) -> str:
+    """The row of llama-server running `setting_name`."""
+    return f"llama-server ({setting_name})"
 
 
-def llama_server_hits(gguf: Path, prompts: dict[int, list[tuple[list[int], str]]], t0: float) -> dict[int, int]:
-    """How many of each length's prompts llama-server, on the same GGUF, answers with the key (greedy, the prompts'
-    own token ids: the same tokens sharp saw)."""
+PEER = peer_name("softmax")  # the peer's row beside sharp's softmax
+
+
+def peer_flags(s: Setting) -> list[str] | None:
+    """llama-server's flags for a setting that llama.cpp runs as it is — the model's own softmax, with its RoPE or
+    a RoPE scaling llama.cpp implements (YaRN, linear) — or None: a normalizer change or scaled heads it cannot run.
+    YaRN's attention factor and β's are left to llama.cpp's defaults, which are Hugging Face's (0.1·ln F + 1; 32, 1)."""
+    if s.find_heads or (s.attention and s.attention != {"norm": "softmax"}):
+        return None
+    if s.rope is None:
+        return []
+    kind, factor = s.rope.get("rope_type"), s.rope.get("factor")
+    if kind not in ("yarn", "linear") or set(s.rope) - {"rope_type", "factor", "original_max_position_embeddings"}:
+        return None
+    flags = ["--rope-scaling", kind, "--rope-scale", f"{factor:g}"]
+    if kind == "yarn" and "original_max_position_embeddings" in s.rope:
+        flags += ["--yarn-orig-ctx", str(s.rope["original_max_position_embeddings"])]
+    return flags
+
+
+def llama_server_hits(
+    gguf: Path,
+    prompts: dict[int, list[tuple[list[int], str]]],
+    t0: float,
+    name: str = "softmax",
+    flags: Sequence[str] = (),
+) -> dict[int, int]:
+    """How many of each length's prompts llama-server, on the same GGUF with `flags` (setting `name`'s,
+    peer_flags), answers with the key (greedy, the prompts' own token ids: the same tokens sharp saw)."""
     import json
     import tempfile
     import urllib.request
@@ -284,7 +315,8 @@ def llama_server_hits(gguf: Path, prompts: dict[int, list[tuple[list[int], str]]
 
     context = max(len(ids) for cell in prompts.values() for ids, _ in cell) + NEW_TOKENS + 16
     with tempfile.TemporaryDirectory() as tmp:
-        peer = start_llama_server(gguf, PEER, context, 1, 0, Path(tmp) / "llama-server.log")
+        row = peer_name(name)
+        peer = start_llama_server(gguf, row, context, 1, 0, Path(tmp) / "llama-server.log", extra=flags)
         try:
             hits = {}
             for length, cell in prompts.items():
@@ -296,18 +328,20 @@ def llama_server_hits(gguf: Path, prompts: dict[int, list[tuple[list[int], str]]
                     )
                     with urllib.request.urlopen(request, timeout=3600) as r:
                         hits[length] += scored(json.load(r)["choices"][0]["text"], key)
-                _progress(t0, f"{PEER} passkey at {length:,}: {hits[length]}/{len(cell)}")
+                _progress(t0, f"{row} passkey at {length:,}: {hits[length]}/{len(cell)}")
         finally:
             peer.stop()
     return hits
 
 
 def disagreements(results: dict, trials: int, reference: str = "softmax") -> list[int]:
-    """The lengths at which the peer's Wilson interval and `reference`'s do not overlap."""
-    if PEER not in results or reference not in results:
+    """The lengths at which the Wilson intervals of setting `reference` and of llama-server running it do not
+    overlap."""
+    peer = peer_name(reference)
+    if peer not in results or reference not in results:
         return []
     out = []
-    for length, k in results[PEER]["passkey"].items():
+    for length, k in results[peer]["passkey"].items():
         mine = results[reference]["passkey"].get(length)
         if mine is None:
             continue
@@ -372,7 +406,10 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, help="write the plot (PNG) here too (default beside docs/quality.md)")
     ap.add_argument("--quick", action="store_true", help="CI size: softmax and 'flat' at ~600 tokens, 5 trials")
     ap.add_argument(
-        "--llama-server", action="store_true", help="also ask llama-server (make peers) the passkeys, on the same GGUF"
+        "--llama-server",
+        action="store_true",
+        help="also ask llama-server (make peers) the passkeys, on the same GGUF, for each setting llama.cpp runs as it"
+        " is (softmax, yarn@F)",
     )
     add_output(ap, PAGE)
     args = ap.parse_args(argv)
@@ -415,6 +452,8 @@ def run(argv: list[str] | None = None) -> int:
         table = {name: setting(name, train) for name in names}
     except ValueError as e:
         ap.error(str(e))
+    if args.llama_server and not any(peer_flags(s) is not None for s in table.values()):
+        ap.error(f"--llama-server runs softmax and yarn@F settings (none of {', '.join(names)}); add softmax")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     machine = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     page = output_page(args, PAGE)
@@ -465,7 +504,9 @@ def run(argv: list[str] | None = None) -> int:
         from sharp.benchmarks.peers import PeerUnavailable
 
         try:
-            results[PEER] = {"passkey": llama_server_hits(found, prompts, t0)}
+            for name in names:
+                if (flags := peer_flags(table[name])) is not None:
+                    results[peer_name(name)] = {"passkey": llama_server_hits(found, prompts, t0, name, flags)}
         except PeerUnavailable as e:
             print(f"sharp-bench quality: llama-server: {e}", file=sys.stderr)
             return 1
@@ -497,14 +538,14 @@ def _body(args, results: dict, bins: list[int], machine: str, source: Path) -> s
     by_length = ["setting", *(f"{n:,}" for n in lengths)]
     ppl = [[name, *(f"{p:.2f}" for p in r["ppl"])] for name, r in ours.items()]
     ent = [[name, *(f"{e:.3f}" for e in r["entropy"])] for name, r in ours.items()]
-    peer = ""
-    if PEER in results and "softmax" in results:
-        apart = disagreements(results, args.trials)
-        peer = "\n\n" + (
-            f"{PEER} and sharp's softmax: the intervals overlap at every length."
-            if not apart
-            else f"{PEER} and sharp's softmax: the intervals do not overlap at {', '.join(f'{n:,}' for n in apart)}."
-        )
+    said = []
+    for name in ours:
+        if peer_name(name) not in results:
+            continue
+        apart = disagreements(results, args.trials, name)
+        where = f"do not overlap at {', '.join(f'{n:,}' for n in apart)}" if apart else "overlap at every length"
+        said.append(f"{peer_name(name)} and sharp's {name}: the intervals {where}.")
+    peer = "".join(f"\n\n{line}" for line in said)
     passkey = (
         f" {args.trials} trials per cell (passkey draw {args.seed}), Wilson 95% intervals."
         "\n\n**Passkey retrieval** (exact match of the five-digit key), by prompt length in tokens:\n\n"
