@@ -61,12 +61,17 @@ PEERS := build/peers
 LLAMA_SRC := $(PEERS)/llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp
 peers: $(PEERS)/llama.cpp/bin/llama-server
 
+# -march=native without AMX: a VM can list AMX in cpuid and still fault on its tile instructions (SIGILL in ggml's
+# AMX Q4_1 kernel on an Intel Xeon guest here); llama.cpp then runs its AVX-512 kernels
+NO_AMX := $(shell printf 'int main(void){return 0;}' | $(CC) -mno-amx-tile -x c - -o /dev/null 2>/dev/null && echo -mno-amx-tile -mno-amx-int8 -mno-amx-bf16)
+
 $(PEERS)/llama.cpp/bin/llama-server: | $(BIN)/python
 	mkdir -p $(PEERS)
 	test -f $(LLAMA_SRC)/CMakeLists.txt || ( cd $(PEERS) && ../../$(BIN)/pip download -q --no-deps --no-binary :all: \
 		llama-cpp-python==$(LLAMA_CPP_PYTHON) -d . && tar xzf llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz )
 	cmake -S $(LLAMA_SRC) -B $(PEERS)/llama.cpp -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON
+		-DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON \
+		-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)"
 	cmake --build $(PEERS)/llama.cpp -j 2 --target llama-server llama-bench
 	$(BIN)/pip install -q 'sentencepiece>=0.2'  # convert_hf_to_gguf.py imports it
 	$@ --version
