@@ -429,15 +429,15 @@ def run(argv: list[str] | None = None) -> int:
 
         source = smollm2.gguf_path()
     try:
-        found = gguf.find(source)
-        directory = gguf.hf_directory(found) if found is not None else source
+        gguf_file = gguf.find(source)
+        directory = gguf.hf_directory(gguf_file) if gguf_file is not None else source
     except gguf.GGUFError as e:
         ap.error(str(e))
     if not (directory / "config.json").is_file():
         ap.error(f"{source}: not a GGUF file or a Hugging Face directory")
     if args.llama_server and not args.lengths:
         ap.error("--llama-server answers passkeys: give --lengths")
-    if args.llama_server and found is None:
+    if args.llama_server and gguf_file is None:
         ap.error(f"--llama-server reads the GGUF file the model came from; {source} is a directory without one")
     if args.llama_server:
         from sharp.benchmarks.peers import LLAMA_CPP
@@ -506,7 +506,7 @@ def run(argv: list[str] | None = None) -> int:
         try:
             for name in names:
                 if (flags := peer_flags(table[name])) is not None:
-                    results[peer_name(name)] = {"passkey": llama_server_hits(found, prompts, t0, name, flags)}
+                    results[peer_name(name)] = {"passkey": llama_server_hits(gguf_file, prompts, t0, name, flags)}
         except PeerUnavailable as e:
             print(f"sharp-bench quality: llama-server: {e}", file=sys.stderr)
             return 1
