@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import torch
 
-from sharp.exporter import metadata
+from sharp.exporter import kept_logits, metadata
 from sharp.exporter.precision import BOUNDS, CPU_RUNS, Agreement
 from sharp.exporter.settings import ExportSettings
 from sharp.models.config import ModelShape
@@ -58,11 +58,13 @@ def verify(
     g = torch.Generator().manual_seed(0)
     rows = []
 
-    def run(ids: torch.Tensor, past: list[torch.Tensor], mask: torch.Tensor, pos: torch.Tensor):
+    inputs = [i.name for i in sess.get_inputs()]
+
+    def run(ids: torch.Tensor, past: list[torch.Tensor], mask: torch.Tensor, pos: torch.Tensor, keep: int = 0):
         feed = {"input_ids": ids.numpy(), "attention_mask": mask.numpy(), "position_ids": pos.numpy()}
         if kv_cache:
             feed.update({n: t.numpy() for n, t in zip(names[3:], past, strict=True)})
-        return sess.run(None, feed)
+        return sess.run(None, feed | kept_logits.feed(inputs, keep))
 
     vocab = min(shape.vocab_size, 256)
     for batch, length in ((1, 9), (3, 2)):
@@ -71,12 +73,16 @@ def verify(
         mask = torch.ones(batch, length, dtype=torch.int64)
         empty = [torch.zeros(batch, shape.kv_heads, 0, shape.head_dim) for _ in range(2 * shape.layers)]
         got = run(ids, empty, mask, pos)
-        rows.append((f"prefill B={batch} L={length}", *_diffs(got, *reference(ids))))
+        logits, entropy = reference(ids)
+        rows.append((f"prefill B={batch} L={length}", *_diffs(got, logits, entropy)))
+        if kept_logits.INPUT in inputs:  # the last position's logits alone, as a server's prefill asks for them
+            last = run(ids, empty, mask, pos, keep=1)
+            rows.append((f"prefill B={batch} L={length} last", *_diffs(last, logits[:, -1:], entropy)))
         if kv_cache and length == 9:
             past = got[1:-1]
             nxt = torch.randint(0, vocab, (1, 1), generator=g)
             got2 = run(
-                nxt, [torch.from_numpy(p) for p in past], torch.ones(1, 10, dtype=torch.int64), torch.tensor([[9]])
+                nxt, [torch.from_numpy(p) for p in past], torch.ones(1, 10, dtype=torch.int64), torch.tensor([[9]]), 1
             )
             logits, entropy = reference(torch.cat((ids, nxt), 1))
             rows.append(("decode with past=9", *_diffs(got2, logits[:, -1:], entropy[..., -1:])))
@@ -161,6 +167,8 @@ def verify_text(
     sess = session(path, library, cuda)
     names, _ = io_names(shape.layers, kv_cache)
 
+    inputs = [i.name for i in sess.get_inputs()]
+
     def run(x: np.ndarray, past: list[np.ndarray], start: int):
         batch, n = x.shape
         feed = {
@@ -170,7 +178,7 @@ def verify_text(
         }
         if kv_cache:
             feed.update(zip(names[3:], past, strict=True))
-        return sess.run(None, feed)
+        return sess.run(None, feed | kept_logits.feed(inputs, 1 if n == 1 else 0))  # a step: its one position
 
     kv = metadata.read(path).kv_numpy_dtype
     empty = [np.zeros((2, shape.kv_heads, 0, shape.head_dim), kv) for _ in range(2 * shape.layers)]

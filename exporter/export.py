@@ -17,7 +17,7 @@ import torch
 from onnx import helper
 from torch import Tensor, nn
 
-from sharp.exporter import cache_form, fallback, rotary, siblings, tensorrt
+from sharp.exporter import cache_form, fallback, kept_logits, rotary, siblings, tensorrt
 from sharp.exporter.metadata import ModelMetadata
 from sharp.exporter.op_schema import FALLBACK, SHARP, translate
 from sharp.exporter.precision import HALF, QUANTIZED, fusion_key, quantize, to_half
@@ -145,6 +145,7 @@ def finalize(proto: onnx.ModelProto, meta: ModelMetadata, settings: ExportSettin
     in_place = settings.kv_cache and not settings.tensorrt  # TensorRT engines own their I/O buffers
     if in_place:
         cache_form.rewrite(proto)
+        kept_logits.add(proto)  # a prefill chunk's logits at its last position only (kept_logits.py)
     meta.export["kv_in_place"] = in_place
     functions = [f for f in proto.functions if f.domain not in (SHARP.domain, FALLBACK.domain)]
     if settings.fallback != "none":

@@ -20,6 +20,7 @@ from typing import Any
 
 import onnx
 
+from sharp.exporter import kept_logits
 from sharp.exporter.metadata import ModelMetadata
 from sharp.models.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -93,7 +94,9 @@ def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> tuple[str, dict[str, An
 
 
 def write_package(proto: onnx.ModelProto, meta: ModelMetadata, out: Path, library: str | None) -> list[Path]:
-    """Write the package into the (new or empty) directory `out`; returns the files written."""
+    """Write the package into the (new or empty) directory `out`; returns the files written. `proto` loses its
+    `logits_to_keep` input first (kept_logits.py): onnxruntime-genai feeds only the inputs it knows."""
+    kept_logits.remove(proto)
     out.mkdir(parents=True, exist_ok=True)
     library_name = Path(library).name if library else None
     files = [out / MODEL_FILE, out / "genai_config.json", out / "tokenizer.json", out / "tokenizer_config.json"]

@@ -179,6 +179,44 @@ def test_a_prefill_in_place_writes_the_sequences_own_buffers_and_the_batch_takes
     assert not any(np.shares_memory(t, buffer) for t in entry.cache)
 
 
+def test_a_prefill_computes_the_logits_of_its_last_position_only(model_files):
+    """The file's `logits_to_keep` input (exporter/kept_logits.py): a prefill chunk and a decode step have
+    onnxruntime compute the logits of their last position alone; prompt scores (every position) and a batched
+    prefill (rows that end at different columns) all of them. The logits a caller reads are the same either way."""
+    be = load_backend(model_files["onnxruntime"])
+    assert "logits_to_keep" in be.input_names
+    shapes = []
+    run, run_bound = be.session.run, be.session.run_with_iobinding
+
+    def spy(names, feed, *rest):
+        out = run(names, feed, *rest)
+        shapes.append(tuple(out[0].shape))
+        return out
+
+    def spy_bound(binding, *rest):
+        run_bound(binding, *rest)
+        shapes.append(tuple(binding.get_outputs()[0].shape()))
+
+    be.session.run, be.session.run_with_iobinding = spy, spy_bound
+    vocab = be.spec.vocab_size
+    be.allocate(2**26)
+    prompt = np.array([[256, *range(30, 69)]])  # 40 tokens
+    for seq in "abcd":
+        assert be.reserve(seq, 100)
+    last = be.prefill("a", prompt, 0, entropy=True)
+    assert shapes[-1] == (1, 1, vocab)
+    scored = be.prefill("b", prompt, 0, entropy=True, scores=True)
+    assert shapes[-1] == (1, 40, vocab) and scored.scores.shape == (40, vocab)
+    np.testing.assert_allclose(last.logits, scored.logits, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(scored.logits[0], scored.scores[-1], atol=1e-5, rtol=0)
+    be.join("a")
+    be.decode(["a"], np.array([[7]]), entropy=True)
+    assert shapes[-1] == (1, 1, vocab)
+    both = be.prefill_many([Chunk("c", prompt[:, :30], 0), Chunk("d", prompt, 0)], entropy=True)
+    assert shapes[-1] == (2, 40, vocab)  # one run of both rows, right-padded
+    np.testing.assert_allclose(both[1].logits, last.logits, atol=1e-5, rtol=0)
+
+
 def test_a_buffer_that_fills_beside_a_free_slot_moves_before_the_step_is_laid_out(model_files, reference, caplog):
     """A row left (a free slot, not yet dropped) when the in-place buffers run out of room: the move drops the free
     slot and renumbers the rows, so the step's tokens must be laid out after it — else the batched step fails on a

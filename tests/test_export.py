@@ -89,6 +89,7 @@ def test_cached_decoding_through_onnx_equals_full_recomputation(tmp_path):
         }
         for i in range(2):
             feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
+        feed["logits_to_keep"] = np.array([1 if length == 1 else 0])  # a step: its one position; else every one
         return sess.run(None, feed)
 
     empty = [np.zeros((2, 2, 0, 8), np.float32)] * 4
@@ -127,7 +128,8 @@ def test_an_fp16_kv_cache_file(tmp_path, capsys, native):
         def run(tokens, past, start, sess=sess):
             n = tokens.shape[1]
             feed = {"input_ids": tokens, "attention_mask": np.ones((2, start + n), np.int64),
-                    "position_ids": np.tile(np.arange(start, start + n), (2, 1))}  # fmt: skip
+                    "position_ids": np.tile(np.arange(start, start + n), (2, 1)),
+                    "logits_to_keep": np.array([1])}  # fmt: skip
             return sess.run(None, {**feed, **dict(zip(names, past, strict=True))})
 
         first = run(ids[:, :11], [np.zeros((2, 2, 0, 8), dtype)] * 4, 0)
@@ -284,6 +286,7 @@ def test_files_name_their_dimensions_and_carry_only_the_functions_they_call(tmp_
     assert not any(re.search(r"\bs\d+\b", d) for d in dims), dims
     assert {"batch", "sequence", "past_sequence", "total_sequence"} <= dims
     assert "present_sequence" in dims  # the cache form: a present is as long as its buffer
+    assert "kept_sequence" in dims  # logits at the last `logits_to_keep` positions (kept_logits.py)
     called = _called(proto.graph.node).union(*(_called(f.node) for f in proto.functions))
     assert all(f.name in called for f in proto.functions), [f.name for f in proto.functions if f.name not in called]
     assert ("ThresholdSums" in {f.name for f in proto.functions}) == (norm == "entmax")

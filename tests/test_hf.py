@@ -332,6 +332,8 @@ def test_genai_package_of_a_transformers_model_generates_transformers_greedy_tok
             .tolist()
         )
     assert _genai_greedy(package, ids, 16) == want
+    inputs = {i.name for i in onnx.load(package / "model.onnx", load_external_data=False).graph.input}
+    assert "logits_to_keep" not in inputs and "input_ids" in inputs  # onnxruntime-genai feeds what it knows
     assert check_model_path(package, "onnxruntime") == package / "model.onnx"  # sharp-serve takes the package
     backend = load_backend(package)
     assert backend.spec.name == "llama" and backend.spec.norm == "adaptive"  # named as its source, not "model"

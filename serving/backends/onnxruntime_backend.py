@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from sharp.exporter import metadata
+from sharp.exporter import kept_logits, metadata
 from sharp.plugins.onnxruntime import NativeOpUnavailable, choose_library
 from sharp.serving.backends.interface import BackendError, GraphBackend, StepOutput
 from sharp.serving.spec import ModelSpec
@@ -52,7 +52,8 @@ class OnnxRuntimeBackend(GraphBackend):
         self.spec = ModelSpec(meta.name or Path(path).stem, "onnxruntime", meta)
         self.in_place = bool(meta.export.get("kv_in_place", False))  # the op's cache form (exporter/cache_form.py)
         GraphBackend.__init__(self)
-        self.past_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.past_names = [n for n in self.input_names if n.startswith("past_key_values.")]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.present_names = [n for n in self.output_names if n.startswith("present.")]
         self._binding: _Binding | None = None  # the running batch's buffers, bound
@@ -76,6 +77,7 @@ class OnnxRuntimeBackend(GraphBackend):
             "attention_mask": attention_mask,
             "position_ids": position_ids,
             **dict(zip(self.past_names, past, strict=True)),
+            **kept_logits.feed(self.input_names, _keep(last, every)),
         }
         names = self.output_names if entropy else self.output_names[:-1]
         logits, *rest = self.session.run(names, feed)
@@ -93,6 +95,7 @@ class OnnxRuntimeBackend(GraphBackend):
             binding.bind_output(name)
         _bind_cache(self, binding, past)
         small = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        small.update(kept_logits.feed(self.input_names, _keep(last, every)))
         for name, array in small.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
         self.session.run_with_iobinding(binding)
@@ -120,6 +123,12 @@ class OnnxRuntimeBackend(GraphBackend):
         return StepOutput(bound.logits[:, -1].copy(), past, ent)
 
 
+def _keep(last, every: bool) -> int:
+    """`logits_to_keep` for a run: the last position's row alone, unless every position's logits are read (prompt
+    log-probabilities) or rows end at different columns (`last`: a batched prefill); 0 keeps every position."""
+    return 0 if every or last is not None else 1
+
+
 def _bind_cache(backend: OnnxRuntimeBackend, binding: ort.IOBinding, past: list[np.ndarray]) -> None:
     """Each past buffer bound as its layer's input and as its present: the kernel writes into the same memory."""
     for name, present, buffer in zip(backend.past_names, backend.present_names, past, strict=True):
@@ -144,6 +153,9 @@ class _Binding:
         for name, array in outputs.items():
             self.binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(array))
         _bind_cache(backend, self.binding, past)
+        self.keep = kept_logits.feed(backend.input_names, 1)  # a step's one position (kept alive: it is bound)
+        for name, array in self.keep.items():
+            self.binding.bind_cpu_input(name, array)
 
     def holds(self, past: list[np.ndarray]) -> bool:
         return len(past) == len(self.past) and all(a is b for a, b in zip(past, self.past, strict=True))
