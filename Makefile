@@ -7,7 +7,7 @@ CORE_STAMP := $(VENV)/.installed-core
 # These machines carry a local CPU wheel of exactly this torch; an unpinned torch pulls GBs of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install deploy-tools triton-oldest peers wheelhouse image test test-kernels test-bench test-wheel test-compile test-fast test-gpu lint demo bench zoo clean
+.PHONY: install deploy-tools triton-oldest peers wheelhouse wheelhouse-gpu image test test-kernels test-bench test-wheel test-compile test-fast test-gpu lint demo bench zoo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -82,6 +82,16 @@ WHEELHOUSE ?= build/wheelhouse
 WHEELHOUSE_PYTHON ?= 3.12
 wheelhouse: $(STAMP)
 	$(BIN)/python deploy/wheelhouse.py $(WHEELHOUSE) --python $(WHEELHOUSE_PYTHON) $(WHEELHOUSE_ARGS)
+
+# What deploy/gpu_checks.sh carries to a lent GPU machine: sharp's wheel and what that machine's CUDA image lacks
+# (30 MB; the full wheelhouse, 159 MB, is over the 64 MiB a run may carry, and its numpy, onnx or huggingface_hub
+# would shadow the image's own, which its transformers was built against).
+GPU_IMAGE_LACKS := protobuf grpcio grpcio-health-checking grpcio-reflection prometheus-client llguidance aiohttp \
+	aiohappyeyeballs aiosignal frozenlist multidict propcache yarl attrs pydantic pydantic-core annotated-types \
+	typing-inspection typing-extensions pytest pytest-xdist execnet pluggy iniconfig
+wheelhouse-gpu: $(STAMP)
+	rm -rf build/wheelhouse-gpu
+	$(BIN)/python deploy/wheelhouse.py build/wheelhouse-gpu --python 3.12 --only $(GPU_IMAGE_LACKS)
 
 # --dist loadfile: a module's tests on one worker, so a module's fixtures (exports, servers) are built once, not on
 # both workers (10:30 against 11:28 for the whole suite on 2 cores).

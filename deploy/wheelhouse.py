@@ -27,8 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LEFT_OUT = {"torch"}  # GPU images carry their own CUDA build of it
-# Linux x86-64 tags pip accepts, newest first: pip matches each exactly, so a wheel built for any glibc up to 2.28 fits
-DEFAULT_PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (28, 27, 17)] + ["manylinux2014_x86_64", "linux_x86_64"]
+# Linux x86-64 tags pip accepts, newest first: pip matches each exactly, so a wheel built for glibc 2.31, 2.28, 2.27 or
+# 2.17 fits (llguidance 1.9 ships for 2.31 only; the GPU image's Python 3.12.3 is Ubuntu 24.04's, glibc 2.39)
+DEFAULT_PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (31, 28, 27, 17)] + ["manylinux2014_x86_64", "linux_x86_64"]
 
 
 def canonical(name: str) -> str:

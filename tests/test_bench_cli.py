@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,39 @@ def test_kernels_smoke_turns_the_interpreter_on_itself(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "| softmax |" in proc.stdout and not (tmp_path / "docs").exists()
     assert "| entmax (paged, 16-key pages, sparse: 16 planted keys, " in proc.stdout  # the skipping kernel's row
+
+
+@pytest.mark.bench
+def test_kernels_writes_its_section_as_it_measures_so_a_run_cut_short_keeps_it(tmp_path, monkeypatch):
+    """The GPU check runs `kernels` under a time limit: the decode rows come first and the section is written after
+    them and after each prefill case, marked partial until the last. Here the second prefill case fails."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("in process, the smoke run needs the interpreter chosen before triton was imported (conftest)")
+    from sharp.benchmarks import kernels
+
+    page = tmp_path / "bench.md"
+    page.write_text("# Benchmarks\n")
+    measure = kernels._prefill_rows
+
+    def cut_short(*args, only: int):
+        if only == 1:
+            raise TimeoutError("the step's time limit")
+        return measure(*args, only=only)
+
+    monkeypatch.setattr(kernels, "_prefill_rows", cut_short)
+    with pytest.raises(TimeoutError):
+        kernels.run(["--smoke", "--norms", "softmax", "--write", str(page)])
+    text = page.read_text()
+    assert "**Partial: 1 of 2 prefill cases measured so far.**" in text
+    assert re.search(r"^\| 100 \| softmax \(paged, 16-key pages\) \|", text, re.M)  # the decode rows
+    assert re.search(r"^\| 40 \| 16 \| full \| softmax \|", text, re.M)  # the first prefill case
+    assert not re.search(r"^\| 40 \| 16 \| causal \|", text, re.M)
+    monkeypatch.setattr(kernels, "_prefill_rows", measure)
+    assert kernels.run(["--smoke", "--norms", "softmax", "--write", str(page)]) == 0
+    text = page.read_text()
+    assert "Partial" not in text and text.count("## Triton kernels on GPU") == 1
+    assert re.search(r"^\| 40 \| 16 \| causal \| softmax \|", text, re.M)
 
 
 @pytest.mark.bench

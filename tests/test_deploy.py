@@ -502,9 +502,11 @@ def test_gpu_checks_refuse_without_cuda_or_wheels_and_report_each_failed_step(tm
     log = (tmp_path / "out" / "log").read_text()
     assert r.returncode == 1, r.stdout + r.stderr
     assert "-m pytest -q -m gpu" in log
-    assert "kernels --check --lengths 16384 --head-dims 128 --decode-lengths 32768 131072" in log
-    assert "== long-context: exit 3" in log and "== kernels --check: exit" not in log
+    assert "kernels --lengths 16384 --head-dims 128 --decode-lengths 32768 131072 1048576" in log
+    assert "== long-context: exit 3" in log and "== kernels: exit" not in log
     assert "hf-serve --repeats 1" in log and "== hf-serve: exit" not in log  # the step after a failed one still ran
+    limits = [int(n) for n in re.findall(r"^step (\d+) ", (DEPLOY / "gpu_checks.sh").read_text(), re.M)]
+    assert len(limits) == 4 and sum(limits) <= 540  # inside the lent machine's 600 s, installing included
     assert (tmp_path / "out" / "benchmarks.md").read_text() == (ROOT / "docs" / "benchmarks.md").read_text()
 
 

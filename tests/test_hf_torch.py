@@ -231,10 +231,14 @@ def test_hf_serve_benchmark_smoke_runs_both_sides_and_reports_parity(tmp_path):
     assert hfserve.run(["--smoke", "--write", str(page)]) == 0
     text = page.read_text()
     assert text.count("greedy tokens equal ✓") == 3 and "✗" not in text
+    assert text.count(hfserve.TITLE) == 1  # the section has its heading, as every other section of the page
     for title in ("**Throughput**", "**TTFT**", "**Decode after 128 tokens**"):
-        assert title in text
-    rows = [line for line in text.splitlines() if line.startswith("| 3 |")]  # C = 3: both sides measured
-    assert len(rows) == 1 and all(float(c.strip().rstrip("×").replace(",", "")) > 0 for c in rows[0].split("|")[2:5])
+        assert text.count(title) == 1  # one table per measure, grown by a row per concurrency, not one per row
+    for c in (1, 3):  # both concurrencies, both sides measured
+        rows = [line for line in text.splitlines() if line.startswith(f"| {c} |")]
+        assert len(rows) == 1 and all(
+            float(x.strip().rstrip("×").replace(",", "")) > 0 for x in rows[0].split("|")[2:5]
+        )
 
 
 def test_decode_graphs_pad_to_buckets_and_serve_what_eager_serves(dirs):

@@ -53,6 +53,7 @@ SMOLLM2 = dict(
 TINY = dict(SMOLLM2, vocab_size=512, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=3,
             num_key_value_heads=1)  # fmt: skip
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TITLE = "## A Hugging Face model on the torch backend vs transformers' continuous batching (GPU)"
 
 
 def _progress(t0: float, message: str) -> None:
@@ -171,7 +172,7 @@ def run(argv: list[str] | None = None) -> int:
         ap.error("--concurrency, --prompt, --new-tokens, --ttft, --decode-length and --repeats must be >= 1")
     gpu = torch.cuda.is_available() and not args.smoke
     if args.smoke:
-        args.concurrency, args.prompt, args.new_tokens, args.ttft = [3], 24, 6, [96]
+        args.concurrency, args.prompt, args.new_tokens, args.ttft = [1, 3], 24, 6, [96]
         args.decode_length, args.repeats, args.dtype = 128, 1, "fp32"
         args.no_write = args.no_write or args.write is None
     elif not gpu:
@@ -180,14 +181,15 @@ def run(argv: list[str] | None = None) -> int:
     device = "cuda" if gpu else "cpu"
     name = torch.cuda.get_device_name() if gpu else "CPU (smoke run: numbers meaningless)"
     page = output_page(args)
-    sections: list[str] = []
+    sections: dict[str, str] = {}  # title → text, in the order first measured; a table grown by a row replaces itself
     t0 = time.perf_counter()
 
     def add(title: str, text: str) -> None:  # written as it goes: a run cut short keeps what it measured
-        sections.append(f"**{title}**\n\n{text}")
+        sections[title] = text
         body = (
-            f"{today()}, {name}, {args.command}; model {args.model or 'SmolLM2-135M shape, random weights'}, "
-            f"{args.dtype} unless said.\n\n" + "\n\n".join(sections)
+            f"{TITLE}\n\n{today()}, {name}, {args.command}; model "
+            f"{args.model or 'SmolLM2-135M shape, random weights'}, {args.dtype} unless said.\n\n"
+            + "\n\n".join(f"**{t}**\n\n{x}" for t, x in sections.items())
         )
         if page is not None:
             write_section("hf-serve", body, page)

@@ -8,7 +8,8 @@ Decode: one query per sequence over a long cache, contiguous and paged; achieved
 bandwidth against a measured device copy bandwidth. Medians via triton.testing.do_bench. `--check` adds each
 prefill kernel's largest output and entropy error against the fp32 streamed reference on the same inputs.
 `--smoke` runs the same pipeline at toy sizes on the CPU (in Triton's interpreter, which it turns on) to check the
-script, writing nothing.
+script, writing only to a page named with --write. The section is written after the decode rows and after each
+prefill case, so a run cut short by a time limit leaves what it measured.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ def _reference_error(problem, out: torch.Tensor, ent: torch.Tensor) -> str:
     return f"{(out.float() - ref_out).abs().max():.1e} / {(ent.float() - ref_ent).abs().max():.1e}"
 
 
-def _prefill_rows(args, device, dtype, gpu: bool) -> list[list[str]]:
+def _prefill_rows(args, device, dtype, gpu: bool, only: int) -> list[list[str]]:
+    """The rows of prefill case `only` (lengths × head dims × full/causal, in that order)."""
     from sharp.plugins.triton.attention import run_problem
 
     rows = []
     cases = [(length, d, causal) for length in args.lengths for d in args.head_dims for causal in (False, True)]
-    for length, d, causal in tqdm(cases, desc="prefill", unit="case"):
+    for length, d, causal in tqdm(cases[only : only + 1], desc=f"prefill {only + 1}/{len(cases)}", unit="case"):
         heads = max(1, args.head_budget // d)
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(1, heads, length, d, device=device, dtype=dtype, generator=g) for _ in range(3))
@@ -270,6 +272,8 @@ def _decode_rows(args, device, dtype, gpu: bool) -> tuple[list[list[str]], float
     return rows, copy_gbs
 
 
+PREFILL_HEADER = ["L", "D", "mask", "kernel", "ms", "host ms", "TFLOP/s", "× SDPA", "block sparsity", "passes",
+                  "max Δ out / H"]  # fmt: skip
 PLANTED_KEYS = 16  # the sparse paged row's keys that hold the weight, spread over the sequence
 
 
@@ -322,6 +326,30 @@ def _paged_row(q, k, v, norm: str, page: int, copy_gbs: float, kv_bytes: int, gp
     return [f"{lk:,}", name, "auto", f"{ms:.3f}", f"{host:.3f}", f"{gbs:,.0f}", f"{gbs / copy_gbs:.0%}"]
 
 
+def _body(args, head: str, prefill: list, decode: list, copy_gbs: float, done: int, cases: int) -> str:
+    partial = "" if done == cases else f" **Partial: {done} of {cases} prefill cases measured so far.**"
+    return "\n".join(
+        [
+            "## Triton kernels on GPU",
+            "",
+            head + partial,
+            "bf16, one sequence, heads = 1024 / D; median of triton.testing.do_bench. TFLOP/s counts 4·H·L²·D"
+            " (half of it when causal) for every norm, so it is comparable across rows; × SDPA = SDPA time / ours."
+            " Entmax block sparsity = key tiles skipped in the output pass; passes = threshold passes."
+            " FlexAttention rows compute the output only (sharp's kernels also return the per-head entropy)."
+            " host ms = wall time to issue one call (20 back to back, before waiting for the GPU): above ms, Python"
+            " is the bottleneck.",
+            "",
+            markdown_table(PREFILL_HEADER, prefill),
+            "",
+            f"Decode (Lq = 1, Hq = {args.decode_heads}, Hkv = {args.decode_kv_heads}, D = {args.decode_head_dim}):"
+            f" K+V bytes read per call / time, against a measured device copy bandwidth of {copy_gbs:,.0f} GB/s.",
+            "",
+            markdown_table(["keys", "norm", "splits", "ms", "host ms", "GB/s", "of copy"], decode),
+        ]
+    )
+
+
 def run(argv: list[str] | None = None) -> int:
     ap = BenchParser(prog="sharp-bench kernels", description=__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
@@ -334,7 +362,8 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-head-dim", type=int, default=128)
     ap.add_argument("--copy-bytes", type=int, default=2**31)
     ap.add_argument("--page-size", type=int, default=64, help="keys per page of the paged decode rows")
-    ap.add_argument("--smoke", action="store_true", help="toy sizes on CPU in the Triton interpreter; writes nothing")
+    ap.add_argument("--smoke", action="store_true",
+                    help="toy sizes on CPU in the Triton interpreter; writes only to a --write page")  # fmt: skip
     ap.add_argument("--check", action="store_true", help="prefill errors against the fp32 streamed reference")
     ap.add_argument(
         "--static",
@@ -364,7 +393,8 @@ def run(argv: list[str] | None = None) -> int:
             ap.error(f"--smoke: {problem}")
         args.lengths, args.head_dims, args.head_budget = [40], [16], 32
         args.decode_lengths, args.decode_heads, args.decode_kv_heads, args.decode_head_dim = [100], 4, 2, 16
-        args.copy_bytes, args.no_write, args.page_size = 2**20, True, 16
+        args.copy_bytes, args.page_size = 2**20, 16
+        args.no_write = args.no_write or args.write is None  # only to a page named with --write
     elif not gpu:
         print("sharp-bench kernels: no CUDA GPU here; use --smoke to check the script on CPU", flush=True)
         return 2
@@ -376,46 +406,19 @@ def run(argv: list[str] | None = None) -> int:
 
     tiles = "tuned per class (the first call of each)" if autotuning(torch.device(device)) else (
         "the default 64×64, untuned (SHARP_TRITON_AUTOTUNE=0)")  # fmt: skip
-    prefill = _prefill_rows(args, device, dtype, gpu)
-    decode, copy_gbs = _decode_rows(args, device, dtype, gpu)
     name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter, smoke run: numbers meaningless)"
-    body = "\n".join(
-        [
-            "## Triton kernels on GPU",
-            "",
-            f"Measured {today()} on {name}, torch {torch.__version__}, Triton {triton.__version__}."
-            f" Command: {args.command}. Prefill tiles: {tiles}.",
-            "bf16, one sequence, heads = 1024 / D; median of triton.testing.do_bench. TFLOP/s counts 4·H·L²·D"
-            " (half of it when causal) for every norm, so it is comparable across rows; × SDPA = SDPA time / ours."
-            " Entmax block sparsity = key tiles skipped in the output pass; passes = threshold passes."
-            " FlexAttention rows compute the output only (sharp's kernels also return the per-head entropy)."
-            " host ms = wall time to issue one call (20 back to back, before waiting for the GPU): above ms, Python"
-            " is the bottleneck.",
-            "",
-            markdown_table(
-                [
-                    "L",
-                    "D",
-                    "mask",
-                    "kernel",
-                    "ms",
-                    "host ms",
-                    "TFLOP/s",
-                    "× SDPA",
-                    "block sparsity",
-                    "passes",
-                    "max Δ out / H",
-                ],
-                prefill,
-            ),
-            "",
-            f"Decode (Lq = 1, Hq = {args.decode_heads}, Hkv = {args.decode_kv_heads}, D = {args.decode_head_dim}):"
-            f" K+V bytes read per call / time, against a measured device copy bandwidth of {copy_gbs:,.0f} GB/s.",
-            "",
-            markdown_table(["keys", "norm", "splits", "ms", "host ms", "GB/s", "of copy"], decode),
-        ]
-    )
+    head = f"Measured {today()} on {name}, torch {torch.__version__}, Triton {triton.__version__}."
+    head += f" Command: {args.command}. Prefill tiles: {tiles}."
+    page = output_page(args)
+    cases = len(args.lengths) * len(args.head_dims) * 2
+    # decode first, then the section after it and after each prefill case: a run cut short keeps what it measured
+    decode, copy_gbs = _decode_rows(args, device, dtype, gpu)
+    prefill: list[list[str]] = []
+    for done in range(cases + 1):
+        if done:
+            prefill += _prefill_rows(args, device, dtype, gpu, only=done - 1)
+        body = _body(args, head, prefill, decode, copy_gbs, done, cases)
+        if page is not None:
+            write_section("kernels", body, page)
     print(body)
-    if (page := output_page(args)) is not None:
-        write_section("kernels", body, page)
     return 0
