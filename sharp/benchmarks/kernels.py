@@ -8,8 +8,8 @@ Decode: one query per sequence over a long cache, contiguous and paged; achieved
 bandwidth against a measured device copy bandwidth. Medians via triton.testing.do_bench. `--check` adds each
 prefill kernel's largest output and entropy error against the fp32 streamed reference on the same inputs.
 `--smoke` runs the same pipeline at toy sizes on the CPU (in Triton's interpreter, which it turns on) to check the
-script, writing only to a page named with --write. The section is written after the decode rows and after each
-prefill case, so a run cut short by a time limit leaves what it measured.
+script, writing only to a page named with --write. Decode runs first; the section is written after each decode length
+and each prefill case, so a run cut short by a time limit leaves what it measured.
 """
 
 from __future__ import annotations
@@ -248,28 +248,27 @@ def _copy_bandwidth(device, gpu: bool, nbytes: int) -> float:
     return 2 * nbytes / ms / 1e6  # GB/s, read + write
 
 
-def _decode_rows(args, device, dtype, gpu: bool) -> tuple[list[list[str]], float]:
+def _decode_rows(args, device, dtype, gpu: bool, lk: int, copy_gbs: float) -> list[list[str]]:
+    """The decode rows at `lk` keys: every norm contiguous (split-K) and paged, the entmax family also sparse."""
     from sharp.plugins.triton.attention import launch_config, run_problem
 
-    copy_gbs = _copy_bandwidth(device, gpu, args.copy_bytes)
     rows = []
-    for lk in tqdm(args.decode_lengths, desc="decode", unit="case"):
-        hq, hkv, d = args.decode_heads, args.decode_kv_heads, args.decode_head_dim
-        g = torch.Generator(device=device).manual_seed(1)
-        q = torch.randn(1, hq, 1, d, device=device, dtype=dtype, generator=g)
-        k, v = (torch.randn(1, hkv, lk, d, device=device, dtype=dtype, generator=g) for _ in range(2))
-        kv_bytes = 2 * hkv * lk * d * k.element_size()
-        for norm in args.norms:
-            problem = _problem(q, k, v, norm, True, torch.ones(1, hq, 1, device=device))
-            run_problem(problem)
-            splits = launch_config(problem).splits
-            ms = _median_ms(lambda p=problem: run_problem(p), gpu)
-            host = _host_ms(lambda p=problem: run_problem(p), gpu)
-            gbs = kv_bytes / ms / 1e6
-            rows.append([f"{lk:,}", norm, str(splits), f"{ms:.3f}", f"{host:.3f}", f"{gbs:,.0f}",
-                         f"{gbs / copy_gbs:.0%}"])  # fmt: skip
-            rows += _paged_rows(q, k, v, norm, args.page_size, copy_gbs, kv_bytes, gpu)
-    return rows, copy_gbs
+    hq, hkv, d = args.decode_heads, args.decode_kv_heads, args.decode_head_dim
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(1, hq, 1, d, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(1, hkv, lk, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+    kv_bytes = 2 * hkv * lk * d * k.element_size()
+    for norm in tqdm(args.norms, desc=f"decode {lk:,}", unit="norm"):
+        problem = _problem(q, k, v, norm, True, torch.ones(1, hq, 1, device=device))
+        run_problem(problem)
+        splits = launch_config(problem).splits
+        ms = _median_ms(lambda p=problem: run_problem(p), gpu)
+        host = _host_ms(lambda p=problem: run_problem(p), gpu)
+        gbs = kv_bytes / ms / 1e6
+        rows.append([f"{lk:,}", norm, str(splits), f"{ms:.3f}", f"{host:.3f}", f"{gbs:,.0f}",
+                     f"{gbs / copy_gbs:.0%}"])  # fmt: skip
+        rows += _paged_rows(q, k, v, norm, args.page_size, copy_gbs, kv_bytes, gpu)
+    return rows
 
 
 PREFILL_HEADER = ["L", "D", "mask", "kernel", "ms", "host ms", "TFLOP/s", "× SDPA", "block sparsity", "passes",
@@ -411,14 +410,18 @@ def run(argv: list[str] | None = None) -> int:
     head += f" Command: {args.command}. Prefill tiles: {tiles}."
     page = output_page(args)
     cases = len(args.lengths) * len(args.head_dims) * 2
-    # decode first, then the section after it and after each prefill case: a run cut short keeps what it measured
-    decode, copy_gbs = _decode_rows(args, device, dtype, gpu)
+    copy_gbs = _copy_bandwidth(device, gpu, args.copy_bytes)
+    decode: list[list[str]] = []
     prefill: list[list[str]] = []
-    for done in range(cases + 1):
-        if done:
-            prefill += _prefill_rows(args, device, dtype, gpu, only=done - 1)
-        body = _body(args, head, prefill, decode, copy_gbs, done, cases)
+    # decode first, then prefill; the section is written after each decode length and each prefill case, so a run
+    # cut short keeps what it measured
+    for lk in args.decode_lengths:
+        decode += _decode_rows(args, device, dtype, gpu, lk, copy_gbs)
         if page is not None:
-            write_section("kernels", body, page)
-    print(body)
+            write_section("kernels", _body(args, head, prefill, decode, copy_gbs, 0, cases), page)
+    for done in range(1, cases + 1):
+        prefill += _prefill_rows(args, device, dtype, gpu, only=done - 1)
+        if page is not None:
+            write_section("kernels", _body(args, head, prefill, decode, copy_gbs, done, cases), page)
+    print(_body(args, head, prefill, decode, copy_gbs, cases, cases))
     return 0
