@@ -241,6 +241,23 @@ def test_hf_serve_benchmark_smoke_runs_both_sides_and_reports_parity(tmp_path):
         )
 
 
+@pytest.mark.bench
+def test_hf_serve_gives_transformers_a_manager_per_concurrency(tmp_path):
+    """transformers sizes a continuous-batching manager for the requests of the call that makes it: the benchmark's
+    untimed round of each concurrency makes a new one, its timed rounds reuse that one (a manager made for one
+    request and reused for 16 ran them at a fraction of its speed on the H200)."""
+    from sharp.benchmarks import hfserve
+
+    directory = hfserve.write_model(tmp_path / "model", hfserve.TINY, 256)
+    model = hfserve._transformers(directory, torch.float32, "cpu", "sdpa")
+    managers = []
+    for count, warm_up in ((1, True), (1, False), (3, True), (3, False)):
+        tokens, _ = hfserve.transformers_batch(model, hfserve._prompts(count, 8, 512), 2, "cpu", warm_up=warm_up)
+        assert [len(t) for t in tokens] == [2] * count
+        managers.append(model._cached_continuous_batching_manager)
+    assert managers[1] is managers[0] and managers[3] is managers[2] and managers[2] is not managers[0]
+
+
 def test_decode_graphs_pad_to_buckets_and_serve_what_eager_serves(dirs):
     """The CUDA-graph path (serving/backends/graphs.py) on CPU: the same static buffers, buckets and padding, run
     eagerly at each replay. Five sequences of different lengths join and leave: steps of 5, 4, … sequences replay
