@@ -8,7 +8,7 @@
 # "Partial"); a step that fails or runs out of time is said, and the script exits 1 after the others ran.
 # The limits are sized from the first full run (2026-11-29, H200): the 31 GPU tests did not end in 130 s, a 16K
 # prefill case with --check took 2 minutes, building the 1.24B model on the CPU 30 s a norm, and transformers'
-# continuous batching at C = 16 over 90 s.
+# continuous batching at C = 16 over 90 s (it reused a manager sized for C = 1: fixed, sharp/benchmarks/hfserve.py).
 #
 # On the GPU machine, from the checkout, with `make wheelhouse-gpu` (build/wheelhouse-gpu: sharp's wheel and what the
 # CUDA image lacks, for its CPython 3.12) carried:
