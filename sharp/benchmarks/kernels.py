@@ -83,75 +83,74 @@ def _reference_error(problem, out: torch.Tensor, ent: torch.Tensor) -> str:
     return f"{(out.float() - ref_out).abs().max():.1e} / {(ent.float() - ref_ent).abs().max():.1e}"
 
 
-def _prefill_rows(args, device, dtype, gpu: bool, only: int) -> list[list[str]]:
-    """The rows of prefill case `only` (lengths × head dims × full/causal, in that order)."""
+def _prefill_rows(args, device, dtype, gpu: bool, case: tuple[int, int, bool]) -> list[list[str]]:
+    """The rows of one prefill case (length, head dim, causal): SDPA, FlexAttention and every norm."""
     from sharp.plugins.triton.attention import run_problem
 
+    length, d, causal = case
     rows = []
-    cases = [(length, d, causal) for length in args.lengths for d in args.head_dims for causal in (False, True)]
-    for length, d, causal in tqdm(cases[only : only + 1], desc=f"prefill {only + 1}/{len(cases)}", unit="case"):
-        heads = max(1, args.head_budget // d)
-        g = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(1, heads, length, d, device=device, dtype=dtype, generator=g) for _ in range(3))
-        flops = 4 * heads * length * length * d * (0.5 if causal else 1.0)
-        base_ms = _median_ms(lambda q=q, k=k, v=v, causal=causal: _sdpa(q, k, v, causal, gpu), gpu)
+    heads = max(1, args.head_budget // d)
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, d, device=device, dtype=dtype, generator=g) for _ in range(3))
+    flops = 4 * heads * length * length * d * (0.5 if causal else 1.0)
+    base_ms = _median_ms(lambda q=q, k=k, v=v, causal=causal: _sdpa(q, k, v, causal, gpu), gpu)
+    rows.append(
+        [
+            f"{length:,}",
+            str(d),
+            "causal" if causal else "full",
+            "SDPA-flash softmax",
+            f"{base_ms:.2f}",
+            f"{_host_ms(lambda q=q, k=k, v=v, causal=causal: _sdpa(q, k, v, causal, gpu), gpu):.3f}",
+            f"{flops / base_ms / 1e9:.0f}",
+            "1.00×",
+            "—",
+            "—",
+            "—",
+        ]
+    )
+    for norm in (n for n in FLEX_NORMS if n in args.norms):
+        try:
+            run_flex = _flex_runner(q, k, v, norm, causal, gpu)
+            run_flex()  # compile
+            ms = _median_ms(run_flex, gpu)
+        except Exception as e:  # a baseline that cannot run is reported, never ends the run
+            reason = f"not run: {type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e) else ''}"
+            rows.append([f"{length:,}", str(d), "causal" if causal else "full", f"FlexAttention {norm}", "—",
+                         "—", "—", "—", "—", "—", reason])  # fmt: skip
+            if gpu:
+                torch.cuda.empty_cache()
+            continue
+        rows.append([f"{length:,}", str(d), "causal" if causal else "full", f"FlexAttention {norm}", f"{ms:.2f}",
+                     f"{_host_ms(run_flex, gpu):.3f}", f"{flops / ms / 1e9:.0f}", f"{base_ms / ms:.2f}×", "—",
+                     "—", "—"])  # fmt: skip
+    variants = [(n, False) for n in args.norms] + [("entmax", True)] * ("entmax" in args.norms)
+    for norm, nape in variants:
+        lam = torch.rand(1, heads, length, device=device, generator=g) + 1.0
+        problem = _problem(q, k, v, norm, causal, lam, nape_slopes(heads).to(device) if nape else None)
+        stats = StreamStats()
+        out, ent = run_problem(problem, stats=stats)  # warm-up compile + one measured set of stats
+        error = _reference_error(problem, out, ent) if args.check else "—"
+        ms = _median_ms(lambda p=problem: run_problem(p), gpu)
+        is_entmax = registry.get(norm).family is registry.Family.ENTMAX
+        sparse = f"{stats.block_sparsity:.0%}" if is_entmax else "—"
+        passes = str(stats.threshold_passes) if is_entmax else "—"
+        label = norm + (" (NAPE)" if nape else "")
         rows.append(
             [
                 f"{length:,}",
                 str(d),
                 "causal" if causal else "full",
-                "SDPA-flash softmax",
-                f"{base_ms:.2f}",
-                f"{_host_ms(lambda q=q, k=k, v=v, causal=causal: _sdpa(q, k, v, causal, gpu), gpu):.3f}",
-                f"{flops / base_ms / 1e9:.0f}",
-                "1.00×",
-                "—",
-                "—",
-                "—",
+                label,
+                f"{ms:.2f}",
+                f"{_host_ms(lambda p=problem: run_problem(p), gpu):.3f}",
+                f"{flops / ms / 1e9:.0f}",
+                f"{base_ms / ms:.2f}×",
+                sparse,
+                passes,
+                error,
             ]
         )
-        for norm in (n for n in FLEX_NORMS if n in args.norms):
-            try:
-                run_flex = _flex_runner(q, k, v, norm, causal, gpu)
-                run_flex()  # compile
-                ms = _median_ms(run_flex, gpu)
-            except Exception as e:  # a baseline that cannot run is reported, never ends the run
-                reason = f"not run: {type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e) else ''}"
-                rows.append([f"{length:,}", str(d), "causal" if causal else "full", f"FlexAttention {norm}", "—",
-                             "—", "—", "—", "—", "—", reason])  # fmt: skip
-                if gpu:
-                    torch.cuda.empty_cache()
-                continue
-            rows.append([f"{length:,}", str(d), "causal" if causal else "full", f"FlexAttention {norm}", f"{ms:.2f}",
-                         f"{_host_ms(run_flex, gpu):.3f}", f"{flops / ms / 1e9:.0f}", f"{base_ms / ms:.2f}×", "—",
-                         "—", "—"])  # fmt: skip
-        variants = [(n, False) for n in args.norms] + [("entmax", True)] * ("entmax" in args.norms)
-        for norm, nape in variants:
-            lam = torch.rand(1, heads, length, device=device, generator=g) + 1.0
-            problem = _problem(q, k, v, norm, causal, lam, nape_slopes(heads).to(device) if nape else None)
-            stats = StreamStats()
-            out, ent = run_problem(problem, stats=stats)  # warm-up compile + one measured set of stats
-            error = _reference_error(problem, out, ent) if args.check else "—"
-            ms = _median_ms(lambda p=problem: run_problem(p), gpu)
-            is_entmax = registry.get(norm).family is registry.Family.ENTMAX
-            sparse = f"{stats.block_sparsity:.0%}" if is_entmax else "—"
-            passes = str(stats.threshold_passes) if is_entmax else "—"
-            label = norm + (" (NAPE)" if nape else "")
-            rows.append(
-                [
-                    f"{length:,}",
-                    str(d),
-                    "causal" if causal else "full",
-                    label,
-                    f"{ms:.2f}",
-                    f"{_host_ms(lambda p=problem: run_problem(p), gpu):.3f}",
-                    f"{flops / ms / 1e9:.0f}",
-                    f"{base_ms / ms:.2f}×",
-                    sparse,
-                    passes,
-                    error,
-                ]
-            )
     return rows
 
 
@@ -409,7 +408,7 @@ def run(argv: list[str] | None = None) -> int:
     head = f"Measured {today()} on {name}, torch {torch.__version__}, Triton {triton.__version__}."
     head += f" Command: {args.command}. Prefill tiles: {tiles}."
     page = output_page(args)
-    cases = len(args.lengths) * len(args.head_dims) * 2
+    cases = [(length, d, causal) for length in args.lengths for d in args.head_dims for causal in (False, True)]
     copy_gbs = _copy_bandwidth(device, gpu, args.copy_bytes)
     decode: list[list[str]] = []
     prefill: list[list[str]] = []
@@ -418,10 +417,10 @@ def run(argv: list[str] | None = None) -> int:
     for lk in args.decode_lengths:
         decode += _decode_rows(args, device, dtype, gpu, lk, copy_gbs)
         if page is not None:
-            write_section("kernels", _body(args, head, prefill, decode, copy_gbs, 0, cases), page)
-    for done in range(1, cases + 1):
-        prefill += _prefill_rows(args, device, dtype, gpu, only=done - 1)
+            write_section("kernels", _body(args, head, prefill, decode, copy_gbs, 0, len(cases)), page)
+    for done, case in enumerate(tqdm(cases, desc="prefill", unit="case"), 1):
+        prefill += _prefill_rows(args, device, dtype, gpu, case)
         if page is not None:
-            write_section("kernels", _body(args, head, prefill, decode, copy_gbs, done, cases), page)
-    print(_body(args, head, prefill, decode, copy_gbs, cases, cases))
+            write_section("kernels", _body(args, head, prefill, decode, copy_gbs, done, len(cases)), page)
+    print(_body(args, head, prefill, decode, copy_gbs, len(cases), len(cases)))
     return 0
