@@ -7,12 +7,39 @@ import os
 from pathlib import Path
 
 import pytest
+
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read when torch's OpenMP starts: see _share_the_cores
+
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("SHARP_TRITON_AUTOTUNE", "0")
 os.environ.setdefault("SHARP_TILE_CACHE", "0")
+
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist each worker is one of several processes on the machine's cores. torch's OpenMP pool and
+    onnxruntime's each size themselves to the whole machine and spin while they wait, so two workers on two cores
+    thrash: a test that takes 5 s alone took 57-94 s beside another worker's (make test: 14:05 on a 2-core machine,
+    11:28 with this). Under xdist, onnxruntime's pools (every session the tests open in process) and torch's
+    (OMP_WAIT_POLICY above) sleep instead of spinning; thread counts stay as they were."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        return
+    import onnxruntime as ort
+
+    class SharingOptions(ort.SessionOptions):
+        def __init__(self) -> None:
+            super().__init__()
+            self.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            self.add_session_config_entry("session.inter_op.allow_spinning", "0")
+
+    ort.SessionOptions = SharingOptions
+
+
+_share_the_cores()
 
 
 def _patch_language_once_per_launch() -> None:

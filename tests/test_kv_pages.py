@@ -199,7 +199,7 @@ def _dense_generation(model: SharpLM, prompts: dict[str, torch.Tensor], chunk: i
     return seen
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=pytest.mark.kernels)])
 @pytest.mark.parametrize("norm", NORMS)
 def test_sharp_lm_on_a_paged_cache_matches_its_dense_cache(norm, impl, monkeypatch):
     """Sequences of different lengths (one page, several, partly filled) prefill in chunks and decode together;

@@ -141,6 +141,7 @@ def test_native_matches_reference_and_both_bodies(library, norm, causal):
     assert np.abs(o_nat).max() > 0.1  # a real output, not zeros
 
 
+@pytest.mark.compile  # three builds of the library: make test-compile
 @pytest.mark.parametrize("march", ["x86-64", "x86-64-v3", "x86-64-v4"])
 def test_builds_for_other_cpus_agree(library, march, tmp_path, monkeypatch):
     """The library built for another -march (SSE2 only; AVX2; AVX-512) runs and agrees with the oracle: Eigen's
