@@ -24,17 +24,23 @@ from onnx import helper
 from sharp.exporter import fallback
 from sharp.exporter.op_schema import OP_INPUTS, OP_OUTPUTS, SHARP
 from sharp.exporter.settings import KV_TYPES
-from sharp.models.registry import Norm
+from sharp.models.registry import Family, Norm
 
 CACHE_INPUTS = ("past_key", "past_value", "past_length")
 CACHE_OUTPUTS = ("present_key", "present_value")
+# The key summary of the entmax family's cache form (docs/op.md): per page of PAGE keys the keys' minima and maxima,
+# from which a decode step bounds a page's logits and skips the pages that provably get no weight.
+SUMMARY_INPUTS = ("past_key_summary", "summary_length")
+SUMMARY_OUTPUTS = ("present_key_summary",)
+PAGE = 16
 PAST_LENGTH = "past_length"  # the graph value holding W
 PREFIX = "cache."  # a cache-form node's overload: cache.<norm>
+SUMMARY_PREFIX = "summary."  # with the key summary's slots: summary.<norm> (the entmax family)
 _AXIS = 2  # keys
 
 
-def overload(norm: str) -> str:
-    return PREFIX + norm
+def overload(norm: str, summary: bool = False) -> str:
+    return (SUMMARY_PREFIX if summary else PREFIX) + norm
 
 
 def rewrite(proto: onnx.ModelProto) -> int:
@@ -100,14 +106,18 @@ def _is_cache_concat(node: onnx.NodeProto) -> bool:
     )
 
 
-def functions(norms: Iterable[Norm], mode: str) -> list[onnx.FunctionProto]:
+def functions(norms: Iterable[Norm], mode: str, summary: bool = False) -> list[onnx.FunctionProto]:
     """One `(sharp, SharpAttention, overload=cache.<norm>)` per norm: the write in standard ops, then the nodes of
     the norm's own overload of `mode` on the keys [0, W + L) — the fallback for runtimes without sharp's kernel
-    (which copies: standard ops cannot write into an input)."""
-    return [_function(n, mode) for n in norms]
+    (which copies: standard ops cannot write into an input). `summary`: instead, `summary.<norm>` for each norm of
+    the entmax family, which also writes the key summary (an ONNX function's outputs are fixed, and a node may not
+    leave one out, so the summary's slots make an overload of their own)."""
+    if summary:
+        return [_function(n, mode, True) for n in norms if n.family is Family.ENTMAX]
+    return [_function(n, mode, False) for n in norms]
 
 
-def _function(norm: Norm, mode: str) -> onnx.FunctionProto:
+def _function(norm: Norm, mode: str, summary: bool) -> onnx.FunctionProto:
     nodes = [
         helper.make_node("Constant", [], [name], value_ints=[value])
         for name, value in (("zero", 0), ("last", 2**63 - 1), ("axis", _AXIS))
@@ -126,6 +136,8 @@ def _function(norm: Norm, mode: str) -> onnx.FunctionProto:
             helper.make_node("Slice", [present, "zero", "end", "axis"], [f"{visible}_stored"]),
             helper.make_node("Cast", [f"{visible}_stored"], [visible], to=onnx.TensorProto.FLOAT),
         ]
+    if summary:
+        nodes += _summary_nodes()
     plain = fallback.op_overload(norm, mode)  # its nodes, reading the visible keys (a function cannot call it)
     renamed = {"K": "keys", "V": "values"}
     for node in plain.node:
@@ -136,11 +148,41 @@ def _function(norm: Norm, mode: str) -> onnx.FunctionProto:
     return helper.make_function(
         SHARP.domain,
         "SharpAttention",
-        [*OP_INPUTS, *CACHE_INPUTS],
-        [*OP_OUTPUTS, *CACHE_OUTPUTS],
+        [*OP_INPUTS, *CACHE_INPUTS, *(SUMMARY_INPUTS if summary else ())],
+        [*OP_OUTPUTS, *CACHE_OUTPUTS, *(SUMMARY_OUTPUTS if summary else ())],
         nodes,
         list(plain.opset_import),
         attributes=list(plain.attribute),
         attribute_protos=list(plain.attribute_proto),
-        overload=overload(norm.name),
+        overload=overload(norm.name, summary),
     )
+
+
+def _summary_nodes() -> list[onnx.NodeProto]:
+    """present_key_summary in standard ops: the whole present buffer edge-padded to whole pages, reshaped to
+    (B, Hkv, pages, PAGE, D), its minima and maxima over each page's keys. Each page's values bound every key of it
+    in [0, W + L) — a page with columns past W + L is bounded over those too (looser than the kernel's, still a bound)
+    — and the past summary is not read: the body recomputes every page (it copies the cache anyway)."""
+    make = helper.make_node
+    return [
+        make("Constant", [], ["page"], value_ints=[PAGE]),
+        make("Constant", [], ["one_page_less"], value_ints=[PAGE - 1]),
+        make("Cast", ["present_key"], ["summary_keys"], to=onnx.TensorProto.FLOAT),
+        make("Shape", ["present_key"], ["summary_head"], start=0, end=2),
+        make("Shape", ["present_key"], ["summary_width"], start=_AXIS, end=_AXIS + 1),
+        make("Shape", ["present_key"], ["summary_dim"], start=3, end=4),
+        make("Add", ["summary_width", "one_page_less"], ["summary_rounded"]),
+        make("Div", ["summary_rounded", "page"], ["summary_pages"]),
+        make("Mul", ["summary_pages", "page"], ["summary_padded"]),
+        make("Sub", ["summary_padded", "summary_width"], ["summary_pad"]),
+        make("Constant", [], ["summary_pad_before"], value_ints=[0] * 6),
+        make("Constant", [], ["summary_pad_dim"], value_ints=[0]),
+        make("Concat", ["summary_pad_before", "summary_pad", "summary_pad_dim"], ["summary_pads"], axis=0),
+        make("Pad", ["summary_keys", "summary_pads"], ["summary_whole"], mode="edge"),
+        make("Concat", ["summary_head", "summary_pages", "page", "summary_dim"], ["summary_shape"], axis=0),
+        make("Reshape", ["summary_whole", "summary_shape"], ["summary_paged"]),
+        make("Constant", [], ["summary_keys_axis"], value_ints=[3]),
+        make("ReduceMin", ["summary_paged", "summary_keys_axis"], ["summary_min"], keepdims=1),
+        make("ReduceMax", ["summary_paged", "summary_keys_axis"], ["summary_max"], keepdims=1),
+        make("Concat", ["summary_min", "summary_max"], ["present_key_summary"], axis=3),
+    ]

@@ -679,20 +679,20 @@ def _sparse_feed(case: str, lq: int, scale: float) -> dict[str, np.ndarray]:
     }  # fmt: skip
 
 
+SPARSE_CASES = [
+    "dominant",
+    "inside-the-floor",
+    "all-equal",
+    "ties-at-tau",
+    "just-above-tau",
+    "counted-band",
+    "straddling",
+    "holes",
+]
+
+
 @pytest.mark.parametrize("norm", ["entmax", "asentmax"])
-@pytest.mark.parametrize(
-    "case",
-    [
-        "dominant",
-        "inside-the-floor",
-        "all-equal",
-        "ties-at-tau",
-        "just-above-tau",
-        "counted-band",
-        "straddling",
-        "holes",
-    ],
-)
+@pytest.mark.parametrize("case", SPARSE_CASES)
 def test_sparse_entmax_decode_is_exact_and_reads_only_the_support(library, norm, case):
     """A decode row (the per-row path) and the same row among a prefill tile's rows (the GEMM path, which scatters
     the weights) agree within 1e-6, and each with the float64 oracle (outputs within 2e-6, ~1e-6 measured at the
@@ -751,3 +751,276 @@ def test_a_decode_step_split_over_key_chunks_keeps_each_rows_edge_cases(library,
         np.testing.assert_allclose(o[1, 3], o_ref[1, 3], atol=2e-5, rtol=0)
         np.testing.assert_allclose(h[1, 3], h_ref[1, 3], atol=2e-5, rtol=0)
     assert np.isfinite(o[1, 3]).all() and np.isfinite(h[1, 3])
+
+
+# Sparse entmax decode over pages (docs/op.md, "The key summary"): the cache form's per-page key minima and maxima
+# bound each page's logits; a decode row reads only the pages whose bound is above a lower bound of its threshold.
+PAGE = 16
+
+
+def summary_model(
+    norm: str, fallback_mode: str | None = None, kv: int = TensorProto.FLOAT, summary: bool = True, scale: float = 1.0
+) -> bytes:
+    """One cache-form node with (or without) the key summary's slots; the slots the entmax family does not read are
+    empty."""
+    from sharp.exporter import cache_form
+
+    attrs = dict(norm=norm, causal=1, scale=scale, q_heads=HQ, kv_heads=HKV)
+    names = [n if n not in ("ssa_n", "ssa_b", "ssmax_s") else "" for n in OP_INPUTS]
+    names += [*cache_form.CACHE_INPUTS, *(cache_form.SUMMARY_INPUTS if summary else ())]
+    outputs = ["O", "entropy", *cache_form.CACHE_OUTPUTS, *(cache_form.SUMMARY_OUTPUTS if summary else ())]
+    node = helper.make_node("SharpAttention", names, outputs, domain="sharp", **attrs)
+    node.overload = cache_form.overload(norm, summary)
+    kinds = {"key_mask": TensorProto.BOOL, "past_length": TensorProto.INT64, "summary_length": TensorProto.INT64,
+             "past_key": kv, "past_value": kv, "present_key": kv, "present_value": kv}  # fmt: skip
+    graph_inputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in names if n]
+    graph_outputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in outputs]
+    entry = registry.get(norm)
+    functions = []
+    if fallback_mode:
+        functions = [
+            *fallback.functions([entry], fallback_mode),
+            *cache_form.functions([entry], fallback_mode, summary),
+        ]
+    model = helper.make_model(
+        helper.make_graph([node], "summary", graph_inputs, graph_outputs),
+        opset_imports=[helper.make_opsetid(d, v) for d, v in (("", 18), ("sharp", 1), ("sharp.fallback", 1))],
+        functions=functions,
+        ir_version=10,
+    )
+    return model.SerializeToString()
+
+
+def page_summary(keys: np.ndarray, end: int) -> np.ndarray:
+    """The exact summary of a (B, Hkv, S, D) buffer's keys [0, end): per page their minima and maxima, (B, Hkv,
+    ⌈S/16⌉, 2, D); pages from `end` on are zeros (nobody's keys)."""
+    b, h, s, d = keys.shape
+    out = np.zeros((b, h, -(-s // PAGE), 2, d), np.float32)
+    for page in range(-(-end // PAGE)):
+        block = keys[:, :, page * PAGE : min(end, page * PAGE + PAGE)].astype(np.float32)
+        out[:, :, page, 0], out[:, :, page, 1] = block.min(2), block.max(2)
+    return out
+
+
+def _paged_feed(case: str, norm: str) -> dict[str, np.ndarray]:
+    """`case`'s decode row (tests above) in the cache form: the first W = n − 1 keys in the past buffers with their
+    summary, the last key this step's. `negative-query`: the dominant row with q = −e0 over K[..., 0] = −z (the
+    same logits, so a bound that drops kmin shows); `alibi`: the straddling row with ALiBi on two heads (a slope of
+    0.02: a page's bound moves by 0.3 between its first and last key); ASEntmax runs
+    with λ = −1.25 on `holes` and `dominant` (the lower bound of q·k is then the one that counts)."""
+    base = {"negative-query": "dominant", "alibi": "straddling"}.get(case, case)
+    lam = 1.25 if norm == "asentmax" else 1.0
+    if norm == "asentmax" and case in ("holes", "dominant"):
+        lam = -1.25
+    x = _sparse_feed(base, 1, lam)
+    if lam < 0:  # the same logits: λ·q·k with q·k negated
+        x["K"][..., 0] *= -1
+    if case == "negative-query":
+        x["Q"][..., 0] *= -1
+        x["K"][..., 0] *= -1
+    if case == "alibi":
+        x["alibi_slopes"] = np.array([0.02, 0.0, -0.02, 0.0], np.float32)
+    w = SPARSE_KEYS - 1
+    feed = {k: v for k, v in x.items()}
+    for name, past in (("K", "past_key"), ("V", "past_value")):
+        feed[past] = np.ascontiguousarray(x[name][:, :, :w])
+        feed[name] = np.ascontiguousarray(x[name][:, :, w:])
+    feed["past_length"] = np.array([w], np.int64)
+    feed["past_key_summary"] = page_summary(feed["past_key"], w)
+    feed["summary_length"] = np.array([w], np.int64)
+    return feed
+
+
+def _skippable_pages(feed: dict[str, np.ndarray], norm: str) -> np.ndarray:
+    """Pages of the past the kernel must skip by its read policy (docs/op.md), worked in float64: each query head
+    reads its 8 best pages by bound and the query's own, takes the threshold τ of the visible keys read (a lower
+    bound of the one the kernel takes over its whole group's pages), and while it keeps more than 4× the pages read,
+    reads 4× more. A page is named when, for every query head of its KV head, its bound is below that τ (by 0.05)
+    and below the last page read's bound (by 0.01: the kernel's bounds carry a rounding allowance that can reorder
+    near-ties). (Hkv, pages) bool."""
+    x = {**feed, "K": np.concatenate([feed["past_key"], feed["K"]], 2)}
+    n = x["K"].shape[2]
+    summary = page_summary(x["K"], n)
+    pages = summary.shape[2]
+    skip = np.ones((HKV, pages), bool)
+    for h in range(HQ):
+        kv, alpha = h // (HQ // HKV), float(x["alpha"][h])
+        lam = float(x["query_scale"][0, h, 0]) if registry.get(norm).query_scale else 1.0
+        q = x["Q"][0, h, 0].astype(np.float64)
+        slope = float(x["alibi_slopes"][h])
+        z = lam * (x["K"][0, kv].astype(np.float64) @ q + slope * (np.arange(n) - (n - 1)))
+        u = np.where(x["key_mask"][0], (alpha - 1) * z, -np.inf)
+        kmin, kmax = summary[0, kv, :, 0].astype(np.float64), summary[0, kv, :, 1].astype(np.float64)
+        dot = np.maximum(kmin * q, kmax * q).sum(1) if lam >= 0 else np.minimum(kmin * q, kmax * q).sum(1)
+        first = np.arange(pages) * PAGE - (n - 1)
+        at = np.stack([slope * first, slope * np.minimum(first + PAGE - 1, 0)])
+        bound = (alpha - 1) * lam * (dot + (at.max(0) if lam >= 0 else at.min(0)))
+        order = np.argsort(-bound, kind="stable")
+        read = 8
+        while True:
+            seen = np.zeros(pages, bool)
+            seen[order[:read]] = seen[-1] = True
+            w = u[np.repeat(seen, PAGE)[:n]]
+            w = w[np.isfinite(w)]
+            lo, hi = w.max() - 1, w.max()
+            for _ in range(100):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if (np.clip(w - mid, 0, None) ** (1 / (alpha - 1))).sum() >= 1 else (lo, mid)
+            if (bound > lo).sum() <= 4 * read or read >= pages:
+                break
+            read = min(pages, 4 * read)
+        skip[kv] &= (bound < lo - 0.05) & (bound < bound[order[read - 1]] - 0.01)  # margins: the kernel's rounding
+    skip[:, -1] = False
+    return skip
+
+
+PAGED_CASES = [*SPARSE_CASES, "negative-query", "alibi"]
+# the least share of pages _skippable_pages names (the rows of −50 filler tie every page's bound: none named)
+PROVABLY_OUT = {
+    "dominant": 0.8,
+    "negative-query": 0.8,
+    "alibi": 0.3,
+    "straddling": 0.3,
+    "holes": 0.3,
+    "ties-at-tau": 0.05,
+}
+
+
+@pytest.mark.parametrize("norm", ["entmax", "asentmax"])
+@pytest.mark.parametrize("case", PAGED_CASES)
+def test_paged_entmax_decode_equals_dense_and_never_reads_the_pages_it_skips(library, norm, case):
+    """With the key summary, a decode row equals the same row without it (every key read) within 1e-6 in output
+    and entropy (relative: the threshold search runs over another candidate set, so a sum of ~40 weights rounds
+    differently), and the float64 oracle within the op's 2e-5; with the keys of every page the oracle bounds out
+    set to NaN (their summary kept), the row is unchanged: those pages were never read (a NaN logit would show)."""
+    feed = _paged_feed(case, norm)
+    dense_feed = {k: v for k, v in feed.items() if k not in ("past_key_summary", "summary_length")}
+    o_dense, h_dense = session(summary_model(norm, summary=False), library).run(None, dense_feed)[:2]
+    sess = session(summary_model(norm), library)
+    o, h = sess.run(None, feed)[:2]
+    np.testing.assert_allclose(o, o_dense, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(h, h_dense, atol=1e-6, rtol=1e-6)  # an entropy near 3: 1e-6 is 4 of its fp32 ulps
+    x = {
+        **feed,
+        "K": np.concatenate([feed["past_key"], feed["K"]], 2),
+        "V": np.concatenate([feed["past_value"], feed["V"]], 2),
+    }
+    o_ref, h_ref = _sparse_oracle(
+        norm, {k: x[k] for k in ("Q", "K", "V", "key_mask", "alibi_slopes", "alpha", "query_scale")}
+    )
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=0)  # the op's bound (dense: 3.4e-6 on `alibi`)
+    np.testing.assert_allclose(h, h_ref, atol=2e-5, rtol=0)
+    skip = _skippable_pages(feed, norm)
+    assert skip.mean() >= PROVABLY_OUT.get(case, 0.0), skip.mean()  # pages the oracle can name (ties aside)
+    poisoned = feed["past_key"].copy()
+    for kv, page in zip(*np.nonzero(skip), strict=True):
+        poisoned[0, kv, page * PAGE : (page + 1) * PAGE] = np.nan
+    o_p, h_p = sess.run(None, feed | {"past_key": poisoned})[:2]
+    np.testing.assert_array_equal(o_p, o)
+    np.testing.assert_array_equal(h_p, h)
+
+
+@pytest.mark.parametrize("kv", [TensorProto.FLOAT, TensorProto.FLOAT16], ids=["fp32", "fp16"])
+def test_the_key_summary_follows_every_write_in_place(library, kv):
+    """A prefill, then decode steps, as sharp-serve runs them: the presents and the summary bound to the pasts' own
+    memory, summary_length the keys the summary already covered. After every step the summary holds the exact
+    minima and maxima of each page's stored keys, and each step's output equals the same step without a summary."""
+    dtype = np.float16 if kv == TensorProto.FLOAT16 else np.float32
+    rng = np.random.default_rng(21)
+    n, prefill, room = 180, 150, 200
+    k = rng.standard_normal((1, HKV, n, D)).astype(np.float32)
+    k[..., 0] *= 4.0
+    v = rng.standard_normal((1, HKV, n, D)).astype(np.float32)
+    q = rng.standard_normal((1, HQ, n, D)).astype(np.float32) * 0.1
+    q[..., 0] = 3.0
+    params = {
+        "alibi_slopes": np.zeros(HQ, np.float32),
+        "alpha": SPARSE_ALPHAS,
+        "query_scale": np.ones((1, HQ, n), np.float32),
+    }
+    buffers = {name: np.full((1, HKV, room, D), 7.0, dtype) for name in ("past_key", "past_value")}
+    summary = np.zeros((1, HKV, room // PAGE + 1, 2, D), np.float32)
+    sess, dense = (
+        session(summary_model("entmax", kv=kv), library),
+        session(summary_model("entmax", kv=kv, summary=False), library),
+    )
+    w, covered = 0, 0
+    for lq in [prefill] + [1] * (n - prefill):
+        feed = {"Q": q[:, :, w : w + lq], "K": k[:, :, w : w + lq], "V": v[:, :, w : w + lq],
+                "key_mask": np.ones((1, w + lq), bool), "past_length": np.array([w], np.int64),
+                "alibi_slopes": params["alibi_slopes"], "alpha": params["alpha"],
+                "query_scale": params["query_scale"][:, :, w : w + lq]}  # fmt: skip
+        want = dense.run(None, {**feed, **{p: b.copy() for p, b in buffers.items()}})[:2]
+        binding = sess.io_binding()
+        for name, value in {**feed, "summary_length": np.array([covered], np.int64)}.items():
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("O")
+        binding.bind_output("entropy")
+        for past, present, value in (("past_key", "present_key", buffers["past_key"]),
+                                     ("past_value", "present_value", buffers["past_value"]),
+                                     ("past_key_summary", "present_key_summary", summary)):  # fmt: skip
+            shared = ort.OrtValue.ortvalue_from_numpy(value)
+            binding.bind_ortvalue_input(past, shared)
+            binding.bind_ortvalue_output(present, shared)
+        sess.run_with_iobinding(binding)
+        o, h = (x.numpy() for x in binding.get_outputs()[:2])
+        np.testing.assert_allclose(o, want[0], atol=1e-6, rtol=0)
+        np.testing.assert_allclose(h, want[1], atol=1e-6, rtol=0)
+        w += lq
+        covered = w
+        pages = -(-w // PAGE)
+        np.testing.assert_array_equal(summary[:, :, :pages], page_summary(buffers["past_key"], w)[:, :, :pages])
+
+
+def test_the_fallback_body_writes_a_summary_that_bounds_every_key(library):
+    """Without the library the cache form's body writes the summary too: pages of whole written keys equal the
+    kernel's, and every key [0, W + L) lies within its page's bounds (the body also bounds the columns past W + L);
+    outputs equal the kernel's."""
+    rng = np.random.default_rng(22)
+    lk, w, room = 300, 297, 333
+    k = rng.standard_normal((B, HKV, lk, D)).astype(np.float32)
+    v = rng.standard_normal((B, HKV, lk, D)).astype(np.float32)
+    x = inputs(seed=9, lq=3, lk=lk)
+    feed = _cache_inputs(x | {"K": k, "V": v}, w, room)
+    feed = {n: a for n, a in feed.items() if n not in ("ssa_n", "ssa_b", "ssmax_s")}
+    feed["past_key_summary"] = np.zeros((B, HKV, -(-room // PAGE), 2, D), np.float32)
+    feed["summary_length"] = np.array([0], np.int64)
+    native = session(summary_model("asentmax", scale=D**-0.5), library).run(None, feed)
+    body = session(summary_model("asentmax", "dense", scale=D**-0.5), None).run(None, feed)
+    np.testing.assert_allclose(body[0], native[0], atol=2e-5, rtol=0)  # the bodies' bound (above)
+    whole = lk // PAGE
+    np.testing.assert_array_equal(body[4][:, :, :whole], native[4][:, :, :whole])
+    np.testing.assert_array_equal(
+        native[4][:, :, : -(-lk // PAGE)], page_summary(native[2], lk)[:, :, : -(-lk // PAGE)]
+    )
+    page = np.arange(lk) // PAGE
+    assert (body[4][:, :, page, 0] <= k).all() and (body[4][:, :, page, 1] >= k).all()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda f: f.update(summary_length=np.array([f["past_length"][0] + 1], np.int64)),
+            "summary_length 298 must be in [0, 297]",
+        ),
+        (lambda f: f.update(past_key_summary=f["past_key_summary"][:, :, 1:]), "input past_key_summary has shape"),
+        (lambda f: f.pop("summary_length"), "the key summary needs past_key_summary and summary_length together"),
+    ],
+    ids=["length past W", "pages", "length missing"],
+)
+def test_a_bad_key_summary_gets_an_error_naming_it(library, change, message):
+    x = inputs(seed=10, lq=3, lk=300)
+    feed = {n: a for n, a in _cache_inputs(x, 297, 300).items() if n not in ("ssa_n", "ssa_b", "ssmax_s")}
+    feed["past_key_summary"] = np.zeros((B, HKV, 19, 2, D), np.float32)
+    feed["summary_length"] = np.array([0], np.int64)
+    change(feed)
+    names = summary_model("entmax")
+    if "summary_length" not in feed:  # the slot left empty in the node
+        proto = onnx.load_from_string(names)
+        proto.graph.node[0].input[list(proto.graph.node[0].input).index("summary_length")] = ""
+        proto.graph.input.remove(next(i for i in proto.graph.input if i.name == "summary_length"))
+        names = proto.SerializeToString()
+    with pytest.raises(Exception, match="SharpAttention") as err:
+        session(names, library).run(None, feed)
+    assert message in str(err.value)

@@ -438,7 +438,8 @@ def test_page_bounds_hold_every_key_of_the_page(seed):
 
 @pytest.mark.bench
 def test_the_benchmark_times_the_three_sides_and_reports_the_skipped_share(tmp_path, capsys):
-    """`sharp-bench sparse-decode` end to end on two tiny models; a wrong argument is one line and exit 2."""
+    """`sharp-bench sparse-decode` end to end on two tiny models, with the native op's table (`--native`: its sparse
+    and dense outputs equal); a wrong argument is one line and exit 2."""
     from sharp.benchmarks import sparse as bench
     from sharp.models import ModelConfig, SharpLM, save
 
@@ -450,11 +451,16 @@ def test_the_benchmark_times_the_three_sides_and_reports_the_skipped_share(tmp_p
         )
     models = ["--entmax", str(tmp_path / "entmax.pt"), "--softmax", str(tmp_path / "softmax.pt")]
     page = tmp_path / "bench.md"
-    assert bench.run([*models, "--lengths", "200", "--rounds", "2", "--steps", "1", "--write", str(page)]) == 0
+    args = ["--lengths", "200", "--rounds", "2", "--steps", "1", "--native", "--write", str(page)]
+    assert bench.run([*models, *args]) == 0
     text = page.read_text()
+    native = text[text.index("on the native onnxruntime op") :].splitlines()
+    cells = next(line for line in native if line.startswith("| 200 |")).split("|")[2:-1]
+    assert len(cells) == 7 and all("×" in c for c in cells[3:6])  # three sides, three ratios, max |Δ|
+    assert float(cells[6]) <= 1e-6  # the native op's sparse decode equals its dense decode
     assert "The softmax model decodes past its recorded context of 128 at 200 keys" in text
     assert "The entmax model decodes past" not in text
-    row = next(line for line in text.splitlines() if line.startswith("| 200 |") and "×" in line)
+    row = next(line for line in text.splitlines() if line.startswith("| 200 |") and "×" in line and "±" in line)
     assert len(row.split("|")) == 9  # context, three sides, three ratios
     share = next(line for line in text.splitlines() if line.startswith("| 200 |") and "%" in line)
     assert all(0 <= float(c.strip(" %")) <= 100 for c in share.split("|")[2:-1])

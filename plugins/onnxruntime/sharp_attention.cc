@@ -28,6 +28,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -48,15 +49,22 @@ struct NormEntry {
 
 #include "norm_table.h"
 
-// The op's input slots (docs/op.md), in order; the last three make the cache form (a KV cache written in place).
+// The op's input slots (docs/op.md), in order; 10–12 make the cache form (a KV cache written in place), 13–14 add
+// its key summary (per page of kPage keys the per-dimension minima and maxima: sparse entmax decode).
 enum Slot {
   kQ, kK, kV, kKeyMask, kAlibi, kAlpha, kQueryScale, kSsaN, kSsaB, kSsmaxS, kPastKey, kPastValue, kPastLength,
-  kNumSlots
+  kPastKeySummary, kSummaryLength, kNumSlots
 };
 constexpr const char* kSlotNames[kNumSlots] = {"Q",     "K",           "V",     "key_mask", "alibi_slopes",
                                                "alpha", "query_scale", "ssa_n", "ssa_b",    "ssmax_s",
-                                               "past_key", "past_value", "past_length"};
-enum OutputSlot { kO, kEntropy, kPresentKey, kPresentValue, kNumOutputs };
+                                               "past_key", "past_value", "past_length", "past_key_summary",
+                                               "summary_length"};
+enum OutputSlot { kO, kEntropy, kPresentKey, kPresentValue, kPresentKeySummary, kNumOutputs };
+constexpr int64_t kPage = 16;        // keys per page of the key summary
+constexpr int64_t kFirstPages = 8;   // sparse decode: pages read first, by bound, for the threshold's lower bound
+constexpr int64_t kGrowPages = 4;    // read kGrowPages× more while a row keeps more than kGrowPages× the pages read
+constexpr double kTauMargin = 1e-6;  // the lower bound lowered by this (relative): rounding can only keep a page
+constexpr int kTauHalvings = 12;     // bisection's lower end after 12 halvings of [max u − 1, max u]: within 2.5e-4
 constexpr int64_t kQueryTile = 64;  // query rows per task, over a GQA group's heads
 constexpr int64_t kSkinnyRows = 8;       // at most this many stacked rows: block-wise matrix-vector products
 constexpr int64_t kKeysPerPass = 512;    // keys per block there (128 KiB of K at D = 64: stays in L2)
@@ -266,6 +274,8 @@ struct Problem {
   const float* param[2];
   int64_t batch, hq, hkv, lq, lk, d, dv, tiles, tile_rows;
   int64_t kstride;  // keys between one (batch, KV head)'s K/V rows and the next: lk, or the cache form's buffer
+  const float* summary;   // the cache's key summary (batch, KV head, pages, 2, D), or null: no page is skipped
+  int64_t summary_pages;  // pages between one (batch, KV head)'s summary and the next
   float scale;
   float *out, *entropy;
 };
@@ -281,6 +291,12 @@ struct Workspace {  // one per thread, grown on demand and reused (no allocation
   std::vector<std::vector<int32_t>> support_keys;
   std::vector<AlignedFloats> support_weights;
   std::vector<char> sparse_row;
+  // sparse entmax decode: each row's bound on every page, the pages whose keys were read, an order of pages
+  std::vector<double> page_bound;
+  AlignedFloats page_abs, page_dot;  // the summary's per-dimension max |k| of each page; hi, lo and |q|·max|k|
+  std::vector<char> page_read;
+  std::vector<int32_t> page_order;
+  std::vector<double> support_u;
 };
 thread_local Workspace tls_workspace;
 
@@ -633,6 +649,140 @@ float entmax_row(float* z, int64_t n, float am1, float* entropy, Workspace& ws, 
   return zsum;
 }
 
+// ---- sparse entmax decode -----------------------------------------------------------------------------------
+// α-entmax weighs key j by [u_j − τ*]_+^{1/(α−1)}, u = (α−1)·z. On any subset of the keys, the threshold τ_S that
+// normalises the subset alone is ≤ τ* (S(τ) = Σ [u − τ]_+^k grows with the keys and falls with τ), so a key with
+// u_j ≤ τ_S weighs exactly 0, and so does every key of a page whose bound on u is ≤ τ_S. The bound comes from the
+// cache's key summary, per page and dimension the stored keys' minimum and maximum: q·k ≤ Σ_d max(q_d·kmin_d,
+// q_d·kmax_d) (the lower bound where λ < 0), ALiBi's term at the page's first or last key, raised by the rounding
+// a float dot product can make. A decode row bounds every page (2·D numbers a page), reads the kFirstPages pages
+// with the highest bounds and the query's own page, takes a lower bound of τ_S on the keys read, and keeps the
+// pages whose bound is above it — reading kGrowPages× more of the best pages first while a row keeps more than
+// kGrowPages× the pages read and the last, larger read at least halved what the rows keep. Then the kept pages' keys are read; every other key's logit is −inf, so entmax_row's
+// threshold over the rest is τ* itself and the output and entropy are dense entmax's (docs/op.md).
+
+// A lower bound of the threshold of the keys u (finite): bisection between max u − 1 (the largest key alone gives
+// S ≥ 1) and max u, keeping the end where S ≥ 1 (a bound after any number of halvings; kTauHalvings of them keep
+// a row of thousands of candidates cheap), lowered by kTauMargin. −inf when there are no keys.
+double threshold_floor(std::vector<double>& u, double k) {
+  if (u.empty()) return -std::numeric_limits<double>::infinity();
+  double hi = *std::max_element(u.begin(), u.end()), lo = hi - 1.0;
+  u.erase(std::remove_if(u.begin(), u.end(), [lo](double x) { return x <= lo; }), u.end());  // 0 at every τ ≥ lo
+  for (int it = 0; it < kTauHalvings; ++it) {
+    const double mid = 0.5 * (lo + hi);
+    double sum = 0.0;
+    for (const double x : u)
+      if (x > mid) sum += k == 2.0 ? (x - mid) * (x - mid) : std::pow(x - mid, k);
+    (sum >= 1.0 ? lo : hi) = mid;
+  }
+  return lo - kTauMargin * std::max(1.0, std::abs(lo));
+}
+
+// The decode rows g < group (query heads h0 + g, one query at position kend − 1) of one (batch, KV head) whose
+// normaliser is entmax with every α > 1: the raw dot products q·k of the pages that can carry weight go to s, 0 to
+// the others, and ws.page_read marks the pages read. `keys(j0, len, buf)` gives keys [j0, j0 + len) as fp32 rows.
+template <typename Keys>
+void read_kept_pages(const Problem& p, int64_t b, int64_t kvh, int64_t kend, const ConstMatrix& q, StridedMatrix& s,
+                     Workspace& ws, const Keys& keys) {
+  const int64_t group = p.hq / p.hkv, h0 = kvh * group, pages = (kend + kPage - 1) / kPage, d = p.d;
+  const int64_t pos = kend - 1;
+  const float* summary = p.summary + (b * p.hkv + kvh) * p.summary_pages * 2 * d;
+  const bool* mask = p.key_mask != nullptr && !p.mask_full[b] ? p.key_mask + b * p.lk : nullptr;
+  // the rounding of the kernel's float dot products and of the bound's own, relative to Σ_d |q_d|·max|k_d|
+  const double slack = static_cast<double>(d + 4) * 1.2e-7;
+  double am1[kSkinnyRows], lam[kSkinnyRows], slope[kSkinnyRows], tau[kSkinnyRows];
+  ws.page_bound.resize(static_cast<size_t>(group * pages));
+  // Σ_d max(q_d·kmin_d, q_d·kmax_d) = q⁻·kmin + q⁺·kmax: one matrix-vector product over the (pages, 2D) summary
+  // (and q⁺·kmin + q⁻·kmax for the lower bound); the rounding allowance scales with Σ_d |q_d|·max(|kmin_d|, |kmax_d|)
+  const ConstMatrix sum(summary, pages, 2 * d);
+  ws.page_abs.resize(static_cast<size_t>(pages * d));
+  Matrix absmax(ws.page_abs.data(), pages, d);
+  absmax = sum.leftCols(d).cwiseAbs().cwiseMax(sum.rightCols(d).cwiseAbs());
+  ws.page_dot.resize(static_cast<size_t>(3 * pages));
+  Eigen::Map<Eigen::VectorXf> hi_v(ws.page_dot.data(), pages), lo_v(ws.page_dot.data() + pages, pages),
+      mag_v(ws.page_dot.data() + 2 * pages, pages);
+  Eigen::VectorXf w(2 * d);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t h = h0 + g;
+    am1[g] = static_cast<double>(p.param[0][h]) - 1.0;
+    lam[g] = p.query_scale != nullptr ? p.query_scale[(b * p.hq + h) * p.lq] : 1.0;
+    slope[g] = p.alibi != nullptr ? p.alibi[h] : 0.0;
+    const Eigen::VectorXf qg = q.row(g).transpose();
+    w << qg.cwiseMin(0.0f), qg.cwiseMax(0.0f);
+    hi_v.noalias() = sum * w;
+    if (lam[g] < 0) {
+      w << qg.cwiseMax(0.0f), qg.cwiseMin(0.0f);
+      lo_v.noalias() = sum * w;
+    }
+    mag_v.noalias() = absmax * qg.cwiseAbs();
+    for (int64_t page = 0; page < pages; ++page) {
+      const double hi = hi_v[page], lo = lo_v[page], mag = mag_v[page];
+      const double first = static_cast<double>(page * kPage - pos);
+      const double last = static_cast<double>(std::min(page * kPage + kPage, kend) - 1 - pos);
+      const double at_hi = std::max(slope[g] * first, slope[g] * last), at_lo = std::min(slope[g] * first, slope[g] * last);
+      const double z = lam[g] >= 0 ? lam[g] * (p.scale * hi + at_hi) : lam[g] * (p.scale * lo + at_lo);
+      const double err = std::abs(lam[g]) * (p.scale * mag + std::abs(at_lo) + std::abs(at_hi)) * slack;
+      ws.page_bound[g * pages + page] = am1[g] * (z + err);
+    }
+  }
+  // page_read: 0 not read, 1 to read, 2 read
+  ws.page_read.assign(static_cast<size_t>(pages), 0);
+  const auto read_marked = [&] {
+    for (int64_t page = 0; page < pages;) {
+      if (ws.page_read[page] != 1) {
+        ++page;
+        continue;
+      }
+      int64_t end = page;
+      while (end < pages && ws.page_read[end] == 1 && (end - page) * kPage < kKeysPerPass) ws.page_read[end++] = 2;
+      const int64_t j0 = page * kPage, len = std::min(end * kPage, kend) - j0;
+      const ConstMatrix kb = keys(j0, len, ws.kv_block);
+      for (int64_t g = 0; g < group; ++g) s.row(g).segment(j0, len).noalias() = q.row(g) * kb.transpose();
+      page = end;
+    }
+  };
+  ws.page_order.resize(static_cast<size_t>(pages));
+  int64_t before = -1;  // pages the rows kept after the previous read
+  for (int64_t read = std::min(kFirstPages, pages);; read = std::min(pages, read * kGrowPages)) {
+    for (int64_t g = 0; g < group; ++g) {  // each row's `read` best pages, and the query's own page
+      const double* bound = ws.page_bound.data() + g * pages;
+      std::iota(ws.page_order.begin(), ws.page_order.end(), 0);
+      std::nth_element(ws.page_order.begin(), ws.page_order.begin() + (read - 1), ws.page_order.end(),
+                       [bound](int32_t x, int32_t y) { return bound[x] > bound[y]; });
+      for (int64_t r = 0; r < read; ++r) ws.page_read[ws.page_order[r]] = std::max<char>(ws.page_read[ws.page_order[r]], 1);
+    }
+    ws.page_read[pages - 1] = std::max<char>(ws.page_read[pages - 1], 1);
+    read_marked();
+    bool grow = false;
+    int64_t kept = 0;
+    for (int64_t g = 0; g < group; ++g) {  // τ_S's lower bound over every key read, then the pages it keeps
+      ws.support_u.clear();
+      for (int64_t page = 0; page < pages; ++page) {
+        if (ws.page_read[page] != 2) continue;
+        for (int64_t j = page * kPage; j < std::min(page * kPage + kPage, kend); ++j) {
+          if (mask != nullptr && !mask[j]) continue;
+          const double z = lam[g] * (p.scale * static_cast<double>(s(g, j)) + slope[g] * static_cast<double>(j - pos));
+          ws.support_u.push_back(am1[g] * z);
+        }
+      }
+      tau[g] = threshold_floor(ws.support_u, 1.0 / am1[g]);
+      const double* bound = ws.page_bound.data() + g * pages;
+      const int64_t row_kept = std::count_if(bound, bound + pages, [&](double x) { return x > tau[g]; });
+      grow |= row_kept > kGrowPages * read;
+      kept += row_kept;
+    }
+    if (!grow || read == pages || (before >= 0 && 2 * kept > before)) break;
+    before = kept;
+  }
+  for (int64_t page = 0; page < pages; ++page)
+    for (int64_t g = 0; g < group && ws.page_read[page] == 0; ++g)
+      if (ws.page_bound[g * pages + page] > tau[g]) ws.page_read[page] = 1;
+  read_marked();
+  for (int64_t page = 0; page < pages; ++page)  // finite until entmax's rows hide them (−inf after the scaling)
+    if (ws.page_read[page] == 0)
+      for (int64_t g = 0; g < group; ++g) s.row(g).segment(page * kPage, kPage).setZero();
+}
+
 // A task is one (batch, KV head, query tile): the tile's rows of every query head sharing that KV head, stacked
 // (GQA), so K and V are read once per group instead of once per query head.
 void run_tile(const Problem& p, int64_t task) {
@@ -685,7 +835,13 @@ void run_tile(const Problem& p, int64_t task) {
   // Few rows (decode): one matrix-vector product per row, a block of keys at a time, so each block is read from
   // memory once for the whole group (a GEMM would pack all of K for a handful of rows).
   const bool skinny = stacked <= kSkinnyRows;
-  if (skinny) {
+  // sparse entmax decode (above): one query per row, entmax with α > 1 on every row of the group, a key summary
+  bool paged = skinny && p.summary != nullptr && p.lq == 1 && a.norm->family == Family::kEntmax &&
+               (kend + kPage - 1) / kPage > kFirstPages;
+  for (int64_t g = 0; paged && g < group; ++g) paged = p.param[0][h0 + g] > 1.0f;
+  if (paged) {
+    read_kept_pages(p, b, kvh, kend, q, s, ws, keys);
+  } else if (skinny) {
     for (int64_t j0 = 0; j0 < kend; j0 += kKeysPerPass) {
       const int64_t len = std::min(kKeysPerPass, kend - j0);
       const ConstMatrix kb = keys(j0, len, ws.kv_block);
@@ -741,6 +897,9 @@ void run_tile(const Problem& p, int64_t task) {
         }
       }
     }
+    if (paged)  // the pages not read carry no weight: exactly 0, as −inf logits give
+      for (int64_t page = 0; page * kPage < n; ++page)
+        if (ws.page_read[page] == 0) std::fill(z + page * kPage, z + std::min(n, page * kPage + kPage), kNegInf);
     float* h_out = ent;
     if (entmax) {  // weight only on the candidates (entmax_row): decode keeps them, a GEMM row gets them scattered
       int64_t m;
@@ -862,6 +1021,34 @@ void write_cache(C* present, const C* past, const float* fresh, int64_t rows, in
     if (dst != src) std::copy(src, src + s * d, dst);
     store(fresh + r * lq * d, dst + w * d, lq * d);
   }
+}
+
+// The key summary's pages [from, to) of `rows` (batch × KV head) rows, recomputed from the cache's stored keys
+// [0, lk): per page and dimension the minimum (row 0) and maximum (row 1) of its keys.
+template <typename C>
+void summarise(float* summary, const C* keys, int64_t rows, int64_t pages, int64_t stride, int64_t from, int64_t to,
+               int64_t lk, int64_t d) {
+  AlignedFloats wide(static_cast<size_t>(d));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t page = from; page < to; ++page) {
+      float* kmin = summary + (r * pages + page) * 2 * d;
+      float* kmax = kmin + d;
+      std::fill(kmin, kmin + d, std::numeric_limits<float>::infinity());
+      std::fill(kmax, kmax + d, -std::numeric_limits<float>::infinity());
+      for (int64_t j = page * kPage; j < std::min(lk, page * kPage + kPage); ++j) {
+        const float* key;
+        if constexpr (std::is_same_v<C, Half>) {
+          widen(keys + (r * stride + j) * d, wide.data(), d);
+          key = wide.data();
+        } else {
+          key = keys + (r * stride + j) * d;
+        }
+        for (int64_t x = 0; x < d; ++x) {
+          kmin[x] = std::min(kmin[x], key[x]);
+          kmax[x] = std::max(kmax[x], key[x]);
+        }
+      }
+    }
 }
 
 void run_task(void* problem, size_t task) { run_tile(*static_cast<const Problem*>(problem), static_cast<int64_t>(task)); }
@@ -1026,6 +1213,9 @@ struct Kernel {
     int64_t kstride = lk;
     std::vector<float> scratch[2];  // the cache form's keys and values when no present output is asked for
     std::vector<Half> scratch16[2];
+    const float* summary = nullptr;  // the cache's key summary, when the node has one
+    int64_t summary_pages = 0;
+    std::vector<float> summary_scratch;
     const bool cache_form = t[kPastKey].present() || t[kPastValue].present() || t[kPastLength].present();
     if (cache_form) {  // K, V: this step's keys; written into the cache at [W, W + Lq), attention over [0, W + Lq)
       if (!t[kPastKey].present() || !t[kPastValue].present() || !t[kPastLength].present())
@@ -1077,6 +1267,10 @@ struct Kernel {
         write_cache(static_cast<float*>(present[1]), pv.f(), values, batch * hkv, s, w, lq, kstride, dv);
         keys = static_cast<const float*>(present[0]), values = static_cast<const float*>(present[1]);
       }
+      if (t[kPastKeySummary].present() || t[kSummaryLength].present())
+        summary = key_summary(ctx, t, batch, hkv, s, w, lq, kstride, d, keys, keys16, &summary_pages, summary_scratch);
+    } else if (t[kPastKeySummary].present() || t[kSummaryLength].present()) {
+      invalid("past_key_summary and summary_length need the cache form (past_key, past_value, past_length)");
     }
     if (lq > lk) invalid("Q has " + std::to_string(lq) + " rows but K only " + std::to_string(lk) + " keys (Lq <= Lk)");
     if (t[kKeyMask].present()) expect_shape(t[kKeyMask], kKeyMask, {batch, lk});
@@ -1099,6 +1293,7 @@ struct Kernel {
       p.param[i] = param.f();
     }
     p.q = t[kQ].f(), p.k = keys, p.v = values, p.k16 = keys16, p.v16 = values16, p.kstride = kstride;
+    p.summary = summary, p.summary_pages = summary_pages;
     p.alibi = t[kAlibi].present() ? t[kAlibi].f() : nullptr;
     // λ is read only by norms that take it (the registry's query_scale flag), as the fallback bodies do.
     p.query_scale = a.norm->query_scale ? t[kQueryScale].f() : nullptr;
@@ -1160,6 +1355,51 @@ struct Kernel {
     }
   }
 
+  // The cache form's key summary (docs/op.md): present_key_summary holds past_key_summary's pages with those from
+  // summary_length's on recomputed from the present keys [0, w + lq) (written in place when the runtime gave it the
+  // past's buffer). Returns it, with its pages per (batch, KV head) row in *pages_out.
+  static const float* key_summary(OrtKernelContext* ctx, const Tensor* t, int64_t batch, int64_t hkv, int64_t s,
+                                  int64_t w, int64_t lq, int64_t kstride, int64_t d, const float* keys,
+                                  const Half* keys16, int64_t* pages_out, std::vector<float>& scratch) {
+    const OrtApi& api = Ort::GetApi();
+    const Tensor &past = t[kPastKeySummary], &length = t[kSummaryLength];
+    if (!past.present() || !length.present())
+      invalid("the key summary needs past_key_summary and summary_length together");
+    const int64_t pages_in = (s + kPage - 1) / kPage, pages = (kstride + kPage - 1) / kPage;
+    if (past.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) invalid("input past_key_summary must be float32");
+    expect_shape(past, kPastKeySummary, {batch, hkv, pages_in, 2, d});
+    if (length.type != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || length.shape.size() > 1 ||
+        (length.shape.size() == 1 && length.shape[0] != 1))
+      invalid("input summary_length must be one int64 (shape () or (1,)), got shape " + shape_string(length.shape));
+    const int64_t covered = *static_cast<const int64_t*>(length.data);
+    if (covered < 0 || covered > w)
+      invalid("summary_length " + std::to_string(covered) + " must be in [0, " + std::to_string(w) + "] (past_length)");
+    const int64_t shape[5] = {batch, hkv, pages, 2, d};
+    size_t outputs = 0;
+    check(api.KernelContext_GetOutputCount(ctx, &outputs));
+    OrtValue* value = nullptr;
+    if (outputs > static_cast<size_t>(kPresentKeySummary))
+      check(api.KernelContext_GetOutput(ctx, kPresentKeySummary, shape, 5, &value));
+    float* out = nullptr;
+    if (value != nullptr) {
+      check(api.GetTensorMutableData(value, reinterpret_cast<void**>(&out)));
+    } else {
+      scratch.resize(static_cast<size_t>(batch * hkv * pages * 2 * d));
+      out = scratch.data();
+    }
+    const int64_t rows = batch * hkv, end = w + lq, from = covered / kPage, to = (end + kPage - 1) / kPage;
+    if (out != past.f())  // pages before `from` are the past's; the rest are recomputed
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy(past.f() + r * pages_in * 2 * d, past.f() + (r * pages_in + from) * 2 * d, out + r * pages * 2 * d);
+    if (keys16 != nullptr) {
+      summarise(out, keys16, rows, pages, kstride, from, to, end, d);
+    } else {
+      summarise(out, keys, rows, pages, kstride, from, to, end, d);
+    }
+    *pages_out = pages;
+    return out;
+  }
+
   OrtStatusPtr ComputeV2(OrtKernelContext* ctx) const {
     return as_status("SharpAttention", [&] { Compute(ctx); });
   }
@@ -1181,14 +1421,14 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   ONNXTensorElementDataType GetInputType(size_t i) const {
     if (i == kKeyMask) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
     if (i == kPastKey || i == kPastValue) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float or float16
-    return i == kPastLength ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == kPastLength || i == kSummaryLength ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i <= kV ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;
   }
   size_t GetOutputTypeCount() const { return kNumOutputs; }
   ONNXTensorElementDataType GetOutputType(size_t i) const {  // presents: the pasts' type
-    return i >= kPresentKey ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return i == kPresentKey || i == kPresentValue ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t i) const {
     return i == 0 ? INPUT_OUTPUT_REQUIRED : INPUT_OUTPUT_OPTIONAL;

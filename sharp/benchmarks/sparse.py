@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from sharp.benchmarks.harness import (
@@ -96,6 +97,37 @@ def _decode(v: Variant, token: int) -> tuple[float, list[float], list[float], li
     return took, [s.skipped for s in stats], [s.values / rows for s in stats], [s.by_head for s in stats]
 
 
+def _native(variants: list[Variant], token: int, args) -> list[str]:
+    """The native op's cells of one length: each side's median ms per step's attention ± its range, the ratios and
+    the largest difference between the sparse and dense outputs (sharp.benchmarks.sparse_native)."""
+    from sharp.benchmarks import sparse_native as native
+
+    entmax, softmax = (
+        native.capture(lambda: _decode(variants[1], token)),
+        native.capture(lambda: _decode(variants[2], token)),
+    )
+    sides = {NAMES[0]: [native.Layer(c, True, args.threads) for c in entmax],
+             NAMES[1]: [native.Layer(c, False, args.threads) for c in entmax],
+             NAMES[2]: [native.Layer(c, False, args.threads) for c in softmax]}  # fmt: skip
+    delta = max(
+        float(np.abs(s.run()[1] - d.run()[1]).max()) for s, d in zip(sides[NAMES[0]], sides[NAMES[1]], strict=True)
+    )
+    for layers in sides.values():  # warm: each session's first run allocates
+        native.step_time(layers)
+    times: dict[str, list[float]] = {n: [] for n in NAMES}
+    for r in range(args.rounds):
+        for name in NAMES if r % 2 == 0 else NAMES[::-1]:
+            times[name] += [native.step_time(sides[name]) for _ in range(args.steps)]
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    spread = {n: (max(t) - min(t)) * 1e3 for n, t in times.items()}
+    _log("native: " + ", ".join(f"{k} {x:.2f} ms" for k, x in med.items()))
+    return [
+        *(f"{med[n]:.2f} ± {spread[n]:.2f}" for n in NAMES),
+        f"{med[NAMES[0]] / med[NAMES[1]]:.2f}×", f"{med[NAMES[0]] / med[NAMES[2]]:.2f}×",
+        f"{med[NAMES[1]] / med[NAMES[2]]:.2f}×", f"{delta:.1e}",
+    ]  # fmt: skip
+
+
 def _cache(model: SharpLM, tokens: int, bounds: bool) -> PagedKVCache:
     c = model.cfg
     return PagedKVCache(c.layers, c.kv_heads, c.head_dim, -(-tokens // PAGE) + 4, PAGE, bounds=bounds)
@@ -110,6 +142,7 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of decode steps, the variants taking turns")
     ap.add_argument("--steps", type=int, default=4, help="decode steps per variant per round")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--native", action="store_true", help="also time the steps' attention on the native onnxruntime op")
     add_output(ap)
     args = ap.parse_args(argv)
     for name in ("entmax", "softmax"):
@@ -123,7 +156,7 @@ def run(argv: list[str] | None = None) -> int:
     if sizes(entmax) != sizes(softmax):
         ap.error(f"--entmax and --softmax differ in shape: {entmax.cfg.shape} vs {softmax.cfg.shape}")
     corpus = stdlib_corpus()
-    rows, skip_rows, value_rows, head_rows = [], [], [], []
+    rows, skip_rows, value_rows, head_rows, native_rows = [], [], [], [], []
     for length in args.lengths:
         ids = torch.tensor(list(corpus[:length]), dtype=torch.long)
         if ids.numel() < length:
@@ -161,6 +194,8 @@ def run(argv: list[str] | None = None) -> int:
         for layer, heads in enumerate(counts):
             head_rows.append([f"{length:,}", str(layer), *(f"{k / n:.1%} ({w / n:.1%})" for n, k, w in heads.tolist())])
         _log(f"{length} tokens: " + ", ".join(f"{k} {x:.1f} ms" for k, x in med.items()))
+        if args.native:
+            native_rows.append([f"{length:,}", *_native(variants, token, args)])
     layers = entmax.cfg.layers
 
     def past(model: SharpLM, name: str) -> str:
@@ -200,6 +235,17 @@ def run(argv: list[str] | None = None) -> int:
         "together, the support itself is spread over the pages:",
         markdown_table(["context", "layer", *(f"head {h}" for h in range(entmax.cfg.heads))], head_rows),
     ])  # fmt: skip
+    if args.native:
+        body += "\n\n" + "\n\n".join([
+            "The same steps' attention on the native onnxruntime op (`--native`): each layer of one captured decode "
+            "step of each model as a one-node cache-form session run in place (presents bound to the pasts, as "
+            "sharp-serve runs it), with the key summary (entmax sparse: pages skipped by their bounds), without it "
+            f"(entmax dense: every key read) and for the softmax model; {args.threads} onnxruntime threads; a step is "
+            f"the sum over the layers; {args.rounds} rounds of {args.steps} steps per side, taking turns. "
+            "`max |Δ|`: the largest difference between the sparse and the dense outputs.",
+            markdown_table(["context", *(f"{n} ms/step" for n in NAMES), "sparse / dense", "sparse / softmax",
+                            "dense / softmax", "max |Δ|"], native_rows),
+        ])  # fmt: skip
     print(body)
     page = output_page(args)
     if page is not None:
