@@ -482,26 +482,37 @@ def test_adaptive_reads_the_threshold_attribute(library):
     assert np.abs(o_default - o_nat).max() > 1e-2
 
 
-def cache_form_model(norm: str, fallback_mode: str | None, kv: int = TensorProto.FLOAT) -> bytes:
+def cache_form_model(
+    norm: str,
+    fallback_mode: str | None,
+    kv: int = TensorProto.FLOAT,
+    summary: bool = False,
+    scale: float = D**-0.5,
+    given: tuple[str, ...] = OP_INPUTS,
+) -> bytes:
     """One attention node in the cache form (exporter/cache_form.py): this step's K/V, the past buffers (of type
-    `kv`), W."""
+    `kv`), W; `summary`: also the key summary's slots (overload summary.<norm>); op slots not `given` are empty."""
     from sharp.exporter import cache_form
 
-    attrs = dict(norm=norm, causal=1, scale=D**-0.5, poly=list(PAPER_POLY), q_heads=HQ, kv_heads=HKV)
-    names = [*OP_INPUTS, *cache_form.CACHE_INPUTS]
-    node = helper.make_node("SharpAttention", names, ["O", "entropy", "present_key", "present_value"], domain="sharp",
-                            **attrs)  # fmt: skip
-    node.overload = cache_form.overload(norm)
-    kinds = {"key_mask": TensorProto.BOOL, "past_length": TensorProto.INT64, "past_key": kv, "past_value": kv,
-             "present_key": kv, "present_value": kv}  # fmt: skip
-    graph_inputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in names]
-    outputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in node.output]
+    attrs = dict(norm=norm, causal=1, scale=scale, poly=list(PAPER_POLY), q_heads=HQ, kv_heads=HKV)
+    names = [n if n in given else "" for n in OP_INPUTS]
+    names += [*cache_form.CACHE_INPUTS, *(cache_form.SUMMARY_INPUTS if summary else ())]
+    outputs = ["O", "entropy", *cache_form.CACHE_OUTPUTS, *(cache_form.SUMMARY_OUTPUTS if summary else ())]
+    node = helper.make_node("SharpAttention", names, outputs, domain="sharp", **attrs)
+    node.overload = cache_form.overload(norm, summary)
+    kinds = {"key_mask": TensorProto.BOOL, "past_length": TensorProto.INT64, "summary_length": TensorProto.INT64,
+             "past_key": kv, "past_value": kv, "present_key": kv, "present_value": kv}  # fmt: skip
+    graph_inputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in names if n]
+    graph_outputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in outputs]
     entry = registry.get(norm)
     functions = []
     if fallback_mode:
-        functions = [*fallback.functions([entry], fallback_mode), *cache_form.functions([entry], fallback_mode)]
+        functions = [
+            *fallback.functions([entry], fallback_mode),
+            *cache_form.functions([entry], fallback_mode, summary),
+        ]
     model = helper.make_model(
-        helper.make_graph([node], "cache_form", graph_inputs, outputs),
+        helper.make_graph([node], "cache_form", graph_inputs, graph_outputs),
         opset_imports=[helper.make_opsetid(d, v) for d, v in (("", 18), ("sharp", 1), ("sharp.fallback", 1))],
         functions=functions,
         ir_version=10,
@@ -761,34 +772,10 @@ PAGE = 16
 def summary_model(
     norm: str, fallback_mode: str | None = None, kv: int = TensorProto.FLOAT, summary: bool = True, scale: float = 1.0
 ) -> bytes:
-    """One cache-form node with (or without) the key summary's slots; the slots the entmax family does not read are
+    """The cache-form node with (or without) the key summary's slots, the slots the entmax family does not read
     empty."""
-    from sharp.exporter import cache_form
-
-    attrs = dict(norm=norm, causal=1, scale=scale, q_heads=HQ, kv_heads=HKV)
-    names = [n if n not in ("ssa_n", "ssa_b", "ssmax_s") else "" for n in OP_INPUTS]
-    names += [*cache_form.CACHE_INPUTS, *(cache_form.SUMMARY_INPUTS if summary else ())]
-    outputs = ["O", "entropy", *cache_form.CACHE_OUTPUTS, *(cache_form.SUMMARY_OUTPUTS if summary else ())]
-    node = helper.make_node("SharpAttention", names, outputs, domain="sharp", **attrs)
-    node.overload = cache_form.overload(norm, summary)
-    kinds = {"key_mask": TensorProto.BOOL, "past_length": TensorProto.INT64, "summary_length": TensorProto.INT64,
-             "past_key": kv, "past_value": kv, "present_key": kv, "present_value": kv}  # fmt: skip
-    graph_inputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in names if n]
-    graph_outputs = [helper.make_tensor_value_info(n, kinds.get(n, TensorProto.FLOAT), None) for n in outputs]
-    entry = registry.get(norm)
-    functions = []
-    if fallback_mode:
-        functions = [
-            *fallback.functions([entry], fallback_mode),
-            *cache_form.functions([entry], fallback_mode, summary),
-        ]
-    model = helper.make_model(
-        helper.make_graph([node], "summary", graph_inputs, graph_outputs),
-        opset_imports=[helper.make_opsetid(d, v) for d, v in (("", 18), ("sharp", 1), ("sharp.fallback", 1))],
-        functions=functions,
-        ir_version=10,
-    )
-    return model.SerializeToString()
+    given = tuple(n for n in OP_INPUTS if n not in ("ssa_n", "ssa_b", "ssmax_s"))
+    return cache_form_model(norm, fallback_mode, kv, summary, scale, given)
 
 
 def page_summary(keys: np.ndarray, end: int) -> np.ndarray:
